@@ -1,0 +1,42 @@
+"""Targets, shape specialisation and library builds (CPU through a fusing pipeline, CUDA through dlight)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tvm
+from tvm import relax
+
+from .bucketing import Bucket
+from .importer import symbolic_dims
+
+
+def host_cpu() -> str:
+    """LLVM's name for this machine's CPU (e.g. znver3, sapphirerapids)."""
+    return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) -> tvm.target.Target:
+    host = {"kind": "llvm", "mcpu": mcpu or host_cpu()}
+    if kind == "cuda":
+        return tvm.target.Target({"kind": "cuda", "arch": cuda_arch}, host=host)
+    return tvm.target.Target(host)
+
+
+def specialize(mod: tvm.IRModule, bucket: Bucket) -> tvm.IRModule:
+    """Bind the symbolic (batch, seq) of `main` to a bucket's static shape."""
+    batch, seq = symbolic_dims(mod)
+    return relax.transform.BindSymbolicVars({batch: bucket.batch, seq: bucket.seq})(mod)
+
+
+def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """The target's default pipeline: LegalizeOps + FuseOps + FuseTIR (+ dlight on CUDA).
+
+    `tvm.compile` alone does not fuse on CPU, so we always pass the pipeline explicitly.
+    """
+    return relax.get_default_pipeline(target)
+
+
+def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path) -> None:
+    executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target))
+    executable.export_library(str(path))

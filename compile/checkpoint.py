@@ -1,0 +1,165 @@
+"""Reading a Hugging Face BERT checkpoint and wrapping it as the exact function we compile.
+
+The same wrapper is exported for TVM and run eagerly as the PyTorch oracle (validation, the
+service's `--backend torch`), so both sides compute the same thing by construction.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import CompileError
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the compile stage needs to know about a checkpoint before loading weights."""
+
+    path: Path
+    config: dict
+    weight_files: tuple[Path, ...]
+    pooling: str
+    labels: list[str] = field(default_factory=list)
+
+    @property
+    def max_seq(self) -> int:
+        return int(self.config.get("max_position_embeddings", 512))
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config["hidden_size"])
+
+    def weights_sha256(self) -> str:
+        digest = hashlib.sha256()
+        for weight_file in self.weight_files:
+            digest.update(weight_file.name.encode())
+            digest.update(file_sha256(weight_file).encode())
+        return digest.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sentence_transformers_pooling(model_dir: Path) -> str | None:
+    """Pooling declared by a sentence-transformers checkpoint (modules.json -> Pooling config)."""
+    modules_file = model_dir / "modules.json"
+    if not modules_file.is_file():
+        return None
+    for module in json.loads(modules_file.read_text()):
+        if module.get("type", "").endswith("Pooling"):
+            pooling_config = json.loads((model_dir / module["path"] / "config.json").read_text())
+            if pooling_config.get("pooling_mode_mean_tokens"):
+                return "mean"
+            if pooling_config.get("pooling_mode_cls_token"):
+                return "cls"
+            if pooling_config.get("pooling_mode_max_tokens"):
+                return "max"
+            raise CompileError(f"{model_dir}: unsupported sentence-transformers pooling {pooling_config}")
+    return None
+
+
+def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> CheckpointInfo:
+    """Check that `model_dir` is a BERT checkpoint usable for `task`, without loading weights."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise CompileError(f"model directory not found: {model_dir}")
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise CompileError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CompileError(f"{config_file} is not valid JSON: {exc}") from None
+    if config.get("model_type") != "bert":
+        raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r})")
+    weight_files = tuple(model_dir / name for name in WEIGHT_FILES if (model_dir / name).is_file())
+    if not weight_files:
+        raise CompileError(f"{model_dir} has no weights ({' or '.join(WEIGHT_FILES)})")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise CompileError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
+    labels: list[str] = []
+    if task == "classify":
+        architectures = config.get("architectures") or []
+        if "BertForSequenceClassification" not in architectures:
+            raise CompileError(
+                f"{model_dir} is not a BertForSequenceClassification checkpoint "
+                f"(architectures={architectures}); use --task embed"
+            )
+        id2label = config.get("id2label") or {}
+        labels = [id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(len(id2label))]
+    if task == "embed" and pooling == "auto":
+        pooling = sentence_transformers_pooling(model_dir) or "cls"
+    return CheckpointInfo(
+        path=model_dir.resolve(),
+        config=config,
+        weight_files=weight_files,
+        pooling=pooling if task == "embed" else "none",
+        labels=labels,
+    )
+
+
+class BertWrapper(torch.nn.Module):
+    """BERT with explicit position/token-type ids and our own additive attention mask.
+
+    Building the 4-D mask here (rather than in `BertModel.forward`) keeps transformers' mask
+    utilities out of the exported graph; passing position ids keeps the sequence length free
+    of `min(seq, 512)` guards (see TVM-0.27-NOTES).
+    """
+
+    def __init__(self, model: torch.nn.Module, task: str, pooling: str):
+        super().__init__()
+        self.task = task
+        self.pooling = pooling
+        self.bert = model.bert if task == "classify" else model
+        self.classifier = model.classifier if task == "classify" else None
+
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
+        hidden = self.bert.embeddings(
+            input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids
+        )
+        mask = attention_mask.to(hidden.dtype)
+        additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
+        hidden = self.bert.encoder(hidden, attention_mask=additive).last_hidden_state
+        if self.task == "classify":
+            return self.classifier(self.bert.pooler(hidden))
+        if self.pooling == "cls":
+            return hidden[:, 0]
+        token_mask = mask.unsqueeze(-1)
+        if self.pooling == "max":
+            return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).max(dim=1).values
+        return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
+
+
+def load_wrapper(info: CheckpointInfo, task: str) -> BertWrapper:
+    """Load weights with eager attention (plain matmul + softmax, which the importer handles)."""
+    from transformers import BertForSequenceClassification, BertModel
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        if task == "classify":
+            model = BertForSequenceClassification.from_pretrained(info.path, attn_implementation="eager")
+        else:
+            model = BertModel.from_pretrained(info.path, add_pooling_layer=False, attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
+    return BertWrapper(model.eval(), task, info.pooling).eval()

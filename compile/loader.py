@@ -1,0 +1,186 @@
+"""The one reader of artifact directories, shared by validation, the service and the benchmarks.
+
+It verifies every library against the manifest's sha256, keeps one set of weights on the
+device, and runs a batch through the smallest bucket that fits (padding batch and sequence)
+or through the generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
+each calling thread gets its own VM over the shared module and weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from .bucketing import Bucket, smallest_fitting
+from .checkpoint import file_sha256
+from .errors import ArtifactError
+from .manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+def device_for(kind: str) -> tvm.runtime.Device:
+    return tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+
+
+def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
+    from safetensors.numpy import load_file
+
+    arrays = load_file(str(path))
+    missing = [name for name in names if name not in arrays]
+    if missing:
+        raise ArtifactError(f"{path} lacks weights {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    return [tvm.runtime.tensor(arrays[name], device) for name in names]
+
+
+class LibraryRunner:
+    """One compiled library over shared weights; safe to call from many threads."""
+
+    def __init__(self, path: Path, device: tvm.runtime.Device, weights: list[tvm.runtime.Tensor]):
+        self.path = path
+        self.device = device
+        self.weights = weights
+        self.module = tvm.runtime.load_module(str(path))
+        self._local = threading.local()
+
+    def _vm(self) -> relax.VirtualMachine:
+        vm = getattr(self._local, "vm", None)
+        if vm is None:
+            vm = self._local.vm = relax.VirtualMachine(self.module, self.device)
+        return vm
+
+    def __call__(self, *inputs: np.ndarray) -> np.ndarray:
+        args = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
+        result = self._vm()["main"](*args, *self.weights)
+        return result[0].numpy()
+
+
+def model_inputs(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray | None):
+    """The four int64 inputs of the compiled function (position ids are 0..seq-1)."""
+    batch, seq = input_ids.shape
+    if token_type_ids is None:
+        token_type_ids = np.zeros((batch, seq), dtype=np.int64)
+    position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
+    return input_ids, attention_mask, token_type_ids, position_ids
+
+
+def pad_to(array: np.ndarray, batch: int, seq: int, value: int = 0) -> np.ndarray:
+    padded = np.full((batch, seq), value, dtype=np.int64)
+    padded[: array.shape[0], : array.shape[1]] = array
+    return padded
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output: np.ndarray  # [batch, dim]: pooled embeddings or logits
+    path: str  # "bucket-8x128" or "generic"
+    bucket: Bucket | None
+    computed_tokens: int  # batch x seq actually run, padding included
+    real_tokens: int
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.computed_tokens - self.real_tokens
+
+
+@dataclass
+class CompiledModel:
+    directory: Path
+    manifest: Manifest
+    device: tvm.runtime.Device
+    runners: dict[Bucket, LibraryRunner]
+    generic: LibraryRunner
+    refused: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return sorted(self.runners)
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.directory / self.manifest.tokenizer
+
+    @property
+    def max_batch(self) -> int:
+        return max([self.manifest.generic.max_batch] + [b.batch for b in self.runners])
+
+    @property
+    def max_seq(self) -> int:
+        return self.manifest.generic.max_seq
+
+    def select(self, batch: int, seq: int) -> Bucket | None:
+        return smallest_fitting(self.buckets, batch, seq)
+
+    def run(
+        self,
+        input_ids: np.ndarray,
+        attention_mask: np.ndarray,
+        token_type_ids: np.ndarray | None = None,
+    ) -> RunResult:
+        """Run one batch on the smallest fitting bucket, else on the generic library."""
+        batch, seq = input_ids.shape
+        vocab_size = self.manifest.model.vocab_size
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+            raise ValueError(f"token ids must lie in [0, {vocab_size})")  # the gather kernel does not check
+        real_tokens = int(np.asarray(attention_mask).sum())
+        bucket = self.select(batch, seq)
+        if bucket is not None:
+            padded = [pad_to(x, bucket.batch, bucket.seq) for x in model_inputs(input_ids, attention_mask, token_type_ids)[:3]]
+            output = self.runners[bucket](*model_inputs(*padded))[:batch]
+            return RunResult(output, f"bucket-{bucket.name}", bucket, bucket.capacity, real_tokens)
+        generic = self.manifest.generic
+        if batch > generic.max_batch or seq > generic.max_seq:
+            raise ValueError(
+                f"batch {batch}x{seq} exceeds the generic library's bounds {generic.max_batch}x{generic.max_seq}"
+            )
+        output = self.generic(*model_inputs(input_ids, attention_mask, token_type_ids))
+        return RunResult(output, "generic", None, batch * seq, real_tokens)
+
+    def warmup(self) -> None:
+        """Run every library once, so first requests do not pay for lazy initialisation."""
+        for bucket in self.buckets:
+            ones = np.ones((bucket.batch, bucket.seq), dtype=np.int64)
+            self.runners[bucket](*model_inputs(ones, ones, None))
+        ones = np.ones((1, 2), dtype=np.int64)
+        self.generic(*model_inputs(ones, ones, None))
+
+
+def _verified(directory: Path, library: str, sha256: str) -> Path:
+    path = directory / library
+    if not path.is_file():
+        raise ArtifactError(f"library {library} is missing from {directory}")
+    actual = file_sha256(path)
+    if actual != sha256:
+        raise ArtifactError(f"library {library} has sha256 {actual[:12]}..., manifest says {sha256[:12]}...")
+    return path
+
+
+def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = None) -> CompiledModel:
+    """Load an artifact directory; a bucket whose library fails verification is refused, not used."""
+    directory = Path(directory)
+    manifest = Manifest.read(directory)
+    device = device or device_for(manifest.target.kind)
+    if manifest.target.kind == "cuda" and not device.exist:
+        raise ArtifactError(f"{directory} holds CUDA libraries but no CUDA device is present")
+    weights_path = directory / manifest.weights.file
+    if not weights_path.is_file() or file_sha256(weights_path) != manifest.weights.sha256:
+        raise ArtifactError(f"weights {manifest.weights.file} are missing or do not match the manifest's sha256")
+    weights = load_weights(weights_path, manifest.weights.names, device)
+    runners: dict[Bucket, LibraryRunner] = {}
+    refused: dict[str, str] = {}
+    for entry in manifest.buckets:
+        bucket = Bucket.of(entry.batch, entry.seq)
+        try:
+            runners[bucket] = LibraryRunner(_verified(directory, entry.library, entry.sha256), device, weights)
+        except ArtifactError as exc:
+            refused[bucket.name] = str(exc)
+            log.warning("refusing bucket %s: %s", bucket.name, exc)
+    generic_path = _verified(directory, manifest.generic.library, manifest.generic.sha256)
+    generic = LibraryRunner(generic_path, device, weights)
+    return CompiledModel(directory, manifest, device, runners, generic, refused)

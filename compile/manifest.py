@@ -1,0 +1,112 @@
+"""The artifact manifest: the one description of a compiled artifact directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .errors import ArtifactError
+
+SCHEMA_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class TargetEntry(_Strict):
+    kind: Literal["cpu", "cuda"]
+    tvm_target: str
+    mcpu: str | None = None
+    cuda_arch: str | None = None
+
+
+class ModelEntry(_Strict):
+    path: str
+    weights_sha256: str
+    architecture: str
+    hidden_size: int
+    max_position_embeddings: int
+    vocab_size: int
+    pad_token_id: int
+
+
+class BucketEntry(_Strict):
+    batch: int
+    seq: int
+    library: str
+    sha256: str
+    max_abs_diff: float | None
+
+
+class GenericEntry(_Strict):
+    library: str
+    sha256: str
+    max_batch: int
+    max_seq: int
+    max_abs_diff: dict[str, float | None]
+
+
+class WeightsEntry(_Strict):
+    file: str
+    sha256: str
+    names: list[str]
+
+
+class PassCounts(_Strict):
+    matmul: int
+    concat: int
+    permute_dims: int
+
+
+class PassesEntry(_Strict):
+    pipeline: list[str]
+    before: PassCounts
+    after: PassCounts
+    main_after_lift: PassCounts
+
+
+class Manifest(_Strict):
+    schema_version: int = SCHEMA_VERSION
+    task: Literal["embed", "classify"]
+    target: TargetEntry
+    model: ModelEntry
+    pooling: str
+    labels: list[str]
+    output_dim: int
+    tvm_version: str
+    torch_version: str
+    transformers_version: str
+    tokenizer: str
+    weights: WeightsEntry
+    buckets: list[BucketEntry]
+    generic: GenericEntry
+    passes: PassesEntry
+    validated: bool
+    tolerance: float
+    created_at: str
+
+    def write(self, directory: Path) -> None:
+        (directory / MANIFEST_FILE).write_text(self.model_dump_json(indent=2) + "\n")
+
+    @classmethod
+    def read(cls, directory: Path) -> "Manifest":
+        path = Path(directory) / MANIFEST_FILE
+        if not path.is_file():
+            raise ArtifactError(f"{directory} is not an artifact directory: no {MANIFEST_FILE}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise ArtifactError(
+                f"{path} has schema_version {data.get('schema_version')!r}; this build reads {SCHEMA_VERSION}"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ArtifactError(f"{path} is not a valid manifest: {exc.errors()[0]['msg']}") from None

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Set up, compile the default model for this CPU (once), then serve it on 127.0.0.1:8080.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+ARTIFACTS=${ARTIFACTS:-artifacts/minilm-cpu}
+if [ ! -f "$ARTIFACTS/manifest.json" ]; then
+  .venv/bin/bert-compile --config configs/default.yaml --out "$ARTIFACTS"
+fi
+if [ -f service/__main__.py ]; then
+  exec .venv/bin/bert-serve --artifacts "$ARTIFACTS" "$@"
+fi

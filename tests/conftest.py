@@ -1,0 +1,110 @@
+"""Shared fixtures: tiny random-weight BERTs saved with save_pretrained, and compiled artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from compile.checkpoint import TOKENIZER_FILES  # noqa: E402
+from compile.config import CompileConfig, default_model_dir  # noqa: E402
+
+TINY_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+
+
+def _tiny_config(**extra):
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=30522,  # the MiniLM tokenizer's vocabulary, copied next to the weights
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **extra,
+    )
+
+
+def _copy_tokenizer(destination: Path) -> None:
+    source = default_model_dir()
+    for name in TOKENIZER_FILES:
+        shutil.copy2(source / name, destination / name)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A 2-layer BertModel with sentence-transformers mean pooling metadata."""
+    import torch
+    from transformers import BertModel
+
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("tiny-bert")
+    BertModel(_tiny_config(), add_pooling_layer=False).save_pretrained(directory)
+    _copy_tokenizer(directory)
+    (directory / "modules.json").write_text(
+        json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
+    )
+    (directory / "1_Pooling").mkdir()
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_classifier_dir(tmp_path_factory) -> Path:
+    """A 2-layer BertForSequenceClassification with three named labels."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(1)
+    directory = tmp_path_factory.mktemp("tiny-classifier")
+    config = _tiny_config(
+        num_labels=3, id2label=TINY_LABELS, label2id={v: k for k, v in TINY_LABELS.items()},
+        architectures=["BertForSequenceClassification"],
+    )
+    BertForSequenceClassification(config).save_pretrained(directory)
+    _copy_tokenizer(directory)
+    return directory
+
+
+def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "embed", **settings):
+    from compile.pipeline import compile_model
+
+    config = CompileConfig(model=model, out=out, buckets=buckets, task=task, max_batch=16,
+                           generic_shapes=settings.pop("generic_shapes", ["3x5", "2x11", "5x20"]), **settings)
+    return compile_model(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_embed_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-embed"
+    compile_artifact(tiny_bert_dir, out, ["1x8", "2x16", "4x16"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_classify_artifact(tiny_classifier_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-classify"
+    compile_artifact(tiny_classifier_dir, out, ["1x8", "4x16"], task="classify")
+    return out
+
+
+@pytest.fixture(scope="session")
+def minilm_artifact(minilm_dir, tmp_path_factory) -> Path:
+    """The real all-MiniLM-L6-v2, compiled for this CPU with two small buckets."""
+    out = tmp_path_factory.mktemp("artifacts") / "minilm"
+    compile_artifact(minilm_dir, out, ["1x16", "4x32"], generic_shapes=["3x20", "2x45", "5x9"])
+    return out

@@ -1,0 +1,30 @@
+import pytest
+
+from compile.bucketing import Bucket, parse_bucket, parse_buckets, smallest_fitting
+from compile.errors import CompileError
+
+
+def test_parse_sorts_and_dedups():
+    buckets = parse_buckets("8x128, 1x16,8x128,32x128")
+    assert [b.name for b in buckets] == ["1x16", "8x128", "32x128"]
+
+
+@pytest.mark.parametrize("text", ["8by128", "8x", "x16", "-1x16", "8x128x2", ""])
+def test_malformed_bucket_is_refused(text):
+    with pytest.raises(CompileError, match="malformed"):
+        parse_bucket(text)
+
+
+@pytest.mark.parametrize("text", ["0x16", "8x0"])
+def test_zero_sized_bucket_is_refused(text):
+    with pytest.raises(CompileError, match="zero"):
+        parse_bucket(text)
+
+
+def test_smallest_fitting_minimises_padded_work():
+    buckets = parse_buckets("1x128,4x32,8x128")
+    assert smallest_fitting(buckets, 1, 20) == Bucket.of(4, 32)  # 128 tokens either way; fewer rows first
+    assert smallest_fitting(buckets, 1, 100) == Bucket.of(1, 128)
+    assert smallest_fitting(buckets, 5, 10) == Bucket.of(8, 128)
+    assert smallest_fitting(buckets, 9, 10) is None
+    assert smallest_fitting(buckets, 1, 129) is None

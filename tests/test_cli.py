@@ -1,0 +1,80 @@
+"""The CLI's bad inputs: a one-line error, exit code 2, nothing written."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "compile", "--quiet", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (lambda t, m, g: ["--model", str(t / "missing")], "model directory not found"),
+        (lambda t, m, g: ["--model", str(g)], "not a BERT checkpoint"),
+        (lambda t, m, g: ["--model", str(m), "--buckets", "8by128"], "malformed bucket"),
+        (lambda t, m, g: ["--model", str(m), "--buckets", "0x16"], "zero dimension"),
+        (lambda t, m, g: ["--model", str(m), "--buckets", "1x100"], "max_position_embeddings (64)"),
+        (lambda t, m, g: ["--model", str(m), "--task", "classify"], "not a BertForSequenceClassification"),
+        (lambda t, m, g: ["--model", str(m), "--config", str(t / "nope.yaml")], "config file not found"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make_args, message):
+    out = tmp_path / "out"
+    result = run_cli(*make_args(tmp_path, tiny_bert_dir, gpt2_dir), "--out", str(out))
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_unknown_task_exits_2(tmp_path):
+    result = run_cli("--task", "summarize", "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_out_exits_2(tmp_path, tiny_bert_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = run_cli("--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(blocker / "out"))
+    assert result.returncode == 2
+    assert "not writable" in result.stderr
+    assert blocker.read_text() == "not a directory"
+
+
+def test_config_file_and_flag_override(tmp_path, tiny_bert_dir):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {tiny_bert_dir}\nbuckets: ['2x8']\nmax_batch: 8\n"
+                      "generic_shapes: ['3x5', '1x9', '2x3']\n")
+    out = tmp_path / "out"
+    result = run_cli("--config", str(config), "--buckets", "1x8,2x16", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert [(b["batch"], b["seq"]) for b in manifest["buckets"]] == [(1, 8), (2, 16)]
+    assert manifest["generic"]["max_batch"] == 8
+
+
+def test_unknown_config_key_exits_2(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("bukets: ['1x8']\n")
+    result = run_cli("--config", str(config), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert "bukets" in result.stderr

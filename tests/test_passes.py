@@ -1,0 +1,125 @@
+"""Each pass on its own: op counts before/after on the real MiniLM graph and on hand-written IR."""
+
+import re
+
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+
+from compile.canonicalize import canonicalize, matmul_first_add
+from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.combine import combine_parallel_matmuls
+from compile.importer import export_and_import
+from compile.lift import lift_and_transform
+from compile.opcount import count_ops, tracked_counts
+
+
+@pytest.fixture(scope="module")
+def minilm_imported(minilm_dir):
+    info = inspect_checkpoint(minilm_dir, "embed")
+    return export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"])
+
+
+@tvm.script.ir_module
+class BiasFirstQKV:
+    """The importer's shape of a Q/K/V block: bias-first adds, one reshape per branch."""
+
+    @R.function
+    def main(x: R.Tensor((2, 4, 8), "float32"), wq: R.Tensor((8, 8), "float32"), bq: R.Tensor((8,), "float32"),
+             wk: R.Tensor((8, 8), "float32"), bk: R.Tensor((8,), "float32"),
+             wv: R.Tensor((8, 8), "float32"), bv: R.Tensor((8,), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            xq = R.reshape(x, (8, 8))
+            q = R.add(bq, R.matmul(xq, R.permute_dims(wq)))
+            xk = R.reshape(x, (8, 8))
+            k = R.add(bk, R.matmul(xk, R.permute_dims(wk)))
+            xv = R.reshape(x, (8, 8))
+            v = R.add(bv, R.matmul(xv, R.permute_dims(wv)))
+            out = (q, k, v)
+            R.output(out)
+        return out
+
+
+def test_combine_does_nothing_without_canonicalisation():
+    combined = combine_parallel_matmuls()(BiasFirstQKV)
+    assert tracked_counts(combined)["matmul"] == 3
+    assert tracked_counts(combined)["concat"] == 0
+
+
+def test_canonicalisation_lets_combine_fire():
+    canonical = canonicalize()(BiasFirstQKV)
+    assert count_ops(canonical)["relax.reshape"] == 1  # the three branch reshapes became one
+    combined = combine_parallel_matmuls()(canonical)
+    counts = tracked_counts(combined)
+    assert counts["matmul"] == 1
+    assert counts["concat"] == 2  # weights and biases
+    assert counts["permute_dims"] == 1  # reordered after the concat: one linear-layer pattern
+
+
+def test_matmul_first_add_swaps_only_bias_first_adds():
+    mod = matmul_first_add(BiasFirstQKV)
+    for call in _calls(mod, "relax.add"):
+        assert isinstance(call.args[1], relax.Var) and call.args[1].name.startswith("b")
+
+
+def test_passes_are_numerically_neutral():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal(p.ty.shape and [int(d) for d in p.ty.shape]).astype("float32")
+            for p in BiasFirstQKV["main"].params]
+    target = tvm.target.Target({"kind": "llvm"})
+
+    def run(mod):
+        ex = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
+        out = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
+        return [out[i].numpy() for i in range(3)]
+
+    expected = run(BiasFirstQKV)
+    actual = run(combine_parallel_matmuls()(canonicalize()(BiasFirstQKV)))
+    for e, a in zip(expected, actual):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_minilm_import_has_48_matmuls(minilm_imported):
+    assert tracked_counts(minilm_imported.mod) == {"matmul": 48, "concat": 0, "permute_dims": 66}
+
+
+def test_minilm_pipeline_combines_qkv_of_every_layer(minilm_imported):
+    mod = combine_parallel_matmuls()(canonicalize()(minilm_imported.mod))
+    assert tracked_counts(mod) == {"matmul": 36, "concat": 12, "permute_dims": 54}
+    groups = []
+    for concat in _calls(mod, "relax.concat"):
+        names = [v.name for v in concat.args[0].fields]
+        groups.append(names)
+    weight_groups = {_layer(names): names for names in groups if names[0].endswith("_weight")}
+    bias_groups = {_layer(names): names for names in groups if names[0].endswith("_bias")}
+    assert sorted(weight_groups) == sorted(bias_groups) == list(range(6))
+    for names in [*weight_groups.values(), *bias_groups.values()]:
+        assert [re.search(r"self_(query|key|value)", n).group(1) for n in names] == ["query", "key", "value"]
+
+
+def test_lift_moves_weight_work_out_of_main(minilm_imported):
+    mod = combine_parallel_matmuls()(canonicalize()(minilm_imported.mod))
+    lifted = lift_and_transform(mod, minilm_imported.params)
+    counts = tracked_counts(lifted.mod)
+    assert counts["matmul"] == 36 and counts["concat"] == 0
+    assert counts["permute_dims"] == 54 - 6 * 4  # 4 weight transposes per layer now happen once, offline
+    assert len(lifted.weights) == len(lifted.weight_names) == len(lifted.mod["main"].params) - 4
+    qkv = [w for w in lifted.weights if w.shape == (384, 3 * 384)]
+    assert len(qkv) == 6  # one pre-transposed, concatenated Q/K/V weight per layer
+
+
+def _layer(names):
+    return int(re.search(r"layer_(\d+)_", names[0]).group(1))
+
+
+def _calls(mod, op_name):
+    found = []
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: found.append(e) if isinstance(e, relax.Call) and getattr(e.op, "name", "") == op_name else None,
+    )
+    return found

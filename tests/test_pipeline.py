@@ -1,0 +1,145 @@
+"""End-to-end compiles of tiny random-weight BERTs: manifest, numerics, loader, atomicity."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from compile import pipeline
+from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.errors import ArtifactError, ValidationError
+from compile.importer import example_inputs
+from compile.loader import load_artifact
+from compile.manifest import Manifest
+from conftest import TINY_LABELS, compile_artifact
+
+
+def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
+    manifest = json.loads((tiny_embed_artifact / "manifest.json").read_text())
+    for key in ("schema_version", "task", "target", "model", "pooling", "labels", "tvm_version",
+                "buckets", "generic", "passes"):
+        assert key in manifest
+    assert manifest["task"] == "embed" and manifest["pooling"] == "mean"
+    assert manifest["model"]["path"] == str(tiny_bert_dir.resolve())
+    assert [(b["batch"], b["seq"]) for b in manifest["buckets"]] == [(1, 8), (2, 16), (4, 16)]
+    for entry in [*manifest["buckets"], manifest["generic"]]:
+        assert (tiny_embed_artifact / entry["library"]).is_file()
+        assert len(entry["sha256"]) == 64
+    assert all(b["max_abs_diff"] <= 1e-4 for b in manifest["buckets"])
+    assert len(manifest["generic"]["max_abs_diff"]) == 3
+    assert all(d <= 1e-4 for d in manifest["generic"]["max_abs_diff"].values())
+    assert manifest["passes"]["before"]["matmul"] == 2 * 8
+    assert manifest["passes"]["after"]["matmul"] == 2 * 6
+    assert (tiny_embed_artifact / "tokenizer" / "tokenizer.json").is_file()
+    assert (tiny_embed_artifact / "weights.safetensors").is_file()
+
+
+def _torch_reference(model_dir, task, input_ids, attention_mask):
+    info = inspect_checkpoint(model_dir, task)
+    wrapper = load_wrapper(info, task)
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+    with torch.no_grad():
+        return wrapper(torch.from_numpy(input_ids), torch.from_numpy(attention_mask),
+                       torch.zeros_like(torch.from_numpy(input_ids)), position_ids).numpy()
+
+
+@pytest.mark.parametrize("shape,path", [((1, 5), "bucket-1x8"), ((3, 12), "bucket-4x16"),
+                                        ((2, 16), "bucket-2x16"), ((6, 30), "generic"), ((1, 17), "generic")])
+def test_loader_routes_and_matches_pytorch(tiny_embed_artifact, tiny_bert_dir, shape, path):
+    model = load_artifact(tiny_embed_artifact)
+    input_ids, attention_mask, _, _ = (x.numpy() for x in example_inputs(*shape, 30522, seed=7))
+    result = model.run(input_ids, attention_mask)
+    assert result.path == path
+    assert result.output.shape == (shape[0], 32)
+    assert result.real_tokens == attention_mask.sum()
+    expected = _torch_reference(tiny_bert_dir, "embed", input_ids, attention_mask)
+    np.testing.assert_allclose(result.output, expected, atol=1e-4, rtol=0)
+
+
+def test_loader_refuses_out_of_bounds_batch(tiny_embed_artifact):
+    model = load_artifact(tiny_embed_artifact)
+    ones = np.ones((17, 4), dtype=np.int64)
+    with pytest.raises(ValueError, match="exceeds"):
+        model.run(ones, ones)
+
+
+def test_classify_artifact_keeps_labels_and_matches_pytorch(tiny_classify_artifact, tiny_classifier_dir):
+    model = load_artifact(tiny_classify_artifact)
+    assert model.manifest.labels == [TINY_LABELS[i] for i in range(3)]
+    assert model.manifest.passes.before.matmul == 2 * 8 + 2  # + pooler and classifier
+    input_ids, attention_mask, _, _ = (x.numpy() for x in example_inputs(3, 10, 30522, seed=3))
+    result = model.run(input_ids, attention_mask)
+    assert result.output.shape == (3, 3)
+    expected = _torch_reference(tiny_classifier_dir, "classify", input_ids, attention_mask)
+    np.testing.assert_allclose(result.output, expected, atol=1e-4, rtol=0)
+
+
+def test_tampered_library_refuses_only_that_bucket(tiny_embed_artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_embed_artifact, copy)
+    with open(copy / "lib" / "bucket_2x16.so", "ab") as handle:
+        handle.write(b"tampered")
+    model = load_artifact(copy)
+    assert [b.name for b in model.buckets] == ["1x8", "4x16"]
+    assert "sha256" in model.refused["2x16"]
+    ids = np.ones((2, 16), dtype=np.int64)
+    assert model.run(ids, ids).path == "bucket-4x16"
+
+
+def test_tampered_generic_library_refuses_the_artifact(tiny_embed_artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_embed_artifact, copy)
+    (copy / "lib" / "generic.so").write_bytes(b"not a library")
+    with pytest.raises(ArtifactError, match="generic.so"):
+        load_artifact(copy)
+
+
+def test_manifest_round_trips(tiny_embed_artifact):
+    manifest = Manifest.read(tiny_embed_artifact)
+    assert Manifest.model_validate_json(manifest.model_dump_json()) == manifest
+
+
+def _leftovers(parent):
+    return sorted(p.name for p in parent.iterdir())
+
+
+def test_failed_validation_leaves_nothing_behind(tiny_bert_dir, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(ValidationError, match="exceeds tolerance"):
+        compile_artifact(tiny_bert_dir, out, ["1x8"], tolerance=1e-12)
+    assert _leftovers(tmp_path) == []
+
+
+def test_interrupted_compile_keeps_previous_artifact(tiny_bert_dir, tiny_embed_artifact, tmp_path, monkeypatch):
+    import shutil
+
+    out = tmp_path / "out"
+    shutil.copytree(tiny_embed_artifact, out)
+    before = (out / "manifest.json").read_text()
+    calls = []
+
+    def interrupted_build(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_build(*args, **kwargs)
+
+    real_build = pipeline.build_library
+    monkeypatch.setattr(pipeline, "build_library", interrupted_build)
+    with pytest.raises(KeyboardInterrupt):
+        compile_artifact(tiny_bert_dir, out, ["1x8", "2x16"])
+    assert _leftovers(tmp_path) == ["out"]
+    assert (out / "manifest.json").read_text() == before
+
+
+def test_loader_refuses_out_of_vocabulary_ids(tiny_embed_artifact):
+    model = load_artifact(tiny_embed_artifact)
+    ids = np.full((1, 4), 30522, dtype=np.int64)
+    with pytest.raises(ValueError, match="token ids"):
+        model.run(ids, np.ones_like(ids))

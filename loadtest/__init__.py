@@ -1,0 +1,1 @@
+"""Benchmarks and load tests: compiled TVM libraries against PyTorch eager and ONNX Runtime."""

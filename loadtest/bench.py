@@ -1,0 +1,198 @@
+"""`python -m loadtest.bench`: compiled bucket vs generic library vs PyTorch eager vs ONNX Runtime.
+
+One process, one thread count for every backend, interleaved repeated runs, medians and
+ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Writes JSON and
+a PNG bar chart; prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
+DEFAULT_GENERIC_SHAPES = "5x100"
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--artifacts", type=Path, required=True, help="compiled artifact directory")
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS shapes, ideally buckets of the artifact")
+    parser.add_argument("--generic-shapes", default=DEFAULT_GENERIC_SHAPES,
+                        help="non-bucket shapes: generic library vs the bucket that would serve them padded")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime")
+    parser.add_argument("--out", type=Path, default=Path("docs/bench/cpu"), help="directory for JSON + PNG")
+    return parser.parse_args(argv)
+
+
+def bert_flops(config: dict, batch: int, seq: int) -> float:
+    """Multiply-adds x 2 of the encoder's matmuls (linear layers + attention), per call."""
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    tokens = batch * seq
+    linear = 2 * tokens * (4 * hidden * hidden + 2 * hidden * inter)
+    attention = 2 * 2 * batch * seq * seq * hidden
+    return float(layers * (linear + attention))
+
+
+def matmul_peak_gflops(threads: int) -> float:
+    """PyTorch's (MKL/oneDNN) fp32 GEMM rate at 1024^3: the practical peak of this machine."""
+    import torch
+
+    from .timing import interleaved_medians
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    stats = interleaved_medians({"gemm": lambda: torch.mm(a, b)}, repeats=20, warmup=3)
+    return 2 * 1024**3 / stats["gemm"]["median_s"] / 1e9
+
+
+def onnx_session(wrapper, directory: Path, threads: int):
+    import onnxruntime as ort
+    import torch
+
+    from compile.importer import example_inputs
+
+    path = directory / "model.onnx"
+    dims = {name: {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("seq", max=512)} for name in INPUT_NAMES}
+    with torch.no_grad():
+        torch.onnx.export(wrapper, example_inputs(2, 8, 30522), str(path), input_names=list(INPUT_NAMES),
+                          output_names=["output"], dynamic_shapes=dims, dynamo=True, verbose=False)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
+    # TVM's idle workers busy-wait after each call; in one process with torch and ORT that
+    # spinning steals the cores the next backend runs on, so turn it off for a fair comparison.
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+    import numpy as np
+    import torch
+
+    from compile.bucketing import parse_buckets
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.importer import example_inputs
+    from compile.loader import load_artifact, model_inputs
+
+    from .timing import interleaved_medians
+
+    torch.set_num_threads(args.threads)
+    model = load_artifact(args.artifacts)
+    manifest = model.manifest
+    info = inspect_checkpoint(Path(manifest.model.path), manifest.task, manifest.pooling if manifest.task == "embed" else "auto")
+    wrapper = load_wrapper(info, manifest.task)
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"bench: peak fp32 GEMM with {args.threads} threads ...")
+    peak = matmul_peak_gflops(args.threads)
+    session = None
+    with tempfile.TemporaryDirectory() as scratch:
+        if not args.no_onnx:
+            log("bench: exporting ONNX ...")
+            session = onnx_session(wrapper, Path(scratch), args.threads)
+
+        results = []
+        shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
+            (s, "generic") for s in parse_buckets(args.generic_shapes)
+        ]
+        for index, (shape, kind) in enumerate(shapes, 1):
+            inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, manifest.model.vocab_size, seed=index)]
+            ids, mask = inputs[0], inputs[1]
+            served_by = model.run(ids, mask).path
+            tensors = [torch.from_numpy(x) for x in inputs]
+            candidates = {
+                "tvm_bucket": lambda: model.run(ids, mask),
+                "tvm_generic": lambda: model.generic(*model_inputs(ids, mask, None)),
+                "torch_eager": lambda: wrapper(*tensors),
+            }
+            if session is not None:
+                feed = dict(zip(INPUT_NAMES, inputs))
+                candidates["onnxruntime"] = lambda: session.run(None, feed)
+            log(f"bench [{index}/{len(shapes)}] {shape.name} ({kind}, served by {served_by}), {args.repeats} rounds ...")
+            with torch.no_grad():
+                stats = interleaved_medians(candidates, args.repeats)
+            flops = bert_flops(info.config, shape.batch, shape.seq)
+            row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9, "stats": stats}
+            torch_ms = stats["torch_eager"]["median_s"]
+            row["ratio_vs_torch"] = {k: v["median_s"] / torch_ms for k, v in stats.items()}
+            if "onnxruntime" in stats:
+                ort_ms = stats["onnxruntime"]["median_s"]
+                row["ratio_vs_onnxruntime"] = {k: v["median_s"] / ort_ms for k, v in stats.items()}
+            row["gflops"] = {k: flops / v["median_s"] / 1e9 for k, v in stats.items()}
+            row["generic_vs_bucket"] = stats["tvm_generic"]["median_s"] / stats["tvm_bucket"]["median_s"]
+            results.append(row)
+            log("  " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in stats.items()))
+
+    report = {
+        "command": "python -m loadtest.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": {"cpu": platform.processor() or platform.machine(), "mcpu": manifest.target.mcpu,
+                    "threads": args.threads, "peak_gemm_gflops": peak},
+        "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
+                     "onnxruntime": _version("onnxruntime") if session is not None else None},
+        "artifact": str(args.artifacts), "repeats": args.repeats, "results": results,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(results, args.out / "bench.png", peak)
+    print(markdown_table(report))
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
+
+
+def markdown_table(report: dict) -> str:
+    backends = list(report["results"][0]["stats"])
+    header = "| shape | served by | " + " | ".join(f"{b} ms" for b in backends) + " | bucket / torch | bucket / ORT | generic / bucket | bucket GFLOP/s (% peak) |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    peak = report["machine"]["peak_gemm_gflops"]
+    for row in report["results"]:
+        times = " | ".join(f"{row['stats'][b]['median_s'] * 1e3:.1f}" for b in backends)
+        vs_ort = row.get("ratio_vs_onnxruntime", {}).get("tvm_bucket")
+        gflops = row["gflops"]["tvm_bucket"]
+        lines.append(
+            f"| {row['shape']} ({row['kind']}) | {row['served_by']} | {times} | {row['ratio_vs_torch']['tvm_bucket']:.2f}x | "
+            f"{'n/a' if vs_ort is None else f'{vs_ort:.2f}x'} | {row['generic_vs_bucket']:.2f}x | {gflops:.0f} ({100 * gflops / peak:.0f}%) |"
+        )
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict], path: Path, peak: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    backends = list(results[0]["stats"])
+    width = 0.8 / len(backends)
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(results), 4.5))
+    for i, backend in enumerate(backends):
+        xs = [j + i * width for j in range(len(results))]
+        ax.bar(xs, [r["stats"][backend]["median_s"] * 1e3 for r in results], width, label=backend)
+    ax.set_xticks([j + width * (len(backends) - 1) / 2 for j in range(len(results))])
+    ax.set_xticklabels([f"{r['shape']}\n({r['kind']})" for r in results])
+    ax.set_yscale("log")
+    ax.set_ylabel("median latency, ms (log)")
+    ax.set_title(f"MiniLM-L6 fp32 per call (peak GEMM {peak:.0f} GFLOP/s)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

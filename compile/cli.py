@@ -27,6 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
     parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
+    parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
+                        help="how parallel matmuls are combined; auto times all three per bucket")
     parser.add_argument("--out", type=Path, help="artifact directory to write")
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the staging directory is cleaned up
     overrides = {
         key: getattr(args, key)
-        for key in ("model", "task", "target", "cuda_arch", "mcpu", "max_batch", "pooling", "out", "validate")
+        for key in ("model", "task", "target", "cuda_arch", "mcpu", "max_batch", "pooling", "strategy", "out", "validate")
     }
     if args.buckets is not None:
         overrides["buckets"] = [part for part in args.buckets.split(",")]
@@ -57,16 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bert-compile: error: {exc}", file=sys.stderr)
         return 2
     rows = [
-        (r.name, r.library, f"{r.seconds:.1f}",
+        (r.name, r.library, f"{r.seconds:.1f}", r.strategy,
+         ", ".join(f"{s} {ms:.1f}" for s, ms in r.strategy_ms.items()) if r.strategy_ms else "-",
          ", ".join(f"{shape}: {'n/a' if d is None else f'{d:.1e}'}" for shape, d in r.diffs.items()))
         for r in records
     ]
-    print(summary_table(rows, ("library", "file", "build s", "max |tvm - torch|")), file=sys.stderr)
-    before, after = manifest.passes.before, manifest.passes.after
-    print(
-        f"matmul {before.matmul} -> {after.matmul}, concat {before.concat} -> {after.concat}, "
-        f"permute_dims {before.permute_dims} -> {after.permute_dims}; "
-        f"{'validated' if manifest.validated else 'NOT validated (no device)'}; wrote {config.out}",
-        file=sys.stderr,
-    )
+    header = ("library", "file", "build s", "strategy", "strategy ms", "max |tvm - torch|")
+    print(summary_table(rows, header), file=sys.stderr)
+    before = manifest.passes.before
+    for strategy, passes in manifest.passes.strategies.items():
+        after = passes.after
+        print(
+            f"{strategy}: matmul {before.matmul} -> {after.matmul}, concat {before.concat} -> {after.concat}, "
+            f"permute_dims {before.permute_dims} -> {after.permute_dims}",
+            file=sys.stderr,
+        )
+    validated = "validated against PyTorch" if manifest.validated else "NOT validated (no device)"
+    print(f"{validated}; wrote {config.out}", file=sys.stderr)
     return 0

@@ -40,6 +40,8 @@ class CompileConfig(BaseModel):
     buckets: list[str] = Field(default_factory=lambda: ["1x16", "1x128", "8x128"])
     max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
     pooling: Pooling = "auto"
+    strategy: Literal["auto", "concat", "batched", "off"] = "concat"
+    strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
     out: Path = Path("artifacts/minilm-cpu")
     validate_artifacts: bool = Field(True, alias="validate")
     tolerance: float = Field(1e-4, gt=0)

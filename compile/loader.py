@@ -168,19 +168,22 @@ def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = Non
     device = device or device_for(manifest.target.kind)
     if manifest.target.kind == "cuda" and not device.exist:
         raise ArtifactError(f"{directory} holds CUDA libraries but no CUDA device is present")
-    weights_path = directory / manifest.weights.file
-    if not weights_path.is_file() or file_sha256(weights_path) != manifest.weights.sha256:
-        raise ArtifactError(f"weights {manifest.weights.file} are missing or do not match the manifest's sha256")
-    weights = load_weights(weights_path, manifest.weights.names, device)
+    weights = {}
+    for strategy, entry in manifest.weights.items():
+        weights_path = directory / entry.file
+        if not weights_path.is_file() or file_sha256(weights_path) != entry.sha256:
+            raise ArtifactError(f"weights {entry.file} are missing or do not match the manifest's sha256")
+        weights[strategy] = load_weights(weights_path, entry.names, device)
     runners: dict[Bucket, LibraryRunner] = {}
     refused: dict[str, str] = {}
     for entry in manifest.buckets:
         bucket = Bucket.of(entry.batch, entry.seq)
         try:
-            runners[bucket] = LibraryRunner(_verified(directory, entry.library, entry.sha256), device, weights)
+            path = _verified(directory, entry.library, entry.sha256)
+            runners[bucket] = LibraryRunner(path, device, weights[entry.strategy])
         except ArtifactError as exc:
             refused[bucket.name] = str(exc)
             log.warning("refusing bucket %s: %s", bucket.name, exc)
     generic_path = _verified(directory, manifest.generic.library, manifest.generic.sha256)
-    generic = LibraryRunner(generic_path, device, weights)
+    generic = LibraryRunner(generic_path, device, weights[manifest.generic.strategy])
     return CompiledModel(directory, manifest, device, runners, generic, refused)

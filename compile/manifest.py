@@ -35,17 +35,20 @@ class ModelEntry(_Strict):
     pad_token_id: int
 
 
-class BucketEntry(_Strict):
-    batch: int
-    seq: int
+class LibraryEntry(_Strict):
     library: str
     sha256: str
+    strategy: str  # how parallel matmuls are combined in this library; selects its weight set
+    strategy_ms: dict[str, float] | None = None  # per-strategy median ms when chosen by `auto`
+
+
+class BucketEntry(LibraryEntry):
+    batch: int
+    seq: int
     max_abs_diff: float | None
 
 
-class GenericEntry(_Strict):
-    library: str
-    sha256: str
+class GenericEntry(LibraryEntry):
     max_batch: int
     max_seq: int
     max_abs_diff: dict[str, float | None]
@@ -63,11 +66,15 @@ class PassCounts(_Strict):
     permute_dims: int
 
 
-class PassesEntry(_Strict):
+class StrategyPasses(_Strict):
     pipeline: list[str]
-    before: PassCounts
     after: PassCounts
     main_after_lift: PassCounts
+
+
+class PassesEntry(_Strict):
+    before: PassCounts
+    strategies: dict[str, StrategyPasses]
 
 
 class Manifest(_Strict):
@@ -82,7 +89,7 @@ class Manifest(_Strict):
     torch_version: str
     transformers_version: str
     tokenizer: str
-    weights: WeightsEntry
+    weights: dict[str, WeightsEntry]  # one transformed weight set per strategy in use
     buckets: list[BucketEntry]
     generic: GenericEntry
     passes: PassesEntry

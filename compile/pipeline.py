@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 import transformers
 import tvm
@@ -15,13 +17,11 @@ import tvm
 from .artifact import atomic_directory
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
-from .canonicalize import canonicalize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, file_sha256, inspect_checkpoint, load_wrapper
-from .combine import combine_parallel_matmuls
 from .config import CompileConfig
 from .errors import CompileError, ValidationError
-from .importer import export_and_import
-from .lift import lift_and_transform
+from .importer import example_inputs, export_and_import
+from .lift import LiftedModel, lift_and_transform
 from .loader import LibraryRunner, device_for
 from .manifest import (
     BucketEntry,
@@ -30,25 +30,29 @@ from .manifest import (
     ModelEntry,
     PassCounts,
     PassesEntry,
+    StrategyPasses,
     TargetEntry,
     WeightsEntry,
 )
 from .opcount import tracked_counts
 from .progress import Progress
+from .strategy import PASSES, STRATEGIES, apply_strategy
+from .timing import interleaved_medians
 from .validate import max_abs_diff
 
-PASS_PIPELINE = ["CanonicalizeForCombine", "CombineParallelMatmuls", "LiftTransformParams"]
-WEIGHTS_FILE = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
+FALLBACK_STRATEGY = "concat"  # what `auto` keeps when it cannot time (CUDA without a GPU)
 
 
 @dataclass
 class BuildRecord:
-    """One built library, for the summary table."""
+    """One shipped library: where it is, how it was chosen, how close it is to PyTorch."""
 
     name: str
     library: str
     seconds: float
+    strategy: str
+    strategy_ms: dict[str, float] | None
     diffs: dict[str, float | None] = field(default_factory=dict)
 
 
@@ -71,75 +75,119 @@ def check_shapes(config: CompileConfig, info: CheckpointInfo) -> tuple[list[Buck
     return buckets, generic_shapes
 
 
+class LibraryBuilder:
+    """Builds each library once per candidate strategy, keeps the fastest, validates it."""
+
+    def __init__(self, config: CompileConfig, staging: Path, variants: dict[str, LiftedModel],
+                 wrapper: torch.nn.Module, vocab_size: int):
+        self.config = config
+        self.staging = staging
+        self.variants = variants
+        self.wrapper = wrapper
+        self.vocab_size = vocab_size
+        self.target = make_target(config.target, config.cuda_arch, config.mcpu)
+        self.device = device_for(config.target)
+        self.can_run = bool(self.device.exist)
+        self.validate = config.validate_artifacts and self.can_run
+        self.weights = (
+            {s: [tvm.runtime.tensor(w, self.device) for w in v.weights] for s, v in variants.items()}
+            if self.can_run else {}
+        )
+
+    def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
+              timing_shape: Bucket, validation_shapes: list[Bucket]) -> BuildRecord:
+        started = time.perf_counter()
+        candidates = {}
+        for strategy, variant in self.variants.items():
+            library = f"lib/{name}.{strategy}.so"
+            build_library(shape_module(variant.mod), self.target, self.staging / library)
+            candidates[strategy] = library
+        strategy, strategy_ms = self._choose(candidates, timing_shape)
+        library = f"lib/{name}.so"
+        (self.staging / candidates[strategy]).rename(self.staging / library)
+        for other in set(candidates) - {strategy}:
+            (self.staging / candidates[other]).unlink()
+        record = BuildRecord(name, library, time.perf_counter() - started, strategy, strategy_ms)
+        for index, shape in enumerate(validation_shapes):
+            record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
+        return record
+
+    def _runner(self, library: str, strategy: str) -> LibraryRunner:
+        return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
+
+    def _choose(self, candidates: dict[str, str], shape: Bucket) -> tuple[str, dict[str, float] | None]:
+        if len(candidates) == 1:
+            return next(iter(candidates)), None
+        if not self.can_run:
+            return FALLBACK_STRATEGY, None
+        inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, self.vocab_size, seed=self.config.seed)]
+        runners = {s: self._runner(library, s) for s, library in candidates.items()}
+        stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
+                                    repeats=self.config.strategy_repeats)
+        strategy_ms = {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
+        return min(strategy_ms, key=strategy_ms.get), strategy_ms
+
+    def _check(self, record: BuildRecord, shape: Bucket, seed: int) -> float | None:
+        if not self.validate:
+            return None
+        runner = self._runner(record.library, record.strategy)
+        diff = max_abs_diff(runner, self.wrapper, shape, self.vocab_size, seed=seed)
+        if not diff <= self.config.tolerance:
+            raise ValidationError(
+                f"{record.name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {self.config.tolerance:g}"
+            )
+        return diff
+
+
 def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
     """Compile `config.model` into an artifact directory at `config.out`, atomically."""
     info = inspect_checkpoint(config.model_dir(), config.task, config.pooling)
     buckets, generic_shapes = check_shapes(config, info)
-    target = make_target(config.target, config.cuda_arch, config.mcpu)
-    device = device_for(config.target)
-    validate = config.validate_artifacts and device.exist
+    strategies = list(STRATEGIES) if config.strategy == "auto" else [config.strategy]
     progress = progress or Progress(0, quiet=True)
     progress.set_total(4 + len(buckets) + 1)
     vocab_size = int(info.config["vocab_size"])
-    records: list[BuildRecord] = []
 
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
             wrapper = load_wrapper(info, config.task)
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size)
-        with progress.step("passes: canonicalise, combine parallel matmuls, lift weights"):
-            before = tracked_counts(imported.mod)
-            mod = combine_parallel_matmuls()(canonicalize()(imported.mod))
-            after = tracked_counts(mod)
-            lifted = lift_and_transform(mod, imported.params)
-            main_after_lift = tracked_counts(lifted.mod)
-        with progress.step("write weights and tokenizer"):
-            weights_path = staging / WEIGHTS_FILE
-            _save_weights(weights_path, lifted.weight_names, lifted.weights)
+        with progress.step(f"passes for strategy {', '.join(strategies)}; lift weights"):
+            variants, passes = {}, {}
+            for strategy in strategies:
+                combined = apply_strategy(imported.mod, strategy)
+                variants[strategy] = lift_and_transform(combined, imported.params)
+                passes[strategy] = StrategyPasses(
+                    pipeline=PASSES[strategy],
+                    after=PassCounts(**tracked_counts(combined)),
+                    main_after_lift=PassCounts(**tracked_counts(variants[strategy].mod)),
+                )
+        with progress.step("copy tokenizer"):
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
-            device_weights = [tvm.runtime.tensor(w, device) for w in lifted.weights] if validate else []
         (staging / "lib").mkdir()
-
-        def build_and_check(name: str, module: tvm.IRModule, shapes: list[Bucket]) -> BuildRecord:
-            library = f"lib/{name}.so"
-            started = time.perf_counter()
-            build_library(module, target, staging / library)
-            record = BuildRecord(name, library, time.perf_counter() - started)
-            for index, shape in enumerate(shapes):
-                diff = None
-                if validate:
-                    runner = LibraryRunner(staging / library, device, device_weights)
-                    diff = max_abs_diff(runner, wrapper, shape, vocab_size, seed=config.seed + index)
-                    if not diff <= config.tolerance:
-                        raise ValidationError(
-                            f"{name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {config.tolerance:g}"
-                        )
-                record.diffs[shape.name] = diff
-            records.append(record)
-            return record
-
-        bucket_entries = []
+        builder = LibraryBuilder(config, staging, variants, wrapper, vocab_size)
+        records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):
-                record = build_and_check(f"bucket_{bucket.name}", specialize(lifted.mod, bucket), [bucket])
-            bucket_entries.append(
-                BucketEntry(
-                    batch=bucket.batch,
-                    seq=bucket.seq,
-                    library=record.library,
-                    sha256=file_sha256(staging / record.library),
-                    max_abs_diff=record.diffs[bucket.name],
-                )
-            )
+                records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b), bucket, [bucket]))
         with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
-            record = build_and_check("generic", lifted.mod, generic_shapes)
+            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes)
+            records.append(generic)
+        weights = {}
+        for strategy in sorted({r.strategy for r in records}):
+            weights[strategy] = _save_weights(staging, strategy, variants[strategy])
+
+        def library_fields(record: BuildRecord) -> dict:
+            return {"library": record.library, "sha256": file_sha256(staging / record.library),
+                    "strategy": record.strategy, "strategy_ms": record.strategy_ms}
+
         manifest = Manifest(
             task=config.task,
             target=TargetEntry(
                 kind=config.target,
-                tvm_target=str(target),
-                mcpu=str(target.host.attrs["mcpu"]) if target.host else str(target.attrs["mcpu"]),
+                tvm_target=str(builder.target),
+                mcpu=str((builder.target.host or builder.target).attrs["mcpu"]),
                 cuda_arch=config.cuda_arch if config.target == "cuda" else None,
             ),
             model=ModelEntry(
@@ -158,22 +206,15 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             torch_version=torch.__version__,
             transformers_version=transformers.__version__,
             tokenizer=TOKENIZER_DIR,
-            weights=WeightsEntry(file=WEIGHTS_FILE, sha256=file_sha256(weights_path), names=lifted.weight_names),
-            buckets=bucket_entries,
-            generic=GenericEntry(
-                library=record.library,
-                sha256=file_sha256(staging / record.library),
-                max_batch=config.max_batch,
-                max_seq=info.max_seq,
-                max_abs_diff=record.diffs,
-            ),
-            passes=PassesEntry(
-                pipeline=PASS_PIPELINE,
-                before=PassCounts(**before),
-                after=PassCounts(**after),
-                main_after_lift=PassCounts(**main_after_lift),
-            ),
-            validated=validate,
+            weights=weights,
+            buckets=[
+                BucketEntry(batch=b.batch, seq=b.seq, max_abs_diff=r.diffs[b.name], **library_fields(r))
+                for b, r in zip(buckets, records)
+            ],
+            generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
+                                 **library_fields(generic)),
+            passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
+            validated=builder.validate,
             tolerance=config.tolerance,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
@@ -181,10 +222,12 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     return manifest, records
 
 
-def _save_weights(path: Path, names: list[str], weights: list) -> None:
+def _save_weights(staging: Path, strategy: str, variant: LiftedModel) -> WeightsEntry:
     from safetensors.numpy import save_file
 
-    save_file(dict(zip(names, weights)), str(path))
+    name = f"weights-{strategy}.safetensors"
+    save_file(dict(zip(variant.weight_names, (np.ascontiguousarray(w) for w in variant.weights))), str(staging / name))
+    return WeightsEntry(file=name, sha256=file_sha256(staging / name), names=variant.weight_names)
 
 
 def _copy_tokenizer(model_dir: Path, destination: Path) -> None:

@@ -46,7 +46,7 @@ def matmul_peak_gflops(threads: int) -> float:
     """PyTorch's (MKL/oneDNN) fp32 GEMM rate at 1024^3: the practical peak of this machine."""
     import torch
 
-    from .timing import interleaved_medians
+    from compile.timing import interleaved_medians
 
     torch.set_num_threads(threads)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from compile.importer import example_inputs
     from compile.loader import load_artifact, model_inputs
 
-    from .timing import interleaved_medians
+    from compile.timing import interleaved_medians
 
     torch.set_num_threads(args.threads)
     model = load_artifact(args.artifacts)

@@ -45,6 +45,16 @@ def minilm_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_imported(minilm_dir):
+    """The real MiniLM exported and imported once (weights still parameters)."""
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.importer import export_and_import
+
+    info = inspect_checkpoint(minilm_dir, "embed")
+    return export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"])
+
+
+@pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
     """A 2-layer BertModel with sentence-transformers mean pooling metadata."""
     import torch

@@ -12,7 +12,7 @@ from conftest import compile_artifact
 def test_every_minilm_library_matches_pytorch(minilm_artifact):
     manifest = Manifest.read(minilm_artifact)
     assert manifest.validated and manifest.pooling == "mean" and manifest.output_dim == 384
-    assert manifest.passes.before.matmul == 48 and manifest.passes.after.matmul == 36
+    assert manifest.passes.before.matmul == 48 and manifest.passes.strategies["concat"].after.matmul == 36
     assert [(b.batch, b.seq) for b in manifest.buckets] == [(1, 16), (4, 32)]
     assert all(b.max_abs_diff is not None and b.max_abs_diff <= 1e-4 for b in manifest.buckets)
     assert sorted(manifest.generic.max_abs_diff) == ["2x45", "3x20", "5x9"]

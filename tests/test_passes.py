@@ -2,23 +2,14 @@
 
 import re
 
-import pytest
 import tvm
 from tvm import relax
 from tvm.script import relax as R
 
 from compile.canonicalize import canonicalize, matmul_first_add
-from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.combine import combine_parallel_matmuls
-from compile.importer import export_and_import
 from compile.lift import lift_and_transform
 from compile.opcount import count_ops, tracked_counts
-
-
-@pytest.fixture(scope="module")
-def minilm_imported(minilm_dir):
-    info = inspect_checkpoint(minilm_dir, "embed")
-    return export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"])
 
 
 @tvm.script.ir_module

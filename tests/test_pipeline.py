@@ -30,9 +30,10 @@ def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
     assert len(manifest["generic"]["max_abs_diff"]) == 3
     assert all(d <= 1e-4 for d in manifest["generic"]["max_abs_diff"].values())
     assert manifest["passes"]["before"]["matmul"] == 2 * 8
-    assert manifest["passes"]["after"]["matmul"] == 2 * 6
+    assert manifest["passes"]["strategies"]["concat"]["after"]["matmul"] == 2 * 6
+    assert all(b["strategy"] == "concat" and b["strategy_ms"] is None for b in manifest["buckets"])
     assert (tiny_embed_artifact / "tokenizer" / "tokenizer.json").is_file()
-    assert (tiny_embed_artifact / "weights.safetensors").is_file()
+    assert (tiny_embed_artifact / manifest["weights"]["concat"]["file"]).is_file()
 
 
 def _torch_reference(model_dir, task, input_ids, attention_mask):

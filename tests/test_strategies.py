@@ -1,0 +1,116 @@
+"""Combining strategies: the batched pass, per-strategy numerics, and `auto` choosing by time."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+
+from compile.bucketing import Bucket
+from compile.canonicalize import canonicalize
+from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.combine import combine_parallel_matmuls
+from compile.combine_batched import batch_parallel_linears
+from compile.importer import example_inputs
+from compile.lift import lift_and_transform
+from compile.loader import LibraryRunner, load_artifact
+from compile.opcount import count_ops, tracked_counts
+from compile.strategy import STRATEGIES, apply_strategy
+from compile.validate import max_abs_diff
+from conftest import compile_artifact
+from test_passes import BiasFirstQKV
+
+CPU = tvm.target.Target({"kind": "llvm"})
+
+
+@tvm.script.ir_module
+class UnequalWidths:
+    """Two linears on one input with different output widths (8 and 4)."""
+
+    @R.function
+    def main(x: R.Tensor((6, 8), "float32"), wa: R.Tensor((8, 8), "float32"), ba: R.Tensor((8,), "float32"),
+             wb: R.Tensor((4, 8), "float32"), bb: R.Tensor((4,), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            a = R.add(R.matmul(x, R.permute_dims(wa)), ba)
+            b = R.add(R.matmul(x, R.permute_dims(wb)), bb)
+            out = (a, b)
+            R.output(out)
+        return out
+
+
+def _run(mod, args):
+    ex = tvm.compile(mod, CPU, relax_pipeline=relax.get_default_pipeline(CPU))
+    out = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
+    return [out[i].numpy() for i in range(len(out))]
+
+
+def _random_args(mod):
+    rng = np.random.default_rng(0)
+    return [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32") for p in mod["main"].params]
+
+
+def test_batched_pass_makes_one_batch_matmul_and_is_exact():
+    result = batch_parallel_linears(canonicalize()(BiasFirstQKV))
+    assert (result.combined_groups, result.refused_groups) == (1, 0)
+    counts = count_ops(result.mod)
+    assert counts["relax.matmul"] == 1 and counts["relax.stack"] == 2 and counts["relax.split"] == 1
+    (matmul,) = [b.value for blk in result.mod["main"].body.blocks for b in blk.bindings
+                 if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
+    assert [int(d) for d in matmul.ty.shape] == [3, 8, 8]  # [branches, M, N]
+    args = _random_args(BiasFirstQKV)
+    for expected, actual in zip(_run(BiasFirstQKV, args), _run(result.mod, args)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_pass_refuses_unequal_widths_that_concat_takes():
+    batched = batch_parallel_linears(UnequalWidths)
+    assert (batched.combined_groups, batched.refused_groups) == (0, 1)
+    assert tracked_counts(batched.mod)["matmul"] == 2
+    concat = combine_parallel_matmuls()(UnequalWidths)
+    assert tracked_counts(concat)["matmul"] == 1
+    args = _random_args(UnequalWidths)
+    for expected, actual in zip(_run(UnequalWidths, args), _run(concat, args)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_pass_on_minilm_combines_every_layer(minilm_imported):
+    result = batch_parallel_linears(canonicalize()(minilm_imported.mod))
+    assert (result.combined_groups, result.refused_groups) == (6, 0)
+    assert tracked_counts(result.mod)["matmul"] == 36
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_strategy_matches_pytorch_on_minilm(minilm_imported, minilm_dir, tmp_path, strategy):
+    lifted = lift_and_transform(apply_strategy(minilm_imported.mod, strategy), minilm_imported.params)
+    expected_matmuls = {"concat": 36, "batched": 36, "off": 48}[strategy]
+    assert tracked_counts(lifted.mod)["matmul"] == expected_matmuls
+    library = tmp_path / "generic.so"
+    ex = tvm.compile(lifted.mod, CPU, relax_pipeline=relax.get_default_pipeline(CPU))
+    ex.export_library(str(library))
+    runner = LibraryRunner(library, tvm.cpu(), [tvm.runtime.tensor(w) for w in lifted.weights])
+    wrapper = load_wrapper(inspect_checkpoint(minilm_dir, "embed"), "embed")
+    assert max_abs_diff(runner, wrapper, Bucket.of(2, 9), 30522, seed=3) <= 1e-4
+
+
+@pytest.mark.parametrize("strategy", ["batched", "off"])
+def test_each_strategy_compiles_and_validates_a_tiny_bert(tiny_bert_dir, tmp_path, strategy):
+    manifest, _ = compile_artifact(tiny_bert_dir, tmp_path / strategy, ["2x8"], strategy=strategy)
+    assert manifest.validated and manifest.buckets[0].max_abs_diff <= 1e-4
+    assert manifest.buckets[0].strategy == manifest.generic.strategy == strategy
+    assert manifest.buckets[0].strategy_ms is None  # a fixed strategy records only its name
+    assert list(manifest.weights) == [strategy]
+
+
+def test_auto_times_three_strategies_and_keeps_the_fastest(tiny_bert_dir, tmp_path):
+    out = tmp_path / "auto"
+    manifest, _ = compile_artifact(tiny_bert_dir, out, ["1x8", "4x16"], strategy="auto", strategy_repeats=3)
+    for entry in [*manifest.buckets, manifest.generic]:
+        assert set(entry.strategy_ms) == set(STRATEGIES)
+        assert entry.strategy == min(entry.strategy_ms, key=entry.strategy_ms.get)
+    assert set(manifest.weights) == {e.strategy for e in [*manifest.buckets, manifest.generic]}
+    assert sorted(p.name for p in (out / "lib").iterdir()) == ["bucket_1x8.so", "bucket_4x16.so", "generic.so"]
+    model = load_artifact(out)
+    ids, mask, _, _ = (x.numpy() for x in example_inputs(3, 12, 30522, seed=2))
+    assert model.run(ids, mask).path == "bucket-4x16"
+    assert np.isfinite(model.run(ids, mask).output).all()

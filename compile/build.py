@@ -37,6 +37,8 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     return relax.get_default_pipeline(target)
 
 
-def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path) -> None:
-    executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target))
+def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False) -> None:
+    """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph."""
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
+        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target))
     executable.export_library(str(path))

@@ -148,7 +148,7 @@ class BertWrapper(torch.nn.Module):
         return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
 
-def load_wrapper(info: CheckpointInfo, task: str) -> BertWrapper:
+def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32") -> BertWrapper:
     """Load weights with eager attention (plain matmul + softmax, which the importer handles)."""
     from transformers import BertForSequenceClassification, BertModel
     from transformers.utils import logging as hf_logging
@@ -162,4 +162,4 @@ def load_wrapper(info: CheckpointInfo, task: str) -> BertWrapper:
             model = BertModel.from_pretrained(info.path, add_pooling_layer=False, attn_implementation="eager")
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
-    return BertWrapper(model.eval(), task, info.pooling).eval()
+    return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()

@@ -23,6 +23,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--task", choices=["embed", "classify"])
     parser.add_argument("--target", choices=["cpu", "cuda"])
     parser.add_argument("--cuda-arch", dest="cuda_arch", help="CUDA architecture (default sm_90)")
+    parser.add_argument("--dtype", choices=["float32", "float16"], help="float16: CUDA only")
+    parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
+                        help="capture CUDA bucket libraries as CUDA graphs")
     parser.add_argument("--mcpu", help="LLVM CPU name (default: this machine's)")
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
@@ -46,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the staging directory is cleaned up
     overrides = {
         key: getattr(args, key)
-        for key in ("model", "task", "target", "cuda_arch", "mcpu", "max_batch", "pooling", "strategy", "out", "validate")
+        for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "max_batch", "pooling",
+                    "strategy", "out", "validate")
     }
     if args.buckets is not None:
         overrides["buckets"] = [part for part in args.buckets.split(",")]

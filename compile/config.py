@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .bucketing import Bucket, parse_bucket, parse_buckets
 from .errors import CompileError
@@ -14,6 +14,8 @@ from .errors import CompileError
 Task = Literal["embed", "classify"]
 TargetKind = Literal["cpu", "cuda"]
 Pooling = Literal["auto", "mean", "cls", "max"]
+FP32_TOLERANCE = 1e-4
+FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1)
 # Odd shapes (batch x seq) for validating the generic library, tried in this order.
 GENERIC_CANDIDATES = [(3, 20), (5, 41), (2, 77), (1, 13), (7, 9), (2, 5), (1, 3)]
 
@@ -36,6 +38,8 @@ class CompileConfig(BaseModel):
     task: Task = "embed"
     target: TargetKind = "cpu"
     cuda_arch: str = "sm_90"
+    dtype: Literal["float32", "float16"] = "float32"
+    cuda_graph: bool = Field(False, description="capture bucket libraries as CUDA graphs (cuda only)")
     mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's")
     buckets: list[str] = Field(default_factory=lambda: ["1x16", "1x128", "8x128"])
     max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
@@ -44,7 +48,9 @@ class CompileConfig(BaseModel):
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
     out: Path = Path("artifacts/minilm-cpu")
     validate_artifacts: bool = Field(True, alias="validate")
-    tolerance: float = Field(1e-4, gt=0)
+    tolerance: float | None = Field(
+        None, gt=0, description="max |tvm - torch|; default 1e-4 for float32, 2e-2 for float16"
+    )
     generic_shapes: list[str] | None = Field(
         None, description="non-bucket shapes the generic library is validated on; default: three that fit"
     )
@@ -59,6 +65,20 @@ class CompileConfig(BaseModel):
             return [parse_bucket(item).name for item in value]
         except CompileError as exc:
             raise ValueError(str(exc)) from exc
+
+    @model_validator(mode="after")
+    def _cuda_only_options(self) -> "CompileConfig":
+        if self.target != "cuda" and self.dtype == "float16":
+            raise ValueError("dtype float16 is supported for target cuda only")
+        if self.target != "cuda" and self.cuda_graph:
+            raise ValueError("cuda_graph needs target cuda")
+        return self
+
+    @property
+    def effective_tolerance(self) -> float:
+        if self.tolerance is not None:
+            return self.tolerance
+        return FP16_TOLERANCE if self.dtype == "float16" else FP32_TOLERANCE
 
     def model_dir(self) -> Path:
         return self.model if self.model is not None else default_model_dir()

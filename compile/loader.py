@@ -58,7 +58,7 @@ class LibraryRunner:
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:
         args = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
         result = self._vm()["main"](*args, *self.weights)
-        return result[0].numpy()
+        return result[0].numpy().astype(np.float32, copy=False)
 
 
 def model_inputs(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray | None):

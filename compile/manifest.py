@@ -23,6 +23,7 @@ class TargetEntry(_Strict):
     tvm_target: str
     mcpu: str | None = None
     cuda_arch: str | None = None
+    cuda_graph: bool = False
 
 
 class ModelEntry(_Strict):
@@ -82,6 +83,7 @@ class Manifest(_Strict):
     task: Literal["embed", "classify"]
     target: TargetEntry
     model: ModelEntry
+    dtype: Literal["float32", "float16"]
     pooling: str
     labels: list[str]
     output_dim: int

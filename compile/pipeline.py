@@ -35,6 +35,7 @@ from .manifest import (
     WeightsEntry,
 )
 from .opcount import tracked_counts
+from .precision import to_precision
 from .progress import Progress
 from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import interleaved_medians
@@ -95,12 +96,13 @@ class LibraryBuilder:
         )
 
     def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
-              timing_shape: Bucket, validation_shapes: list[Bucket]) -> BuildRecord:
+              timing_shape: Bucket, validation_shapes: list[Bucket], static: bool = True) -> BuildRecord:
         started = time.perf_counter()
         candidates = {}
         for strategy, variant in self.variants.items():
             library = f"lib/{name}.{strategy}.so"
-            build_library(shape_module(variant.mod), self.target, self.staging / library)
+            build_library(shape_module(variant.mod), self.target, self.staging / library,
+                          cuda_graph=self.config.cuda_graph and static)
             candidates[strategy] = library
         strategy, strategy_ms = self._choose(candidates, timing_shape)
         library = f"lib/{name}.so"
@@ -132,9 +134,9 @@ class LibraryBuilder:
             return None
         runner = self._runner(record.library, record.strategy)
         diff = max_abs_diff(runner, self.wrapper, shape, self.vocab_size, seed=seed)
-        if not diff <= self.config.tolerance:
+        if not diff <= self.config.effective_tolerance:
             raise ValidationError(
-                f"{record.name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {self.config.tolerance:g}"
+                f"{record.name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {self.config.effective_tolerance:g}"
             )
         return diff
 
@@ -151,12 +153,13 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
             wrapper = load_wrapper(info, config.task)
+            reference = wrapper if config.dtype == "float32" else load_wrapper(info, config.task, config.dtype)
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size)
         with progress.step(f"passes for strategy {', '.join(strategies)}; lift weights"):
             variants, passes = {}, {}
             for strategy in strategies:
-                combined = apply_strategy(imported.mod, strategy)
+                combined = to_precision(apply_strategy(imported.mod, strategy), config.dtype)
                 variants[strategy] = lift_and_transform(combined, imported.params)
                 passes[strategy] = StrategyPasses(
                     pipeline=PASSES[strategy],
@@ -166,13 +169,13 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step("copy tokenizer"):
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
         (staging / "lib").mkdir()
-        builder = LibraryBuilder(config, staging, variants, wrapper, vocab_size)
+        builder = LibraryBuilder(config, staging, variants, reference, vocab_size)
         records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):
                 records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b), bucket, [bucket]))
         with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
-            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes)
+            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes, static=False)
             records.append(generic)
         weights = {}
         for strategy in sorted({r.strategy for r in records}):
@@ -189,6 +192,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 tvm_target=str(builder.target),
                 mcpu=str((builder.target.host or builder.target).attrs["mcpu"]),
                 cuda_arch=config.cuda_arch if config.target == "cuda" else None,
+                cuda_graph=config.cuda_graph,
             ),
             model=ModelEntry(
                 path=str(info.path),
@@ -199,6 +203,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 vocab_size=vocab_size,
                 pad_token_id=int(info.config.get("pad_token_id") or 0),
             ),
+            dtype=config.dtype,
             pooling=info.pooling,
             labels=info.labels,
             output_dim=len(info.labels) if config.task == "classify" else info.hidden_size,
@@ -215,7 +220,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                                  **library_fields(generic)),
             passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
             validated=builder.validate,
-            tolerance=config.tolerance,
+            tolerance=config.effective_tolerance,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
         manifest.write(staging)

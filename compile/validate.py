@@ -14,7 +14,7 @@ def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket,
     """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included)."""
     inputs = example_inputs(shape.batch, shape.seq, vocab_size, seed=seed)
     with torch.no_grad():
-        expected = wrapper(*inputs).numpy()
+        expected = wrapper(*inputs).float().numpy()
     actual = runner(*(x.numpy() for x in inputs))
     if actual.shape != expected.shape:
         return float("inf")

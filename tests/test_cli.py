@@ -78,3 +78,11 @@ def test_unknown_config_key_exits_2(tmp_path):
     result = run_cli("--config", str(config), "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert "bukets" in result.stderr
+
+
+@pytest.mark.parametrize("flags,message", [(["--dtype", "float16"], "float16 is supported for target cuda only"),
+                                           (["--cuda-graph"], "cuda_graph needs target cuda")])
+def test_cuda_only_options_on_cpu_exit_2(tmp_path, flags, message):
+    result = run_cli(*flags, "--out", str(tmp_path / "out"))
+    assert result.returncode == 2
+    assert message in result.stderr

@@ -36,3 +36,17 @@ def test_minilm_cuda_compiles_without_a_gpu(minilm_dir, tmp_path):
     assert (out / manifest.buckets[0].library).stat().st_size > 0
     assert (out / manifest.generic.library).stat().st_size > 0
     assert manifest.validated == tvm.cuda(0).exist
+
+
+def test_cuda_float16_with_cuda_graphs_compiles_without_a_gpu(tiny_bert_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    out = tmp_path / "cuda-fp16"
+    manifest, _ = compile_artifact(tiny_bert_dir, out, ["2x8"], target="cuda", dtype="float16", cuda_graph=True)
+    assert manifest.dtype == "float16" and manifest.target.cuda_graph
+    assert manifest.tolerance == 2e-2
+    weights = load_file(str(out / manifest.weights["concat"].file))
+    half = [w for w in weights.values() if w.dtype.name == "float16"]
+    assert len(half) == 2 * 4  # every matmul weight (QKV, attention out, FFN in/out) of both layers
+    assert all(w.ndim == 2 for w in half)  # biases and layer norms stay float32 (ToMixedPrecision)
+    assert (out / manifest.buckets[0].library).stat().st_size > 0

@@ -28,7 +28,8 @@ def parse_args(argv):
                         help="non-bucket shapes: generic library vs the bucket that would serve them padded")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime")
+    parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
+    parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile(wrapper)")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/cpu"), help="directory for JSON + PNG")
     return parser.parse_args(argv)
 
@@ -42,16 +43,23 @@ def bert_flops(config: dict, batch: int, seq: int) -> float:
     return float(layers * (linear + attention))
 
 
-def matmul_peak_gflops(threads: int) -> float:
-    """PyTorch's (MKL/oneDNN) fp32 GEMM rate at 1024^3: the practical peak of this machine."""
+def matmul_peak_gflops(threads: int, device: str = "cpu", dtype: str = "float32") -> float:
+    """PyTorch's GEMM rate at 1024^3 (MKL/oneDNN on CPU, cuBLAS on GPU): the practical peak."""
     import torch
 
     from compile.timing import interleaved_medians
 
     torch.set_num_threads(threads)
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    stats = interleaved_medians({"gemm": lambda: torch.mm(a, b)}, repeats=20, warmup=3)
-    return 2 * 1024**3 / stats["gemm"]["median_s"] / 1e9
+    size = 1024 if device == "cpu" else 8192
+    a, b = (torch.randn(size, size, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+
+    def gemm():
+        torch.mm(a, b)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    stats = interleaved_medians({"gemm": gemm}, repeats=20, warmup=3)
+    return 2 * size**3 / stats["gemm"]["median_s"] / 1e9
 
 
 def onnx_session(wrapper, directory: Path, threads: int):
@@ -91,17 +99,20 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = load_artifact(args.artifacts)
     manifest = model.manifest
+    on_gpu = manifest.target.kind == "cuda"
+    torch_device = "cuda" if on_gpu else "cpu"
     info = inspect_checkpoint(Path(manifest.model.path), manifest.task, manifest.pooling if manifest.task == "embed" else "auto")
-    wrapper = load_wrapper(info, manifest.task)
+    wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(torch_device)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"bench: peak fp32 GEMM with {args.threads} threads ...")
-    peak = matmul_peak_gflops(args.threads)
+    log(f"bench: peak {manifest.dtype} GEMM on {torch_device} ...")
+    peak = matmul_peak_gflops(args.threads, torch_device, manifest.dtype)
     session = None
     with tempfile.TemporaryDirectory() as scratch:
-        if not args.no_onnx:
+        if not (args.no_onnx or on_gpu):
             log("bench: exporting ONNX ...")
             session = onnx_session(wrapper, Path(scratch), args.threads)
 
+        compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
         results = []
         shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
             (s, "generic") for s in parse_buckets(args.generic_shapes)
@@ -110,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, manifest.model.vocab_size, seed=index)]
             ids, mask = inputs[0], inputs[1]
             served_by = model.run(ids, mask).path
-            tensors = [torch.from_numpy(x) for x in inputs]
+            tensors = [torch.from_numpy(x).to(torch_device) for x in inputs]
+            # Every candidate returns its output on the host, so GPU timings include the sync.
             candidates = {
                 "tvm_bucket": lambda: model.run(ids, mask),
                 "tvm_generic": lambda: model.generic(*model_inputs(ids, mask, None)),
-                "torch_eager": lambda: wrapper(*tensors),
+                "torch_eager": lambda: wrapper(*tensors).cpu(),
             }
+            if compiled_wrapper is not None:
+                candidates["torch_compile"] = lambda: compiled_wrapper(*tensors).cpu()
             if session is not None:
                 feed = dict(zip(INPUT_NAMES, inputs))
                 candidates["onnxruntime"] = lambda: session.run(None, feed)
@@ -137,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": "python -m loadtest.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "mcpu": manifest.target.mcpu,
+                    "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
                     "threads": args.threads, "peak_gemm_gflops": peak},
+        "dtype": manifest.dtype,
         "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
                      "onnxruntime": _version("onnxruntime") if session is not None else None},
         "artifact": str(args.artifacts), "repeats": args.repeats, "results": results,
@@ -187,7 +203,7 @@ def _plot(results: list[dict], path: Path, peak: float) -> None:
     ax.set_xticklabels([f"{r['shape']}\n({r['kind']})" for r in results])
     ax.set_yscale("log")
     ax.set_ylabel("median latency, ms (log)")
-    ax.set_title(f"MiniLM-L6 fp32 per call (peak GEMM {peak:.0f} GFLOP/s)")
+    ax.set_title(f"per-call latency (peak GEMM {peak:.0f} GFLOP/s)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -4,6 +4,9 @@ The torch importer emits `add(bias, matmul(x, W))` (bias first), which the combi
 pattern does not match, and reshapes the hidden state once per Q/K/V branch, so the three
 matmuls do not share one LHS. We put the matmul first in every such add, then let
 EliminateCommonSubexpr + CanonicalizeBindings merge the duplicated reshapes.
+
+The importer also emits embedding lookups as `take(..., mode="fast")`, which reads out of
+bounds (and can crash the server) on a bad token id; we make them clip instead.
 """
 
 from __future__ import annotations
@@ -13,16 +16,20 @@ from tvm import relax
 
 _ADD = tvm.ir.Op.get("relax.add")
 _MATMUL = tvm.ir.Op.get("relax.matmul")
+_TAKE = tvm.ir.Op.get("relax.take")
 
 
 @relax.expr_functor.mutator
 class _MatmulFirstAdd(relax.PyExprMutator):
-    """Rewrites add(other, matmul(...)) to add(matmul(...), other); add is commutative."""
+    """Rewrites add(other, matmul(...)) to add(matmul(...), other) (add is commutative), and
+    unchecked gathers to clipped ones."""
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:
         call = super().visit_call_(call)
         if call.op == _ADD and not self._is_matmul(call.args[0]) and self._is_matmul(call.args[1]):
             return relax.Call(call.op, [call.args[1], call.args[0]], call.attrs, call.ty_args)
+        if call.op == _TAKE and call.attrs.mode == "fast":
+            return relax.op.take(call.args[0], call.args[1], axis=call.attrs.axis, mode="clip")
         return call
 
     def _is_matmul(self, expr: relax.Expr) -> bool:

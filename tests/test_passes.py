@@ -114,3 +114,9 @@ def _calls(mod, op_name):
         lambda e: found.append(e) if isinstance(e, relax.Call) and getattr(e.op, "name", "") == op_name else None,
     )
     return found
+
+
+def test_canonicalisation_clips_embedding_gathers(minilm_imported):
+    modes = lambda mod: sorted(c.attrs.mode for c in _calls(mod, "relax.take"))  # noqa: E731
+    assert modes(minilm_imported.mod) == ["fast"] * 3  # word, token-type and position embeddings
+    assert modes(canonicalize()(minilm_imported.mod)) == ["clip"] * 3

@@ -144,3 +144,12 @@ def test_loader_refuses_out_of_vocabulary_ids(tiny_embed_artifact):
     ids = np.full((1, 4), 30522, dtype=np.int64)
     with pytest.raises(ValueError, match="token ids"):
         model.run(ids, np.ones_like(ids))
+
+
+def test_compiled_library_survives_out_of_vocabulary_ids(tiny_embed_artifact):
+    """Behind the loader's check, the gathers clip: a bad id cannot read out of bounds."""
+    model = load_artifact(tiny_embed_artifact)
+    ids = np.array([[0, 30521, 30522, 10**9]], dtype=np.int64)
+    ones = np.ones_like(ids)
+    output = model.generic(ids, ones, np.zeros_like(ids), np.arange(4)[None, :])
+    assert np.isfinite(output).all()

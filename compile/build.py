@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 
 from .bucketing import Bucket
+from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
 
 
@@ -30,10 +31,12 @@ def specialize(mod: tvm.IRModule, bucket: Bucket) -> tvm.IRModule:
 
 
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """The target's default pipeline: LegalizeOps + FuseOps + FuseTIR (+ dlight on CUDA).
+    """CPU: the default fusing pipeline plus our CPU schedules; CUDA: the default (dlight) one.
 
-    `tvm.compile` alone does not fuse on CPU, so we always pass the pipeline explicitly.
+    `tvm.compile` alone neither fuses nor schedules on CPU, so we always pass the pipeline.
     """
+    if target.kind.name == "llvm":
+        return cpu_pipeline(target)
     return relax.get_default_pipeline(target)
 
 

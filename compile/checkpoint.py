@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .artifact import file_sha256
 from .errors import CompileError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -48,14 +49,6 @@ class CheckpointInfo:
             digest.update(weight_file.name.encode())
             digest.update(file_sha256(weight_file).encode())
         return digest.hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def sentence_transformers_pooling(model_dir: Path) -> str | None:

@@ -18,7 +18,7 @@ import tvm
 from tvm import relax
 
 from .bucketing import Bucket, smallest_fitting
-from .checkpoint import file_sha256
+from .artifact import file_sha256
 from .errors import ArtifactError
 from .manifest import Manifest
 

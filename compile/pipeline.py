@@ -14,10 +14,10 @@ import torch
 import transformers
 import tvm
 
-from .artifact import atomic_directory
+from .artifact import atomic_directory, file_sha256
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
-from .checkpoint import TOKENIZER_FILES, CheckpointInfo, file_sha256, inspect_checkpoint, load_wrapper
+from .checkpoint import TOKENIZER_FILES, CheckpointInfo, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import example_inputs, export_and_import

@@ -1,0 +1,267 @@
+"""compile/cpu_schedule.py: numerics of the scheduled kernels on odd shapes, and that it applies.
+
+Small hand-written Relax modules go through the real CPU pipeline (legalize + fuse, then the
+schedule pass, then lowering) and are compared with numpy / torch at rtol = atol = 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import tvm
+import tvm_ffi
+from tvm import relax, tirx, topi
+from tvm.relax.backend.cpu_generic import pipeline as cpu
+from tvm.script import tirx as T
+
+from compile.cpu_schedule import (
+    cpu_pipeline,
+    cpu_schedule_pass,
+    matmul_axes,
+    schedule_matmul,
+    vector_lanes,
+)
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def _target(mcpu: str | None = None) -> tvm.target.Target:
+    mcpu = mcpu or str(tvm.target.codegen.llvm_get_system_cpu())
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+
+
+TARGET = _target()
+
+
+def _fused(mod: tvm.IRModule) -> tvm.IRModule:
+    with TARGET:
+        return tvm.transform.Sequential(cpu.legalize_passes(TARGET))(mod)
+
+
+def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
+    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+def _run(mod: tvm.IRModule, *arrays: np.ndarray):
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
+    return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
+
+
+def _rand(*shape: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype("float32")
+
+
+def _dense_module(m, k: int, n: int, epilogue: str = "bias") -> tvm.IRModule:
+    """x[m, k] @ w[k, n] + b, then an optional GELU or residual-add-and-scale epilogue."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((k, n), "float32"))
+    b = relax.Var("b", relax.TensorType((n,), "float32"))
+    r = relax.Var("r", relax.TensorType((m, n), "float32"))
+    params = [x, w, b] + ([r] if epilogue == "residual" else [])
+    with bb.function("main", params):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(relax.op.matmul(x, w), b))
+            if epilogue == "gelu":
+                y = bb.emit(relax.op.nn.gelu(y))
+            elif epilogue == "residual":
+                y = bb.emit(relax.op.multiply(relax.op.add(y, r), relax.const(0.5, "float32")))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    return torch.nn.functional.gelu(torch.from_numpy(x)).numpy()
+
+
+@pytest.mark.parametrize("m", [1, 7, 37, 64])
+def test_dense_bias_static_odd_m(m):
+    k, n = 48, 40  # n = 40: not a multiple of the AVX2 / AVX-512 N tiles either
+    x, w, b = _rand(m, k), _rand(k, n), _rand(n)
+    np.testing.assert_allclose(_run(_dense_module(m, k, n), x, w, b), x @ w + b, **TOL)
+
+
+def test_3d_activation_times_2d_weight_symbolic_seq():
+    """x[b, s, k] @ w[k, n] + bias without a reshape: b acts as a batch axis, s as M."""
+    s = tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, s, 48), "float32"))
+    w = relax.Var("w", relax.TensorType((48, 40), "float32"))
+    b = relax.Var("b", relax.TensorType((40,), "float32"))
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.add(relax.op.matmul(x, w), b))
+        bb.emit_func_output(out)
+    (func,) = (f for n, f in _prim_funcs(_fused(bb.get())).items() if "matmul" in n)
+    assert schedule_matmul(func, 8) is not None
+    xs, ws, bs = _rand(2, 11, 48), _rand(48, 40), _rand(40)
+    np.testing.assert_allclose(_run(bb.get(), xs, ws, bs), xs @ ws + bs, **TOL)
+
+
+def test_dense_residual_and_scale_epilogue():
+    m, k, n = 37, 64, 96
+    x, w, b, r = _rand(m, k), _rand(k, n), _rand(n), _rand(m, n)
+    out = _run(_dense_module(m, k, n, "residual"), x, w, b, r)
+    np.testing.assert_allclose(out, (x @ w + b + r) * 0.5, **TOL)
+
+
+def test_symbolic_m_dense_with_bias_gelu():
+    mod = _dense_module(tirx.Var("m", "int64"), 64, 96, "gelu")
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    w, b = _rand(64, 96), _rand(96)
+    for m in (1, 5, 40):
+        x = _rand(m, 64)
+        out = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b)]).numpy()
+        np.testing.assert_allclose(out, _gelu(x @ w + b), **TOL)
+
+
+def _attention_module(heads: int, d: int, static_seq: int | None = None) -> tvm.IRModule:
+    """softmax(q @ k^T * scale) @ v on [batch * heads, seq, d], seq symbolic unless given."""
+    bh = tirx.Var("bh", "int64")
+    s = static_seq or tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((bh, s, d), "float32"))
+    kt = relax.Var("kt", relax.TensorType((bh, d, s), "float32"))
+    v = relax.Var("v", relax.TensorType((bh, s, d), "float32"))
+    with bb.function("main", [q, kt, v]):
+        with bb.dataflow():
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, kt), relax.const(d**-0.5, "float32")))
+            probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+            out = bb.emit_output(relax.op.matmul(probs, v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("batch, seq", [(1, 1), (1, 7), (2, 33)])
+def test_attention_batch_matmuls_symbolic_seq(batch, seq):
+    heads, d = 12, 32
+    q, kt, v = _rand(batch * heads, seq, d), _rand(batch * heads, d, seq), _rand(batch * heads, seq, d)
+    scores = q @ kt * d**-0.5
+    probs = torch.softmax(torch.from_numpy(scores), -1).numpy()
+    np.testing.assert_allclose(_run(_attention_module(heads, d), q, kt, v), probs @ v, **TOL)
+
+
+def test_dense_with_transposed_weight():
+    """topi dense is x[m, k] * w[n, k]: the N axis of B is not its innermost one."""
+    m, k, n = 29, 64, 48
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit_te(topi.nn.dense, x, w))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    (func,) = _prim_funcs(mod).values()
+    sch = tvm.s_tir.Schedule(func)
+    assert matmul_axes(sch.get(sch.get_sblock("T_matmul_NT"))) == ["I", "J", "K"]
+    xs, ws = _rand(m, k), _rand(n, k)
+    np.testing.assert_allclose(_run(mod, xs, ws), xs @ ws.T, **TOL)
+
+
+def test_norm_softmax_meanpool_symbolic():
+    """The non-matmul kernels of a BERT: layer norm, masked softmax, masked mean-pool."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    h = relax.Var("h", relax.TensorType((b, s, 64), "float32"))
+    mask = relax.Var("mask", relax.TensorType((b, s), "float32"))
+    gamma, beta = relax.Var("g", relax.TensorType((64,), "float32")), relax.Var("be", relax.TensorType((64,), "float32"))
+    with bb.function("main", [h, mask, gamma, beta]):
+        with bb.dataflow():
+            ln = bb.emit(relax.op.nn.layer_norm(h, gamma, beta, axes=[-1], epsilon=1e-12))
+            sm = bb.emit(relax.op.nn.softmax(relax.op.add(ln, relax.op.expand_dims(mask, [2])), axis=1))
+            m3 = relax.op.expand_dims(mask, [2])
+            pooled = relax.op.divide(relax.op.sum(relax.op.multiply(ln, m3), axis=[1]), relax.op.sum(m3, axis=[1]))
+            out = bb.emit_output(relax.Tuple([ln, sm, bb.emit(pooled)]))
+        bb.emit_func_output(out)
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    g, be = _rand(64), _rand(64, 1)[:, 0]
+    for shape in [(1, 1), (3, 17)]:
+        x = _rand(*shape, 64)
+        msk = np.ones(shape, "float32")
+        msk[1:, shape[1] // 2 :] = 0
+        ln, sm, pooled = (o.numpy() for o in vm["main"](*[tvm.runtime.tensor(a) for a in (x, msk, g, be)]))
+        t = torch.from_numpy(x)
+        ref_ln = torch.nn.functional.layer_norm(t, (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
+        ref_sm = torch.softmax(ref_ln + torch.from_numpy(msk)[:, :, None], dim=1)
+        m3 = torch.from_numpy(msk)[:, :, None]
+        np.testing.assert_allclose(ln, ref_ln.numpy(), **TOL)
+        np.testing.assert_allclose(sm, ref_sm.numpy(), **TOL)
+        np.testing.assert_allclose(pooled, ((ref_ln * m3).sum(1) / m3.sum(1)).numpy(), **TOL)
+
+
+def _walk_loop_kinds(func: tirx.PrimFunc) -> set[str]:
+    kinds: set[str] = set()
+    script = func.script()
+    for kind in ("T.parallel", "T.vectorized", "T.unroll"):
+        if kind in script:
+            kinds.add(kind)
+    return kinds
+
+
+def test_rule_applies_parallel_and_vectorized():
+    before = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 384, 1536, "gelu")))
+    with TARGET:
+        after = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_dense_module(tirx.Var("m", "int64"), 384, 1536, "gelu"))))
+    names = [n for n in before if "matmul" in n]
+    assert names, before.keys()
+    for name in names:
+        unscheduled, scheduled = before[name], after[name]
+        assert not tvm_ffi.structural_equal(unscheduled, scheduled)
+        assert "T.parallel" not in unscheduled.script()
+        assert {"T.parallel", "T.vectorized", "T.unroll"} <= _walk_loop_kinds(scheduled)
+        assert "T.erf" not in scheduled.script()  # replaced by the vectorisable rational form
+        assert scheduled.attrs["tirx.is_scheduled"]
+
+
+def test_every_kernel_of_a_layer_is_parallel():
+    """No kernel of an attention + norm module is left serial (none may become the bottleneck)."""
+    after = cpu_schedule_pass(TARGET)(_fused(_attention_module(12, 32)))
+    for name, func in _prim_funcs(after).items():
+        assert "T.parallel" in func.script(), name
+
+
+def test_vector_lanes_follow_target_features():
+    assert vector_lanes(_target("skylake-avx512")) == 16
+    assert vector_lanes(_target("haswell")) == 8
+    assert vector_lanes(_target("x86-64")) == 4
+
+
+def test_avx512_tile_compiles_without_running():
+    """The AVX-512 variant (8 x 32 tile) must at least build, even where it cannot run."""
+    target = _target("skylake-avx512")
+    (func,) = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 64, 96))).values()
+    sch = schedule_matmul(func, vector_lanes(target))
+    assert sch is not None
+    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "mm")}), target)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _prefix_sum(a: T.Buffer((T.int64(64),), "float32"), c: T.Buffer((T.int64(64),), "float32")):
+    for i in range(T.int64(64)):
+        with T.sblock("scan"):
+            vi = T.axis.spatial(T.int64(64), i)
+            T.reads(a[vi], c[vi - T.int64(1)])
+            T.writes(c[vi])
+            c[vi] = T.if_then_else(vi == T.int64(0), a[vi], c[vi - T.int64(1)] + a[vi])
+
+
+def test_unrecognised_loop_carried_kernel_stays_correct():
+    """A scan reads its own output: parallelising or vectorising it would be wrong."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((64,), "float32"))
+    scan = bb.add_func(_prefix_sum, "prefix_sum")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.call_tir(scan, (x,), relax.TensorType((64,), "float32")))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    with TARGET:
+        after = cpu_schedule_pass(TARGET)(mod)
+    script = _prim_funcs(after)["prefix_sum"].script()
+    assert "T.parallel" not in script and "T.vectorized" not in script
+    xs = _rand(64)
+    np.testing.assert_allclose(_run(mod, xs), np.cumsum(xs), **TOL)

@@ -32,6 +32,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
                         help="how parallel matmuls are combined; auto times all three per bucket")
+    parser.add_argument("--sparsity", type=float, help="prune this fraction of weight blocks, e.g. 0.9")
+    parser.add_argument("--block", help="sparse block shape ROWSxCOLS (default 16x1)")
+    parser.add_argument("--sparse-layers", dest="sparse_layers",
+                        help="comma-separated: ffn, attention_output, qkv (default ffn,attention_output)")
     parser.add_argument("--out", type=Path, help="artifact directory to write")
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
@@ -50,10 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "max_batch", "pooling",
-                    "strategy", "out", "validate")
+                    "strategy", "sparsity", "block", "out", "validate")
     }
-    if args.buckets is not None:
-        overrides["buckets"] = [part for part in args.buckets.split(",")]
+    for key in ("buckets", "sparse_layers"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key).split(",")
     try:
         config = load_config(args.config, overrides)
         from .pipeline import compile_model  # heavy imports (torch, tvm) only once input is sane
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             f"permute_dims {before.permute_dims} -> {after.permute_dims}",
             file=sys.stderr,
         )
+    if manifest.sparsity is not None:
+        sp = manifest.sparsity
+        print(f"sparsity: {sp.pruned} weights pruned to blocks {sp.block}, {sp.rewritten} matmuls rewritten "
+              f"(density {sp.density}), cosine vs dense {sp.cosine_vs_dense:.4f}", file=sys.stderr)
     validated = "validated against PyTorch" if manifest.validated else "NOT validated (no device)"
     print(f"{validated}; wrote {config.out}", file=sys.stderr)
     return 0

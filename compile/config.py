@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -45,6 +46,12 @@ class CompileConfig(BaseModel):
     max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
     pooling: Pooling = "auto"
     strategy: Literal["auto", "concat", "batched", "off"] = "concat"
+    sparsity: float | None = Field(None, ge=0, lt=1, description="fraction of weight blocks pruned; None: dense")
+    block: str = Field("16x1", description="sparse block shape, ROWSxCOLS of the [out, in] weight")
+    sparse_layers: list[Literal["ffn", "attention_output", "qkv"]] = ["ffn", "attention_output"]
+    sparse_max_density: float = Field(
+        0.5, gt=0, le=1, description="weights denser than this stay dense (the dense kernel is faster)"
+    )
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
     out: Path = Path("artifacts/minilm-cpu")
     validate_artifacts: bool = Field(True, alias="validate")
@@ -65,6 +72,18 @@ class CompileConfig(BaseModel):
             return [parse_bucket(item).name for item in value]
         except CompileError as exc:
             raise ValueError(str(exc)) from exc
+
+    @field_validator("block")
+    @classmethod
+    def _block_shape(cls, value: str) -> str:
+        match = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", value)
+        if not match or 0 in (int(match.group(1)), int(match.group(2))):
+            raise ValueError(f"malformed block {value!r}: expected ROWSxCOLS, e.g. 16x1")
+        return f"{int(match.group(1))}x{int(match.group(2))}"
+
+    def block_shape(self) -> tuple[int, int]:
+        rows, cols = self.block.split("x")
+        return int(rows), int(cols)
 
     @model_validator(mode="after")
     def _cuda_only_options(self) -> "CompileConfig":

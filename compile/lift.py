@@ -18,7 +18,7 @@ TRANSFORM_FUNC = "main_transform_params"
 
 @dataclass
 class LiftedModel:
-    mod: tvm.IRModule  # only `main`, taking the transformed weights after its inputs
+    mod: tvm.IRModule  # `main` (taking the transformed weights after its inputs) and its PrimFuncs
     weight_names: list[str]
     weights: list[np.ndarray]
 
@@ -37,4 +37,6 @@ def lift_and_transform(mod: tvm.IRModule, params: list[tvm.runtime.Tensor]) -> L
     weight_names = [param.name for param in main.params[num_input:]]
     if len(weight_names) != len(weights):
         raise RuntimeError(f"lifted main takes {len(weight_names)} weights but transform made {len(weights)}")
-    return LiftedModel(mod=tvm.IRModule({"main": main}), weight_names=weight_names, weights=weights)
+    # Keep pre-scheduled kernels `main` calls (e.g. sparse matmuls); drop only the transform.
+    kept = {gvar: func for gvar, func in lifted.functions_items() if gvar.name_hint != TRANSFORM_FUNC}
+    return LiftedModel(mod=tvm.IRModule(kept), weight_names=weight_names, weights=weights)

@@ -78,6 +78,16 @@ class PassesEntry(_Strict):
     strategies: dict[str, StrategyPasses]
 
 
+class SparsityEntry(_Strict):
+    density: float | None  # mean block density of the rewritten weights
+    block: list[int]
+    layers: list[str]
+    pruned: int  # weights pruned in the checkpoint before export
+    rewritten: int  # matmuls rewritten to the BSR kernel (per strategy variant)
+    kept_dense: int
+    cosine_vs_dense: float  # mean cosine similarity of pruned vs dense outputs on fixed sentences
+
+
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     task: Literal["embed", "classify"]
@@ -95,6 +105,7 @@ class Manifest(_Strict):
     buckets: list[BucketEntry]
     generic: GenericEntry
     passes: PassesEntry
+    sparsity: SparsityEntry | None = None
     validated: bool
     tolerance: float
     created_at: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from .manifest import (
     ModelEntry,
     PassCounts,
     PassesEntry,
+    SparsityEntry,
     StrategyPasses,
     TargetEntry,
     WeightsEntry,
@@ -37,9 +39,10 @@ from .manifest import (
 from .opcount import tracked_counts
 from .precision import to_precision
 from .progress import Progress
+from .sparsity import prune_model, sparsify
 from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import interleaved_medians
-from .validate import max_abs_diff
+from .validate import cosine_drift, max_abs_diff
 
 TOKENIZER_DIR = "tokenizer"
 FALLBACK_STRATEGY = "concat"  # what `auto` keeps when it cannot time (CUDA without a GPU)
@@ -153,14 +156,23 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
             wrapper = load_wrapper(info, config.task)
-            reference = wrapper if config.dtype == "float32" else load_wrapper(info, config.task, config.dtype)
+            sparsity = _prune(wrapper, info, config) if config.sparsity is not None else None
+            # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
+            reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size)
         with progress.step(f"passes for strategy {', '.join(strategies)}; lift weights"):
             variants, passes = {}, {}
             for strategy in strategies:
-                combined = to_precision(apply_strategy(imported.mod, strategy), config.dtype)
-                variants[strategy] = lift_and_transform(combined, imported.params)
+                combined, params = apply_strategy(imported.mod, strategy), imported.params
+                if sparsity is not None:
+                    combined, params, report = sparsify(combined, params, config.block_shape(),
+                                                        config.sparse_max_density, make_target(
+                                                            config.target, config.cuda_arch, config.mcpu))
+                    sparsity.update(density=report["density"], rewritten=report["rewritten"],
+                                    kept_dense=report["kept_dense"])
+                combined = to_precision(combined, config.dtype)
+                variants[strategy] = lift_and_transform(combined, params)
                 passes[strategy] = StrategyPasses(
                     pipeline=PASSES[strategy],
                     after=PassCounts(**tracked_counts(combined)),
@@ -219,12 +231,25 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
                                  **library_fields(generic)),
             passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
+            sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
             validated=builder.validate,
             tolerance=config.effective_tolerance,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )
         manifest.write(staging)
     return manifest, records
+
+
+def _prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig) -> dict:
+    """Block-prune the checkpoint's chosen linears in place, before export: PyTorch validation and
+    TVM then see the same weights. Returns the manifest's sparsity fields known so far."""
+    dense = load_wrapper(info, config.task)
+    try:
+        pruned = prune_model(wrapper.bert, 1.0 - config.sparsity, config.block_shape(), tuple(config.sparse_layers))
+    except ValueError as exc:
+        raise CompileError(f"cannot prune with block {config.block}: {exc}") from None
+    return {"block": list(config.block_shape()), "layers": list(config.sparse_layers), "pruned": pruned,
+            "cosine_vs_dense": cosine_drift(dense, wrapper, info)}
 
 
 def _save_weights(staging: Path, strategy: str, variant: LiftedModel) -> WeightsEntry:

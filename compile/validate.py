@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from .bucketing import Bucket
+from .checkpoint import CheckpointInfo
 from .importer import example_inputs
 from .loader import LibraryRunner
 
@@ -19,3 +20,31 @@ def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket,
     if actual.shape != expected.shape:
         return float("inf")
     return float(np.max(np.abs(actual - expected)))
+
+
+DRIFT_SENTENCES = [
+    "A man is playing a guitar on stage.",
+    "The new movie was surprisingly good.",
+    "How do I reset my password?",
+    "Stock markets fell sharply on Monday after the announcement.",
+    "The cat sleeps on the warm windowsill.",
+    "Compilers turn high-level programs into efficient machine code.",
+    "It will rain tomorrow in the northern mountains.",
+    "She ordered a coffee and a slice of lemon cake.",
+]
+
+
+def cosine_drift(dense: torch.nn.Module, pruned: torch.nn.Module, info: CheckpointInfo) -> float:
+    """Mean cosine similarity of the pruned model's outputs to the dense model's on fixed sentences."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+    tokenizer.enable_padding()
+    tokenizer.enable_truncation(min(128, info.max_seq))
+    encodings = tokenizer.encode_batch(DRIFT_SENTENCES)
+    ids = torch.tensor([e.ids for e in encodings])
+    mask = torch.tensor([e.attention_mask for e in encodings])
+    args = (ids, mask, torch.zeros_like(ids), torch.arange(ids.shape[1]).expand_as(ids))
+    with torch.no_grad():
+        similarity = torch.nn.functional.cosine_similarity(dense(*args).float(), pruned(*args).float(), dim=-1)
+    return float(similarity.mean())

@@ -14,6 +14,7 @@ from compile.combine_batched import batch_parallel_linears
 from compile.importer import example_inputs
 from compile.lift import lift_and_transform
 from compile.loader import LibraryRunner, load_artifact
+from compile.manifest import Manifest
 from compile.opcount import count_ops, tracked_counts
 from compile.strategy import STRATEGIES, apply_strategy
 from compile.validate import max_abs_diff
@@ -102,9 +103,16 @@ def test_each_strategy_compiles_and_validates_a_tiny_bert(tiny_bert_dir, tmp_pat
     assert list(manifest.weights) == [strategy]
 
 
-def test_auto_times_three_strategies_and_keeps_the_fastest(tiny_bert_dir, tmp_path):
-    out = tmp_path / "auto"
-    manifest, _ = compile_artifact(tiny_bert_dir, out, ["1x8", "4x16"], strategy="auto", strategy_repeats=3)
+@pytest.fixture(scope="module")
+def auto_artifact(tiny_bert_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("auto") / "artifact"
+    compile_artifact(tiny_bert_dir, out, ["1x8", "4x16"], strategy="auto", strategy_repeats=3)
+    return out
+
+
+def test_auto_times_three_strategies_and_keeps_the_fastest(auto_artifact):
+    out = auto_artifact
+    manifest = Manifest.read(out)
     for entry in [*manifest.buckets, manifest.generic]:
         assert set(entry.strategy_ms) == set(STRATEGIES)
         assert entry.strategy == min(entry.strategy_ms, key=entry.strategy_ms.get)
@@ -114,3 +122,12 @@ def test_auto_times_three_strategies_and_keeps_the_fastest(tiny_bert_dir, tmp_pa
     ids, mask, _, _ = (x.numpy() for x in example_inputs(3, 12, 30522, seed=2))
     assert model.run(ids, mask).path == "bucket-4x16"
     assert np.isfinite(model.run(ids, mask).output).all()
+
+
+def test_strategy_table_lists_every_library(auto_artifact):
+    from loadtest.strategy_table import markdown_table
+
+    table = markdown_table(Manifest.read(auto_artifact)).splitlines()
+    assert table[0] == "| library | concat ms | batched ms | off ms | chosen |"
+    assert table[2].startswith("| bucket 1x8 |") and table[4].startswith("| generic (timed at 3x5) |")
+    assert all(row.rstrip(" |").split("| ")[-1] in STRATEGIES for row in table[2:])

@@ -1,0 +1,87 @@
+"""`python -m loadtest.sparse_bench`: dense vs block-sparse compiled builds, like TVM PR #5377's table.
+
+Compiles the model once dense and once per (sparsity, block), each with one bucket at --shape,
+then times all bucket libraries interleaved in one process. Each cell is the median latency of
+the sparse build as a ratio of the dense build's, with the cosine similarity of the pruned
+model's embeddings to the dense model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m loadtest.sparse_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="checkpoint (default: bundled MiniLM)")
+    parser.add_argument("--shape", default="8x128")
+    parser.add_argument("--sparsities", default="0.7,0.8,0.9,0.95")
+    parser.add_argument("--blocks", default="8x1,16x1,32x1")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("docs/sparsity"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    from compile.bucketing import parse_bucket
+    from compile.config import CompileConfig
+    from compile.importer import example_inputs
+    from compile.loader import load_artifact
+    from compile.pipeline import compile_model
+    from compile.timing import interleaved_medians
+
+    shape = parse_bucket(args.shape)
+    configs = [("dense", None, None)] + [
+        (f"{s}@{b}", float(s), b) for s in args.sparsities.split(",") for b in args.blocks.split(",")
+    ]
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    models, sparsity = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for index, (name, fraction, block) in enumerate(configs, 1):
+            log(f"sparse_bench [{index}/{len(configs)}] compile {name} ...")
+            config = CompileConfig(model=args.model, out=Path(scratch) / name.replace("@", "_"), buckets=[shape.name],
+                                   max_batch=max(shape.batch, 8), sparsity=fraction, block=block or "16x1")
+            manifest, _ = compile_model(config)
+            models[name] = load_artifact(config.out)
+            sparsity[name] = manifest.sparsity.model_dump() if manifest.sparsity else None
+        ids, mask, _, _ = (x.numpy() for x in example_inputs(shape.batch, shape.seq, 30522, seed=0))
+        log(f"sparse_bench: timing {len(models)} builds at {shape.name}, {args.repeats} interleaved rounds ...")
+        stats = interleaved_medians({name: (lambda m=m: m.run(ids, mask)) for name, m in models.items()}, args.repeats)
+    dense_s = stats["dense"]["median_s"]
+    rows = [{"config": name, "median_ms": s["median_s"] * 1e3, "ratio_vs_dense": s["median_s"] / dense_s,
+             "sparsity": sparsity[name]} for name, s in stats.items()]
+    report = {"command": "python -m loadtest.sparse_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "shape": shape.name, "threads": args.threads, "repeats": args.repeats, "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "sparse_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown_table(report, args.sparsities.split(","), args.blocks.split(","))
+    (args.out / "sparse_bench.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def markdown_table(report: dict, sparsities: list[str], blocks: list[str]) -> str:
+    by_name = {row["config"]: row for row in report["rows"]}
+    dense = by_name["dense"]["median_ms"]
+    lines = [f"Dense compiled build at {report['shape']}: {dense:.1f} ms (median of {report['repeats']}). "
+             "Cells: sparse / dense median latency (mean cosine similarity to the dense model's outputs).", "",
+             "| sparsity | " + " | ".join(f"block {b}" for b in blocks) + " |", "|---|" + "---|" * len(blocks)]
+    for s in sparsities:
+        cells = []
+        for b in blocks:
+            row = by_name[f"{s}@{b}"]
+            cells.append(f"{row['ratio_vs_dense']:.2f}x ({row['sparsity']['cosine_vs_dense']:.3f})")
+        lines.append(f"| {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

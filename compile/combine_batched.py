@@ -84,6 +84,10 @@ class _BatchParallelLinears(relax.PyExprMutator):
     def _emit_batched(self, branches: list[LinearBranch]) -> None:
         emit = self.builder_.emit
         lhs = self.visit_expr(branches[0].lhs)
+        # Broadcast the shared input explicitly: [B, M, K] x [B, K, N] is a plain batch matmul,
+        # which the CPU and GPU matmul schedules recognise (a broadcast LHS is not).
+        shape = [len(branches), *lhs.ty.shape]
+        lhs = emit(relax.op.broadcast_to(relax.op.expand_dims(lhs, axis=0), relax.ShapeExpr(shape)))
         weights = emit(relax.op.stack([relax.op.permute_dims(b.weight) for b in branches], axis=0))
         stacked = emit(relax.op.matmul(lhs, weights))
         if branches[0].bias is not None:

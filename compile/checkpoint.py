@@ -22,6 +22,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.txt",
+    "sentence_bert_config.json",  # max_seq_length: the input limit sentence-transformers applies
 )
 
 

@@ -1,0 +1,143 @@
+# syntax=docker/dockerfile:1
+#
+# bert-tvm-serve image: compiles the bundled MiniLM with TVM in a build stage, then serves the
+# artifacts from a slim runtime stage.
+#
+#   docker build --build-arg TARGET=cpu  -t bert-tvm-serve:0.1.0-cpu  .
+#   docker build --build-arg TARGET=cuda --build-arg CUDA_ARCH=sm_90 -t bert-tvm-serve:0.1.0-cuda .
+#
+# Build arguments
+#   TARGET     cpu | cuda. cuda compiles configs/cuda.yaml (no GPU needed at build time; the
+#              libraries are validated against PyTorch only where a GPU is present, so a CUDA
+#              image is NOT validated at build time) and adds the CUDA user-space libraries.
+#   CUDA_ARCH  passed to `bert-compile --cuda-arch` (default sm_90, H100).
+#   MCPU       LLVM CPU the host code is compiled for. bert-compile's own default is the build
+#              machine's CPU, which could SIGILL on a different node; x86-64-v3 (AVX2 + FMA)
+#              runs on any x86 server from the last ten years. Set it to the nodes' CPU
+#              (e.g. sapphirerapids, znver4) for AVX-512 kernels.
+#
+# Base images are pinned by tag to the OS (Debian 12 bookworm, glibc 2.36, gcc 12) and Python
+# (3.11) the project is tested on. For fully reproducible builds pin them by digest too
+# (python:3.11-slim-bookworm@sha256:...).
+
+ARG TARGET=cpu
+
+# ---------------------------------------------------------------------------------------------
+# build: install the project into /opt/venv and compile the artifacts into /opt/bert/artifacts
+# ---------------------------------------------------------------------------------------------
+FROM python:3.11-slim-bookworm AS build
+ARG TARGET
+ARG CUDA_ARCH=sm_90
+ARG MCPU=x86-64-v3
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# TVM's export_library links every library with the system C++ compiler. g++ is Debian's
+# default-compiler metapackage, whose version only changes between Debian releases.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && rm -rf /var/lib/apt/lists/*
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv
+
+WORKDIR /src
+# Dependencies first (one cached layer, independent of the source). Only the project's own
+# dependencies from pyproject.toml are installed, at the exact versions in requirements.lock
+# (used as constraints); the lock's test and bench extras (pytest, onnx, onnxruntime,
+# matplotlib, sentence-transformers, scikit-learn, ...) stay out of the image.
+# torch comes from PyTorch's CPU index: PyPI's torch==2.13.0 is the CUDA build (several GB of
+# nvidia-* wheels). torch is needed by bert-compile, by `--backend torch`, and by
+# compile/loader.py itself (it imports compile/checkpoint.py, which imports torch at module
+# level), so the runtime stage carries it; the CPU build is enough for CUDA images too, since
+# the TVM libraries, not torch, run on the GPU.
+COPY requirements.lock pyproject.toml ./
+RUN pip install --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
+        -c requirements.lock "torch==2.13.0+cpu" \
+    && python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+        > /tmp/dependencies.txt \
+    && pip install -c requirements.lock -r /tmp/dependencies.txt \
+    && rm /tmp/dependencies.txt
+
+# CUDA user-space libraries, from NVIDIA's pip wheels (CUDA 13, the version TVM's wheel links:
+# libtvm_runtime_cuda.so NEEDs libcudart.so.13 and libcuda.so.1). TVM 0.27 stores CUDA kernels
+# in the .so files as CUDA *source* and compiles them when a library is loaded, through
+# tvm.support.nvcc's NVRTC path, so serving needs more than libcudart:
+#   nvidia-cuda-runtime  libcudart.so.13 and cuda_runtime.h
+#   nvidia-cuda-nvrtc    libnvrtc.so.13 and libnvrtc-builtins.so.13.0
+#   nvidia-cuda-cccl     the cuda/std/* headers the generated kernels include
+#   cuda-bindings        the Python NVRTC binding tvm.support.nvcc calls
+# TVM looks for the CCCL headers under $CUDA_PATH/targets/x86_64-linux/include (the toolkit's
+# layout), so that path is linked to the wheel's include directory. libcuda.so.1 is the
+# driver's and is mounted by the NVIDIA container toolkit at run time.
+# (An nvidia/cuda:13.0.x-runtime-ubuntu24.04 base would give libcudart and libnvrtc but
+# neither the headers nor cuda-bindings, and Python 3.12 instead of the tested 3.11.)
+RUN if [ "$TARGET" = cuda ]; then \
+        pip install nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-cccl==13.0.85 \
+            cuda-bindings==13.0.3 \
+        && cu13=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
+        && mkdir -p "$cu13/targets/x86_64-linux" \
+        && ln -s ../../include "$cu13/targets/x86_64-linux/include"; \
+    fi
+
+# The project itself (compile/, service/, loadtest/ and the console scripts), not editable,
+# so the runtime stage needs no source tree.
+COPY README.md ./
+COPY configs/ configs/
+COPY compile/ compile/
+COPY service/ service/
+COPY loadtest/ loadtest/
+RUN pip install --no-deps /src
+
+RUN case "$TARGET" in \
+        cpu) set -- --config configs/default.yaml ;; \
+        cuda) set -- --config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" ;; \
+        *) echo "TARGET must be cpu or cuda, not '$TARGET'" >&2; exit 2 ;; \
+    esac \
+    && bert-compile "$@" --mcpu "$MCPU" --out /opt/bert/artifacts --quiet
+
+# ---------------------------------------------------------------------------------------------
+# runtime: the venv and the artifacts only; no compiler, no source tree, no pip cache
+# ---------------------------------------------------------------------------------------------
+FROM python:3.11-slim-bookworm AS runtime-base
+# A fixed numeric UID, so Kubernetes' runAsNonRoot can check it.
+RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp bert
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    HOME=/tmp \
+    HF_HOME=/tmp/huggingface \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    BERT_SERVE_ARTIFACTS=/opt/bert/artifacts \
+    BERT_SERVE_HOST=0.0.0.0 \
+    BERT_SERVE_PORT=8080
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/bert/artifacts /opt/bert/artifacts
+
+FROM runtime-base AS runtime-cpu
+
+FROM runtime-base AS runtime-cuda
+ENV CUDA_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
+    LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cu13/lib \
+    NVIDIA_VISIBLE_DEVICES=all \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# The final stage is runtime-cpu or runtime-cuda. DL3006 ("always tag the version of an image")
+# is a false positive here: runtime-${TARGET} names one of the two stages above, not an image
+# from a registry, and hadolint does not expand the build argument.
+# hadolint ignore=DL3006
+FROM runtime-${TARGET} AS runtime
+USER 10001:10001
+EXPOSE 8080
+# /health is "alive"; readiness (/ready, 503 until warmed up) is for the orchestrator.
+# Python's urllib instead of curl: nothing extra in the image. Non-2xx or no answer -> exit 1.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('BERT_SERVE_PORT', '8080'), timeout=4); sys.exit(0)"]
+# Every setting comes from the BERT_SERVE_* environment variables above (a ConfigMap overrides
+# them in Kubernetes), so no flags here would shadow them.
+CMD ["bert-serve"]

@@ -1,0 +1,167 @@
+"""The FastAPI application: lifespan, error handlers and the ASGI middleware around the routes.
+
+Middleware is plain ASGI (not BaseHTTPMiddleware) so it neither buffers responses nor breaks
+cancellation. Outermost first: metrics (counts every answer, refusals included), API key,
+body-size limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from typing import Callable
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .backends import load_backend
+from .errors import ServiceError, TooLarge, Unauthorized
+from .metrics import Metrics
+from .routes import router
+from .runtime import BackendLoader, Runtime
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+def error_response(error: ServiceError) -> JSONResponse:
+    headers = {"www-authenticate": "Bearer"} if isinstance(error, Unauthorized) else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+class MetricsMiddleware:
+    """Request count and latency per endpoint and status; unknown paths share one label."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]):
+        self.app, self.metrics, self.paths = app, metrics, paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_status)
+        finally:
+            endpoint = scope["path"] if scope["path"] in self.paths else "other"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint, str(status)).observe(time.perf_counter() - started)
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but /health, when a key is configured."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return await error_response(Unauthorized("missing or wrong API key"))(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit with 413, whether announced by Content-Length or streamed."""
+
+    def __init__(self, app: ASGIApp, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = error_response(TooLarge(f"request body is larger than the limit of {self.limit} bytes"))
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await too_large(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await too_large(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    first = exc.errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
+
+
+def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
+               on_fatal: Callable[[], None] | None = None) -> FastAPI:
+    """Build the app; the artifacts load in the background once the server runs."""
+    metrics = Metrics()
+    runtime = Runtime(settings, metrics, loader, on_fatal)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        loading = asyncio.create_task(runtime.start(), name="load-artifacts")
+        yield
+        if not loading.done():
+            loading.cancel()
+            await asyncio.gather(loading, return_exceptions=True)
+        await runtime.close()
+        log.info("stopped")
+
+    app = FastAPI(title="bert-tvm-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.settings, app.state.metrics, app.state.runtime = settings, metrics, runtime
+    app.include_router(router)
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"error": _validation_message(exc), "error_type": "Validation"}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"error": str(exc.detail), "error_type": "Http"}, status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return JSONResponse({"error": f"internal error: {type(exc).__name__}", "error_type": "Backend"},
+                            status_code=500)
+
+    app.add_middleware(BodyLimitMiddleware, limit=settings.payload_limit)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, paths=frozenset(route.path for route in router.routes))
+    return app

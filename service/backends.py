@@ -1,0 +1,100 @@
+"""Backends run one padded batch: TVM over the compiled artifact, or PyTorch eager as the oracle.
+
+Both return `compile.loader.RunResult`, so the batcher and metrics do not care which one runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from compile.bucketing import Bucket
+from compile.loader import CompiledModel, RunResult, load_artifact
+from compile.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    name: str
+    device: str  # where it computes: "cpu" or "cuda" (TEI's x-compute-type)
+    manifest: Manifest
+    directory: Path
+    buckets: list[Bucket]  # static shapes a batch is padded to; empty: run at its own shape
+    max_batch: int  # the most inputs one shape-free (generic) run accepts
+    max_seq: int
+    refused: dict[str, str]  # buckets whose library failed verification, and why
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> RunResult: ...
+
+    def warmup(self) -> None: ...
+
+
+class TvmBackend:
+    """The compiled libraries; `CompiledModel.run` already keeps one VM per thread."""
+
+    name = "tvm"
+
+    def __init__(self, model: CompiledModel):
+        self.model = model
+        self.device = model.manifest.target.kind
+        self.manifest = model.manifest
+        self.directory = model.directory
+        self.buckets = model.buckets
+        self.max_batch = model.manifest.generic.max_batch
+        self.max_seq = model.max_seq
+        self.refused = model.refused
+
+    def run(self, input_ids, attention_mask, token_type_ids) -> RunResult:
+        return self.model.run(input_ids, attention_mask, token_type_ids)
+
+    def warmup(self) -> None:
+        self.model.warmup()
+
+
+class TorchBackend:
+    """PyTorch eager on the checkpoint the artifact was compiled from: same function, same API."""
+
+    name = "torch"
+    device = "cpu"
+
+    def __init__(self, directory: Path, manifest: Manifest, threads: int | None = None):
+        import torch
+
+        from compile.checkpoint import inspect_checkpoint, load_wrapper
+
+        if threads:
+            torch.set_num_threads(threads)
+        pooling = manifest.pooling if manifest.task == "embed" else "auto"
+        info = inspect_checkpoint(Path(manifest.model.path), manifest.task, pooling)
+        self._torch = torch
+        self.module = load_wrapper(info, manifest.task, manifest.dtype)
+        self.manifest = manifest
+        self.directory = directory
+        self.buckets: list[Bucket] = []
+        self.max_batch = manifest.generic.max_batch
+        self.max_seq = manifest.generic.max_seq
+        self.refused: dict[str, str] = {}
+
+    def run(self, input_ids, attention_mask, token_type_ids) -> RunResult:
+        torch = self._torch
+        batch, seq = input_ids.shape
+        position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
+        with torch.inference_mode():
+            output = self.module(*(torch.from_numpy(np.ascontiguousarray(x))
+                                   for x in (input_ids, attention_mask, token_type_ids, position_ids)))
+        return RunResult(output.float().numpy(), "torch", None, batch * seq, int(attention_mask.sum()))
+
+    def warmup(self) -> None:
+        ones = np.ones((1, 2), dtype=np.int64)
+        self.run(ones, ones, np.zeros_like(ones))
+
+
+def load_backend(directory: Path, kind: str, torch_threads: int | None = None) -> Backend:
+    """Load one artifact directory as the chosen backend."""
+    if kind == "torch":
+        return TorchBackend(Path(directory), Manifest.read(Path(directory)), torch_threads)
+    return TvmBackend(load_artifact(directory))

@@ -1,0 +1,65 @@
+"""The error contract: every failure is `{"error": str, "error_type": str}` with a fixed status.
+
+The error types are text-embeddings-inference's; the statuses follow the issue where it departs
+from TEI (empty input is 422 here, a failed batch 500).
+"""
+
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    status: int = 500
+    error_type: str = "Backend"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.message, "error_type": self.error_type}
+
+
+class InvalidInput(ServiceError):
+    """Malformed or empty input."""
+
+    status = 422
+    error_type = "Validation"
+
+
+class TooLarge(ServiceError):
+    """Too many inputs, too long an input, or too big a body (TEI's Validation -> 413)."""
+
+    status = 413
+    error_type = "Validation"
+
+
+class Overloaded(ServiceError):
+    status = 429
+    error_type = "Overloaded"
+
+    def __init__(self, message: str = "Model is overloaded"):
+        super().__init__(message)
+
+
+class Unavailable(ServiceError):
+    status = 503
+    error_type = "Unhealthy"
+
+
+class Unauthorized(ServiceError):
+    status = 401
+    error_type = "Unauthorized"
+
+
+class NotSupported(ServiceError):
+    """The request needs a model this server does not hold (e.g. /classify without a classifier)."""
+
+    status = 400
+    error_type = "Validation"
+
+
+class BackendFailure(ServiceError):
+    """A batch failed to run; only that batch's requests see this."""
+
+    status = 500
+    error_type = "Backend"

@@ -1,0 +1,105 @@
+"""Request-level inference: tokenise, queue, and turn batch outputs into embeddings or predictions.
+
+One `ModelService` per loaded artifact. Timings follow TEI's response headers: for a request
+of several inputs, queue and inference times are averaged over its inputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batcher import Batcher
+from .errors import TooLarge
+from .tokenization import TextTokenizer
+
+# Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
+# scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
+ZERO_SHOT_SCALE = 20.0
+
+
+@dataclass(frozen=True)
+class Computed:
+    outputs: np.ndarray  # [n, dim]
+    paths: list[str]  # distinct compute paths that served the request, in order of first use
+    tokens: int
+    characters: int
+    tokenization_seconds: float
+    queue_seconds: float
+    inference_seconds: float
+
+
+class ModelService:
+    """One artifact's tokenizer and batcher, and what the routes ask of it."""
+
+    def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
+                 tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int):
+        self.name = name
+        self.task = task
+        self.labels = labels
+        self.tokenizer = tokenizer
+        self.batcher = batcher
+        self.max_client_batch_size = max_client_batch_size
+        self._tokenizer_pool = tokenizer_pool
+
+    def check_batch_size(self, count: int) -> None:
+        if count > self.max_client_batch_size:
+            raise TooLarge(f"batch size {count} > maximum allowed batch size {self.max_client_batch_size}")
+
+    async def compute(self, texts: list[str], truncate: bool) -> Computed:
+        started = time.perf_counter()
+        encoded = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, self.tokenizer.encode, texts, truncate
+        )
+        tokenized = time.perf_counter()
+        results = await self.batcher.submit(encoded)
+        return Computed(
+            outputs=np.stack([result.output for result in results]),
+            paths=list(dict.fromkeys(result.path for result in results)),
+            tokens=sum(len(item) for item in encoded),
+            characters=sum(len(text) for text in texts),
+            tokenization_seconds=tokenized - started,
+            queue_seconds=float(np.mean([result.queue_seconds for result in results])),
+            inference_seconds=float(np.mean([result.inference_seconds for result in results])),
+        )
+
+    async def embed(self, texts: list[str], normalize: bool, truncate: bool) -> tuple[np.ndarray, Computed]:
+        computed = await self.compute(texts, truncate)
+        vectors = computed.outputs
+        return (l2_normalize(vectors) if normalize else vectors), computed
+
+    async def classify(self, texts: list[str], raw_scores: bool, truncate: bool) -> tuple[list[list[dict]], Computed]:
+        computed = await self.compute(texts, truncate)
+        scores = computed.outputs if raw_scores else probabilities(computed.outputs)
+        return [ranked(self.labels, row) for row in scores], computed
+
+    async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
+                        truncate: bool) -> tuple[list[list[dict]], Computed]:
+        """Score labels by cosine similarity of their embeddings to each input's, softmax over labels."""
+        vectors, computed = await self.embed(texts + labels, normalize=True, truncate=truncate)
+        similarity = vectors[: len(texts)] @ vectors[len(texts):].T
+        scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
+        return [ranked(labels, row) for row in scores], computed
+
+
+def l2_normalize(vectors: np.ndarray) -> np.ndarray:
+    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+def probabilities(logits: np.ndarray) -> np.ndarray:
+    """Softmax over labels; a single-logit head is a sigmoid, as in TEI."""
+    return 1.0 / (1.0 + np.exp(-logits)) if logits.shape[1] == 1 else softmax(logits)
+
+
+def ranked(labels: list[str], scores: np.ndarray) -> list[dict]:
+    order = np.argsort(-scores, kind="stable")
+    return [{"label": labels[i], "score": float(scores[i])} for i in order]

@@ -1,0 +1,124 @@
+"""The HTTP routes: TEI's /embed and /predict (+ /classify), OpenAI's /v1/embeddings, and probes."""
+
+from __future__ import annotations
+
+import base64
+import time
+
+import numpy as np
+from fastapi import APIRouter, Request
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.responses import JSONResponse, Response
+
+from .errors import Unavailable
+from .inference import Computed, ModelService
+from .runtime import Runtime
+from .schemas import (ClassifyRequest, EmbedRequest, OpenAIEmbedding, OpenAIEmbeddingRequest,
+                      OpenAIEmbeddingResponse, OpenAIUsage)
+
+router = APIRouter()
+
+
+def _runtime(request: Request) -> Runtime:
+    return request.app.state.runtime
+
+
+def _texts(inputs: str | list[str]) -> list[str]:
+    return [inputs] if isinstance(inputs, str) else inputs
+
+
+def _truncate(request: Request, asked: bool | None) -> bool:
+    return request.app.state.settings.auto_truncate if asked is None else asked
+
+
+def _ms(seconds: float) -> str:
+    return str(int(seconds * 1000))
+
+
+def _headers(service: ModelService, computed: Computed, started: float) -> dict[str, str]:
+    """TEI's per-response headers (times in whole ms), plus which compute path(s) served."""
+    total = _ms(time.perf_counter() - started)
+    return {
+        "x-compute-path": ",".join(computed.paths),
+        "x-compute-type": service.batcher.backend.device,
+        "x-compute-time": total,
+        "x-total-time": total,
+        "x-compute-characters": str(computed.characters),
+        "x-compute-tokens": str(computed.tokens),
+        "x-tokenization-time": _ms(computed.tokenization_seconds),
+        "x-queue-time": _ms(computed.queue_seconds),
+        "x-inference-time": _ms(computed.inference_seconds),
+    }
+
+
+@router.get("/health")
+async def health() -> dict:
+    """Alive: the process answers, whether or not the models are loaded."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> dict:
+    runtime = _runtime(request)
+    if not runtime.ready:
+        raise Unavailable(f"not ready: {runtime.error}" if runtime.error else "not ready: warming up")
+    return {"status": "ready"}
+
+
+@router.get("/info")
+async def info(request: Request) -> dict:
+    return _runtime(request).describe()
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/embed")
+async def embed(body: EmbedRequest, request: Request) -> Response:
+    started = time.perf_counter()
+    service = _runtime(request).model("embed")
+    texts = _texts(body.inputs)
+    service.check_batch_size(len(texts))
+    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate))
+    return JSONResponse(vectors.tolist(), headers=_headers(service, computed, started))
+
+
+@router.post("/predict")
+@router.post("/classify")
+async def classify(body: ClassifyRequest, request: Request) -> Response:
+    """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
+    started = time.perf_counter()
+    texts = _texts(body.inputs)
+    truncate = _truncate(request, body.truncate)
+    if body.labels:
+        service = _runtime(request).model("embed")
+        service.check_batch_size(max(len(texts), len(body.labels)))
+        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncate)
+    else:
+        service = _runtime(request).model("classify")
+        service.check_batch_size(len(texts))
+        predictions, computed = await service.classify(texts, body.raw_scores, truncate)
+    content = predictions[0] if isinstance(body.inputs, str) else predictions
+    return JSONResponse(content, headers=_headers(service, computed, started))
+
+
+@router.post("/v1/embeddings")
+async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
+    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed")
+    texts = _texts(body.input)
+    service.check_batch_size(len(texts))
+    vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate)
+    if body.encoding_format == "base64":
+        data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
+    else:
+        data = vectors.tolist()
+    content = OpenAIEmbeddingResponse(
+        data=[OpenAIEmbedding(embedding=embedding, index=i) for i, embedding in enumerate(data)],
+        model=service.name,
+        usage=OpenAIUsage(prompt_tokens=computed.tokens, total_tokens=computed.tokens),
+    )
+    return JSONResponse(content.model_dump(), headers=_headers(service, computed, started))

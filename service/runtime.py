@@ -1,0 +1,156 @@
+"""What the server holds: the artifacts' models, loaded and warmed in the background.
+
+The HTTP server starts listening at once (so `/health` answers and `/ready` says 503); loading,
+warm-up of every library on every worker thread, and starting the batchers happen in a task,
+after which `/ready` turns 200. Manifests are read up front, so a wrong directory fails fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from compile.manifest import Manifest
+
+from .backends import Backend, load_backend
+from .batcher import Batcher
+from .errors import NotSupported, Unavailable
+from .inference import ModelService
+from .metrics import Metrics
+from .planning import BatchLimits
+from .settings import Settings
+from .tokenization import TextTokenizer, max_input_length
+
+log = logging.getLogger(__name__)
+
+BackendLoader = Callable[[Path, str, "int | None"], Backend]
+
+
+class ArtifactSetError(ValueError):
+    """The --artifacts given cannot be served together."""
+
+
+class Runtime:
+    def __init__(self, settings: Settings, metrics: Metrics, loader: BackendLoader = load_backend,
+                 on_fatal: Callable[[], None] | None = None):
+        self.settings = settings
+        self.metrics = metrics
+        self.loader = loader
+        self.on_fatal = on_fatal
+        self.manifests: dict[str, tuple[Path, Manifest]] = {}
+        for directory in settings.artifacts:
+            manifest = Manifest.read(directory)
+            if manifest.task in self.manifests:
+                raise ArtifactSetError(f"two {manifest.task} artifacts given; at most one per task")
+            self.manifests[manifest.task] = (Path(directory), manifest)
+        self.models: dict[str, ModelService] = {}
+        self.backends: dict[str, Backend] = {}
+        self.error: str | None = None
+        self.ready = False
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    @property
+    def primary_task(self) -> str:
+        return "embed" if "embed" in self.manifests else "classify"
+
+    async def start(self) -> None:
+        """Load, warm up and start every model; on failure record why and ask the server to stop."""
+        started = time.perf_counter()
+        try:
+            for task, (directory, manifest) in self.manifests.items():
+                log.info("loading %s artifact %s (backend %s)", task, directory, self.settings.backend)
+                backend = await asyncio.to_thread(self.loader, directory, self.settings.backend,
+                                                  self.settings.torch_threads)
+                service = self._service(directory, manifest, backend)
+                await asyncio.to_thread(service.batcher.warmup_workers)
+                self.backends[task], self.models[task] = backend, service
+            for service in self.models.values():
+                service.batcher.start()
+        except Exception as exc:  # noqa: BLE001 - any load failure means the server cannot serve
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.error("loading failed: %s", self.error)
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.ready = True
+        log.info("ready in %.1f s", time.perf_counter() - started)
+
+    def _service(self, directory: Path, manifest: Manifest, backend: Backend) -> ModelService:
+        settings = self.settings
+        tokenizer_dir = directory / manifest.tokenizer
+        limit = max_input_length(min(manifest.model.max_position_embeddings, backend.max_seq), tokenizer_dir)
+        limits = BatchLimits(settings.max_batch_tokens, settings.max_batch_requests, backend.max_batch)
+        batcher = Batcher(manifest.task, backend, limits, workers=settings.workers, max_wait_ms=settings.max_wait_ms,
+                          sort_window=settings.sort_window, capacity=settings.max_concurrent_requests,
+                          metrics=self.metrics)
+        return ModelService(directory.name, manifest.task, manifest.labels,
+                            TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
+                            self._tokenizer_pool, settings.max_client_batch_size)
+
+    def model(self, task: str) -> ModelService:
+        if task not in self.manifests:
+            raise NotSupported(f"this server has no {task} model")
+        if not self.ready:
+            raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
+        return self.models[task]
+
+    async def close(self) -> None:
+        for service in self.models.values():
+            await service.batcher.close()
+        self._tokenizer_pool.shutdown(wait=True)
+
+    def describe(self) -> dict:
+        """The /info body: TEI's fields for the primary model, then every model in detail."""
+        settings = self.settings
+        directory, manifest = self.manifests[self.primary_task]
+        service = self.models.get(self.primary_task)
+        if manifest.task == "embed":
+            model_type = {"embedding": {"pooling": manifest.pooling}}
+        else:
+            model_type = {"classifier": {"id2label": dict(enumerate(manifest.labels)),
+                                         "label2id": {label: i for i, label in enumerate(manifest.labels)}}}
+        return {
+            "model_id": directory.name,
+            "model_sha": manifest.model.weights_sha256,
+            "model_dtype": manifest.dtype,
+            "model_type": model_type,
+            "max_concurrent_requests": settings.max_concurrent_requests,
+            "max_input_length": service.tokenizer.max_length if service else None,
+            "max_batch_tokens": settings.max_batch_tokens,
+            "max_batch_requests": settings.max_batch_requests,
+            "max_client_batch_size": settings.max_client_batch_size,
+            "auto_truncate": settings.auto_truncate,
+            "backend": settings.backend,
+            "ready": self.ready,
+            "batching": {"workers": settings.workers, "max_wait_ms": settings.max_wait_ms,
+                         "sort_window": settings.sort_window, "payload_limit": settings.payload_limit},
+            "models": [self._describe_model(task, directory, manifest) for task, (directory, manifest)
+                       in self.manifests.items()],
+        }
+
+    def _describe_model(self, task: str, directory: Path, manifest: Manifest) -> dict:
+        service = self.models.get(task)
+        backend = self.backends.get(task)
+        return {
+            "model_id": directory.name,
+            "task": task,
+            "artifact": str(directory),
+            "checkpoint": manifest.model.path,
+            "target": manifest.target.model_dump(),
+            "dtype": manifest.dtype,
+            "pooling": manifest.pooling,
+            "labels": manifest.labels,
+            "output_dim": manifest.output_dim,
+            "max_input_length": service.tokenizer.max_length if service else None,
+            "buckets": [{"name": f"{b.batch}x{b.seq}", "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
+                        for b in manifest.buckets],
+            "refused_buckets": backend.refused if backend else {},
+            "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
+                        "strategy": manifest.generic.strategy},
+            "versions": {"tvm": manifest.tvm_version, "torch": manifest.torch_version,
+                         "transformers": manifest.transformers_version},
+        }

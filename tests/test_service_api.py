@@ -1,0 +1,236 @@
+"""The HTTP API on the tiny compiled artifacts, through a real server process on loopback.
+
+One server holds the tiny embed and classify artifacts (buckets 1x8, 2x16, 4x16 and 1x8, 4x16;
+max 64 positions), so batching, bucket routing, fallback and every error path are exercised
+in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+
+
+def sentence(words: int, offset: int = 0) -> str:
+    return " ".join(WORDS[(offset + i) % len(WORDS)] for i in range(words))
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{key}="{value}"' in (match.group(1) or "") for key, value in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+@pytest.fixture(scope="module")
+def server(serve, tiny_embed_artifact, tiny_classify_artifact):
+    with serve([tiny_embed_artifact, tiny_classify_artifact], "--max-wait-ms", "20", "--workers", "2") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
+
+
+def embed_one(client: httpx.Client, text: str, **extra) -> np.ndarray:
+    response = client.post("/embed", json={"inputs": text, **extra})
+    assert response.status_code == 200, response.text
+    return np.asarray(response.json()[0])
+
+
+def test_probes_info_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/ready").status_code == 200
+    info = client.get("/info").json()
+    assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_input_length"] == 64
+    by_task = {model["task"]: model for model in info["models"]}
+    assert [b["name"] for b in by_task["embed"]["buckets"]] == ["1x8", "2x16", "4x16"]
+    assert by_task["classify"]["labels"] == ["negative", "neutral", "positive"]
+    assert by_task["embed"]["generic"] == {"max_batch": 16, "max_seq": 64, "strategy": "concat"}
+    assert {"tvm", "torch", "transformers"} <= set(by_task["embed"]["versions"])
+    text = client.get("/metrics").text
+    for name in ("bert_serve_requests_total", "bert_serve_request_duration_seconds_bucket", "bert_serve_queue_depth",
+                 "bert_serve_batch_size_bucket", "bert_serve_tokens_total", "bert_serve_padding_tokens_total",
+                 "bert_serve_batches_total", "bert_serve_fallback_total"):
+        assert name in text
+
+
+def test_embed_is_normalised_ordered_and_timed(client):
+    texts = [sentence(3), sentence(9, 2), sentence(5, 4)]
+    response = client.post("/embed", json={"inputs": texts})
+    assert response.status_code == 200
+    vectors = np.asarray(response.json())
+    assert vectors.shape == (3, 32)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    for text, vector in zip(texts, vectors):  # input order kept
+        np.testing.assert_allclose(embed_one(client, text), vector, atol=1e-4)
+    raw = np.asarray(client.post("/embed", json={"inputs": texts[0], "normalize": False}).json()[0])
+    np.testing.assert_allclose(raw / np.linalg.norm(raw), vectors[0], atol=1e-5)
+    for header in ("x-compute-time", "x-tokenization-time", "x-queue-time", "x-inference-time", "x-compute-tokens"):
+        assert response.headers[header].isdigit(), header
+    assert response.headers["x-compute-path"].startswith("bucket-")
+
+
+def test_concurrent_mixed_burst_matches_alone(server, client):
+    """72 concurrent requests of 1 to 40 words: each answer equals the same input sent alone."""
+    texts = [sentence(1 + (i * 7) % 40, i) for i in range(72)]
+    alone = {text: embed_one(client, text) for text in set(texts)}
+    before = client.get("/metrics").text
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as aclient:
+            return await asyncio.gather(*(aclient.post("/embed", json={"inputs": text}) for text in texts))
+
+    responses = asyncio.run(asyncio.wait_for(burst(), 120))
+    assert [r.status_code for r in responses] == [200] * len(texts)
+    for text, response in zip(texts, responses):
+        np.testing.assert_allclose(np.asarray(response.json()[0]), alone[text], atol=1e-4)
+    paths = {path for r in responses for path in r.headers["x-compute-path"].split(",")}
+    assert "generic" in paths and any(p.startswith("bucket-") for p in paths)
+    after = client.get("/metrics").text
+    batches = metric(after, "bert_serve_batch_size_count") - metric(before, "bert_serve_batch_size_count")
+    assert 0 < batches < len(texts), "concurrent requests were batched together"
+
+
+def test_fallback_serves_shapes_larger_than_every_bucket(client):
+    before = client.get("/metrics").text
+    response = client.post("/embed", json={"inputs": sentence(40)})  # 42 tokens > 16, the longest bucket
+    assert response.status_code == 200 and response.headers["x-compute-path"] == "generic"
+    after = client.get("/metrics").text
+    assert metric(after, "bert_serve_fallback_total") == metric(before, "bert_serve_fallback_total") + 1
+    assert metric(after, "bert_serve_batches_total", path="generic") == \
+        metric(before, "bert_serve_batches_total", path="generic") + 1
+
+
+def test_batch_larger_than_every_bucket_is_split_not_sent_to_generic(client):
+    before = client.get("/metrics").text
+    texts = [sentence(3, i) for i in range(10)]  # 10 short inputs > 4, the largest bucket batch
+    response = client.post("/embed", json={"inputs": texts})
+    assert response.status_code == 200 and len(response.json()) == 10
+    assert "generic" not in response.headers["x-compute-path"]
+    after = client.get("/metrics").text
+    assert metric(after, "bert_serve_fallback_total") == metric(before, "bert_serve_fallback_total")
+    hits = metric(after, "bert_serve_batches_total") - metric(before, "bert_serve_batches_total")
+    assert hits >= 3  # at least ceil(10 / 4) bucket runs
+    padding = metric(after, "bert_serve_padding_tokens_total") - metric(before, "bert_serve_padding_tokens_total")
+    assert padding >= 0
+
+
+def test_classify_matches_pytorch_softmax(client, tiny_classifier_dir):
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    texts = [sentence(4), sentence(11, 3), sentence(20, 5)]
+    model = BertForSequenceClassification.from_pretrained(tiny_classifier_dir, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    with torch.no_grad():
+        probs = torch.softmax(model(**tokenizer(texts, padding=True, return_tensors="pt")).logits, -1).numpy()
+    labels = ["negative", "neutral", "positive"]
+    for route in ("/classify", "/predict"):
+        response = client.post(route, json={"inputs": texts})
+        assert response.status_code == 200, response.text
+        for expected, predictions in zip(probs, response.json()):
+            scores = [p["score"] for p in predictions]
+            assert scores == sorted(scores, reverse=True)
+            got = {p["label"]: p["score"] for p in predictions}
+            np.testing.assert_allclose([got[label] for label in labels], expected, atol=1e-4)
+    single = client.post("/classify", json={"inputs": texts[0], "raw_scores": True}).json()
+    assert isinstance(single[0], dict)  # one string in, TEI's flat list out
+    raw = {p["label"]: p["score"] for p in single}
+    np.testing.assert_allclose(np.exp([raw[l] for l in labels]) / np.exp([raw[l] for l in labels]).sum(),
+                               probs[0], atol=1e-4)
+
+
+def test_openai_client(server, client):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    texts = [sentence(4), sentence(12, 1)]
+    expected = np.asarray(client.post("/embed", json={"inputs": texts}).json())
+    for encoding_format in ("base64", "float"):  # the client asks for base64 unless told otherwise
+        kwargs = {"encoding_format": encoding_format} if encoding_format == "float" else {}
+        result = api.embeddings.create(input=texts, model="tiny-embed", **kwargs)
+        assert [item.index for item in result.data] == [0, 1]
+        np.testing.assert_allclose([item.embedding for item in result.data], expected, atol=1e-6)
+        assert result.usage.prompt_tokens == result.usage.total_tokens > 0
+    single = client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(single["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, expected[0], atol=1e-6)
+    assert single["object"] == "list" and single["data"][0]["object"] == "embedding"
+
+
+LONG = sentence(100)  # 102 tokens > 64
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "status"),
+    [
+        ("/embed", {"inputs": ""}, 422),
+        ("/embed", {"inputs": []}, 422),
+        ("/embed", {"inputs": ["fine", ""]}, 422),
+        ("/embed", {"inputs": 42}, 422),
+        ("/embed", {"inputs": ["fine", 42]}, 422),
+        ("/embed", {"inputs": "fine", "normalize": "yes"}, 422),
+        ("/embed", {"normalize": True}, 422),
+        ("/embed", [1, 2], 422),
+        ("/classify", {"inputs": "fine", "labels": []}, 422),
+        ("/v1/embeddings", {"input": "fine", "encoding_format": "hex"}, 422),
+        ("/embed", {"inputs": ["a"] * 33}, 413),
+        ("/embed", {"inputs": LONG}, 413),
+        ("/classify", {"inputs": LONG}, 413),
+        ("/v1/embeddings", {"input": LONG}, 413),
+    ],
+)
+def test_bad_input_gets_status_and_json(client, route, body, status):
+    response = client.post(route, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert set(error) == {"error", "error_type"} and error["error"]
+    if body == {"inputs": LONG}:
+        assert "64" in error["error"]  # names the limit
+
+
+def test_non_json_and_oversized_bodies(client):
+    for content in (b"not json", b"{\"inputs\": ", "{\"inputs\": \"caf\u00e9\"".encode()):
+        response = client.post("/embed", content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 422 and response.json()["error_type"] == "Validation"
+    huge = json.dumps({"inputs": "a " * 1_100_000})  # 2.2 MB > the 2 MB default limit
+    response = client.post("/embed", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and set(response.json()) == {"error", "error_type"}
+
+    def chunks():  # no Content-Length: the limit holds for streamed bodies too
+        for _ in range(30):
+            yield b" " * 100_000
+
+    response = client.post("/embed", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert client.get("/nowhere").json()["error_type"] and client.get("/nowhere").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\U0001F600\U0001F680 emoji only \U0001F44D", "ctrl\x00chars\x07\x1b[31m\t\r\n", "混合 scripts: Ελληνικά, العربية, हिन्दी",
+     "\u200b\u200d\ufeff", " " * 10, "x" * 100_000],
+)
+def test_strange_text_gets_a_normal_answer(client, text):
+    response = client.post("/embed", json={"inputs": text, "truncate": True})
+    assert response.status_code == 200, response.text
+    vector = np.asarray(response.json()[0])
+    assert vector.shape == (32,) and np.isfinite(vector).all()
+
+
+def test_truncate_on_serves_long_input_at_the_limit(client):
+    response = client.post("/embed", json={"inputs": LONG, "truncate": True})
+    assert response.status_code == 200 and int(response.headers["x-compute-tokens"]) == 64

@@ -1,0 +1,112 @@
+"""Overload, API key, environment settings, the PyTorch backend and graceful shutdown, each on its
+own small server process over the tiny artifacts."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from service.settings import Settings
+
+TEXTS = ["a short one", "a somewhat longer sentence with several more words in it", "tokens " * 30]
+
+
+def test_settings_come_from_env_and_flags_override(tmp_path):
+    env = {"BERT_SERVE_ARTIFACTS": f"{tmp_path}/a,{tmp_path}/b", "BERT_SERVE_PORT": "9001",
+           "BERT_SERVE_MAX_WAIT_MS": "7.5", "BERT_SERVE_AUTO_TRUNCATE": "true", "BERT_SERVE_BACKEND": "torch"}
+    settings = Settings.load({"port": 9002, "workers": None}, env)
+    assert settings.artifacts == [tmp_path / "a", tmp_path / "b"]
+    assert (settings.port, settings.max_wait_ms, settings.auto_truncate, settings.backend) == (9002, 7.5, True, "torch")
+    with pytest.raises(ValueError):
+        Settings.load({}, {"BERT_SERVE_ARTIFACTS": "x", "BERT_SERVE_BACKEND": "onnx"})
+
+
+def test_full_queue_answers_429_at_once(serve, tiny_embed_artifact):
+    """Room for 2 queued inputs, lingering 400 ms: of a 40-request burst most are refused, fast."""
+    args = ("--max-concurrent-requests", "2", "--max-wait-ms", "400", "--workers", "1")
+    with serve([tiny_embed_artifact], *args) as server:
+
+        async def timed(client: httpx.AsyncClient, text: str):
+            started = time.perf_counter()
+            response = await client.post("/embed", json={"inputs": text})
+            return response, time.perf_counter() - started
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
+                return await asyncio.gather(*(timed(client, f"request number {i}") for i in range(40)))
+
+        results = asyncio.run(asyncio.wait_for(burst(), 60))
+        refused = [(r, t) for r, t in results if r.status_code == 429]
+        served = [(r, t) for r, t in results if r.status_code == 200]
+        assert len(refused) + len(served) == 40 and refused and served
+        assert all(r.json() == {"error": "Model is overloaded", "error_type": "Overloaded"} for r, _ in refused)
+        assert np.median([t for _, t in refused]) < min(t for _, t in served)  # refused without queueing
+        assert httpx.post(f"{server.url}/embed", json={"inputs": "after the burst"}, timeout=30).status_code == 200
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'bert_serve_requests_total{endpoint="/embed",status="429"}' in metrics
+
+
+def test_api_key_guards_every_route_but_health(serve, tiny_embed_artifact):
+    env = {"BERT_SERVE_API_KEY": "s3cret", "BERT_SERVE_MAX_CLIENT_BATCH_SIZE": "2"}
+    good = {"authorization": "Bearer s3cret"}
+    with serve([tiny_embed_artifact], env=env, ready_headers=good) as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            assert client.get("/health").status_code == 200
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                for method, path in (("POST", "/embed"), ("GET", "/metrics"), ("GET", "/info"), ("GET", "/ready")):
+                    response = client.request(method, path, json={"inputs": "hi"}, headers=headers)
+                    assert response.status_code == 401, (path, headers)
+                    assert response.json()["error_type"] == "Unauthorized"
+            assert client.post("/embed", json={"inputs": "hi"}, headers=good).status_code == 200
+            too_many = client.post("/embed", json={"inputs": ["a", "b", "c"]}, headers=good)
+            assert too_many.status_code == 413  # BERT_SERVE_MAX_CLIENT_BATCH_SIZE=2 was read
+
+
+def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_classify_artifact, tiny_bert_dir,
+                                           tiny_classifier_dir):
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():  # Hugging Face's own modules: mean pooling and softmax written out here
+        hidden = BertModel.from_pretrained(tiny_bert_dir, add_pooling_layer=False).eval()(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
+        logits = BertForSequenceClassification.from_pretrained(tiny_classifier_dir).eval()(**batch).logits
+        probs = torch.softmax(logits, -1).numpy()
+    with serve([tiny_embed_artifact, tiny_classify_artifact], "--backend", "torch", "--torch-threads", "1") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            response = client.post("/embed", json={"inputs": TEXTS})
+            assert response.status_code == 200 and response.headers["x-compute-path"] == "torch"
+            np.testing.assert_allclose(response.json(), expected, atol=1e-5)
+            predictions = client.post("/classify", json={"inputs": TEXTS}).json()
+            labels = ["negative", "neutral", "positive"]
+            got = [[{p["label"]: p["score"] for p in row}[label] for label in labels] for row in predictions]
+            np.testing.assert_allclose(got, probs, atol=1e-5)
+            assert client.get("/info").json()["backend"] == "torch"
+
+
+def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
+    """Requests lingering in the queue when SIGTERM arrives are still answered; then exit 0."""
+    with serve([tiny_embed_artifact], "--max-wait-ms", "800", "--workers", "1") as server:
+        statuses: list[int] = []
+
+        def send(i: int) -> None:
+            statuses.append(httpx.post(f"{server.url}/embed", json={"inputs": f"in flight {i}"}, timeout=30).status_code)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.3)  # all three are queued, lingering for company
+        server.process.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(timeout=30)
+        assert statuses == [200, 200, 200]
+        assert server.process.wait(timeout=30) == 0

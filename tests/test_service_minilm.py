@@ -1,0 +1,45 @@
+"""The real all-MiniLM-L6-v2, compiled for this CPU (buckets 1x16, 4x32): /embed parity with
+sentence-transformers, and zero-shot /classify ranking obvious sentences sensibly. Few, short
+sentences: untuned CPU kernels are slow."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+SENTENCES = [
+    "The striker scored twice and the team won the championship final.",
+    "Heavy rain and strong winds are expected across the region tomorrow.",
+    "The new smartphone ships with a faster processor and more memory.",
+    "The orchestra played a symphony by Beethoven to a full concert hall.",
+]
+LABELS = ["sports", "weather", "technology", "music"]
+
+
+@pytest.fixture(scope="module")
+def client(serve, minilm_artifact):
+    with serve([minilm_artifact], "--workers", "1") as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            yield client
+
+
+def test_embed_matches_sentence_transformers(client, minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(minilm_dir), device="cpu").encode(SENTENCES, normalize_embeddings=True)
+    response = client.post("/embed", json={"inputs": SENTENCES})
+    assert response.status_code == 200, response.text
+    got = np.asarray(response.json())
+    cosine = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosine.min() >= 0.9999, cosine
+
+
+def test_zero_shot_classify_ranks_obvious_sentences(client):
+    response = client.post("/classify", json={"inputs": SENTENCES, "labels": LABELS})
+    assert response.status_code == 200, response.text
+    for expected, predictions in zip(LABELS, response.json()):
+        assert predictions[0]["label"] == expected, predictions
+        assert sum(p["score"] for p in predictions) == pytest.approx(1.0, abs=1e-5)
+    no_head = client.post("/classify", json={"inputs": "no classifier artifact is loaded"})
+    assert no_head.status_code == 400 and set(no_head.json()) == {"error", "error_type"}

@@ -1,0 +1,26 @@
+"""The load test runs end to end in --quick mode against real servers on 127.0.0.1."""
+
+import json
+
+from loadtest.__main__ import main
+
+
+def test_quick_loadtest_accounts_for_every_request(tiny_embed_artifact, tmp_path, capsys):
+    out = tmp_path / "loadtest"
+    assert main(["--artifacts", str(tiny_embed_artifact), "--quick", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    for name in ("results.csv", "latency_vs_throughput.png", "compute_path_mix.png", "report.md"):
+        assert (out / name).stat().st_size > 0
+    rows = report["rows"]
+    assert {(r["backend"], r["endpoint"], r["mode"]) for r in rows} == {
+        (b, e, m) for b in ("tvm", "torch") for e in ("/embed", "/classify") for m in ("closed", "open")}
+    for row in rows:
+        assert row["sent"] > 0
+        assert row["sent"] == row["answered"] + sum(row["errors"].values())  # nothing silently lost
+        assert row["answered"] > 0 and row["latency_ms"]["p50"] > 0 and row["peak_rss_mb"] > 0
+    compiled = [r for r in rows if r["backend"] == "tvm"]
+    assert all(sum(r["batches_by_path"].values()) > 0 for r in compiled)
+    assert all(0.0 <= r["bucket_share"] <= 1.0 for r in compiled)
+    assert all(set(r["batches_by_path"]) == {"torch"} for r in rows if r["backend"] == "torch")
+    assert [v["endpoint"] for v in report["verdicts"]] == ["/embed", "/classify"]
+    assert "| tvm | /embed | closed | 8 |" in capsys.readouterr().out

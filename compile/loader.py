@@ -32,6 +32,8 @@ def device_for(kind: str) -> tvm.runtime.Device:
 def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
     from safetensors.numpy import load_file
 
+    if len(set(names)) != len(names):
+        raise ArtifactError(f"{path}: the manifest names a weight twice")
     arrays = load_file(str(path))
     missing = [name for name in names if name not in arrays]
     if missing:

@@ -23,7 +23,7 @@ from .config import CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import example_inputs, export_and_import
 from .lift import LiftedModel, lift_and_transform
-from .loader import LibraryRunner, device_for
+from .loader import LibraryRunner, device_for, load_weights
 from .manifest import (
     BucketEntry,
     GenericEntry,
@@ -83,7 +83,7 @@ class LibraryBuilder:
     """Builds each library once per candidate strategy, keeps the fastest, validates it."""
 
     def __init__(self, config: CompileConfig, staging: Path, variants: dict[str, LiftedModel],
-                 wrapper: torch.nn.Module, vocab_size: int):
+                 weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module, vocab_size: int):
         self.config = config
         self.staging = staging
         self.variants = variants
@@ -93,8 +93,9 @@ class LibraryBuilder:
         self.device = device_for(config.target)
         self.can_run = bool(self.device.exist)
         self.validate = config.validate_artifacts and self.can_run
+        # Validate what ships: the weights as read back from the artifact's files.
         self.weights = (
-            {s: [tvm.runtime.tensor(w, self.device) for w in v.weights] for s, v in variants.items()}
+            {s: load_weights(staging / entry.file, entry.names, self.device) for s, entry in weight_files.items()}
             if self.can_run else {}
         )
 
@@ -181,7 +182,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step("copy tokenizer"):
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
         (staging / "lib").mkdir()
-        builder = LibraryBuilder(config, staging, variants, reference, vocab_size)
+        weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
+        builder = LibraryBuilder(config, staging, variants, weight_files, reference, vocab_size)
         records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):
@@ -189,9 +191,9 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
             generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes, static=False)
             records.append(generic)
-        weights = {}
-        for strategy in sorted({r.strategy for r in records}):
-            weights[strategy] = _save_weights(staging, strategy, variants[strategy])
+        used = {r.strategy for r in records}
+        for strategy in set(weight_files) - used:
+            (staging / weight_files.pop(strategy).file).unlink()
 
         def library_fields(record: BuildRecord) -> dict:
             return {"library": record.library, "sha256": file_sha256(staging / record.library),
@@ -223,7 +225,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             torch_version=torch.__version__,
             transformers_version=transformers.__version__,
             tokenizer=TOKENIZER_DIR,
-            weights=weights,
+            weights=weight_files,
             buckets=[
                 BucketEntry(batch=b.batch, seq=b.seq, max_abs_diff=r.diffs[b.name], **library_fields(r))
                 for b, r in zip(buckets, records)
@@ -252,12 +254,15 @@ def _prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig
             "cosine_vs_dense": cosine_drift(dense, wrapper, info)}
 
 
-def _save_weights(staging: Path, strategy: str, variant: LiftedModel) -> WeightsEntry:
+def save_weights(staging: Path, strategy: str, variant: LiftedModel) -> WeightsEntry:
+    """One safetensors file per strategy; keys are prefixed with the parameter's position,
+    because lifted parameter names (lv12, ...) are not unique."""
     from safetensors.numpy import save_file
 
     name = f"weights-{strategy}.safetensors"
-    save_file(dict(zip(variant.weight_names, (np.ascontiguousarray(w) for w in variant.weights))), str(staging / name))
-    return WeightsEntry(file=name, sha256=file_sha256(staging / name), names=variant.weight_names)
+    keys = [f"{index:04d}.{weight_name}" for index, weight_name in enumerate(variant.weight_names)]
+    save_file(dict(zip(keys, (np.ascontiguousarray(w) for w in variant.weights))), str(staging / name))
+    return WeightsEntry(file=name, sha256=file_sha256(staging / name), names=keys)
 
 
 def _copy_tokenizer(model_dir: Path, destination: Path) -> None:

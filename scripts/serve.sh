@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Set up, compile the default model for this CPU (once), then serve it on 127.0.0.1:8080.
+# Extra arguments go to bert-serve (e.g. --port 9000); ARTIFACTS picks another directory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -7,6 +8,4 @@ ARTIFACTS=${ARTIFACTS:-artifacts/minilm-cpu}
 if [ ! -f "$ARTIFACTS/manifest.json" ]; then
   .venv/bin/bert-compile --config configs/default.yaml --out "$ARTIFACTS"
 fi
-if [ -f service/__main__.py ]; then
-  exec .venv/bin/bert-serve --artifacts "$ARTIFACTS" "$@"
-fi
+exec .venv/bin/bert-serve --artifacts "$ARTIFACTS" "$@"

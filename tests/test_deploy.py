@@ -1,5 +1,5 @@
 """Deployment files: the Dockerfile (hadolint), the Kubernetes manifests (kubernetes-validate)
-and the commands in deploy/README.md. No Docker engine or cluster is needed; runs in about a second.
+and the commands in README.md. No Docker engine or cluster is needed; runs in about a second.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
-DEPLOY_README = ROOT / "deploy" / "README.md"
+DEPLOY_README = ROOT / "README.md"
 BIN = Path(sys.executable).parent  # the venv's bin/, where hadolint and kubernetes-validate live
 KUBERNETES_VERSION = "1.35.0"
 CHECKS_MARKER = "<!-- deploy-checks:"
@@ -39,7 +39,7 @@ def _run(argv_or_line, **kwargs) -> subprocess.CompletedProcess:
 
 
 def _readme_blocks() -> list[tuple[str, list[str]]]:
-    """(text before the block, lines) for every ```bash block of deploy/README.md."""
+    """(text before the block, lines) for every ```bash block of README.md."""
     text = DEPLOY_README.read_text()
     blocks = []
     for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
@@ -51,7 +51,7 @@ def _readme_blocks() -> list[tuple[str, list[str]]]:
 def _check_commands() -> list[str]:
     """The lines of the README block marked as the checks, pytest itself left out."""
     marked = [lines for before, lines in _readme_blocks() if before.rstrip().splitlines()[-1].startswith(CHECKS_MARKER)]
-    assert len(marked) == 1, f"deploy/README.md needs exactly one ```bash block right after {CHECKS_MARKER} ...-->"
+    assert len(marked) == 1, f"README.md needs exactly one ```bash block right after {CHECKS_MARKER} ...-->"
     return [line for line in marked[0] if "pytest" not in line]
 
 

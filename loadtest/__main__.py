@@ -78,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     for backend in backends:
         log(f"loadtest: starting {backend} server ...")
-        with running_server([args.artifacts], backend, args.out / f"server-{backend}.log",
-                            extra_args=tuple(args.server_arg)) as (base, memory):
+        with running_server([args.artifacts], "--backend", backend, *args.server_arg,
+                            log_path=args.out / f"server-{backend}.log") as server:
+            base, memory = server.url, server.memory
             for endpoint in endpoints:
                 for mode, level in levels:
                     step += 1

@@ -1,8 +1,8 @@
 """`python -m loadtest.bench`: compiled bucket vs generic library vs PyTorch eager vs ONNX Runtime.
 
 One process, one thread count for every backend, interleaved repeated runs, medians and
-ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Writes JSON and
-a PNG bar chart; prints a markdown table.
+ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Writes JSON, a
+PNG bar chart and a markdown table.
 """
 
 from __future__ import annotations
@@ -77,15 +77,18 @@ def onnx_session(wrapper, directory: Path, threads: int):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
-    # TVM's idle workers busy-wait after each call; in one process with torch and ORT that
-    # spinning steals the cores the next backend runs on, so turn it off for a fair comparison.
+    # Every runtime's idle workers busy-wait after a call (TVM's pool, OpenMP under torch, ORT's
+    # pool); interleaved in one process, that spinning steals the cores the next backend runs
+    # on (torch at 1x16 went from 15 to 570 ms), so none of them spins here.
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import numpy as np
     import torch
 
@@ -161,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(results, args.out / "bench.png", peak)
-    print(markdown_table(report))
+    table = markdown_table(report)
+    (args.out / "bench.md").write_text(table + "\n")
+    print(table)
     return 0
 
 

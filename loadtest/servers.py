@@ -1,4 +1,7 @@
-"""Starting a server on loopback as a subprocess, waiting for /ready, sampling its memory."""
+"""Starting a server on loopback as a subprocess, waiting for /ready, sampling its memory.
+
+Used by the load tests and by the test suite's `serve` fixture: one way to run a real server.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +12,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import httpx
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -46,35 +52,45 @@ class MemorySampler(threading.Thread):
         self._stop.set()
 
 
+@dataclass
+class RunningServer:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    memory: MemorySampler
+
+
 @contextlib.contextmanager
-def running_server(artifacts: list[Path], backend: str, log_path: Path, ready_timeout: float = 600.0,
-                   extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> Iterator[tuple[str, MemorySampler]]:
-    """Start `python -m service` on 127.0.0.1:<free port>; yield its base URL once /ready says 200."""
+def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[str, str] | None = None,
+                   ready_headers: dict[str, str] | None = None, timeout: float = 600.0) -> Iterator[RunningServer]:
+    """`python -m service --artifacts ... *args` on 127.0.0.1:<free port>, yielded once /ready is 200;
+    terminated (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = free_port()
-    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--backend", backend]
+    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
     for directory in artifacts:
         command += ["--artifacts", str(directory)]
-    command += list(extra_args)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-        sampler = MemorySampler(process.pid)
-        sampler.start()
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                if process.poll() is not None:
-                    raise RuntimeError(f"{backend} server exited with {process.returncode}; see {log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{base}/ready", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{backend} server not ready after {ready_timeout:.0f} s; see {log_path}")
-                time.sleep(0.25)
-            yield base, sampler
-        finally:
-            sampler.stop()
+        process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, **(env or {})})
+    memory = MemorySampler(process.pid)
+    memory.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", headers=ready_headers, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield RunningServer(url, process, log_path, memory)
+    finally:
+        memory.stop()
+        if process.poll() is None:
             process.terminate()
             try:
                 process.wait(timeout=30)

@@ -124,47 +124,15 @@ def minilm_artifact(minilm_dir, tmp_path_factory) -> Path:
 def serve(tmp_path_factory):
     """Start `python -m service` on a free loopback port: a context manager yielding, once /ready
     says 200, a namespace with `url`, `process` and `log` (the server's output file)."""
-    import contextlib
-    import socket
-    import subprocess
-    import sys
-    import time
-    from types import SimpleNamespace
+    import itertools
 
-    import httpx
+    from loadtest.servers import running_server
 
     logs = tmp_path_factory.mktemp("server-logs")
+    counter = itertools.count()
 
-    @contextlib.contextmanager
     def start(artifacts, *args, env=None, ready_headers=None, timeout=180.0):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
-        for directory in artifacts:
-            command += ["--artifacts", str(directory)]
-        log_path = logs / f"server-{port}.log"
-        with open(log_path, "w") as log:
-            process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[1])
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                assert process.poll() is None, f"server exited with {process.returncode}:\n{log_path.read_text()}"
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(f"{url}/ready", headers=ready_headers, timeout=2).status_code == 200:
-                        break
-                assert time.monotonic() < deadline, f"server not ready in {timeout} s:\n{log_path.read_text()}"
-                time.sleep(0.2)
-            yield SimpleNamespace(url=url, process=process, log=log_path)
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        return running_server(artifacts, "--log-level", "warning", *args, log_path=logs / f"server-{next(counter)}.log",
+                              env=env, ready_headers=ready_headers, timeout=timeout)
 
     return start

@@ -170,21 +170,50 @@ def test_tiny_bert_sparse_cuda_build_compiles(tiny_bert):
     assert executable is not None
 
 
-def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(tiny_bert_dir, tmp_path):
-    from compile.loader import load_artifact
+@pytest.fixture(scope="module")
+def sparse_artifact(tiny_bert_dir, tmp_path_factory):
     from conftest import compile_artifact
 
-    out = tmp_path / "sparse"
-    manifest, _ = compile_artifact(tiny_bert_dir, out, ["2x16"], sparsity=0.75, block="16x1")
-    sparsity = manifest.sparsity
+    out = tmp_path_factory.mktemp("sparse") / "artifact"
+    compile_artifact(tiny_bert_dir, out, ["2x16"], sparsity=0.75, block="16x1")
+    return out
+
+
+def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact):
+    from compile.loader import load_artifact
+
+    model = load_artifact(sparse_artifact)
+    manifest, sparsity = model.manifest, model.manifest.sparsity
     assert manifest.validated and manifest.buckets[0].max_abs_diff <= 1e-4  # vs PyTorch on the pruned weights
     assert sparsity.pruned == 2 * 3  # FFN in, FFN out, attention output of both layers
     assert sparsity.rewritten == 2 * 3 and sparsity.kept_dense == 0
     assert abs(sparsity.density - 0.25) < 1e-9 and sparsity.block == [16, 1]
     assert 0.0 < sparsity.cosine_vs_dense < 1.0
-    model = load_artifact(out)
     ids = np.ones((2, 16), dtype=np.int64)
     assert model.run(ids, ids).path == "bucket-2x16"
+
+
+def test_sparse_artifact_serves_through_the_service(sparse_artifact, serve):
+    import httpx
+
+    from compile.loader import load_artifact
+    from service.tokenization import TextTokenizer
+
+    texts = ["block sparse weights", "a longer sentence that still fits in the bucket"]
+    model = load_artifact(sparse_artifact)
+    encoded = TextTokenizer(model.tokenizer_dir / "tokenizer.json", 64).encode(texts, truncate=False)
+    width = max(len(e) for e in encoded)
+    ids = np.zeros((len(texts), width), dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for row, e in enumerate(encoded):
+        ids[row, : len(e)], mask[row, : len(e)] = e.ids, 1
+    expected = model.run(ids, mask).output
+    expected /= np.linalg.norm(expected, axis=1, keepdims=True)
+    with serve([sparse_artifact]) as server:
+        response = httpx.post(f"{server.url}/embed", json={"inputs": texts}, timeout=30)
+    assert response.status_code == 200
+    assert response.headers["x-compute-path"] == "bucket-2x16"
+    np.testing.assert_allclose(np.array(response.json()), expected, atol=1e-5)
 
 
 def test_sparse_block_that_does_not_divide_is_a_compile_error(tiny_bert_dir, tmp_path):

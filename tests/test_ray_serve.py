@@ -1,0 +1,160 @@
+"""Ray Serve: two replicas of the service behind Serve's HTTP proxy, on a local Ray cluster on loopback.
+
+The cluster is this test's own (2 CPUs, no dashboard, its own short temp dir), so it neither joins
+nor disturbs anyone else's on the machine, and the test checks that none of its processes outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+import ray
+from ray import serve
+
+from compile.loader import load_artifact
+from service.inference import l2_normalize
+from service.ray_serve import DEFAULT_CONFIG, ConfigError, deploy, load_config
+from service.settings import Settings
+from service.tokenization import TextTokenizer
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+TEXTS = [" ".join(WORDS[offset:offset + length]) for offset, length in
+         [(0, 3), (2, 9), (4, 5), (1, 12), (6, 2), (3, 7), (0, 14), (5, 4), (8, 6), (7, 1)]]
+BURST, CONCURRENCY, BURST_TIMEOUT_S = 40, 8, 60
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _expected(artifact: Path) -> dict[str, np.ndarray]:
+    """Each text run alone on the compiled model, mean-pooled and normalised as /embed returns it."""
+    model = load_artifact(artifact)
+    tokenizer = TextTokenizer(model.tokenizer_dir / "tokenizer.json", model.max_seq)
+    expected = {}
+    for text, encoded in zip(TEXTS, tokenizer.encode(TEXTS, truncate=False)):
+        ids = encoded.ids[None, :]
+        output = model.run(ids, np.ones_like(ids), encoded.type_ids[None, :]).output
+        expected[text] = l2_normalize(output)[0]
+    return expected
+
+
+def _processes_under(directory: str) -> dict[int, str]:
+    """Live processes whose command line mentions `directory` (Ray's session files live there)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if directory in cmdline:
+            found[int(pid)] = cmdline[:200]
+    return found
+
+
+LOOPBACK = {"0100007F", "0000000000000000FFFF00000100007F", "00000000000000000000000001000000"}  # /proc/net hex
+
+
+def _non_loopback_listeners(pids) -> list[str]:
+    """TCP sockets in LISTEN state held by `pids` whose address is not 127.0.0.1 (or ::1)."""
+    inodes = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+    exposed = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            address, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes and address.split(":")[0] not in LOOPBACK:
+                exposed.append(f"pid {inodes[inode]} listens on {address}")
+    return exposed
+
+
+async def _burst(url: str) -> list[tuple[str, int, list, str]]:
+    limit = asyncio.Semaphore(CONCURRENCY)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        async def one(i: int):
+            text = TEXTS[i % len(TEXTS)]
+            async with limit:
+                response = await client.post("/embed", json={"inputs": text})
+            body = response.json() if response.status_code == 200 else response.text
+            return text, response.status_code, body, response.headers.get("x-replica", "")
+
+        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(BURST))), BURST_TIMEOUT_S)
+
+
+def test_config_file_validates_and_flags_override(tmp_path):
+    config = load_config(None, {})
+    assert config.replicas is None and config.autoscaling.min_replicas <= config.autoscaling.max_replicas
+    assert "autoscaling_config" in config.deployment_options()
+    fixed = load_config(DEFAULT_CONFIG, {"replicas": 3, "ray_actor_options.num_cpus": 0.25, "http.port": 9001})
+    options = fixed.deployment_options()
+    assert options["num_replicas"] == 3 and "autoscaling_config" not in options
+    assert options["ray_actor_options"] == {"num_cpus": 0.25} and fixed.http.port == 9001
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("autoscaling: {min_replicas: 5, max_replicas: 2}\n")
+    with pytest.raises(ConfigError, match="min_replicas 5 > max_replicas 2"):
+        load_config(bad, {})
+    bad.write_text("replica: 2\n")
+    with pytest.raises(ConfigError, match="replica: Extra inputs"):
+        load_config(bad, {})
+
+
+def test_two_replicas_answer_a_burst_correctly(tiny_embed_artifact, monkeypatch):
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")  # no reporting home from a test
+    # On Linux, ray.init turns _node_ip_address 127.0.0.1 into the machine's address and Ray's
+    # servers listen on it; with clusters "disabled" the node is loopback and every server binds
+    # there. The variable reaches the processes Ray starts; the constant was read at `import ray`.
+    monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    expected = _expected(tiny_embed_artifact)
+    port = _free_port()
+    config = load_config(DEFAULT_CONFIG, {"replicas": 2, "ray_actor_options.num_cpus": 0.5,
+                                          "http.host": "127.0.0.1", "http.port": port})
+    settings = Settings(artifacts=[tiny_embed_artifact], workers=1, max_wait_ms=5)
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
+    started = time.monotonic()
+    try:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 _temp_dir=temp_dir, log_to_driver=False)
+        url = deploy(settings, config)
+        results = asyncio.run(_burst(url))
+        exposed = _non_loopback_listeners([os.getpid(), *_processes_under(temp_dir)])
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    elapsed = time.monotonic() - started
+    try:
+        deadline = time.monotonic() + 15
+        while _processes_under(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        leftover = _processes_under(temp_dir)
+        assert not leftover, f"Ray processes left behind: {leftover}"
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    assert not exposed, exposed
+    assert len(results) == BURST
+    for text, status, body, _replica in results:
+        assert status == 200, body
+        np.testing.assert_allclose(np.asarray(body[0]), expected[text], atol=1e-4)
+    assert len({replica for *_, replica in results} - {""}) == 2, "both replicas should have served"
+    assert elapsed < 90

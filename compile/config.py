@@ -118,23 +118,29 @@ class CompileConfig(BaseModel):
         return fitting[:3]
 
 
+def read_yaml_mapping(path: Path, error: type[Exception] = CompileError) -> dict[str, Any]:
+    """The mapping in a YAML config file; `error` (one line) when it is missing or malformed."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise error(f"config file not found: {path}") from None
+    except yaml.YAMLError as exc:
+        raise error(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise error(f"config file {path} must hold a mapping of keys")
+    return data
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """pydantic's errors as one line: `key: message; key: message`."""
+    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors())
+
+
 def load_config(path: Path | None, overrides: dict[str, Any]) -> CompileConfig:
     """Merge a YAML file (if given) with CLI overrides (None means "not given")."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise CompileError(f"config file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise CompileError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise CompileError(f"config file {path} must hold a mapping of keys")
+    data = read_yaml_mapping(path) if path is not None else {}
     data.update({key: value for key, value in overrides.items() if value is not None})
     try:
         return CompileConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors()
-        )
-        raise CompileError(f"invalid configuration: {problems}") from None
+        raise CompileError(f"invalid configuration: {validation_problems(exc)}") from None

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from compile.config import read_yaml_mapping, validation_problems
 from compile.errors import ArtifactError
 from compile.manifest import Manifest
 
@@ -87,10 +87,6 @@ class RayServeConfig(BaseModel):
                 "ray_actor_options": self.ray_actor_options.model_dump()}
 
 
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(p) for p in err['loc']) or 'config'}: {err['msg']}" for err in exc.errors())
-
-
 def load_config(path: Path | None, overrides: dict[str, Any]) -> RayServeConfig:
     """Merge a YAML file (default: configs/ray_serve.yaml when present) with flag overrides.
 
@@ -100,14 +96,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> RayServeConfig:
     if path is None and DEFAULT_CONFIG.is_file():
         path = DEFAULT_CONFIG
     if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of keys")
+        data = read_yaml_mapping(path, ConfigError)
     for key, value in overrides.items():
         if value is None:
             continue
@@ -121,7 +110,7 @@ def load_config(path: Path | None, overrides: dict[str, Any]) -> RayServeConfig:
     try:
         return RayServeConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"invalid configuration: {_problems(exc)}") from None
+        raise ConfigError(f"invalid configuration: {validation_problems(exc)}") from None
 
 
 class ReplicaHeaderMiddleware:
@@ -210,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ray_serve: error: {exc}", file=sys.stderr)
         return 2
     except ValidationError as exc:
-        print(f"ray_serve: error: server settings: {_problems(exc)}", file=sys.stderr)
+        print(f"ray_serve: error: server settings: {validation_problems(exc)}", file=sys.stderr)
         return 2
 
     stop = threading.Event()

@@ -69,23 +69,35 @@ def write_outputs(report: dict, out: Path) -> None:
 
 
 def _plot_latency(rows: list[dict], path: Path) -> None:
+    """One panel per endpoint: each server's closed-loop sweep (labelled by concurrency) and
+    open-loop points, p50 solid and p99 dashed, latency against achieved throughput."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (backend, endpoint, mode) in sorted({(r["backend"], r["endpoint"], r["mode"]) for r in rows}):
-        series = sorted((r for r in rows if (r["backend"], r["endpoint"], r["mode"]) == (backend, endpoint, mode)),
-                        key=lambda r: r["throughput_rps"])
-        xs = [r["throughput_rps"] for r in series]
-        for quantile, style in (("p50", "-o"), ("p99", "--x")):
-            ax.plot(xs, [r["latency_ms"][quantile] or np.nan for r in series], style,
-                    label=f"{backend} {endpoint} {mode} {quantile}")
-    ax.set_xlabel("throughput (requests/s)")
-    ax.set_ylabel("latency (ms, log)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
+    endpoints = sorted({r["endpoint"] for r in rows})
+    fig, axes = plt.subplots(1, len(endpoints), figsize=(6 * len(endpoints), 4.5), squeeze=False)
+    for ax, endpoint in zip(axes[0], endpoints):
+        for index, backend in enumerate(sorted({r["backend"] for r in rows})):
+            color = f"C{index}"
+            closed = sorted((r for r in rows if (r["backend"], r["endpoint"], r["mode"]) == (backend, endpoint, "closed")),
+                            key=lambda r: r["level"])
+            xs = [r["throughput_rps"] for r in closed]
+            for quantile, style in (("p50", "-o"), ("p99", "--x")):
+                ax.plot(xs, [r["latency_ms"][quantile] or np.nan for r in closed], style, color=color,
+                        label=f"{backend} closed-loop {quantile}")
+            for r in closed:
+                ax.annotate(f"c={r['level']}", (r["throughput_rps"], r["latency_ms"]["p50"] or np.nan),
+                            fontsize=7, textcoords="offset points", xytext=(3, -10))
+            opened = [r for r in rows if (r["backend"], r["endpoint"], r["mode"]) == (backend, endpoint, "open")]
+            ax.scatter([r["throughput_rps"] for r in opened], [r["latency_ms"]["p99"] or np.nan for r in opened],
+                       marker="^", color=color, label=f"{backend} open-loop p99")
+        ax.set_title(endpoint)
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel("latency (ms, log)")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

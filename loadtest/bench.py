@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     # on (torch at 1x16 went from 15 to 570 ms), so none of them spins here.
     os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import numpy as np
     import torch
 
     from compile.bucketing import parse_buckets

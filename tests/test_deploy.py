@@ -5,7 +5,6 @@ and the commands in README.md. No Docker engine or cluster is needed; runs in ab
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess

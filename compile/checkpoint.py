@@ -17,6 +17,7 @@ from .artifact import file_sha256
 from .errors import CompileError
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -157,3 +158,15 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32") -> Ber
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()
+
+
+def example_inputs(batch: int, seq: int, vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random token ids with a ragged attention mask, as the runtime would feed them."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
+    lengths = torch.randint(1, seq + 1, (batch,), generator=generator)
+    lengths[0] = seq  # at least one full row
+    attention_mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(torch.int64)
+    token_type_ids = torch.zeros(batch, seq, dtype=torch.int64)
+    position_ids = torch.arange(seq, dtype=torch.int64).expand(batch, seq).contiguous()
+    return input_ids, attention_mask, token_type_ids, position_ids

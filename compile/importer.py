@@ -9,7 +9,7 @@ import torch
 import tvm
 from tvm import relax
 
-INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+from .checkpoint import INPUT_NAMES, example_inputs
 
 
 @dataclass
@@ -18,18 +18,6 @@ class ImportedModel:
 
     mod: tvm.IRModule
     params: list[tvm.runtime.Tensor]
-
-
-def example_inputs(batch: int, seq: int, vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """Random token ids with a ragged attention mask, as the runtime would feed them."""
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab_size, (batch, seq), generator=generator)
-    lengths = torch.randint(1, seq + 1, (batch,), generator=generator)
-    lengths[0] = seq  # at least one full row
-    attention_mask = (torch.arange(seq)[None, :] < lengths[:, None]).to(torch.int64)
-    token_type_ids = torch.zeros(batch, seq, dtype=torch.int64)
-    position_ids = torch.arange(seq, dtype=torch.int64).expand(batch, seq).contiguous()
-    return input_ids, attention_mask, token_type_ids, position_ids
 
 
 def export_and_import(wrapper: torch.nn.Module, max_batch: int, max_seq: int, vocab_size: int) -> ImportedModel:

@@ -4,6 +4,9 @@ It verifies every library against the manifest's sha256, keeps one set of weight
 device, and runs a batch through the smallest bucket that fits (padding batch and sequence)
 or through the generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
 each calling thread gets its own VM over the shared module and weights.
+
+It needs only TVM's runtime: with the compiler library absent (or `TVM_USE_RUNTIME_LIB=1`)
+artifacts still load and run, so a serving machine or image can leave the 250 MB compiler out.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from tvm import relax
+from tvm.runtime.vm import VirtualMachine
 
 from .bucketing import Bucket, smallest_fitting
 from .artifact import file_sha256
@@ -26,7 +29,33 @@ log = logging.getLogger(__name__)
 
 
 def device_for(kind: str) -> tvm.runtime.Device:
-    return tvm.cuda(0) if kind == "cuda" else tvm.cpu(0)
+    if kind == "cuda":
+        _load_cuda_runtime()
+        return tvm.cuda(0)
+    return tvm.cpu(0)
+
+
+def device_name(device: tvm.runtime.Device) -> str:
+    """"cpu", or the GPU's marketing name (what validation and benchmarks report)."""
+    return "cpu" if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type() else str(device.device_name)
+
+
+def _load_cuda_runtime() -> None:
+    """Register TVM's CUDA device API. `import tvm` does it only when the compiler library is
+    loaded; in runtime-only mode the sidecar library must be loaded by hand."""
+    from tvm.base import _LOADED_LIBS, _RUNTIME_ONLY
+
+    if not _RUNTIME_ONLY or "tvm_runtime_cuda" in _LOADED_LIBS:
+        return
+    from tvm_ffi.libinfo import load_lib_ctypes
+
+    try:
+        _LOADED_LIBS["tvm_runtime_cuda"] = load_lib_ctypes(
+            package="tvm", target_name="tvm_runtime_cuda", mode="RTLD_LOCAL",
+            extra_lib_paths=[Path(_LOADED_LIBS["tvm_runtime"]._name).resolve().parent],
+        )
+    except (OSError, RuntimeError) as exc:  # no CUDA runtime here: the device will not exist
+        log.warning("TVM's CUDA runtime did not load: %s", exc)
 
 
 def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
@@ -51,10 +80,10 @@ class LibraryRunner:
         self.module = tvm.runtime.load_module(str(path))
         self._local = threading.local()
 
-    def _vm(self) -> relax.VirtualMachine:
+    def _vm(self) -> VirtualMachine:
         vm = getattr(self._local, "vm", None)
         if vm is None:
-            vm = self._local.vm = relax.VirtualMachine(self.module, self.device)
+            vm = self._local.vm = VirtualMachine(self.module, self.device)
         return vm
 
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:

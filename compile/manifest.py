@@ -107,11 +107,16 @@ class Manifest(_Strict):
     passes: PassesEntry
     sparsity: SparsityEntry | None = None
     validated: bool
+    validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float
     created_at: str
 
     def write(self, directory: Path) -> None:
-        (directory / MANIFEST_FILE).write_text(self.model_dump_json(indent=2) + "\n")
+        """Write through a temporary file and a rename, so a reader never sees half a manifest."""
+        path = Path(directory) / MANIFEST_FILE
+        partial = path.with_name(f".{MANIFEST_FILE}.partial")
+        partial.write_text(self.model_dump_json(indent=2) + "\n")
+        partial.replace(path)
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":

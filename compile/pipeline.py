@@ -18,12 +18,12 @@ import tvm
 from .artifact import atomic_directory, file_sha256
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
-from .checkpoint import TOKENIZER_FILES, CheckpointInfo, inspect_checkpoint, load_wrapper
+from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
-from .errors import CompileError, ValidationError
-from .importer import example_inputs, export_and_import
+from .errors import CompileError
+from .importer import export_and_import
 from .lift import LiftedModel, lift_and_transform
-from .loader import LibraryRunner, device_for, load_weights
+from .loader import LibraryRunner, device_for, device_name, load_weights
 from .manifest import (
     BucketEntry,
     GenericEntry,
@@ -42,7 +42,7 @@ from .progress import Progress
 from .sparsity import prune_model, sparsify
 from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import interleaved_medians
-from .validate import cosine_drift, max_abs_diff
+from .validate import checked_diff, cosine_drift
 
 TOKENIZER_DIR = "tokenizer"
 FALLBACK_STRATEGY = "concat"  # what `auto` keeps when it cannot time (CUDA without a GPU)
@@ -136,13 +136,8 @@ class LibraryBuilder:
     def _check(self, record: BuildRecord, shape: Bucket, seed: int) -> float | None:
         if not self.validate:
             return None
-        runner = self._runner(record.library, record.strategy)
-        diff = max_abs_diff(runner, self.wrapper, shape, self.vocab_size, seed=seed)
-        if not diff <= self.config.effective_tolerance:
-            raise ValidationError(
-                f"{record.name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {self.config.effective_tolerance:g}"
-            )
-        return diff
+        return checked_diff(record.name, self._runner(record.library, record.strategy), self.wrapper, shape,
+                            self.vocab_size, seed, self.config.effective_tolerance)
 
 
 def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
@@ -235,6 +230,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
             sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
             validated=builder.validate,
+            validated_on=device_name(builder.device) if builder.validate else None,
             tolerance=config.effective_tolerance,
             created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         )

@@ -6,20 +6,31 @@ import numpy as np
 import torch
 
 from .bucketing import Bucket
-from .checkpoint import CheckpointInfo
-from .importer import example_inputs
+from .checkpoint import CheckpointInfo, example_inputs
+from .errors import ValidationError
 from .loader import LibraryRunner
 
 
 def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket, vocab_size: int, seed: int) -> float:
-    """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included)."""
+    """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included).
+    PyTorch runs wherever the wrapper's weights are (the GPU, for a CUDA artifact)."""
     inputs = example_inputs(shape.batch, shape.seq, vocab_size, seed=seed)
+    device = next(wrapper.parameters()).device
     with torch.no_grad():
-        expected = wrapper(*inputs).float().numpy()
+        expected = wrapper(*(x.to(device) for x in inputs)).float().cpu().numpy()
     actual = runner(*(x.numpy() for x in inputs))
     if actual.shape != expected.shape:
         return float("inf")
     return float(np.max(np.abs(actual - expected)))
+
+
+def checked_diff(name: str, runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket, vocab_size: int,
+                 seed: int, tolerance: float) -> float:
+    """`max_abs_diff`, or a ValidationError naming the library and shape when over `tolerance`."""
+    diff = max_abs_diff(runner, wrapper, shape, vocab_size, seed)
+    if not diff <= tolerance:
+        raise ValidationError(f"{name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {tolerance:g}")
+    return diff
 
 
 DRIFT_SENTENCES = [

@@ -17,7 +17,6 @@ from pathlib import Path
 
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
-INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
 
 
 def parse_args(argv):
@@ -30,6 +29,9 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
     parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile(wrapper)")
+    parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
+                        help="another artifact of the same model (e.g. built without CUDA graphs) whose "
+                             "libraries join the interleaved runs; repeatable")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/cpu"), help="directory for JSON + PNG")
     return parser.parse_args(argv)
 
@@ -66,7 +68,7 @@ def onnx_session(wrapper, directory: Path, threads: int):
     import onnxruntime as ort
     import torch
 
-    from compile.importer import example_inputs
+    from compile.checkpoint import INPUT_NAMES, example_inputs
 
     path = directory / "model.onnx"
     dims = {name: {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("seq", max=512)} for name in INPUT_NAMES}
@@ -92,15 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from compile.bucketing import parse_buckets
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
-    from compile.importer import example_inputs
+    from compile.checkpoint import INPUT_NAMES, example_inputs, inspect_checkpoint, load_wrapper
     from compile.loader import load_artifact, model_inputs
-
     from compile.timing import interleaved_medians
 
     torch.set_num_threads(args.threads)
     model = load_artifact(args.artifacts)
     manifest = model.manifest
+    others = {f"tvm_bucket[{path.name}]": load_artifact(path) for path in args.compare}
     on_gpu = manifest.target.kind == "cuda"
     torch_device = "cuda" if on_gpu else "cpu"
     info = inspect_checkpoint(Path(manifest.model.path), manifest.task, manifest.pooling if manifest.task == "embed" else "auto")
@@ -130,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                 "tvm_generic": lambda: model.generic(*model_inputs(ids, mask, None)),
                 "torch_eager": lambda: wrapper(*tensors).cpu(),
             }
+            for label, other in others.items():
+                candidates[label] = lambda other=other: other.run(ids, mask)
             if compiled_wrapper is not None:
                 candidates["torch_compile"] = lambda: compiled_wrapper(*tensors).cpu()
             if session is not None:
@@ -158,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": manifest.dtype,
         "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
                      "onnxruntime": _version("onnxruntime") if session is not None else None},
-        "artifact": str(args.artifacts), "repeats": args.repeats, "results": results,
+        "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare], "repeats": args.repeats, "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -12,6 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from compile.bucketing import Bucket
+from compile.errors import ArtifactError
 from compile.loader import CompiledModel, RunResult, load_artifact
 from compile.manifest import Manifest
 
@@ -56,10 +57,10 @@ class TvmBackend:
 
 
 class TorchBackend:
-    """PyTorch eager on the checkpoint the artifact was compiled from: same function, same API."""
+    """PyTorch eager on the checkpoint the artifact was compiled from: same function, same API,
+    on the artifact's device (a CUDA artifact is compared with PyTorch on the same GPU)."""
 
     name = "torch"
-    device = "cpu"
 
     def __init__(self, directory: Path, manifest: Manifest, threads: int | None = None):
         import torch
@@ -70,8 +71,11 @@ class TorchBackend:
             torch.set_num_threads(threads)
         pooling = manifest.pooling if manifest.task == "embed" else "auto"
         info = inspect_checkpoint(Path(manifest.model.path), manifest.task, pooling)
+        self.device = manifest.target.kind
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ArtifactError(f"{directory} targets CUDA but PyTorch sees no CUDA device")
         self._torch = torch
-        self.module = load_wrapper(info, manifest.task, manifest.dtype)
+        self.module = load_wrapper(info, manifest.task, manifest.dtype).to(self.device)
         self.manifest = manifest
         self.directory = directory
         self.buckets: list[Bucket] = []
@@ -84,9 +88,9 @@ class TorchBackend:
         batch, seq = input_ids.shape
         position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
         with torch.inference_mode():
-            output = self.module(*(torch.from_numpy(np.ascontiguousarray(x))
+            output = self.module(*(torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
                                    for x in (input_ids, attention_mask, token_type_ids, position_ids)))
-        return RunResult(output.float().numpy(), "torch", None, batch * seq, int(attention_mask.sum()))
+        return RunResult(output.float().cpu().numpy(), "torch", None, batch * seq, int(attention_mask.sum()))
 
     def warmup(self) -> None:
         ones = np.ones((1, 2), dtype=np.int64)

@@ -8,7 +8,7 @@ from loadtest.bench import bert_flops, main
 def test_bench_reports_every_backend(tiny_embed_artifact, tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8,2x16", "--generic-shapes", "3x5",
-                 "--repeats", "2", "--out", str(out)]) == 0
+                 "--repeats", "2", "--compare", str(tiny_embed_artifact), "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 0
     assert (out / "bench.md").read_text().startswith("| shape | served by |")
@@ -16,7 +16,8 @@ def test_bench_reports_every_backend(tiny_embed_artifact, tmp_path, capsys):
     generic_row = report["results"][-1]
     assert generic_row["kind"] == "generic" and generic_row["served_by"] == "bucket-4x16"
     for row in report["results"]:
-        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "onnxruntime"}
+        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "onnxruntime",
+                                     f"tvm_bucket[{tiny_embed_artifact.name}]"}
         assert all(s["runs"] == 2 and s["median_s"] > 0 for s in row["stats"].values())
         assert row["ratio_vs_torch"]["torch_eager"] == 1.0
     assert report["machine"]["peak_gemm_gflops"] > 0

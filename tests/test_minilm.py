@@ -3,7 +3,7 @@
 import numpy as np
 import tvm
 
-from compile.importer import example_inputs
+from compile.checkpoint import example_inputs
 from compile.loader import load_artifact
 from compile.manifest import Manifest
 from conftest import compile_artifact

@@ -9,7 +9,7 @@ import torch
 from compile import pipeline
 from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import ArtifactError, ValidationError
-from compile.importer import example_inputs
+from compile.checkpoint import example_inputs
 from compile.loader import load_artifact
 from compile.manifest import Manifest
 from conftest import TINY_LABELS, compile_artifact

@@ -10,7 +10,8 @@ import tvm
 from tvm import relax
 
 from compile.checkpoint import BertWrapper
-from compile.importer import example_inputs, export_and_import
+from compile.checkpoint import example_inputs
+from compile.importer import export_and_import
 from compile.lift import lift_and_transform
 from compile.sparsity import (
     block_density,

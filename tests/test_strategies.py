@@ -11,7 +11,7 @@ from compile.canonicalize import canonicalize
 from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.combine import combine_parallel_matmuls
 from compile.combine_batched import batch_parallel_linears
-from compile.importer import example_inputs
+from compile.checkpoint import example_inputs
 from compile.lift import lift_and_transform
 from compile.loader import LibraryRunner, load_artifact, load_weights
 from compile.pipeline import save_weights

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
 
 import tvm
@@ -40,8 +42,31 @@ def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
     return relax.get_default_pipeline(target)
 
 
+@functools.cache
+def import_cuda_tensor_intrinsics() -> None:
+    """Import the tensor-core intrinsics dlight tensorises fp16 matmuls with, quickly.
+
+    TVM 0.27's TVMScript decorator calls `inspect.stack()` for each of the ~100 functions in
+    that module; for every frame of a pseudo-file (`<frozen importlib._bootstrap>`, `<string>`)
+    `inspect.getmodule` then scans all of `sys.modules`. With torch loaded that took 150 s on the
+    first fp16 bucket; with those pseudo-files mapped to a module for the import, 5 s.
+    """
+    pseudo_files = {"<frozen importlib._bootstrap>": "importlib._bootstrap",
+                    "<frozen importlib._bootstrap_external>": "importlib._bootstrap_external",
+                    "<string>": "builtins", "<ast>": "builtins"}
+    added = {name: module for name, module in pseudo_files.items() if name not in inspect.modulesbyfile}
+    inspect.modulesbyfile.update(added)
+    try:
+        import tvm.s_tir.tensor_intrin.cuda  # noqa: F401  (registers the intrinsics)
+    finally:
+        for name in added:
+            inspect.modulesbyfile.pop(name, None)
+
+
 def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False) -> None:
     """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph."""
+    if target.kind.name == "cuda":
+        import_cuda_tensor_intrinsics()
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target))
     executable.export_library(str(path))

@@ -45,7 +45,7 @@ from .timing import interleaved_medians
 from .validate import checked_diff, cosine_drift
 
 TOKENIZER_DIR = "tokenizer"
-FALLBACK_STRATEGY = "concat"  # what `auto` keeps when it cannot time (CUDA without a GPU)
+UNTIMED_AUTO_STRATEGY = "concat"  # what `auto` builds when it cannot time (CUDA without a GPU)
 
 
 @dataclass
@@ -124,8 +124,6 @@ class LibraryBuilder:
     def _choose(self, candidates: dict[str, str], shape: Bucket) -> tuple[str, dict[str, float] | None]:
         if len(candidates) == 1:
             return next(iter(candidates)), None
-        if not self.can_run:
-            return FALLBACK_STRATEGY, None
         inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, self.vocab_size, seed=self.config.seed)]
         runners = {s: self._runner(library, s) for s, library in candidates.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
@@ -144,7 +142,9 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     """Compile `config.model` into an artifact directory at `config.out`, atomically."""
     info = inspect_checkpoint(config.model_dir(), config.task, config.pooling)
     buckets, generic_shapes = check_shapes(config, info)
-    strategies = list(STRATEGIES) if config.strategy == "auto" else [config.strategy]
+    strategies = [config.strategy]
+    if config.strategy == "auto":  # timing needs the target device; without it, build one strategy only
+        strategies = list(STRATEGIES) if device_for(config.target).exist else [UNTIMED_AUTO_STRATEGY]
     progress = progress or Progress(0, quiet=True)
     progress.set_total(4 + len(buckets) + 1)
     vocab_size = int(info.config["vocab_size"])

@@ -128,12 +128,14 @@ def pack(artifacts: list[Path], site_packages: Path, wheels: Path, out: Path) ->
         print(f"{directory}: {size / 2**20:.1f} MiB (one device call each; rest goes last)")
 
 
-def unpack(packed: Path, site: Path, artifacts_dir: Path) -> None:
+def unpack(packed: Path, site: Path, artifacts_dir: Path, model_dir: Path | None = None) -> None:
+    """Rebuild what `pack` carried; the checkpoint goes where the manifests say it is, unless
+    `model_dir` says otherwise (the manifests' paths then no longer lead to it)."""
     from safetensors.numpy import load_file
 
     rest = packed / "rest"
     index = json.loads((rest / "index.json").read_text())
-    model_dir = Path(index["model_dir"])
+    model_dir = model_dir or Path(index["model_dir"])
     chunks = sorted(packed.glob("*/model.safetensors.*"), key=lambda p: p.name)
     with tarfile.open(rest / "bundle.tar.xz") as tar:
         tar.extractall(packed / "unpacked", filter="data")
@@ -171,12 +173,13 @@ def unpack(packed: Path, site: Path, artifacts_dir: Path) -> None:
     shutil.rmtree(site / "tvm", ignore_errors=True)
     shutil.copytree(unpacked / "site" / "tvm", site / "tvm")
     wheels = sorted((unpacked / "wheels").glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", str(site), "--upgrade", *map(str, wheels)], check=True)
+    if wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", str(site), "--upgrade", *map(str, wheels)], check=True)
     print(f"{site}: TVM runtime + {len(wheels)} wheels; checkpoint at {model_dir}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     packer = commands.add_parser("pack")
@@ -189,11 +192,12 @@ def main() -> None:
     unpacker.add_argument("packed", type=Path)
     unpacker.add_argument("--site", type=Path, default=Path("/tmp/site"))
     unpacker.add_argument("--artifacts-dir", type=Path, default=Path("artifacts"))
-    args = parser.parse_args()
+    unpacker.add_argument("--model-dir", type=Path, help="where to put the checkpoint (default: where it was)")
+    args = parser.parse_args(argv)
     if args.command == "pack":
         pack(args.artifacts, args.site_packages, args.wheels, args.out)
     else:
-        unpack(args.packed, args.site, args.artifacts_dir)
+        unpack(args.packed, args.site, args.artifacts_dir, args.model_dir)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """The real all-MiniLM-L6-v2: every CPU library matches PyTorch; CUDA compiles without a GPU."""
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 import tvm
 
 from compile.checkpoint import example_inputs
 from compile.loader import load_artifact
 from compile.manifest import Manifest
 from conftest import compile_artifact
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_minilm_library_matches_pytorch(minilm_artifact):
@@ -29,12 +34,22 @@ def test_minilm_padding_to_a_bucket_does_not_change_embeddings(minilm_artifact):
     np.testing.assert_allclose(bucketed.output, unpadded, atol=1e-5)
 
 
-def test_minilm_cuda_compiles_without_a_gpu(minilm_dir, tmp_path):
+@pytest.mark.parametrize("flags", [["--dtype", "float32"], ["--dtype", "float16", "--cuda-graph"]])
+def test_cuda_config_compiles_every_bucket_without_a_gpu(flags, tmp_path):
+    """configs/cuda.yaml as shipped: every bucket and the generic library, fp32 and fp16 with CUDA
+    graphs (the tensor-core path); `auto` builds only concat when there is no GPU to time on."""
+    from compile.cli import main
+
     out = tmp_path / "cuda"
-    manifest, _ = compile_artifact(minilm_dir, out, ["8x128"], target="cuda")
+    assert main(["--config", str(REPO / "configs" / "cuda.yaml"), *flags, "--strategy", "auto", "--quiet",
+                 "--out", str(out)]) == 0
+    manifest = Manifest.read(out)
     assert manifest.target.kind == "cuda" and manifest.target.cuda_arch == "sm_90"
-    assert (out / manifest.buckets[0].library).stat().st_size > 0
-    assert (out / manifest.generic.library).stat().st_size > 0
+    assert manifest.dtype == flags[1] and manifest.target.cuda_graph == ("--cuda-graph" in flags)
+    assert [(b.batch, b.seq) for b in manifest.buckets] == [(1, 16), (8, 128), (32, 128), (64, 512)]
+    assert {b.strategy for b in manifest.buckets} == {"concat"} and list(manifest.weights) == ["concat"]
+    for entry in [*manifest.buckets, manifest.generic]:
+        assert (out / entry.library).stat().st_size > 0
     assert manifest.validated == tvm.cuda(0).exist
 
 

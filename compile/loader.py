@@ -41,8 +41,14 @@ def device_name(device: tvm.runtime.Device) -> str:
 
 
 def _load_cuda_runtime() -> None:
-    """Register TVM's CUDA device API. `import tvm` does it only when the compiler library is
-    loaded; in runtime-only mode the sidecar library must be loaded by hand."""
+    """Make CUDA libraries loadable in runtime-only mode.
+
+    `import tvm` registers the CUDA device API only when the compiler library is loaded, so the
+    runtime's CUDA sidecar is loaded here. TVM 0.27 ships kernels as CUDA source and compiles
+    them with NVRTC when a library loads; its compile callback asks the compiler library for the
+    current Target (which fails without it), so it is replaced by one naming this GPU's arch.
+    """
+    import tvm_ffi
     from tvm.base import _LOADED_LIBS, _RUNTIME_ONLY
 
     if not _RUNTIME_ONLY or "tvm_runtime_cuda" in _LOADED_LIBS:
@@ -56,6 +62,15 @@ def _load_cuda_runtime() -> None:
         )
     except (OSError, RuntimeError) as exc:  # no CUDA runtime here: the device will not exist
         log.warning("TVM's CUDA runtime did not load: %s", exc)
+        return
+    tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_cuda_for_this_gpu, override=True)
+
+
+def _compile_cuda_for_this_gpu(code: str) -> bytes:
+    from tvm.support import nvcc
+
+    arch = "sm_" + tvm.cuda(0).compute_version.replace(".", "")
+    return nvcc.compile_cuda(code, target_format="cubin", arch=arch, compiler="nvrtc")
 
 
 def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:

@@ -1,10 +1,10 @@
 """`python -m compile.verify --artifacts DIR`: validate an existing artifact where it will run.
 
 A CUDA artifact compiles on a machine without a GPU, so its libraries cannot be compared with
-PyTorch there. This re-runs the compile stage's comparison on this machine's device (PyTorch on
-the same device, in the artifact's dtype) for every bucket at its own shape and for the generic
-library at the shapes the manifest names; with `--record`, the differences and the device go
-into the manifest. Needs only TVM's runtime, so it runs on a serving machine without the compiler.
+PyTorch there. This re-runs the compile stage's comparison on this machine's device (PyTorch in
+the artifact's dtype, on the same GPU when its torch build has CUDA) for every bucket at its own
+shape and for the generic library at the shapes the manifest names; with `--record`, the
+differences and the device go into the manifest. Needs only TVM's runtime, so it runs on a serving machine without the compiler.
 Exit codes: 0 all within tolerance, 1 a library is over it, 2 the artifact cannot be read.
 """
 
@@ -42,7 +42,8 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
         raise ArtifactError(f"libraries failed verification: {model.refused}")
     pooling = manifest.pooling if manifest.task == "embed" else "auto"
     info = inspect_checkpoint(Path(manifest.model.path), manifest.task, pooling)
-    torch_device = "cuda" if manifest.target.kind == "cuda" else "cpu"
+    # PyTorch on the same GPU where it can (a CPU build of torch, as in the Docker image, cannot).
+    torch_device = "cuda" if manifest.target.kind == "cuda" and torch.cuda.is_available() else "cpu"
     wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(torch_device)
     vocab, tolerance = manifest.model.vocab_size, manifest.tolerance
     diffs: dict[str, dict[str, float]] = {}

@@ -1,10 +1,9 @@
-"""Writing an artifact directory atomically (staged in a sibling temp dir, renamed at the end),
-and hashing its files. No torch or TVM imports: the loader and the service use it too."""
+"""Writing an artifact directory atomically (staged in a sibling temp dir, renamed at the end).
+No torch or TVM imports: the loader and the service use it too."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -12,14 +11,6 @@ from typing import Iterator
 
 from .errors import CompileError
 from .manifest import MANIFEST_FILE
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_destination(out: Path) -> None:

@@ -21,8 +21,8 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 from .bucketing import Bucket, smallest_fitting
-from .artifact import file_sha256
 from .errors import ArtifactError
+from .hashing import file_sha256
 from .manifest import Manifest
 
 log = logging.getLogger(__name__)

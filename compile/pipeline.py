@@ -15,12 +15,13 @@ import torch
 import transformers
 import tvm
 
-from .artifact import atomic_directory, file_sha256
+from .artifact import atomic_directory
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .errors import CompileError
+from .hashing import file_sha256
 from .importer import export_and_import
 from .lift import LiftedModel, lift_and_transform
 from .loader import LibraryRunner, device_for, device_name, load_weights

@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
     from compile.bucketing import parse_bucket
-    from compile.config import CompileConfig
     from compile.checkpoint import example_inputs
+    from compile.config import CompileConfig
     from compile.loader import load_artifact
     from compile.pipeline import compile_model
     from compile.timing import interleaved_medians

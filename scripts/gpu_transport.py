@@ -16,7 +16,6 @@ Python packages the GPU image lacks as wheels.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import struct
@@ -27,16 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from compile.hashing import file_sha256 as sha256  # noqa: E402  (standard library only)
+
 PART_BYTES = 56 * 2**20  # one call's share, leaving room for the repository itself
 SAFETENSORS_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32}
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_header(path: Path) -> tuple[bytes, dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from compile.artifact import file_sha256
+from compile.hashing import file_sha256
 from compile.loader import load_artifact
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_transport.py"

@@ -5,11 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
+from conftest import compile_artifact
 
 from compile.checkpoint import example_inputs
 from compile.loader import load_artifact
 from compile.manifest import Manifest
-from conftest import compile_artifact
 
 REPO = Path(__file__).resolve().parents[1]
 

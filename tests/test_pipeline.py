@@ -5,14 +5,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_LABELS, compile_artifact
 
 from compile import pipeline
-from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.errors import ArtifactError, ValidationError
-from compile.checkpoint import example_inputs
 from compile.loader import load_artifact
 from compile.manifest import Manifest
-from conftest import TINY_LABELS, compile_artifact
 
 
 def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):

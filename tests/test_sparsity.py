@@ -9,8 +9,7 @@ import transformers
 import tvm
 from tvm import relax
 
-from compile.checkpoint import BertWrapper
-from compile.checkpoint import example_inputs
+from compile.checkpoint import BertWrapper, example_inputs
 from compile.importer import export_and_import
 from compile.lift import lift_and_transform
 from compile.sparsity import (
@@ -218,8 +217,9 @@ def test_sparse_artifact_serves_through_the_service(sparse_artifact, serve):
 
 
 def test_sparse_block_that_does_not_divide_is_a_compile_error(tiny_bert_dir, tmp_path):
-    from compile.errors import CompileError
     from conftest import compile_artifact
+
+    from compile.errors import CompileError
 
     with pytest.raises(CompileError, match="block 5x1"):
         compile_artifact(tiny_bert_dir, tmp_path / "bad", ["2x16"], sparsity=0.5, block="5x1")

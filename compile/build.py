@@ -12,6 +12,7 @@ from tvm import relax
 from .bucketing import Bucket
 from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
+from .packing import specialize_packed_matmuls
 
 
 def host_cpu() -> str:
@@ -29,7 +30,7 @@ def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) ->
 def specialize(mod: tvm.IRModule, bucket: Bucket) -> tvm.IRModule:
     """Bind the symbolic (batch, seq) of `main` to a bucket's static shape."""
     batch, seq = symbolic_dims(mod)
-    return relax.transform.BindSymbolicVars({batch: bucket.batch, seq: bucket.seq})(mod)
+    return specialize_packed_matmuls(relax.transform.BindSymbolicVars({batch: bucket.batch, seq: bucket.seq})(mod))
 
 
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:

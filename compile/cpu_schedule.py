@@ -91,6 +91,29 @@ def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
     return mt, (lanes if n is not None and n < 2 * lanes else 2 * lanes), True
 
 
+def packed_panel_width(n: int, lanes: int) -> int | None:
+    """The nt of the panels `schedule_matmul` would cut a weight of N columns into, or None when N
+    needs padding (then the weight is better left unpacked)."""
+    _, nt, pad_n = _tile_sizes(n, lanes)
+    return None if pad_n else nt
+
+
+PANEL_VIEW = "panel_view"  # the block compile/packing.py reads packed weights through
+
+
+def _panel_view(sch: s_tir.Schedule, block, nt: int):
+    """The producer of `block`'s B operand that views weights packed in panels of width `nt`
+    (W[j, k] = Wp[j // nt, k, j % nt], see compile/packing.py), or None."""
+    b_buffer = sch.get(block).reads[1].source
+    for producer in sch.get_producers(block):
+        stmt = sch.get(producer)
+        if stmt.name_hint.startswith(PANEL_VIEW) and stmt.writes[0].source.same_as(b_buffer):
+            index = stmt.body.value.indices[-1]
+            if isinstance(index, tirx.FloorMod) and isinstance(index.b, tirx.IntImm) and int(index.b) == nt:
+                return producer
+    return None
+
+
 def matmul_axes(block: s_tir.SBlock) -> list[str] | None:
     """Classify the block's iter vars for C[S, I, J] += A[S, I, K] * B[S, J, K], or None.
 
@@ -169,6 +192,9 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     pad_m = m is None or m % mt != 0
     if pad_m or pad_n:
         sch.pad_einsum(main, [{I: mt if pad_m else 1, J: nt if pad_n else 1}.get(kd, 1) for kd in kinds])
+    panel_view = None if pad_n else _panel_view(sch, main, nt)
+    if panel_view is not None:  # read the packed panels directly: B[j, k] becomes Wp[j // nt, k, j % nt]
+        sch.compute_inline(panel_view)
 
     loops = sch.get_loops(main)
     by_kind = {kind: [loop for loop, kd in zip(loops, kinds) if kd == kind] for kind in "TSIJK"}
@@ -186,10 +212,11 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     # Pack the B panel once per task into [K, nt], whatever B's layout (dense weights are [N, K]):
     # then the k loop streams one contiguous panel that stays in L1/L2 for every M tile. Not
     # worth it for a few M tiles of a [K, N] weight (measured at M = 16), unless B is transposed.
+    # Weights packed at load (compile/packing.py) already are such panels.
     b_axes = [r.min for r in sch.get(main).reads[1].region]
     j_var, k_var = (sch.get(main).iter_vars[kinds.index(kd)].var for kd in (J, K))
-    transposed = b_axes.index(j_var) < b_axes.index(k_var)
-    if m is None or m >= 8 * mt or transposed:
+    transposed = panel_view is None and b_axes.index(j_var) < b_axes.index(k_var)
+    if panel_view is None and (m is None or m >= 8 * mt or transposed):
         b_pack = sch.cache_read(main, 1, "global")
         sch.compute_at(b_pack, tile, preserve_unit_loops=True)
         if transposed:

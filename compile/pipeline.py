@@ -18,6 +18,7 @@ import tvm
 from .artifact import atomic_directory
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
+from .cpu_schedule import vector_lanes
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .errors import CompileError
@@ -38,6 +39,7 @@ from .manifest import (
     WeightsEntry,
 )
 from .opcount import tracked_counts
+from .packing import pack_linear_weights
 from .precision import to_precision
 from .progress import Progress
 from .sparsity import prune_model, sparsify
@@ -149,6 +151,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     progress = progress or Progress(0, quiet=True)
     progress.set_total(4 + len(buckets) + 1)
     vocab_size = int(info.config["vocab_size"])
+    target = make_target(config.target, config.cuda_arch, config.mcpu)
 
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
@@ -164,14 +167,17 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 combined, params = apply_strategy(imported.mod, strategy), imported.params
                 if sparsity is not None:
                     combined, params, report = sparsify(combined, params, config.block_shape(),
-                                                        config.sparse_max_density, make_target(
-                                                            config.target, config.cuda_arch, config.mcpu))
+                                                        config.sparse_max_density, target)
                     sparsity.update(density=report["density"], rewritten=report["rewritten"],
                                     kept_dense=report["kept_dense"])
                 combined = to_precision(combined, config.dtype)
-                variants[strategy] = lift_and_transform(combined, params)
+                packed, pipeline = combined, list(PASSES[strategy])
+                if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
+                    packed, _ = pack_linear_weights(combined, vector_lanes(target))
+                    pipeline.insert(-1, "PackLinearWeights")
+                variants[strategy] = lift_and_transform(packed, params)
                 passes[strategy] = StrategyPasses(
-                    pipeline=PASSES[strategy],
+                    pipeline=pipeline,
                     after=PassCounts(**tracked_counts(combined)),
                     main_after_lift=PassCounts(**tracked_counts(variants[strategy].mod)),
                 )

@@ -1,0 +1,130 @@
+"""Weights packed once, at load, into the panel layout the CPU matmul kernel streams.
+
+The CPU schedule (`cpu_schedule.schedule_matmul`) computes each [M, nt] column tile of
+`x @ W^T` from a [K, nt] panel of the weight. With the weight as a plain [K, N] matrix, each
+parallel task copied its panel out of it on every call (and for small M, where the copy does not
+pay, read it with a stride of N). This pass rewrites `matmul(x, permute_dims(W))`, for weights
+computed from parameters only, to a matmul over `Wp[N / nt, K, nt]` (each panel contiguous) and
+puts the packing into the weight-only part of `main`, so `LiftTransformParams` moves it into
+`main_transform_params`: it runs once, at compile time, and the artifact ships packed weights.
+The kernel stays a plain TE compute (not pre-scheduled), so FuseOps still fuses the bias, GELU
+and residual epilogues into it and the schedule rule recognises it like any other matmul.
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, te, tirx
+
+from .cpu_schedule import PANEL_VIEW, packed_panel_width
+
+KERNEL_NAME = "packed_matmul"
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+_MATMUL = tvm.ir.Op.get("relax.matmul")
+_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
+
+
+def packed_matmul_te(x: te.Tensor, packed: te.Tensor) -> te.Tensor:
+    """y[M, N] = x[M, K] @ W^T with W given as Wp[N / nt, K, nt] (Wp[j // nt, k, j % nt] = W[j, k]).
+
+    W^T is first written as an (inlinable) view of the panels, so the matmul block itself is a
+    plain einsum the schedule can pad (symbolic M); the schedule then inlines the view.
+    """
+    panels, k_size, nt = (int(d) for d in packed.shape)
+    weight = te.compute((_i64(panels * nt), _i64(k_size)), lambda j, kk: packed[j // nt, kk, j % nt],
+                        name=PANEL_VIEW)
+    k = te.reduce_axis((0, _i64(k_size)), name="k")
+    return te.compute((x.shape[0], _i64(panels * nt)), lambda m, j: te.sum(x[m, k] * weight[j, k], axis=k),
+                      name="packed_matmul")
+
+
+def _i64(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", value)  # Relax shapes are int64; the kernel's buffers must match them
+
+
+def _linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
+    """{matmul var: W} for `matmul(x [M, K], permute_dims(W))` where W [N, K] is computed from
+    parameters only (a weight, or the concatenation of Q, K and V weights)."""
+    num_input = int(func.attrs["num_input"]) if "num_input" in func.attrs else 0
+    weights = set(func.params[num_input:])
+    value = {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
+
+    def weight_only(expr: relax.Expr) -> bool:
+        free = relax.analysis.free_vars(expr)
+        return all(var in weights or (var in value and weight_only(value[var])) for var in free)
+
+    found = {}
+    for var, call in value.items():
+        if not (isinstance(call, relax.Call) and call.op == _MATMUL):
+            continue
+        lhs, rhs = call.args
+        permute = value.get(rhs)
+        if not (isinstance(permute, relax.Call) and permute.op == _PERMUTE
+                and (permute.attrs.axes is None or [int(a) for a in permute.attrs.axes] == [1, 0])):
+            continue
+        weight = permute.args[0]
+        shape = weight.ty.shape
+        if (len(lhs.ty.shape) == 2 and len(shape) == 2 and all(isinstance(d, tirx.IntImm) for d in shape)
+                and lhs.ty.dtype == weight.ty.dtype == var.ty.dtype and weight_only(weight)):
+            found[var] = weight
+    return found
+
+
+@relax.expr_functor.mutator
+class _PackLinears(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr], lanes: int):
+        super().__init__(mod)
+        self.linears = linears
+        self.lanes = lanes
+        self.packed = 0
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        weight = self.linears.get(binding.var)
+        n, k = (int(d) for d in weight.ty.shape) if weight is not None else (0, 0)
+        nt = packed_panel_width(n, self.lanes) if weight is not None else None
+        if nt is None:
+            super().visit_var_binding_(binding)
+            return
+        panels = self.builder_.emit(relax.op.permute_dims(
+            relax.op.reshape(self.visit_expr(weight), (n // nt, nt, k)), [0, 2, 1]))
+        # emit_te writes the kernel over the activation's own symbolic shape (batch * seq, K)
+        output = self.builder_.emit_te(packed_matmul_te, self.visit_expr(binding.value.args[0]), panels,
+                                       primfunc_name_hint=KERNEL_NAME)
+        if not isinstance(binding.var, relax.DataflowVar):
+            output = self.builder_.emit_output(output)
+        self.set_var_remap(binding.var, output)
+        self.packed += 1
+
+
+def pack_linear_weights(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, int]:
+    """`mod` with `main`'s linears over packed weights, and how many were rewritten.
+
+    Run on a module whose weights are still parameters of `main`, before LiftTransformParams.
+    A weight whose N the kernel's panel width does not divide stays as it is.
+    """
+    func = mod["main"]
+    mutator = _PackLinears(mod, _linears_on_weights(func), lanes)
+    new_func = mutator.visit_expr(func)
+    mutator.builder_.update_func(mod.get_global_var("main"), new_func)
+    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.packed
+
+
+@relax.expr_functor.mutator
+class _RespecializePacked(relax.PyExprMutator):
+    def visit_call_(self, call: relax.Call) -> relax.Expr:
+        if call.op == _CALL_TIR and call.args[0].name_hint.startswith(KERNEL_NAME):
+            x, panels = (self.visit_expr(arg) for arg in call.args[1].fields[:2])  # then the shape vars
+            return self.builder_.emit_te(packed_matmul_te, x, panels, primfunc_name_hint=KERNEL_NAME)
+        return super().visit_call_(call)
+
+
+def specialize_packed_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
+    """Rewrite each packed-matmul kernel for the shapes `main` now calls it with.
+
+    The kernels are written over `main`'s symbolic shapes; after BindSymbolicVars gives a bucket
+    static shapes, FuseOps/FuseTIR refuse a symbolic kernel fed static tensors (LegalizeOps,
+    which writes the other kernels, runs after the binding and has no such problem).
+    """
+    mutator = _RespecializePacked(mod)
+    mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(mod["main"]))
+    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get())

@@ -5,7 +5,8 @@ artifact set weighs ~270 MB, most of it the same numbers three times: the checkp
 artifact's fp32 weights (the checkpoint's tensors, some transposed, Q/K/V concatenated) and its
 fp16 weights (those cast). So `pack` ships the checkpoint once, split into parts of one call
 each, and for every artifact weight file its safetensors header plus a recipe saying how each
-tensor is made from checkpoint tensors; `unpack` rebuilds the files byte for byte and checks
+tensor is made from checkpoint tensors (or the tensor itself, e.g. CPU weights packed in panels);
+`unpack` rebuilds the files byte for byte and checks
 every sha256 against the manifests. TVM goes as its runtime only (no 250 MB compiler library),
 Python packages the GPU image lacks as wheels.
 
@@ -16,6 +17,7 @@ Python packages the GPU image lacks as wheels.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import shutil
 import struct
@@ -46,7 +48,8 @@ def tensors_in_file_order(header: dict) -> list[tuple[str, dict]]:
 
 def recipe_for(target: np.ndarray, sources: dict[str, np.ndarray]) -> list[list]:
     """[[source, transposed], ...] whose pieces, concatenated along the one axis where they
-    differ from `target`, give `target` (cast to its dtype); a single piece for a copy."""
+    differ from `target`, give `target` (cast to its dtype); a single piece for a copy.
+    Raises ValueError when there is none (the tensor then travels as it is)."""
     wanted = np.asarray(target, dtype=np.float32)
     views = [(name, transposed, array.T if transposed else array)
              for name, array in sources.items() for transposed in ((False, True) if array.ndim == 2 else (False,))]
@@ -71,6 +74,18 @@ def recipe_for(target: np.ndarray, sources: dict[str, np.ndarray]) -> list[list]
         if offset == wanted.shape[axis]:
             return pieces + [["axis", axis]]
     raise ValueError(f"no recipe for a tensor of shape {target.shape}")
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
 
 
 def pack(artifacts: list[Path], site_packages: Path, wheels: Path, out: Path) -> None:
@@ -102,11 +117,15 @@ def pack(artifacts: list[Path], site_packages: Path, wheels: Path, out: Path) ->
             for entry in manifest["weights"].values():
                 header_bytes, header = read_header(artifact / entry["file"])
                 tensors = load_file(str(artifact / entry["file"]))
-                recipes[entry["file"]] = {
-                    "header": header_bytes.hex(),
-                    "tensors": [[name, meta["dtype"], recipe_for(tensors[name], checkpoint)]
-                                for name, meta in tensors_in_file_order(header)],
-                }
+                steps = []
+                for name, meta in tensors_in_file_order(header):
+                    try:
+                        steps.append([name, meta["dtype"], recipe_for(tensors[name], checkpoint)])
+                    except ValueError:  # e.g. CPU weights packed into panels: carried as they are
+                        raw = f"raw/{artifact.name}/{len(steps)}-{entry['file']}.npy"
+                        _add_bytes(tar, raw, _npy_bytes(tensors[name]))
+                        steps.append([name, meta["dtype"], [["raw", raw]]])
+                recipes[entry["file"]] = {"header": header_bytes.hex(), "tensors": steps}
             index["artifacts"][artifact.name] = recipes
             for path in sorted(artifact.rglob("*")):
                 if path.is_file() and not path.name.endswith(".safetensors"):
@@ -153,7 +172,9 @@ def unpack(packed: Path, site: Path, artifacts_dir: Path, model_dir: Path | None
                 handle.write(bytes.fromhex(recipe["header"]))
                 for _, dtype, steps in recipe["tensors"]:
                     *sources, last = steps
-                    if last[0] == "axis":
+                    if last[0] == "raw":
+                        array = np.load(unpacked / last[1])
+                    elif last[0] == "axis":
                         views = [checkpoint[s].T if t else checkpoint[s] for s, t in sources]
                         array = np.concatenate(views, axis=last[1])
                     else:

@@ -17,11 +17,10 @@ import tvm
 from tvm import relax, te, tirx
 
 from .cpu_schedule import PANEL_VIEW, packed_panel_width
+from .linears import bindings, transposed_linears
 
 KERNEL_NAME = "packed_matmul"
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-_MATMUL = tvm.ir.Op.get("relax.matmul")
-_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
 
 def packed_matmul_te(x: te.Tensor, packed: te.Tensor) -> te.Tensor:
@@ -47,22 +46,14 @@ def _linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     parameters only (a weight, or the concatenation of Q, K and V weights)."""
     num_input = int(func.attrs["num_input"]) if "num_input" in func.attrs else 0
     weights = set(func.params[num_input:])
-    value = {b.var: b.value for block in func.body.blocks for b in block.bindings if isinstance(b, relax.VarBinding)}
+    value = bindings(func)
 
     def weight_only(expr: relax.Expr) -> bool:
         free = relax.analysis.free_vars(expr)
         return all(var in weights or (var in value and weight_only(value[var])) for var in free)
 
     found = {}
-    for var, call in value.items():
-        if not (isinstance(call, relax.Call) and call.op == _MATMUL):
-            continue
-        lhs, rhs = call.args
-        permute = value.get(rhs)
-        if not (isinstance(permute, relax.Call) and permute.op == _PERMUTE
-                and (permute.attrs.axes is None or [int(a) for a in permute.attrs.axes] == [1, 0])):
-            continue
-        weight = permute.args[0]
+    for var, lhs, _, weight in transposed_linears(value):
         shape = weight.ty.shape
         if (len(lhs.ty.shape) == 2 and len(shape) == 2 and all(isinstance(d, tirx.IntImm) for d in shape)
                 and lhs.ty.dtype == weight.ty.dtype == var.ty.dtype and weight_only(weight)):

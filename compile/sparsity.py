@@ -19,6 +19,8 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 from tvm.target import Target
 
+from .linears import bindings, transposed_linears
+
 LAYERS = {
     "ffn": ("intermediate.dense", "output.dense"),
     "attention_output": ("attention.output.dense",),
@@ -28,8 +30,6 @@ DEFAULT_LAYERS = ("ffn", "attention_output")
 OPAQUE = 8  # relax OpPatternKind::kOpaque: FuseOps must not fuse into an already scheduled kernel
 GPU_THREADS = 128
 
-_MATMUL = tvm.ir.Op.get("relax.matmul")
-_PERMUTE = tvm.ir.Op.get("relax.permute_dims")
 
 
 # ----------------------------------------------------------------------------- pruning and BSR
@@ -176,8 +176,7 @@ def _eligible_linears(func: relax.Function, weights: dict[relax.Var, np.ndarray]
 
     A weight used anywhere else (tied, concatenated) must keep its dense parameter, so it is skipped.
     """
-    bindings = [b for block_ in func.body.blocks for b in block_.bindings if isinstance(b, relax.VarBinding)]
-    value = {b.var: b.value for b in bindings}
+    value = bindings(func)
     uses: dict[relax.Var, int] = {}
 
     def count(expr):
@@ -187,15 +186,9 @@ def _eligible_linears(func: relax.Function, weights: dict[relax.Var, np.ndarray]
     for expr in [*value.values(), func.body.body]:
         relax.analysis.post_order_visit(expr, count)
     found = {}
-    for var, call in value.items():
-        if not (isinstance(call, relax.Call) and call.op == _MATMUL):
+    for var, lhs, rhs, weight in transposed_linears(value):
+        if weight not in weights:
             continue
-        lhs, rhs = call.args
-        permute = value.get(rhs)
-        if not (isinstance(permute, relax.Call) and permute.op == _PERMUTE and permute.args[0] in weights
-                and (permute.attrs.axes is None or [int(a) for a in permute.attrs.axes] == [1, 0])):
-            continue
-        weight = permute.args[0]
         shape = weights[weight].shape
         if (len(lhs.ty.shape) == 2 and len(shape) == 2 and uses[weight] == 1 and uses[rhs] == 1
                 and shape[0] % block[0] == 0 and shape[1] % block[1] == 0

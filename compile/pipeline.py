@@ -18,9 +18,9 @@ import tvm
 from .artifact import atomic_directory
 from .bucketing import Bucket
 from .build import build_library, make_target, specialize
-from .cpu_schedule import vector_lanes
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
+from .cpu_schedule import vector_lanes
 from .errors import CompileError
 from .hashing import file_sha256
 from .importer import export_and_import
@@ -85,14 +85,15 @@ def check_shapes(config: CompileConfig, info: CheckpointInfo) -> tuple[list[Buck
 class LibraryBuilder:
     """Builds each library once per candidate strategy, keeps the fastest, validates it."""
 
-    def __init__(self, config: CompileConfig, staging: Path, variants: dict[str, LiftedModel],
-                 weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module, vocab_size: int):
+    def __init__(self, config: CompileConfig, target: tvm.target.Target, staging: Path,
+                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
+                 vocab_size: int):
         self.config = config
         self.staging = staging
         self.variants = variants
         self.wrapper = wrapper
         self.vocab_size = vocab_size
-        self.target = make_target(config.target, config.cuda_arch, config.mcpu)
+        self.target = target
         self.device = device_for(config.target)
         self.can_run = bool(self.device.exist)
         self.validate = config.validate_artifacts and self.can_run
@@ -185,7 +186,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
-        builder = LibraryBuilder(config, staging, variants, weight_files, reference, vocab_size)
+        builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size)
         records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):

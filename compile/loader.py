@@ -21,9 +21,10 @@ import tvm
 from tvm.runtime.vm import VirtualMachine
 
 from .bucketing import Bucket, smallest_fitting
+from .cpu_features import missing_on_host
 from .errors import ArtifactError
 from .hashing import file_sha256
-from .manifest import Manifest
+from .manifest import Manifest, TargetEntry
 
 log = logging.getLogger(__name__)
 
@@ -168,14 +169,18 @@ class CompiledModel:
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         token_type_ids: np.ndarray | None = None,
+        bucket: Bucket | None = None,
     ) -> RunResult:
-        """Run one batch on the smallest fitting bucket, else on the generic library."""
+        """Run one batch on `bucket` (a caller's choice, e.g. the planner's cheapest) or the smallest
+        fitting bucket, else on the generic library."""
         batch, seq = input_ids.shape
         vocab_size = self.manifest.model.vocab_size
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
             raise ValueError(f"token ids must lie in [0, {vocab_size})")  # the gather kernel does not check
         real_tokens = int(np.asarray(attention_mask).sum())
-        bucket = self.select(batch, seq)
+        if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
+            raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
+        bucket = bucket or self.select(batch, seq)
         if bucket is not None:
             padded = [pad_to(x, bucket.batch, bucket.seq) for x in model_inputs(input_ids, attention_mask, token_type_ids)[:3]]
             output = self.runners[bucket](*model_inputs(*padded))[:batch]
@@ -207,10 +212,27 @@ def _verified(directory: Path, library: str, sha256: str) -> Path:
     return path
 
 
+def check_cpu_features(directory: Path, target: TargetEntry) -> None:
+    """Refuse (ArtifactError) an artifact whose CPU code needs features this CPU lacks: loading and
+    running it would die with SIGILL. Where this CPU's features cannot be read, warn and go on."""
+    if not target.cpu_features:
+        return  # an older manifest, or code for no x86 CPU
+    missing = missing_on_host(target.cpu_features)
+    if missing is None:
+        log.warning("cannot read this CPU's features (no /proc/cpuinfo flags); not checking that it has %s, "
+                    "which %s was compiled for (%s)", ", ".join(target.cpu_features), directory, target.mcpu)
+    elif missing:
+        raise ArtifactError(
+            f"{directory} was compiled for {target.mcpu} and needs CPU features {', '.join(missing)} this CPU "
+            "lacks; recompile it here (bert-compile without --mcpu)"
+        )
+
+
 def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = None) -> CompiledModel:
     """Load an artifact directory; a bucket whose library fails verification is refused, not used."""
     directory = Path(directory)
     manifest = Manifest.read(directory)
+    check_cpu_features(directory, manifest.target)
     device = device or device_for(manifest.target.kind)
     if manifest.target.kind == "cuda" and not device.exist:
         raise ArtifactError(f"{directory} holds CUDA libraries but no CUDA device is present")

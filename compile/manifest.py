@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .bucketing import Bucket, smallest_fitting
 from .errors import ArtifactError
 
 SCHEMA_VERSION = 1
@@ -24,6 +25,9 @@ class TargetEntry(_Strict):
     mcpu: str | None = None
     cuda_arch: str | None = None
     cuda_graph: bool = False
+    # x86 features (LLVM names, compile/cpu_features.py) the CPU code needs: the CPU libraries', or a
+    # CUDA artifact's host code. The loader refuses the artifact on a CPU that lacks one (else SIGILL).
+    cpu_features: list[str] = Field(default_factory=list)
 
 
 class ModelEntry(_Strict):
@@ -47,12 +51,27 @@ class BucketEntry(LibraryEntry):
     batch: int
     seq: int
     max_abs_diff: float | None
+    latency_ms: float | None = None  # median ms of one call, measured at compile time (None: not timed)
+
+
+class CostModel(_Strict):
+    """The generic library's measured latency, fitted over a few shapes (non-negative terms):
+    ms = fixed_ms + per_token_ms * batch * seq + per_attention_ms * batch * seq^2."""
+
+    fixed_ms: float
+    per_token_ms: float
+    per_attention_ms: float
+
+    def predicted_ms(self, batch: int, seq: int) -> float:
+        tokens = batch * seq
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_attention_ms * tokens * seq
 
 
 class GenericEntry(LibraryEntry):
     max_batch: int
     max_seq: int
     max_abs_diff: dict[str, float | None]
+    cost_model: CostModel | None = None  # None: not timed (not validated, or no device to run on)
 
 
 class WeightsEntry(_Strict):
@@ -110,6 +129,17 @@ class Manifest(_Strict):
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float
     created_at: str
+
+    def predicted_ms(self, batch: int, seq: int, buckets: Iterable[Bucket] | None = None) -> float | None:
+        """Measured ms of the library that would run (batch, seq): the smallest fitting bucket's
+        `latency_ms` (among `buckets`, default all; pass a loaded model's to skip refused ones),
+        else the generic cost model's prediction; None where that library was not timed."""
+        latencies = {Bucket.of(b.batch, b.seq): b.latency_ms for b in self.buckets}
+        bucket = smallest_fitting(sorted(latencies if buckets is None else buckets), batch, seq)
+        if bucket is not None:
+            return latencies.get(bucket)
+        cost = self.generic.cost_model
+        return cost.predicted_ms(batch, seq) if cost is not None else None
 
     def write(self, directory: Path) -> None:
         """Write through a temporary file and a rename, so a reader never sees half a manifest."""

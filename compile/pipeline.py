@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from .bucketing import Bucket
 from .build import build_library, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
+from .cpu_features import missing_on_host, target_features
 from .cpu_schedule import vector_lanes
 from .errors import CompileError
 from .hashing import file_sha256
@@ -28,6 +30,7 @@ from .lift import LiftedModel, lift_and_transform
 from .loader import LibraryRunner, device_for, device_name, load_weights
 from .manifest import (
     BucketEntry,
+    CostModel,
     GenericEntry,
     Manifest,
     ModelEntry,
@@ -44,11 +47,14 @@ from .precision import to_precision
 from .progress import Progress
 from .sparsity import prune_model, sparsify
 from .strategy import PASSES, STRATEGIES, apply_strategy
-from .timing import interleaved_medians
+from .timing import budgeted_medians_ms, fit_cost_model, interleaved_medians, use_all_cores
 from .validate import checked_diff, cosine_drift
 
 TOKENIZER_DIR = "tokenizer"
 UNTIMED_AUTO_STRATEGY = "concat"  # what `auto` builds when it cannot time (CUDA without a GPU)
+# (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
+COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +67,32 @@ class BuildRecord:
     strategy: str
     strategy_ms: dict[str, float] | None
     diffs: dict[str, float | None] = field(default_factory=dict)
+    latency_ms: dict[Bucket, float] = field(default_factory=dict)  # measured median ms per shape
+
+    def cost_model(self) -> CostModel | None:
+        """The generic library's latency fitted over its timed shapes; None when not timed."""
+        if not self.latency_ms:
+            return None
+        fixed, per_token, per_attention = fit_cost_model({(s.batch, s.seq): ms for s, ms in self.latency_ms.items()})
+        return CostModel(fixed_ms=fixed, per_token_ms=per_token, per_attention_ms=per_attention)
+
+
+def cost_model_shapes(max_batch: int, max_seq: int) -> list[Bucket]:
+    return sorted({Bucket.of(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+
+
+def runs_here(kind: str, target: tvm.target.Target, features: list[str]) -> bool:
+    """Whether this machine can run the target's libraries: its device is present and its CPU has
+    every feature the (host) code may use. Cross-compiled ones are built, not validated or timed."""
+    if not device_for(kind).exist:
+        return False
+    missing = missing_on_host(features)
+    if missing:
+        log.warning("this CPU lacks %s, which code for %s may use: the libraries are built but neither "
+                    "validated nor timed here (run `python -m compile.verify` where they will run)",
+                    ", ".join(missing), (target.host or target).attrs["mcpu"])
+        return False
+    return True
 
 
 def check_shapes(config: CompileConfig, info: CheckpointInfo) -> tuple[list[Bucket], list[Bucket]]:
@@ -87,7 +119,7 @@ class LibraryBuilder:
 
     def __init__(self, config: CompileConfig, target: tvm.target.Target, staging: Path,
                  variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
-                 vocab_size: int):
+                 vocab_size: int, can_run: bool | None = None):
         self.config = config
         self.staging = staging
         self.variants = variants
@@ -95,8 +127,13 @@ class LibraryBuilder:
         self.vocab_size = vocab_size
         self.target = target
         self.device = device_for(config.target)
-        self.can_run = bool(self.device.exist)
+        self.can_run = bool(self.device.exist) if can_run is None else can_run
         self.validate = config.validate_artifacts and self.can_run
+        # Libraries are timed (for the server's batch planner) when validated, with every core:
+        # as a server runs them. `validate: false` skips both.
+        self.timed = self.validate
+        if self.can_run:
+            use_all_cores()
         # Validate what ships: the weights as read back from the artifact's files.
         self.weights = (
             {s: load_weights(staging / entry.file, entry.names, self.device) for s, entry in weight_files.items()}
@@ -104,7 +141,9 @@ class LibraryBuilder:
         )
 
     def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
-              timing_shape: Bucket, validation_shapes: list[Bucket], static: bool = True) -> BuildRecord:
+              timing_shape: Bucket, validation_shapes: list[Bucket], static: bool = True,
+              latency_shapes: list[Bucket] | None = None) -> BuildRecord:
+        """Build, choose, validate, then time the library at `latency_shapes` (default: `timing_shape`)."""
         started = time.perf_counter()
         candidates = {}
         for strategy, variant in self.variants.items():
@@ -120,6 +159,8 @@ class LibraryBuilder:
         record = BuildRecord(name, library, time.perf_counter() - started, strategy, strategy_ms)
         for index, shape in enumerate(validation_shapes):
             record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
+        if self.timed:
+            record.latency_ms = self._latencies(record, timing_shape, latency_shapes or [timing_shape])
         return record
 
     def _runner(self, library: str, strategy: str) -> LibraryRunner:
@@ -128,12 +169,27 @@ class LibraryBuilder:
     def _choose(self, candidates: dict[str, str], shape: Bucket) -> tuple[str, dict[str, float] | None]:
         if len(candidates) == 1:
             return next(iter(candidates)), None
-        inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, self.vocab_size, seed=self.config.seed)]
+        inputs = self._inputs(shape)
         runners = {s: self._runner(library, s) for s, library in candidates.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
                                     repeats=self.config.strategy_repeats)
         strategy_ms = {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
         return min(strategy_ms, key=strategy_ms.get), strategy_ms
+
+    def _inputs(self, shape: Bucket) -> list[np.ndarray]:
+        return [x.numpy() for x in example_inputs(shape.batch, shape.seq, self.vocab_size, seed=self.config.seed)]
+
+    def _latencies(self, record: BuildRecord, timing_shape: Bucket, shapes: list[Bucket]) -> dict[Bucket, float]:
+        """Median ms of the chosen library per shape; `auto`'s timing of it is reused, not redone."""
+        measured = {}
+        if record.strategy_ms is not None:
+            measured[timing_shape] = record.strategy_ms[record.strategy]
+        runner = self._runner(record.library, record.strategy)
+        todo = {shape.name: shape for shape in shapes if shape not in measured}
+        calls = {name: (lambda x=self._inputs(shape): runner(*x)) for name, shape in todo.items()}
+        if calls:
+            measured.update({todo[name]: ms for name, ms in budgeted_medians_ms(calls).items()})
+        return {shape: round(ms, 4) for shape, ms in measured.items()}
 
     def _check(self, record: BuildRecord, shape: Bucket, seed: int) -> float | None:
         if not self.validate:
@@ -146,13 +202,15 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     """Compile `config.model` into an artifact directory at `config.out`, atomically."""
     info = inspect_checkpoint(config.model_dir(), config.task, config.pooling)
     buckets, generic_shapes = check_shapes(config, info)
+    target = make_target(config.target, config.cuda_arch, config.mcpu)
+    cpu_features = target_features(target)
+    can_run = runs_here(config.target, target, cpu_features)
     strategies = [config.strategy]
-    if config.strategy == "auto":  # timing needs the target device; without it, build one strategy only
-        strategies = list(STRATEGIES) if device_for(config.target).exist else [UNTIMED_AUTO_STRATEGY]
+    if config.strategy == "auto":  # timing needs to run the libraries; where they cannot, build one strategy only
+        strategies = list(STRATEGIES) if can_run else [UNTIMED_AUTO_STRATEGY]
     progress = progress or Progress(0, quiet=True)
     progress.set_total(4 + len(buckets) + 1)
     vocab_size = int(info.config["vocab_size"])
-    target = make_target(config.target, config.cuda_arch, config.mcpu)
 
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
@@ -186,13 +244,14 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
-        builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size)
+        builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size, can_run)
         records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):
                 records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b), bucket, [bucket]))
         with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
-            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes, static=False)
+            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes, static=False,
+                                    latency_shapes=cost_model_shapes(config.max_batch, info.max_seq))
             records.append(generic)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
@@ -210,6 +269,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 mcpu=str((builder.target.host or builder.target).attrs["mcpu"]),
                 cuda_arch=config.cuda_arch if config.target == "cuda" else None,
                 cuda_graph=config.cuda_graph,
+                cpu_features=cpu_features,
             ),
             model=ModelEntry(
                 path=str(info.path),
@@ -230,11 +290,12 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             tokenizer=TOKENIZER_DIR,
             weights=weight_files,
             buckets=[
-                BucketEntry(batch=b.batch, seq=b.seq, max_abs_diff=r.diffs[b.name], **library_fields(r))
+                BucketEntry(batch=b.batch, seq=b.seq, max_abs_diff=r.diffs[b.name], latency_ms=r.latency_ms.get(b),
+                            **library_fields(r))
                 for b, r in zip(buckets, records)
             ],
             generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
-                                 **library_fields(generic)),
+                                 cost_model=generic.cost_model(), **library_fields(generic)),
             passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
             sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
             validated=builder.validate,

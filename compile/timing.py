@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
 import time
 from typing import Callable
+
+import numpy as np
 
 
 def interleaved_medians(
@@ -27,3 +31,65 @@ def interleaved_medians(
         name: {"median_s": statistics.median(values), "min_s": min(values), "max_s": max(values), "runs": len(values)}
         for name, values in samples.items()
     }
+
+
+def process_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def use_all_cores() -> int:
+    """Size the calling thread's TVM thread pool to `TVM_NUM_THREADS`, else to every core of the
+    process, and return that count. Without it TVM's pool takes half the cores on x86 (it
+    assumes hyper-threading), so timings would not be those of a server that sets its threads."""
+    import tvm
+
+    threads = int(os.environ.get("TVM_NUM_THREADS") or process_cores())
+    tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: kBig, every core on x86
+    return threads
+
+
+def budgeted_medians_ms(candidates: dict[str, Callable[[], object]], repeats: int = 5,
+                        budget_s: float = 2.5) -> dict[str, float]:
+    """Median ms per candidate: one warm-up round, then up to `repeats` interleaved rounds, fewer
+    (at least one) when a round is slow enough that they would take more than `budget_s`."""
+    started = time.perf_counter()
+    for candidate in candidates.values():
+        candidate()
+    round_s = time.perf_counter() - started
+    rounds = max(1, min(repeats, int(budget_s / max(round_s, 1e-9))))
+    stats = interleaved_medians(candidates, repeats=rounds, warmup=0)
+    return {name: value["median_s"] * 1e3 for name, value in stats.items()}
+
+
+def fit_cost_model(samples: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """(fixed, per_token, per_attention) >= 0 fitting ms = fixed + per_token * b * s +
+    per_attention * b * s^2 to {(batch, seq): ms}, minimising the squared *relative* error (a
+    1x16 call matters to the planner as much as an 8x128 one).
+
+    Exact non-negative least squares for three terms: the best unconstrained fit over every subset
+    of the terms whose coefficients are all non-negative (the optimum is one of them).
+    """
+    shapes = list(samples)
+    measured = np.array([samples[shape] for shape in shapes], dtype=np.float64)
+    if not len(shapes) or (measured <= 0).any():
+        raise ValueError("need at least one positive timing to fit")
+    columns = np.array([[1.0, b * s, b * s * s] for b, s in shapes], dtype=np.float64)
+    weighted, target = columns / measured[:, None], np.ones(len(shapes))
+    best, best_residual = np.zeros(3), float(np.sum(target**2))
+    for subset in itertools.product((False, True), repeat=3):
+        used = np.flatnonzero(subset)
+        if not len(used):
+            continue
+        solution, *_ = np.linalg.lstsq(weighted[:, used], target, rcond=None)
+        if (solution < 0).any():
+            continue
+        coefficients = np.zeros(3)
+        coefficients[used] = solution
+        residual = float(np.sum((weighted @ coefficients - target) ** 2))
+        if residual < best_residual - 1e-12 * max(best_residual, 1.0):
+            best, best_residual = coefficients, residual
+    return tuple(float(c) for c in best)

@@ -17,14 +17,19 @@ from pathlib import Path
 
 import httpx
 
+from compile.errors import ArtifactError
+
 from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
 from .servers import running_server
+from .strategy_table import read_manifest
 from .workload import make_requests
+
+PROG = "python -m loadtest"
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=Path, default=Path("artifacts/minilm-cpu"))
     parser.add_argument("--backends", default="tvm,torch")
     parser.add_argument("--endpoints", default="/embed,/classify")
@@ -58,17 +63,19 @@ def compute_path_counts(base: str) -> Counter:
 def token_counter(artifacts: Path):
     from tokenizers import Tokenizer
 
-    from compile.manifest import Manifest
-
-    tokenizer = Tokenizer.from_file(str(artifacts / Manifest.read(artifacts).tokenizer / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(artifacts / read_manifest(artifacts).tokenizer / "tokenizer.json"))
     return lambda texts: sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    try:
+        count_tokens = token_counter(args.artifacts)
+    except ArtifactError as exc:  # before any server starts
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     requests = make_requests(args.requests, seed=args.seed)
-    count_tokens = token_counter(args.artifacts)
     tokens = [count_tokens(r.inputs) for r in requests]
     backends = args.backends.split(",")
     endpoints = args.endpoints.split(",")
@@ -104,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from importlib.metadata import version
 
     report = {
-        "command": "python -m loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
         "versions": {name: version(name) for name in ("apache-tvm", "torch", "transformers", "fastapi", "uvicorn")},
         "artifacts": str(args.artifacts),

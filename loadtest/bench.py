@@ -1,8 +1,11 @@
 """`python -m loadtest.bench`: compiled bucket vs generic library vs PyTorch eager vs ONNX Runtime.
 
 One process, one thread count for every backend, interleaved repeated runs, medians and
-ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Writes JSON, a
-PNG bar chart and a markdown table.
+ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Before timing a
+shape, every candidate's output is compared with PyTorch eager's; the largest absolute
+difference per candidate goes into the JSON (`agreement`), and a candidate beyond the dtype's
+tolerance stops the benchmark (exit 1): a fast wrong answer is not a result. Writes JSON, a
+PNG bar chart and a markdown table. Exit 2 when an artifact directory cannot be loaded.
 """
 
 from __future__ import annotations
@@ -15,12 +18,19 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
+PROG = "python -m loadtest.bench"
+# Max |candidate - PyTorch eager| per dtype: looser than the compile stage's validation bounds
+# (1e-4, 2e-2) since ONNX Runtime and torch.compile reorder reductions too, and far below what a
+# wrong model or wrong weights give (differences of the order of the outputs themselves).
+TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=Path, required=True, help="compiled artifact directory")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS shapes, ideally buckets of the artifact")
     parser.add_argument("--generic-shapes", default=DEFAULT_GENERIC_SHAPES,
@@ -83,8 +93,48 @@ def onnx_session(wrapper, directory: Path, threads: int):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def as_array(output) -> np.ndarray:
+    """A candidate's output as a float32 host array: a loader RunResult, ONNX Runtime's list of
+    outputs (the first is the model's), a torch tensor, or an array."""
+    if hasattr(output, "output"):
+        output = output.output
+    elif isinstance(output, list):
+        output = output[0]
+    if hasattr(output, "detach"):
+        output = output.detach().float().cpu().numpy()
+    return np.asarray(output, dtype=np.float32)
+
+
+def agreement(outputs: dict[str, np.ndarray], reference: np.ndarray) -> dict[str, float]:
+    """Max |output - reference| per candidate (inf for a wrong shape, nan for a non-finite output)."""
+    diffs = {}
+    for label, output in outputs.items():
+        if output.shape != reference.shape:
+            diffs[label] = float("inf")
+        else:
+            diffs[label] = float(np.abs(output - reference).max()) if output.size else 0.0
+    return diffs
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from compile.bucketing import parse_buckets
+    from compile.errors import ArtifactError, CompileError
+
+    from .strategy_table import read_manifest
+
+    try:
+        shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
+            (s, "generic") for s in parse_buckets(args.generic_shapes)]
+        for directory in (args.artifacts, *args.compare):
+            read_manifest(directory)
+    except (ArtifactError, CompileError) as exc:
+        return _fail(str(exc), 2)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
     # Every runtime's idle workers busy-wait after a call (TVM's pool, OpenMP under torch, ORT's
     # pool); interleaved in one process, that spinning steals the cores the next backend runs
@@ -93,15 +143,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from compile.bucketing import parse_buckets
     from compile.checkpoint import INPUT_NAMES, example_inputs, inspect_checkpoint, load_wrapper
     from compile.loader import load_artifact, model_inputs
     from compile.timing import interleaved_medians
 
     torch.set_num_threads(args.threads)
-    model = load_artifact(args.artifacts)
+    try:
+        model = load_artifact(args.artifacts)
+        others = {f"tvm_bucket[{path.name}]": load_artifact(path) for path in args.compare}
+    except ArtifactError as exc:
+        return _fail(str(exc), 2)
     manifest = model.manifest
-    others = {f"tvm_bucket[{path.name}]": load_artifact(path) for path in args.compare}
+    if manifest.sparsity is not None:
+        return _fail(f"{args.artifacts} is block-sparse, so PyTorch eager on its checkpoint is not its reference; "
+                     "time sparse builds with python -m loadtest.sparse_bench", 2)
+    tolerance = TOLERANCE[manifest.dtype]
     on_gpu = manifest.target.kind == "cuda"
     torch_device = "cuda" if on_gpu else "cpu"
     info = inspect_checkpoint(Path(manifest.model.path), manifest.task, manifest.pooling if manifest.task == "embed" else "auto")
@@ -117,9 +173,6 @@ def main(argv: list[str] | None = None) -> int:
 
         compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
         results = []
-        shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
-            (s, "generic") for s in parse_buckets(args.generic_shapes)
-        ]
         for index, (shape, kind) in enumerate(shapes, 1):
             inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, manifest.model.vocab_size, seed=index)]
             ids, mask = inputs[0], inputs[1]
@@ -138,11 +191,20 @@ def main(argv: list[str] | None = None) -> int:
             if session is not None:
                 feed = dict(zip(INPUT_NAMES, inputs))
                 candidates["onnxruntime"] = lambda: session.run(None, feed)
-            log(f"bench [{index}/{len(shapes)}] {shape.name} ({kind}, served by {served_by}), {args.repeats} rounds ...")
+            with torch.no_grad():
+                outputs = {label: as_array(run()) for label, run in candidates.items()}
+            diffs = agreement({k: v for k, v in outputs.items() if k != "torch_eager"}, outputs["torch_eager"])
+            wrong = [f"{label} (max abs diff {diff:.3g})" for label, diff in diffs.items() if not diff <= tolerance]
+            if wrong:
+                return _fail(f"at {shape.name}, {', '.join(wrong)} disagree with PyTorch eager beyond "
+                             f"{tolerance:g} ({manifest.dtype}); nothing timed", 1)
+            log(f"bench [{index}/{len(shapes)}] {shape.name} ({kind}, served by {served_by}), "
+                f"agree within {max(diffs.values()):.1e}, {args.repeats} rounds ...")
             with torch.no_grad():
                 stats = interleaved_medians(candidates, args.repeats)
             flops = bert_flops(info.config, shape.batch, shape.seq)
-            row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9, "stats": stats}
+            row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
+                   "agreement": diffs, "stats": stats}
             torch_ms = stats["torch_eager"]["median_s"]
             row["ratio_vs_torch"] = {k: v["median_s"] / torch_ms for k, v in stats.items()}
             if "onnxruntime" in stats:
@@ -154,11 +216,11 @@ def main(argv: list[str] | None = None) -> int:
             log("  " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in stats.items()))
 
     report = {
-        "command": "python -m loadtest.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "mcpu": manifest.target.mcpu,
                     "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
                     "threads": args.threads, "peak_gemm_gflops": peak},
-        "dtype": manifest.dtype,
+        "dtype": manifest.dtype, "tolerance": tolerance,
         "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
                      "onnxruntime": _version("onnxruntime") if session is not None else None},
         "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare], "repeats": args.repeats, "results": results,

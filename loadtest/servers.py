@@ -1,6 +1,8 @@
-"""Starting a server on loopback as a subprocess, waiting for /ready, sampling its memory.
+"""Starting a server on loopback, waiting for /ready, sampling its memory.
 
-Used by the load tests and by the test suite's `serve` fixture: one way to run a real server.
+`running_server` starts `python -m service` as a subprocess (the load tests and the test suite's
+`serve` fixture); `running_app` runs an app built in this process under a real uvicorn on a
+thread (tests and the soak, which hand it a fault-injecting backend loader).
 """
 
 from __future__ import annotations
@@ -97,3 +99,44 @@ def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+@contextlib.contextmanager
+def running_app(app) -> Iterator[str]:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a thread; yields the base URL once it listens."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
+                                           access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def wait_until(condition, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll `condition()` until it is true (a state to reach, not a time to wait); TimeoutError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not reached in {timeout:.0f} s")
+        time.sleep(0.02)
+
+
+def metric_value(base: str, name: str, **labels: str) -> float:
+    """One sample of the server's Prometheus metrics (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

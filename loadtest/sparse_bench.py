@@ -3,7 +3,8 @@
 Compiles the model once dense and once per (sparsity, block), each with one bucket at --shape,
 then times all bucket libraries interleaved in one process. Each cell is the median latency of
 the sparse build as a ratio of the dense build's, with the cosine similarity of the pruned
-model's embeddings to the dense model's.
+model's embeddings to the dense model's. A bad --model, --shape, --sparsities or --blocks exits 2
+with one line.
 """
 
 from __future__ import annotations
@@ -31,26 +32,38 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)
+    from compile.errors import CompileError
+
+    try:
+        return _run(args, argv)
+    except CompileError as exc:  # a bad checkpoint, shape, sparsity or block: the user's to fix
+        print(f"python -m loadtest.sparse_bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args, argv) -> int:
     from compile.bucketing import parse_bucket
-    from compile.checkpoint import example_inputs
-    from compile.config import CompileConfig
+    from compile.checkpoint import example_inputs, inspect_checkpoint
+    from compile.config import default_model_dir, load_config
     from compile.loader import load_artifact
     from compile.pipeline import compile_model
     from compile.timing import interleaved_medians
 
     shape = parse_bucket(args.shape)
-    configs = [("dense", None, None)] + [
-        (f"{s}@{b}", float(s), b) for s in args.sparsities.split(",") for b in args.blocks.split(",")
-    ]
+    inspect_checkpoint(args.model or default_model_dir(), "embed")
+    sparsities, blocks = args.sparsities.split(","), args.blocks.split(",")
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     models, sparsity = {}, {}
     with tempfile.TemporaryDirectory() as scratch:
-        for index, (name, fraction, block) in enumerate(configs, 1):
+        # Every configuration is validated before the first (minutes-long) compile.
+        # Correctness of sparse builds is the test suite's job; here only speed and drift.
+        configs = {name: load_config(None, {"model": args.model, "out": Path(scratch) / name.replace("@", "_"),
+                                            "buckets": [shape.name], "max_batch": max(shape.batch, 8),
+                                            "sparsity": fraction, "block": block, "validate": False})
+                   for name, fraction, block in [("dense", None, None)] + [
+                       (f"{s}@{b}", s, b) for s in sparsities for b in blocks]}
+        for index, (name, config) in enumerate(configs.items(), 1):
             log(f"sparse_bench [{index}/{len(configs)}] compile {name} ...")
-            # Correctness of sparse builds is the test suite's job; here only speed and drift.
-            config = CompileConfig(model=args.model, out=Path(scratch) / name.replace("@", "_"), buckets=[shape.name],
-                                   max_batch=max(shape.batch, 8), sparsity=fraction, block=block or "16x1",
-                                   validate=False)
             manifest, _ = compile_model(config)
             models[name] = load_artifact(config.out)
             sparsity[name] = manifest.sparsity.model_dump() if manifest.sparsity else None
@@ -64,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
               "shape": shape.name, "threads": args.threads, "repeats": args.repeats, "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sparse_bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown_table(report, args.sparsities.split(","), args.blocks.split(","))
+    table = markdown_table(report, sparsities, blocks)
     (args.out / "sparse_bench.md").write_text(table + "\n")
     print(table)
     return 0

@@ -4,13 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
-from compile.manifest import Manifest
-from compile.strategy import STRATEGIES
+from compile.errors import ArtifactError
+from compile.manifest import MANIFEST_FILE, Manifest
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of an artifact directory; ArtifactError, in one line that says how to make
+    one, where `directory` is missing or holds no manifest."""
+    if not (directory / MANIFEST_FILE).is_file():
+        raise ArtifactError(f"{directory} is not a compiled artifact (no {MANIFEST_FILE}); make it with: "
+                            f".venv/bin/bert-compile --config configs/default.yaml --out {directory}")
+    return Manifest.read(directory)
 
 
 def markdown_table(manifest: Manifest) -> str:
+    from compile.strategy import STRATEGIES  # imports TVM; read_manifest's users need not
+
     lines = ["| library | " + " | ".join(f"{s} ms" for s in STRATEGIES) + " | chosen |",
              "|---|" + "---|" * (len(STRATEGIES) + 1)]
     entries = [(f"bucket {b.batch}x{b.seq}", b) for b in manifest.buckets]
@@ -26,7 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.strategy_table", description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=Path, required=True)
     args = parser.parse_args(argv)
-    print(markdown_table(Manifest.read(args.artifacts)))
+    try:
+        manifest = read_manifest(args.artifacts)
+    except ArtifactError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(markdown_table(manifest))
     return 0
 
 

@@ -1,43 +1,46 @@
 #!/usr/bin/env bash
-# The GPU results in docs/bench/cuda. CUDA libraries compile on any machine (no GPU needed) but
-# run only on one, and the lent GPU machine has no TVM compiler and reaches no package index, so:
-#   compile  (here)  the default model for CUDA in fp32 and fp16, each with CUDA graphs and without
-#   pack     (here)  artifacts + checkpoint + TVM runtime + wheels into .gpu/ (scripts/gpu_transport.py)
-#   unpack   (GPU)   rebuild everything under /tmp/site and artifacts/, checked by sha256
-#   verify   (GPU)   tests/test_cuda.py, then every library against PyTorch on the GPU, recorded in
-#                    each manifest (compile.verify --record); manifests copied to $OUT
-#   bench    (GPU)   per dtype: TVM (graph, and plain via --compare) vs PyTorch eager and torch.compile
-# Usage: scripts/gpu_bench.sh STAGE [DTYPE]; PYTHON, ARTIFACTS, OUT, REPEATS, CUDA_ARCH override.
+# The CUDA measurements of docs/PERFORMANCE.md, on any GPU host. CUDA libraries compile on any
+# machine (no GPU needed) but run only on a GPU, so the stages say where they run:
+#   compile       (anywhere)  configs/cuda.yaml in fp32 and fp16, each with CUDA graphs and without,
+#                             into $ARTIFACTS/cuda-{float32,float16}-{graph,plain}
+#   verify        (GPU host)  tests/test_cuda.py, then every library against PyTorch on this GPU,
+#                             recorded in each manifest (compile.verify --record), manifests copied to $OUT
+#   bench DTYPE   (GPU host)  TVM with CUDA graphs (and without, via --compare) vs PyTorch eager and
+#                             torch.compile, at 1x16, 8x128, 32x128, 64x512 and generic 5x100, 24x200
+# Environment: PYTHON (.venv/bin/python), ARTIFACTS (artifacts), OUT (docs/bench/cuda),
+# REPEATS (30), CUDA_ARCH (sm_90; the GPU's compute capability), MCPU (x86-64-v3: the LLVM CPU of
+# the host code, which runs on the GPU host's CPU, not on the compiling machine's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
 ARTIFACTS=${ARTIFACTS:-artifacts}
 OUT=${OUT:-docs/bench/cuda}
 REPEATS=${REPEATS:-30}
 CUDA_ARCH=${CUDA_ARCH:-sm_90}
-SITE=${SITE:-/tmp/site}
-stage=${1:?stage: compile, pack, unpack, verify or bench}
-
-if [[ $stage == compile || $stage == pack ]]; then
-  PYTHON=${PYTHON:-.venv/bin/python}
-else  # the GPU machine: its own Python (with torch), our wheels and TVM's runtime first on the path
-  PYTHON=${PYTHON:-python3}
-  export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-fi
+MCPU=${MCPU:-x86-64-v3}
+USAGE="usage: bash scripts/gpu_bench.sh compile | verify | bench float32|float16"
 variants=(cuda-float32-graph cuda-float32-plain cuda-float16-graph cuda-float16-plain)
 
-case $stage in
+require_artifacts() {
+  for variant in "$@"; do
+    if [[ ! -f $ARTIFACTS/$variant/manifest.json ]]; then
+      echo "gpu_bench.sh: $ARTIFACTS/$variant is not a compiled artifact; make it with: bash scripts/gpu_bench.sh compile (on any machine), then copy $ARTIFACTS/ to this one" >&2
+      exit 2
+    fi
+  done
+}
+
+case ${1:-} in
   compile)
     for dtype in float32 float16; do
-      "$PYTHON" -m compile --config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" --dtype "$dtype" --strategy concat \
-        --cuda-graph --out "$ARTIFACTS/cuda-$dtype-graph"
-      "$PYTHON" -m compile --config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" --dtype "$dtype" --strategy concat \
-        --out "$ARTIFACTS/cuda-$dtype-plain"
+      for graph in graph plain; do
+        flags=(--config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" --mcpu "$MCPU" --dtype "$dtype" --strategy concat)
+        [[ $graph == graph ]] && flags+=(--cuda-graph)
+        "$PYTHON" -m compile "${flags[@]}" --out "$ARTIFACTS/cuda-$dtype-$graph"
+      done
     done ;;
-  pack)
-    "$PYTHON" scripts/gpu_transport.py pack "${variants[@]/#/--artifacts=$ARTIFACTS/}" --out .gpu ;;
-  unpack)
-    "$PYTHON" scripts/gpu_transport.py unpack "${2:?packed directory}" --site "$SITE" --artifacts-dir "$ARTIFACTS" ;;
   verify)
+    require_artifacts "${variants[@]}"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
     BERT_CUDA_ARTIFACTS=$ARTIFACTS "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_cuda.py
     mkdir -p "$OUT"
@@ -46,10 +49,14 @@ case $stage in
       cp "$ARTIFACTS/$variant/manifest.json" "$OUT/$variant.manifest.json"
     done ;;
   bench)
-    dtype=${2:?dtype: float32 or float16}
+    dtype=${2:-}
+    if [[ $dtype != float32 && $dtype != float16 ]]; then
+      echo "gpu_bench.sh: bench needs a dtype, float32 or float16; $USAGE" >&2; exit 2
+    fi
+    require_artifacts "cuda-$dtype-graph" "cuda-$dtype-plain"
     "$PYTHON" -m loadtest.bench --artifacts "$ARTIFACTS/cuda-$dtype-graph" --compare "$ARTIFACTS/cuda-$dtype-plain" \
       --shapes 1x16,8x128,32x128,64x512 --generic-shapes 5x100,24x200 --torch-compile \
       --repeats "$REPEATS" --out "$OUT/$dtype" ;;
   *)
-    echo "unknown stage $stage" >&2; exit 2 ;;
+    echo "gpu_bench.sh: unknown stage '${1:-}'; $USAGE" >&2; exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 """Backends run one padded batch: TVM over the compiled artifact, or PyTorch eager as the oracle.
 
 Both return `compile.loader.RunResult`, so the batcher and metrics do not care which one runs.
+Each also says how to size the intra-op threads of a worker thread (`configure_thread`, called
+once on each worker's own thread) and what a batch costs on each of its libraries (`costs`).
 """
 
 from __future__ import annotations
@@ -10,11 +12,18 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import tvm
 
 from compile.bucketing import Bucket
 from compile.errors import ArtifactError
 from compile.loader import CompiledModel, RunResult, load_artifact
 from compile.manifest import Manifest
+
+from .planning import BatchCosts
+
+# TVM's ThreadGroup::AffinityMode kBig: use the pool's first N threads (whether they are pinned to
+# cores is TVM_BIND_THREADS's choice; the server leaves them unpinned, see service.topology).
+TVM_AFFINITY_BIG = 1
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +38,22 @@ class Backend(Protocol):
     max_seq: int
     refused: dict[str, str]  # buckets whose library failed verification, and why
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray) -> RunResult: ...
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
+            bucket: Bucket | None = None) -> RunResult: ...
 
     def warmup(self) -> None: ...
+
+    def configure_thread(self, threads: int) -> None: ...
+
+    def costs(self) -> BatchCosts: ...
+
+
+def measured_costs(manifest: Manifest, buckets: list[Bucket]) -> BatchCosts:
+    """Batch costs from the latencies the compile stage measured (padded tokens where it did not)."""
+    bucket_ms = {Bucket.of(entry.batch, entry.seq): entry.latency_ms for entry in manifest.buckets
+                 if entry.latency_ms is not None}
+    model = manifest.generic.cost_model
+    return BatchCosts(buckets, bucket_ms, model.predicted_ms if model is not None else None)
 
 
 class TvmBackend:
@@ -49,11 +71,18 @@ class TvmBackend:
         self.max_seq = model.max_seq
         self.refused = model.refused
 
-    def run(self, input_ids, attention_mask, token_type_ids) -> RunResult:
-        return self.model.run(input_ids, attention_mask, token_type_ids)
+    def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
+        return self.model.run(input_ids, attention_mask, token_type_ids, bucket)
 
     def warmup(self) -> None:
         self.model.warmup()
+
+    def configure_thread(self, threads: int) -> None:
+        """Size this thread's TVM pool (TVM keeps one per calling thread; see service.topology)."""
+        tvm.get_global_func("runtime.config_threadpool")(TVM_AFFINITY_BIG, threads)
+
+    def costs(self) -> BatchCosts:
+        return measured_costs(self.manifest, self.buckets)
 
 
 class TorchBackend:
@@ -83,7 +112,7 @@ class TorchBackend:
         self.max_seq = manifest.generic.max_seq
         self.refused: dict[str, str] = {}
 
-    def run(self, input_ids, attention_mask, token_type_ids) -> RunResult:
+    def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
         torch = self._torch
         batch, seq = input_ids.shape
         position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
@@ -96,9 +125,15 @@ class TorchBackend:
         ones = np.ones((1, 2), dtype=np.int64)
         self.run(ones, ones, np.zeros_like(ones))
 
+    def configure_thread(self, threads: int) -> None:
+        """PyTorch's intra-op thread count is process-wide: set once, in __init__."""
 
-def load_backend(directory: Path, kind: str, torch_threads: int | None = None) -> Backend:
-    """Load one artifact directory as the chosen backend."""
+    def costs(self) -> BatchCosts:
+        return BatchCosts([])
+
+
+def load_backend(directory: Path, kind: str, threads: int | None = None) -> Backend:
+    """Load one artifact directory as the chosen backend (`threads`: PyTorch's intra-op threads)."""
     if kind == "torch":
-        return TorchBackend(Path(directory), Manifest.read(Path(directory)), torch_threads)
+        return TorchBackend(Path(directory), Manifest.read(Path(directory)), threads)
     return TvmBackend(load_artifact(directory))

@@ -1,32 +1,47 @@
-"""The dynamic batcher: a bounded queue of tokenised inputs, cut into batches, run on worker threads.
+"""The dynamic batcher: admitted inputs (`service.admission`), cut into batches
+(`service.planning`), run on workers within the cores (`service.lanes`), answered, measured.
 
-Admission is counted in inputs (queued or running), like TEI's `max_concurrent_requests`
-permits; a request that does not fit is refused at once (429), so memory stays bounded. A
-batch is formed only when a worker is free, so inputs keep collecting while all are busy; the
-oldest input waits at most `max_wait_ms` for company when a worker is idle. Each round sorts a
-window of a few batches' worth of inputs by length (`planning.plan_batches`), dispatches the
-batch holding the oldest input and puts the rest back, so nothing starves.
+A batch is formed only when a worker is free, so inputs keep collecting while all are busy.
+With a worker free, the oldest input waits up to `max_wait_ms` for company only when waiting
+can pay: when the recent arrival rate predicts another input within that time (a lone request on
+an idle server runs at once). Each round sorts a window of a few batches' worth of inputs by
+length, plans the cheapest batches, dispatches the one holding the oldest input and puts the
+rest back, so nothing starves.
+
+Whatever raises wherever, every admitted input is answered: a result, its batch's error, 503
+when the loop itself fails, or 504 past `request_timeout`. The loop is supervised: if it dies,
+queued inputs get 503 at once and it restarts; after `MAX_LOOP_CRASHES` deaths within
+`CRASH_WINDOW_S` it stays down, `/ready` answers 503 and the server exits non-zero so that the
+orchestrator replaces the process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import FIRST_EXCEPTION, wait
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from compile.bucketing import Bucket
+
+from .admission import Entry, InputQueue
 from .backends import Backend
-from .errors import BackendFailure, Overloaded, Unavailable
+from .errors import BackendFailure, GatewayTimeout, Overloaded, ServiceError, Unavailable
+from .lanes import Lane, Lanes
 from .metrics import Metrics
-from .planning import BatchLimits, batch_size_hint, plan_batches
+from .planning import BatchCosts, BatchLimits, batch_size_hint, plan_batches
 from .tokenization import Encoded
+from .topology import Topology
 
 log = logging.getLogger(__name__)
+
+MAX_LOOP_CRASHES = 3
+CRASH_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -37,163 +52,239 @@ class ItemResult:
     inference_seconds: float
 
 
-@dataclass
-class _Entry:
-    encoded: Encoded
-    future: asyncio.Future
-    enqueued_at: float = field(default_factory=time.perf_counter)
-
-
 class Batcher:
-    def __init__(self, name: str, backend: Backend, limits: BatchLimits, *, workers: int, max_wait_ms: float,
-                 sort_window: int, capacity: int, metrics: Metrics):
+    def __init__(self, name: str, backend: Backend, limits: BatchLimits, topology: Topology, *, max_wait_ms: float,
+                 sort_window: int, capacity: int, request_timeout_s: float, metrics: Metrics,
+                 costs: BatchCosts | None = None, on_fatal: Callable[[], None] | None = None):
         self.name = name
         self.backend = backend
         self.limits = limits
-        self.workers = workers
+        self.topology = topology
         self.max_wait = max_wait_ms / 1000
-        self.capacity = capacity
+        self.request_timeout = request_timeout_s
         self.metrics = metrics
+        self.costs = costs or BatchCosts(backend.buckets)
+        self.on_fatal = on_fatal
         metrics.register_model(name)
         self.batch_size = batch_size_hint(backend.buckets, limits)
         self.window = sort_window * self.batch_size
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"infer-{name}")
-        self._queue: deque[_Entry] = deque()
-        self._admitted = 0
+        self.queue = InputQueue(capacity)
+        self.lanes = Lanes(name, topology, backend.configure_thread)
+        self.failure: str | None = None  # why the loop gave up, once it has
+        self._healthy = True
         self._running: set[asyncio.Task] = set()
-        self._arrived = asyncio.Event()
-        self._slots = asyncio.Semaphore(workers)
+        self._progress = asyncio.Event()  # a batch was dispatched or finished
         self._loop_task: asyncio.Task | None = None
         self._closing = False
 
+    @property
+    def healthy(self) -> bool:
+        return self._healthy and self.failure is None
+
     def warmup_workers(self) -> None:
-        """Warm every library on every worker thread (each gets its own VM); blocks until done."""
-        barrier = threading.Barrier(self.workers)
+        """Warm every library on every worker thread (each gets its own VM); blocks until done.
 
-        def warm() -> None:
-            self.backend.warmup()
-            barrier.wait()  # holds this thread, so each task lands on a different worker
-
-        for future in [self._pool.submit(warm) for _ in range(self.workers)]:
-            future.result()
+        Each worker warms on its own thread, with no barrier between them: one that fails makes
+        this raise, and start-up stops with that error instead of waiting on the others."""
+        futures = [lane.submit(self.backend.warmup) for lane in self.lanes.all]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for future in done:
+            future.result()  # the first failure, if any, without waiting for the rest
 
     def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._run_forever(), name=f"batcher-{self.name}")
+        self._loop_task = asyncio.get_running_loop().create_task(self._supervise(), name=f"batcher-{self.name}")
 
     async def submit(self, encoded: list[Encoded]) -> list[ItemResult]:
-        """Queue inputs and wait for their results, in order; 429 at once when over capacity."""
+        """Queue inputs and wait for their results, in order.
+
+        429 at once when over capacity, 413 when the request could never fit, 504 past the
+        request timeout; when one input fails, the request's other queued inputs are dropped."""
         if self._closing:
             raise Unavailable("server is shutting down")
-        if self._admitted + len(encoded) > self.capacity:
-            self.metrics.rejected.labels(self.name).inc(len(encoded))
-            raise Overloaded()
-        loop = asyncio.get_running_loop()
-        entries = [_Entry(item, loop.create_future()) for item in encoded]
-        self._admitted += len(entries)
-        self._queue.extend(entries)
-        self.metrics.queue_depth.labels(self.name).set(len(self._queue))
-        self._arrived.set()
+        if not self.healthy:
+            raise Unavailable(f"the batcher is down: {self.failure or 'restarting'}")
         try:
-            return list(await asyncio.gather(*(entry.future for entry in entries)))
+            entries = self.queue.admit(encoded)
+        except Overloaded:
+            self.metrics.rejected.labels(self.name).inc(len(encoded))
+            raise
+        self._gauge()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(entry.future for entry in entries)), self.request_timeout)
+        except TimeoutError:
+            self.metrics.timeouts.labels(self.name).inc()
+            raise GatewayTimeout(f"no answer within the request timeout of {self.request_timeout:g} s") from None
         finally:
-            self._admitted -= len(entries)
+            self.queue.release(entries)
+            self._gauge()
+        return list(results)
+
+    def drain(self) -> None:
+        """Refuse new work; what is queued is dispatched at once instead of lingering for company."""
+        self._closing = True
+        self.queue.arrived.set()
 
     async def close(self) -> None:
-        """Refuse new work, finish what is queued and running, then stop the threads."""
-        self._closing = True
-        while self._queue or self._running:
-            self._arrived.set()
-            await asyncio.sleep(0.01)
+        """Refuse new work, finish what is queued and running (up to the request timeout), stop."""
+        self.drain()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout
+        while self._loop_alive() and (self.queue.live_count() or self._running) and loop.time() < deadline:
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
+            except TimeoutError:
+                break
         if self._loop_task is not None:
             self._loop_task.cancel()
             await asyncio.gather(self._loop_task, return_exceptions=True)
-        self._pool.shutdown(wait=True)
+        self._fail_queued(Unavailable("server is shutting down"))
+        if self._running:
+            await asyncio.wait(set(self._running), timeout=max(0.0, deadline - loop.time()))
+        self.lanes.shutdown(wait=not self._running)
+
+    def _loop_alive(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def _supervise(self) -> None:
+        crashes: deque[float] = deque()
+        while True:
+            try:
+                await self._run_forever()
+                return
+            except Exception as exc:  # noqa: BLE001 - whatever killed the loop, queued requests get an answer
+                log.exception("the batching loop of %s failed", self.name)
+                self._healthy = False
+                self.metrics.loop_crashes.labels(self.name).inc()
+                self._fail_queued(Unavailable(f"the batcher failed ({type(exc).__name__}: {exc}); retry the request"))
+                now = time.monotonic()
+                crashes.append(now)
+                while now - crashes[0] > CRASH_WINDOW_S:
+                    crashes.popleft()
+                if len(crashes) >= MAX_LOOP_CRASHES:
+                    self.failure = f"the batching loop failed {len(crashes)} times within {CRASH_WINDOW_S:g} s: {exc}"
+                    log.error("%s: %s; giving up", self.name, self.failure)
+                    if self.on_fatal is not None:
+                        self.on_fatal()
+                    return
+                self._healthy = True
+
+    def _fail_queued(self, error: ServiceError) -> None:
+        for entry in self.queue.take(len(self.queue.entries)):
+            entry.future.set_exception(error)
+        self._gauge()
 
     async def _run_forever(self) -> None:
         while True:
-            while not self._queue:
-                self._arrived.clear()
-                await self._arrived.wait()
-            await self._slots.acquire()
+            await self._wait_for_work()
+            await self.lanes.wait_free()
             await self._linger()
-            batch = self._next_batch()
-            if not batch:
-                self._slots.release()
+            planned = self._next_batch()
+            if planned is None:
                 continue
-            task = asyncio.create_task(self._execute(batch))
+            entries, bucket = planned
+            lane = self.lanes.take(alone=self.queue.live_count() == 0)
+            task = asyncio.create_task(self._execute(entries, bucket, lane))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
+            self._progress.set()
+
+    async def _wait_for_work(self) -> None:
+        while True:
+            self.queue.drop_dead_head()
+            if self.queue.entries:
+                return
+            self.queue.arrived.clear()
+            await self.queue.arrived.wait()
+
+    def _lingering_pays(self) -> bool:
+        """Another input is expected within the wait: the recent arrival rate says so."""
+        return self.queue.arrival_rate() * self.max_wait >= 1.0
 
     async def _linger(self) -> None:
         """With a worker free, let the oldest input wait up to max_wait for a fuller batch."""
-        while self._queue and not self._closing:
-            if len(self._queue) >= self.batch_size:
+        while self.queue.entries and not self._closing:
+            live = [entry for entry in self.queue.entries if entry.live]
+            if not live or len(live) >= self.batch_size:
                 return
-            if sum(len(entry.encoded) for entry in self._queue) >= self.limits.max_batch_tokens:
+            if sum(len(entry.encoded) for entry in live) >= self.limits.max_batch_tokens:
                 return
-            remaining = self._queue[0].enqueued_at + self.max_wait - time.perf_counter()
-            if remaining <= 0:
+            remaining = live[0].enqueued_at + self.max_wait - time.perf_counter()
+            if remaining <= 0 or not self._lingering_pays():
                 return
-            self._arrived.clear()
+            self.queue.arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
+                await asyncio.wait_for(self.queue.arrived.wait(), remaining)
+            except TimeoutError:
                 return
 
-    def _next_batch(self) -> list[_Entry]:
-        """Sort a window of queued inputs by length; take the batch holding the oldest one."""
-        window: list[_Entry] = []
-        while self._queue and len(window) < self.window:
-            entry = self._queue.popleft()
-            if not entry.future.done():  # its request was cancelled
-                window.append(entry)
+    def _next_batch(self) -> tuple[list[Entry], Bucket | None] | None:
+        """Sort a window of queued inputs by length; take the planned batch holding the oldest one."""
+        window = self.queue.take(self.window)
         if not window:
-            self.metrics.queue_depth.labels(self.name).set(len(self._queue))
-            return []
-        plan = plan_batches([len(entry.encoded) for entry in window], self.backend.buckets, self.limits)
-        chosen = next(batch for batch in plan if 0 in batch)
-        taken = set(chosen)
-        self._queue.extendleft(reversed([entry for i, entry in enumerate(window) if i not in taken]))
-        self.metrics.queue_depth.labels(self.name).set(len(self._queue))
-        return [window[i] for i in chosen]
-
-    async def _execute(self, batch: list[_Entry]) -> None:
-        started = time.perf_counter()
-        for entry in batch:
-            self.metrics.queue_seconds.labels(self.name).observe(started - entry.enqueued_at)
+            self._gauge()
+            return None
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, batch)
-        except Exception as exc:  # one bad batch fails its own requests only
-            log.exception("batch of %d failed on %s", len(batch), self.name)
-            self.metrics.batch_failures.labels(self.name).inc()
-            for entry in batch:
-                if not entry.future.done():
-                    entry.future.set_exception(BackendFailure(f"inference failed: {exc}"))
-            return
-        finally:
-            self._slots.release()
-        elapsed = time.perf_counter() - started
-        self._record(len(batch), result, elapsed)
-        for row, entry in enumerate(batch):
-            if not entry.future.done():
-                entry.future.set_result(ItemResult(result.output[row], result.path, started - entry.enqueued_at, elapsed))
+            plan = plan_batches([len(entry.encoded) for entry in window], self.costs, self.limits)
+            chosen = next(batch for batch in plan if 0 in batch.indices)
+        except BaseException:
+            self.queue.put_back(window)  # nothing taken is lost: the supervisor answers it
+            raise
+        taken = set(chosen.indices)
+        self.queue.put_back([entry for i, entry in enumerate(window) if i not in taken])
+        self._gauge()
+        return [window[i] for i in chosen.indices], chosen.bucket
 
-    def _run(self, batch: list[_Entry]):
+    async def _execute(self, entries: list[Entry], bucket: Bucket | None, lane: Lane) -> None:
+        started = time.perf_counter()
+        try:
+            try:
+                result = await asyncio.wrap_future(lane.submit(self._run, entries, bucket))
+                output = np.asarray(result.output)
+                if output.ndim != 2 or output.shape[0] < len(entries):
+                    raise BackendFailure(f"the backend returned an output of shape {output.shape} "
+                                         f"for a batch of {len(entries)}")
+            finally:
+                self.lanes.release(lane)
+                self._progress.set()
+            elapsed = time.perf_counter() - started
+            for row, entry in enumerate(entries):
+                if entry.live:
+                    entry.future.set_result(ItemResult(output[row], result.path, started - entry.enqueued_at, elapsed))
+        except Exception as exc:  # noqa: BLE001 - one bad batch fails its own requests only
+            log.exception("batch of %d failed on %s", len(entries), self.name)
+            error = exc if isinstance(exc, ServiceError) else BackendFailure(f"inference failed: {exc}")
+            for entry in entries:
+                entry.fail_request(error)
+            self.metrics.batch_failures.labels(self.name).inc()
+            return
+        try:
+            self._record(entries, result, started, elapsed)
+        except Exception:  # noqa: BLE001 - metrics never fail a request that was answered
+            log.exception("recording metrics of a batch failed on %s", self.name)
+
+    def _run(self, entries: list[Entry], bucket: Bucket | None):
         """Worker thread: right-pad the batch to its longest input and run it."""
-        seq = max(len(entry.encoded) for entry in batch)
-        input_ids = np.zeros((len(batch), seq), dtype=np.int64)
+        seq = max(len(entry.encoded) for entry in entries)
+        input_ids = np.zeros((len(entries), seq), dtype=np.int64)
         attention_mask = np.zeros_like(input_ids)
         token_type_ids = np.zeros_like(input_ids)
-        for row, entry in enumerate(batch):
+        for row, entry in enumerate(entries):
             length = len(entry.encoded)
             input_ids[row, :length] = entry.encoded.ids
             attention_mask[row, :length] = 1
             token_type_ids[row, :length] = entry.encoded.type_ids
-        return self.backend.run(input_ids, attention_mask, token_type_ids)
+        return self.backend.run(input_ids, attention_mask, token_type_ids, bucket)
 
-    def _record(self, size: int, result, elapsed: float) -> None:
+    def _gauge(self) -> None:
+        self.metrics.queue_depth.labels(self.name).set(self.queue.live_count())
+        self.metrics.admitted.labels(self.name).set(self.queue.admitted)
+
+    def _record(self, entries: list[Entry], result, started: float, elapsed: float) -> None:
         metrics, name = self.metrics, self.name
-        metrics.batch_size.labels(name).observe(size)
+        for entry in entries:
+            metrics.queue_seconds.labels(name).observe(started - entry.enqueued_at)
+        metrics.batch_size.labels(name).observe(len(entries))
         metrics.batches.labels(name, result.path).inc()
         if result.path == "generic":
             metrics.fallbacks.labels(name).inc()

@@ -7,6 +7,8 @@ the background stops the server with exit 1; SIGTERM/SIGINT drain in-flight work
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -30,13 +32,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--host")
     add("--port", type=int)
     add("--backend", choices=["tvm", "torch"], help="tvm (default) or torch eager on the same checkpoint")
-    add("--workers", type=int, help="inference threads per model (default 2)")
-    add("--torch-threads", type=int, help="torch.set_num_threads for --backend torch")
+    add("--cores", type=int, help="cores to use (default: the affinity mask capped by the cgroup CPU quota)")
+    add("--workers", type=int, help="batches run side by side per model (default: tvm one per core, torch 1)")
+    add("--threads-per-worker", type=int, help="intra-op threads of each worker (default: tvm 1, torch every core)")
+    add("--wide-worker", action=argparse.BooleanOptionalAction, default=None,
+        help="tvm: run a lone batch on every core while nothing else runs (default on)")
+    add("--request-timeout", type=float, help="seconds a request may wait for its answer; beyond: 504 (default 60)")
     add("--max-batch-tokens", type=int, help="padded tokens per batch, bucket batch x seq (default 16384)")
     add("--max-batch-requests", type=int, help="inputs per batch (default: bucket bounds)")
-    add("--max-wait-ms", type=float, help="how long a lone input waits for a batch (default 2)")
+    add("--max-wait-ms", type=float, help="most a batch waits for company, when arrivals are expected that soon (default 2)")
     add("--sort-window", type=int, help="batches' worth of queued inputs sorted by length (default 4)")
-    add("--max-concurrent-requests", type=int, help="inputs queued or running; beyond: 429 (default 512)")
+    add("--max-concurrent-requests", type=int, help="inputs queued or running; beyond: 429, or 413 for one request over it (default 512)")
     add("--max-client-batch-size", type=int, help="inputs per request; beyond: 413 (default 32)")
     add("--payload-limit", type=int, help="request body bytes; beyond: 413 (default 2000000)")
     add("--auto-truncate", action="store_true", default=None, help="truncate over-long inputs by default")
@@ -49,6 +55,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _settings_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
     return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+
+
+def _draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn waits for in-flight requests before the app's shutdown runs; this tells the
+        batchers at the signal itself, so inputs lingering for company are dispatched at once."""
+
+        def __init__(self, config, on_exit):
+            super().__init__(config)
+            self._on_exit = on_exit
+
+        def handle_exit(self, sig, frame) -> None:
+            with contextlib.suppress(RuntimeError):  # no running loop: nothing to drain yet
+                asyncio.get_running_loop().call_soon_threadsafe(self._on_exit)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
     from .runtime import ArtifactSetError
 
-    server: uvicorn.Server | None = None
+    DrainingServer = _draining_server_class()
+    from .topology import TopologyError
+
+    server = None
     failed = False
 
     def stop_on_load_failure() -> None:
@@ -77,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         app = create_app(settings, on_fatal=stop_on_load_failure)
-    except (ArtifactError, ArtifactSetError) as exc:
+    except (ArtifactError, ArtifactSetError, TopologyError) as exc:
         print(f"bert-serve: error: {exc}", file=sys.stderr)
         return 2
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                                           access_log=False, lifespan="on"))
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                                           access_log=False, lifespan="on"), app.state.runtime.drain)
     # uvicorn drains, then re-raises the signal that stopped it; with these no-op handlers in place
     # (restored when it returns) a drained shutdown exits 0 instead of dying by that signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):

@@ -1,7 +1,7 @@
 """The error contract: every failure is `{"error": str, "error_type": str}` with a fixed status.
 
 The error types are text-embeddings-inference's; the statuses follow the issue where it departs
-from TEI (empty input is 422 here, a failed batch 500).
+from TEI (empty input is 422 here, a failed batch 500, a request past its deadline 504).
 """
 
 from __future__ import annotations
@@ -44,6 +44,13 @@ class Overloaded(ServiceError):
 class Unavailable(ServiceError):
     status = 503
     error_type = "Unhealthy"
+
+
+class GatewayTimeout(ServiceError):
+    """The request was not answered within --request-timeout; its queued inputs were dropped."""
+
+    status = 504
+    error_type = "Timeout"
 
 
 class Unauthorized(ServiceError):

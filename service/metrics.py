@@ -29,13 +29,20 @@ class Metrics:
         self.tokens = Counter("bert_serve_tokens", "real input tokens run", ["model"], registry=registry)
         self.padding_tokens = Counter("bert_serve_padding_tokens", "padding tokens computed (waste)",
                                       ["model"], registry=registry)
+        self.admitted = Gauge("bert_serve_admitted_inputs", "inputs admitted and not yet answered (queued or running)",
+                              ["model"], registry=registry)
+        self.timeouts = Counter("bert_serve_request_timeouts", "requests answered 504 past --request-timeout",
+                                ["model"], registry=registry)
+        self.loop_crashes = Counter("bert_serve_batcher_crashes", "times the batching loop failed and was restarted",
+                                    ["model"], registry=registry)
         self.rejected = Counter("bert_serve_rejected_inputs", "inputs refused because the queue was full",
                                 ["model"], registry=registry)
 
     def register_model(self, model: str) -> None:
         """Create a model's series at zero, so dashboards and tests see them before the first batch."""
         for family in (self.queue_depth, self.queue_seconds, self.batch_size, self.fallbacks, self.batch_failures,
-                       self.tokens, self.padding_tokens, self.rejected):
+                       self.tokens, self.padding_tokens, self.rejected,
+                       self.admitted, self.timeouts, self.loop_crashes):
             family.labels(model)
 
     def render(self) -> bytes:

@@ -1,20 +1,29 @@
-"""Turning queued inputs into batches that pad little: pure functions, no I/O.
+"""Turning queued inputs into batches that cost little: pure functions, no I/O.
 
-Inputs are sorted by token count, then cut greedily into batches. A batch's cost is what it
-will actually compute: the capacity (batch x seq) of the smallest bucket that holds it, as TEI
-counts the budget for padded backends; inputs longer than every bucket go to the generic
-library, at their own shape, in batches of their own. A batch is closed when the next input
-would overflow the token or request budget, would need a bigger batch than any bucket has
-(so an oversized batch is split into bucket-sized ones, never sent to the generic path
-wholesale), or would grow the padded cost by more than running that input on its own costs.
+A batch's cost is what running it will take: the measured latency of the library that would run
+it (each bucket's median, recorded at compile time; the generic library by the cost model fitted
+over shapes), so that fixed per-call overhead, small-batch inefficiency and quadratic attention
+all count. Artifacts without measurements fall back to padded tokens (batch x seq of the bucket,
+as TEI counts the budget of padded backends).
+
+Inputs are sorted by token count, then cut into the batches of least total cost. Among the
+buckets that hold a batch, the cheapest runs it; inputs longer than every bucket go to the
+generic library, at their own shape, in batches of their own. No batch overflows the token or
+request budget or needs a bigger batch than any bucket has (an oversized batch is split into
+bucket-sized ones, never sent to the generic path wholesale).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
-from compile.bucketing import Bucket, smallest_fitting
+from compile.bucketing import Bucket
+
+
+# Without measurements, a call's fixed cost (dispatch, per-op launches, copies) in tokens' worth of
+# compute: MiniLM's 1x16 bucket takes ~5 ms where 1x128 takes ~18.5, about 30 tokens of overhead.
+CALL_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -24,45 +33,83 @@ class BatchLimits:
     generic_max_batch: int
 
 
-def batch_cost(buckets: Sequence[Bucket], size: int, seq: int) -> int | None:
-    """Padded tokens of a bucketed batch, or None when no bucket holds it."""
-    bucket = smallest_fitting(buckets, size, seq)
-    return None if bucket is None else bucket.capacity
+@dataclass(frozen=True)
+class Choice:
+    bucket: Bucket | None  # None: the generic library at the batch's own shape
+    cost: float
+    computed_tokens: int
 
 
-def plan_batches(lengths: Sequence[int], buckets: Sequence[Bucket], limits: BatchLimits) -> list[list[int]]:
-    """Indices into `lengths`, grouped into batches, shortest inputs first."""
-    batches: list[list[int]] = []
-    current: list[int] = []
-    current_cost = 0
-    current_generic = False
-    for index in sorted(range(len(lengths)), key=lengths.__getitem__):
-        length = lengths[index]  # >= every length in `current`: sorted
-        alone = batch_cost(buckets, 1, length)
-        generic = alone is None
-        size = len(current) + 1
-        if current:
-            if generic != current_generic:
-                cost = None
-            elif generic:
-                cost = size * length if size <= limits.generic_max_batch else None
+class BatchCosts:
+    """What a batch of `size` inputs padded to `seq` tokens costs on each library that can run it."""
+
+    def __init__(self, buckets: Sequence[Bucket], bucket_ms: dict[Bucket, float] | None = None,
+                 generic_ms: Callable[[int, int], float] | None = None):
+        self.buckets = sorted(buckets)
+        measured = bucket_ms is not None and generic_ms is not None and all(b in bucket_ms for b in self.buckets)
+        self.measured = measured
+        self._bucket_cost = (lambda b: bucket_ms[b]) if measured else (lambda b: float(CALL_TOKENS + b.capacity))
+        self._generic_cost = generic_ms if measured else (lambda size, seq: float(CALL_TOKENS + size * seq))
+        self._chosen: dict[tuple[int, int], Choice | None] = {}  # the planner asks for the same shapes often
+
+    def choose(self, size: int, seq: int) -> Choice | None:
+        """The cheapest bucket that holds the batch, or None when none does."""
+        key = (size, seq)
+        if key not in self._chosen:
+            fitting = [bucket for bucket in self.buckets if bucket.fits(size, seq)]
+            best = min(fitting, key=lambda bucket: (self._bucket_cost(bucket), bucket), default=None)
+            self._chosen[key] = None if best is None else Choice(best, self._bucket_cost(best), best.capacity)
+        return self._chosen[key]
+
+    def generic(self, size: int, seq: int) -> Choice:
+        return Choice(None, self._generic_cost(size, seq), size * seq)
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    indices: list[int]
+    bucket: Bucket | None
+
+
+def plan_batches(lengths: Sequence[int], costs: BatchCosts, limits: BatchLimits) -> list[PlannedBatch]:
+    """Indices into `lengths`, grouped into the batches of least total cost, shortest inputs first.
+
+    The inputs are sorted by length and cut into consecutive groups by dynamic programming over
+    the cut points (a greedy cut cannot see that 8 inputs on an 8-row bucket cost less than 8
+    single runs when 2 on it cost more than 2 single runs). Ties go to fewer batches.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    sorted_lengths = [lengths[i] for i in order]
+    largest = max([bucket.batch for bucket in costs.buckets] + [limits.generic_max_batch])
+    largest = min(largest, limits.max_batch_requests or largest)
+    fits_bucket = [costs.choose(1, length) is not None for length in sorted_lengths]
+    n = len(order)
+    best: list[tuple[float, int]] = [(0.0, 0)] + [(float("inf"), 0)] * n  # (cost, batches) of the first j inputs
+    cut: list[tuple[int, Choice | None]] = [(0, None)] * (n + 1)
+    for end in range(1, n + 1):
+        seq = sorted_lengths[end - 1]  # the longest of any group ending here
+        for start in range(end - 1, max(0, end - largest) - 1, -1):
+            size = end - start
+            if fits_bucket[end - 1]:
+                choice = costs.choose(size, seq)
+            elif fits_bucket[start] or size > limits.generic_max_batch:
+                break  # generic batches hold only what no bucket holds; growing further cannot help
             else:
-                cost = batch_cost(buckets, size, length)
-                if cost is not None and cost > current_cost + alone:
-                    cost = None  # padding up to a bigger bucket would cost more than a run of its own
-            over_budget = cost is None or cost > limits.max_batch_tokens
-            if over_budget or (limits.max_batch_requests is not None and size > limits.max_batch_requests):
-                batches.append(current)
-                current = []
-        if not current:
-            current_generic = generic
-            current_cost = length if generic else alone
-        else:
-            current_cost = cost
-        current.append(index)
-    if current:
-        batches.append(current)
-    return batches
+                choice = costs.generic(size, seq)
+            if choice is None:
+                break  # no bucket holds this many: neither does one for more
+            if size > 1 and choice.computed_tokens > limits.max_batch_tokens:
+                break
+            total = (best[start][0] + choice.cost, best[start][1] + 1)
+            if total < best[end]:
+                best[end], cut[end] = total, (start, choice)
+    batches: list[PlannedBatch] = []
+    end = n
+    while end > 0:
+        start, choice = cut[end]
+        batches.append(PlannedBatch(order[start:end], choice.bucket))
+        end = start
+    return batches[::-1]
 
 
 def batch_size_hint(buckets: Sequence[Bucket], limits: BatchLimits) -> int:

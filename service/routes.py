@@ -1,4 +1,5 @@
-"""The HTTP routes: TEI's /embed and /predict (+ /classify), OpenAI's /v1/embeddings, and probes."""
+"""The HTTP routes: TEI's /embed and /predict (+ /classify), OpenAI's /v1/embeddings, `/` (the
+default task, as TEI routes it: embed when an embedding model is loaded, else predict), and probes."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import time
 
 import numpy as np
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import JSONResponse, Response
 
-from .errors import Unavailable
+from .errors import InvalidInput, Unavailable
 from .inference import Computed, ModelService
 from .runtime import Runtime
 from .schemas import (ClassifyRequest, EmbedRequest, OpenAIEmbedding, OpenAIEmbeddingRequest,
@@ -61,7 +64,7 @@ async def health() -> dict:
 async def ready(request: Request) -> dict:
     runtime = _runtime(request)
     if not runtime.ready:
-        raise Unavailable(f"not ready: {runtime.error}" if runtime.error else "not ready: warming up")
+        raise Unavailable(f"not ready: {runtime.not_ready_reason}")
     return {"status": "ready"}
 
 
@@ -94,7 +97,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     truncate = _truncate(request, body.truncate)
     if body.labels:
         service = _runtime(request).model("embed")
-        service.check_batch_size(max(len(texts), len(body.labels)))
+        service.check_batch_size(len(texts) + len(body.labels))  # both are embedded
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncate)
     else:
         service = _runtime(request).model("classify")
@@ -102,6 +105,22 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         predictions, computed = await service.classify(texts, body.raw_scores, truncate)
     content = predictions[0] if isinstance(body.inputs, str) else predictions
     return JSONResponse(content, headers=_headers(service, computed, started))
+
+
+@router.post("/")
+async def default_task(request: Request) -> Response:
+    """TEI's `/`: the body of /embed when an embedding model is loaded, else that of /predict
+    (what `huggingface_hub.InferenceClient(base_url=...)` posts to)."""
+    try:
+        payload = await request.json()
+    except ValueError:
+        raise InvalidInput("the body is not valid JSON") from None
+    try:
+        if _runtime(request).primary_task == "embed":
+            return await embed(EmbedRequest.model_validate(payload), request)
+        return await classify(ClassifyRequest.model_validate(payload), request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
 
 
 @router.post("/v1/embeddings")

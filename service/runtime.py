@@ -2,13 +2,15 @@
 
 The HTTP server starts listening at once (so `/health` answers and `/ready` says 503); loading,
 warm-up of every library on every worker thread, and starting the batchers happen in a task,
-after which `/ready` turns 200. Manifests are read up front, so a wrong directory fails fast.
+after which `/ready` turns 200 (and back to 503 while a batcher is down). Manifests are read and
+the core topology is planned up front, so a wrong directory or flag fails fast.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,10 +26,11 @@ from .metrics import Metrics
 from .planning import BatchLimits
 from .settings import Settings
 from .tokenization import TextTokenizer, max_input_length
+from .topology import plan_topology, usable_cores
 
 log = logging.getLogger(__name__)
 
-BackendLoader = Callable[[Path, str, "int | None"], Backend]
+BackendLoader = Callable[[Path, str, "int | None"], Backend]  # (directory, backend, threads per worker)
 
 
 class ArtifactSetError(ValueError):
@@ -47,11 +50,31 @@ class Runtime:
             if manifest.task in self.manifests:
                 raise ArtifactSetError(f"two {manifest.task} artifacts given; at most one per task")
             self.manifests[manifest.task] = (Path(directory), manifest)
+        self.topology = plan_topology(settings.cores or usable_cores(), settings.backend, settings.workers,
+                                      settings.threads_per_worker, settings.wide_worker)
+        # TVM sizes each thread's pool from TVM_NUM_THREADS when that thread first needs one (the
+        # workers then use part of it, see TvmBackend.configure_thread); unpinned threads let the
+        # OS place the wide worker and the narrow ones, whose pools would otherwise pin to the same
+        # cores. Set before any pool exists.
+        os.environ["TVM_NUM_THREADS"] = str(self.topology.cores)
+        os.environ.setdefault("TVM_BIND_THREADS", "0")
         self.models: dict[str, ModelService] = {}
         self.backends: dict[str, Backend] = {}
         self.error: str | None = None
-        self.ready = False
+        self.loaded = False
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded and all(service.batcher.healthy for service in self.models.values())
+
+    @property
+    def not_ready_reason(self) -> str:
+        if self.error:
+            return self.error
+        down = [f"{task}: {service.batcher.failure or 'batcher restarting'}" for task, service in self.models.items()
+                if not service.batcher.healthy]
+        return "; ".join(down) if down and self.loaded else "warming up"
 
     @property
     def primary_task(self) -> str:
@@ -64,7 +87,7 @@ class Runtime:
             for task, (directory, manifest) in self.manifests.items():
                 log.info("loading %s artifact %s (backend %s)", task, directory, self.settings.backend)
                 backend = await asyncio.to_thread(self.loader, directory, self.settings.backend,
-                                                  self.settings.torch_threads)
+                                                  self.topology.threads_per_worker)
                 service = self._service(directory, manifest, backend)
                 await asyncio.to_thread(service.batcher.warmup_workers)
                 self.backends[task], self.models[task] = backend, service
@@ -76,17 +99,18 @@ class Runtime:
             if self.on_fatal is not None:
                 self.on_fatal()
             return
-        self.ready = True
-        log.info("ready in %.1f s", time.perf_counter() - started)
+        self.loaded = True
+        log.info("ready in %.1f s (%s)", time.perf_counter() - started, self.topology)
 
     def _service(self, directory: Path, manifest: Manifest, backend: Backend) -> ModelService:
         settings = self.settings
         tokenizer_dir = directory / manifest.tokenizer
         limit = max_input_length(min(manifest.model.max_position_embeddings, backend.max_seq), tokenizer_dir)
         limits = BatchLimits(settings.max_batch_tokens, settings.max_batch_requests, backend.max_batch)
-        batcher = Batcher(manifest.task, backend, limits, workers=settings.workers, max_wait_ms=settings.max_wait_ms,
+        batcher = Batcher(manifest.task, backend, limits, self.topology, max_wait_ms=settings.max_wait_ms,
                           sort_window=settings.sort_window, capacity=settings.max_concurrent_requests,
-                          metrics=self.metrics)
+                          request_timeout_s=settings.request_timeout, metrics=self.metrics, costs=backend.costs(),
+                          on_fatal=self.on_fatal)
         return ModelService(directory.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size)
@@ -94,9 +118,14 @@ class Runtime:
     def model(self, task: str) -> ModelService:
         if task not in self.manifests:
             raise NotSupported(f"this server has no {task} model")
-        if not self.ready:
+        if not self.loaded:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
         return self.models[task]
+
+    def drain(self) -> None:
+        """Shutdown has begun: refuse new inputs, dispatch queued ones without waiting for company."""
+        for service in self.models.values():
+            service.batcher.drain()
 
     async def close(self) -> None:
         for service in self.models.values():
@@ -126,8 +155,9 @@ class Runtime:
             "auto_truncate": settings.auto_truncate,
             "backend": settings.backend,
             "ready": self.ready,
-            "batching": {"workers": settings.workers, "max_wait_ms": settings.max_wait_ms,
-                         "sort_window": settings.sort_window, "payload_limit": settings.payload_limit},
+            "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,
+                         "payload_limit": settings.payload_limit, "request_timeout_s": settings.request_timeout},
+            "topology": self.topology.describe(),
             "models": [self._describe_model(task, directory, manifest) for task, (directory, manifest)
                        in self.manifests.items()],
         }
@@ -149,6 +179,8 @@ class Runtime:
             "buckets": [{"name": f"{b.batch}x{b.seq}", "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
+            "batch_costs": (None if service is None else
+                            "measured latency" if service.batcher.costs.measured else "padded tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
                         "strategy": manifest.generic.strategy},
             "versions": {"tvm": manifest.tvm_version, "torch": manifest.torch_version,

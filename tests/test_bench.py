@@ -1,11 +1,17 @@
-"""The benchmark runs end to end and reports every backend per shape (structure, not speed)."""
+"""The per-call benchmark: every candidate is checked against PyTorch eager before it is timed,
+and artifact arguments that are not artifacts are refused in one line."""
 
 import json
+import shutil
 
+import pytest
+
+from compile.hashing import file_sha256
+from loadtest import strategy_table
 from loadtest.bench import bert_flops, main
 
 
-def test_bench_reports_every_backend(tiny_embed_artifact, tmp_path, capsys):
+def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_path, capsys):
     out = tmp_path / "bench"
     assert main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8,2x16", "--generic-shapes", "3x5",
                  "--repeats", "2", "--compare", str(tiny_embed_artifact), "--out", str(out)]) == 0
@@ -15,13 +21,61 @@ def test_bench_reports_every_backend(tiny_embed_artifact, tmp_path, capsys):
     assert [r["shape"] for r in report["results"]] == ["1x8", "2x16", "3x5"]
     generic_row = report["results"][-1]
     assert generic_row["kind"] == "generic" and generic_row["served_by"] == "bucket-4x16"
+    compared = f"tvm_bucket[{tiny_embed_artifact.name}]"
+    assert report["dtype"] == "float32" and report["tolerance"] == 1e-3
     for row in report["results"]:
-        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "onnxruntime",
-                                     f"tvm_bucket[{tiny_embed_artifact.name}]"}
+        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "onnxruntime", compared}
         assert all(s["runs"] == 2 and s["median_s"] > 0 for s in row["stats"].values())
-        assert row["ratio_vs_torch"]["torch_eager"] == 1.0
+        # Every candidate but the reference itself was compared with PyTorch eager, and agrees
+        # within the compile stage's own bound (the tiny model's outputs are of order 1).
+        assert set(row["agreement"]) == set(row["stats"]) - {"torch_eager"}
+        assert all(0 <= diff <= 1e-4 for diff in row["agreement"].values()), row["agreement"]
     assert report["machine"]["peak_gemm_gflops"] > 0
     assert "| 2x16 (bucket) | bucket-2x16 |" in capsys.readouterr().out
+
+
+def _with_wrong_weights(artifact, destination):
+    """A copy of `artifact` whose transformed weights are scaled by 1.5, manifest sha256 updated:
+    it loads and runs, and computes the wrong numbers."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(artifact, destination)
+    manifest = json.loads((destination / "manifest.json").read_text())
+    for entry in manifest["weights"].values():
+        path = destination / entry["file"]
+        save_file({name: value * 1.5 if value.dtype.kind == "f" else value
+                   for name, value in load_file(str(path)).items()}, str(path))
+        entry["sha256"] = file_sha256(path)
+    (destination / "manifest.json").write_text(json.dumps(manifest))
+    return destination
+
+
+def test_bench_refuses_a_candidate_that_disagrees_with_pytorch(tiny_embed_artifact, tmp_path, capsys):
+    wrong = _with_wrong_weights(tiny_embed_artifact, tmp_path / "wrong-weights")
+    out = tmp_path / "bench"
+    assert main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8", "--generic-shapes", "3x5",
+                 "--repeats", "1", "--no-onnx", "--compare", str(wrong), "--out", str(out)]) == 1
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("python -m loadtest.bench: error: at 1x8, tvm_bucket[wrong-weights] (max abs diff ")
+    assert "disagree with PyTorch eager beyond 0.001" in error
+    assert "tvm_bucket (" not in error and "tvm_generic (" not in error  # the right artifact agrees
+    assert not out.exists()  # nothing timed, nothing written
+
+
+@pytest.mark.parametrize("tool", ["bench", "strategy_table"])
+@pytest.mark.parametrize("kind", ["missing", "not an artifact"])
+def test_a_directory_that_is_not_an_artifact_is_one_line_and_exit_2(tool, kind, tmp_path, capsys):
+    directory = tmp_path / "minilm-cpu"
+    if kind == "not an artifact":
+        directory.mkdir()
+        (directory / "notes.txt").write_text("not a manifest")
+    run = main if tool == "bench" else strategy_table.main
+    assert run(["--artifacts", str(directory)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"python -m loadtest.{tool}: error: {directory} is not a compiled artifact (no "
+                            f"manifest.json); make it with: .venv/bin/bert-compile --config configs/default.yaml "
+                            f"--out {directory}\n")
 
 
 def test_flops_of_minilm_at_8x128():

@@ -1,14 +1,17 @@
 """CUDA artifacts of the real MiniLM on a real GPU: validated against PyTorch there, served on cuda:0.
 
 CUDA libraries compile anywhere (test_minilm.py compiles them here, without a GPU) but run only
-where a GPU is. These tests take artifacts compiled beforehand (`scripts/gpu_bench.sh compile`)
-from the directory in BERT_CUDA_ARTIFACTS and need only TVM's runtime; they are skipped where
-there is no CUDA device or no such directory (CI). `scripts/gpu_bench.sh device` runs them.
+where a GPU is. The GPU tests take artifacts compiled beforehand (`bash scripts/gpu_bench.sh
+compile`) from the directory in BERT_CUDA_ARTIFACTS and need only TVM's runtime; they are
+skipped where there is no CUDA device or no such directory. `bash scripts/gpu_bench.sh verify`
+runs them on the GPU host. The tests of scripts/gpu_bench.sh itself run everywhere.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -17,8 +20,10 @@ import pytest
 
 from compile.loader import device_for
 
+ROOT = Path(__file__).resolve().parents[1]
+GPU_BENCH = ROOT / "scripts" / "gpu_bench.sh"
 ARTIFACTS = Path(os.environ.get("BERT_CUDA_ARTIFACTS", "/nonexistent"))
-pytestmark = pytest.mark.skipif(
+needs_gpu = pytest.mark.skipif(
     not (ARTIFACTS / "cuda-float32-graph").is_dir() or not device_for("cuda").exist,
     reason="needs a CUDA device and BERT_CUDA_ARTIFACTS",
 )
@@ -26,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 TEXTS = ["the GPU serves this", "a second, slightly longer sentence to embed on cuda:0 " * 3, "three", "🙂 mixed 漢字"]
 
 
+@needs_gpu
 @pytest.mark.parametrize(("name", "bound"), [("cuda-float32-graph", 1e-4), ("cuda-float32-plain", 1e-4),
                                              ("cuda-float16-graph", 2e-2), ("cuda-float16-plain", 2e-2)])
 def test_every_library_matches_pytorch_on_the_gpu(name, bound):
@@ -40,6 +46,7 @@ def test_every_library_matches_pytorch_on_the_gpu(name, bound):
     assert all(0 <= d <= bound for d in values)
 
 
+@needs_gpu
 def test_cuda_graph_bucket_replays_the_same_numbers():
     from compile.checkpoint import example_inputs
     from compile.loader import load_artifact
@@ -54,6 +61,7 @@ def test_cuda_graph_bucket_replays_the_same_numbers():
     np.testing.assert_allclose(first.output, generic, atol=1e-4)  # padding to the bucket changes nothing
 
 
+@needs_gpu
 def test_tvm_and_torch_servers_on_the_gpu_match_sentence_transformers(serve):
     from sentence_transformers import SentenceTransformer
 
@@ -72,3 +80,43 @@ def test_tvm_and_torch_servers_on_the_gpu_match_sentence_transformers(serve):
         embeddings = np.array(response.json())
         cosines = np.sum(embeddings * reference, axis=1)
         assert cosines.min() >= 0.9999, (backend, cosines)
+
+
+# ----------------------------------------------------------------------------- scripts/gpu_bench.sh
+
+
+def _gpu_bench(*args: str, artifacts: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(GPU_BENCH), *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ARTIFACTS": str(artifacts)})
+
+
+def test_every_gpu_bench_stage_named_in_the_docs_exists():
+    """The stages README.md, docs/PERFORMANCE.md, this file and the script's usage line run
+    (`bash scripts/gpu_bench.sh STAGE`) are the ones its `case` handles."""
+    script = GPU_BENCH.read_text()
+    stages = set(re.findall(r"^  ([a-z0-9-]+)\)$", script, re.M))
+    assert stages == {"compile", "verify", "bench"}
+    for source in (ROOT / "README.md", ROOT / "docs" / "PERFORMANCE.md", Path(__file__), GPU_BENCH):
+        named = set(re.findall(r"bash\s+scripts/gpu_bench\.sh\s+([a-z][a-z0-9-]*)", source.read_text()))
+        assert named <= stages, f"{source.name} names gpu_bench.sh stages {sorted(named - stages)} it does not have"
+
+
+@pytest.mark.parametrize("argv", [[], ["device"], ["bench"], ["bench", "float64"]])
+def test_gpu_bench_usage_errors_are_one_line_and_exit_2(argv, tmp_path):
+    result = _gpu_bench(*argv, artifacts=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("gpu_bench.sh: ") and line.endswith("usage: bash scripts/gpu_bench.sh compile | verify | "
+                                                              "bench float32|float16")
+
+
+@pytest.mark.parametrize(("argv", "first_missing"), [(["verify"], "cuda-float32-graph"),
+                                                     (["bench", "float16"], "cuda-float16-graph")])
+def test_gpu_stages_without_compiled_artifacts_say_how_to_make_them(argv, first_missing, tmp_path):
+    """Before touching the GPU, each artifact the stage reads must be there (here: a directory
+    without a manifest, as an interrupted copy leaves it)."""
+    (tmp_path / first_missing).mkdir()
+    result = _gpu_bench(*argv, artifacts=tmp_path)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"gpu_bench.sh: {tmp_path}/{first_missing} is not a compiled artifact; make it with: "
+                             f"bash scripts/gpu_bench.sh compile (on any machine), then copy {tmp_path}/ to this one\n")

@@ -5,6 +5,7 @@ and the commands in README.md. No Docker engine or cluster is needed; runs in ab
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 import subprocess
@@ -291,14 +292,20 @@ def test_service_hpa_and_configmap_fit_the_deployments():
         assert config["BERT_SERVE_PORT"] == str(port["containerPort"])
 
 
+def _image_env(chain: list[tuple[str, str]]) -> dict[str, str]:
+    """The environment the ENV instructions of a stage chain set, later ones winning."""
+    env = {}
+    for instruction, args in chain:
+        if instruction == "ENV":
+            env.update(dict(pair.split("=", 1) for pair in shlex.split(args)))
+    return env
+
+
 def _env_settings() -> dict[str, dict[str, str]]:
     """BERT_SERVE_* variables set by the Dockerfile's runtime stages and by the ConfigMap."""
     sources = {}
     for final, chain in _final_chains().items():
-        env = {}
-        for instruction, args in chain:
-            if instruction == "ENV":
-                env.update(dict(pair.split("=", 1) for pair in shlex.split(args)))
+        env = _image_env(chain)
         sources[f"Dockerfile {final}"] = {k: v for k, v in env.items() if k.startswith("BERT_SERVE_")}
     for path, doc in _documents():
         if doc["kind"] == "ConfigMap":
@@ -308,7 +315,7 @@ def _env_settings() -> dict[str, dict[str, str]]:
 
 def test_server_settings_are_ones_bert_serve_reads():
     """Every BERT_SERVE_* variable we set is a bert-serve setting (service/settings.py) and parses."""
-    settings = pytest.importorskip("service.settings", reason="service/settings.py is not written yet")
+    from service import settings
     known = {settings.ENV_PREFIX + name.upper() for name in settings.Settings.model_fields}
     for source, env in _env_settings().items():
         assert env.keys() <= known, f"{source} sets {sorted(env.keys() - known)}, which bert-serve does not read"
@@ -322,3 +329,61 @@ def test_probes_need_no_api_key():
     (bert-serve exempts only /health from it, so /ready would answer 401)."""
     for source, env in _env_settings().items():
         assert "BERT_SERVE_API_KEY" not in env, f"{source}: put the API key in a Secret and exempt /ready first"
+
+
+# Each setting is a thread count per inference worker: TVM keeps one thread pool per calling
+# thread, and torch's intra-op pool (OMP) runs under each worker of --backend torch.
+THREADS_PER_WORKER = ("BERT_SERVE_THREADS_PER_WORKER", "TVM_NUM_THREADS", "OMP_NUM_THREADS")
+
+
+def _cpus(quantity) -> float:
+    """A Kubernetes CPU quantity ("4", 4, "500m") in CPUs."""
+    text = str(quantity)
+    return int(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _container_env(deployment: dict) -> dict[str, str]:
+    """What the container's process sees: the image's ENV, then its ConfigMaps, then `env`."""
+    container = _container(deployment)
+    gpu = "nvidia.com/gpu" in container["resources"]["limits"]
+    chains = _final_chains()
+    env = _image_env(chains.get("runtime-cuda" if gpu else "runtime-cpu", next(iter(chains.values()))))
+    config_maps = {doc["metadata"]["name"]: doc["data"] for _, doc in _documents() if doc["kind"] == "ConfigMap"}
+    for source in container.get("envFrom", []):
+        env.update({k: str(v) for k, v in config_maps[source["configMapRef"]["name"]].items()})
+    env.update({e["name"]: str(e["value"]) for e in container.get("env", []) if "value" in e})
+    return env
+
+
+def _oversubscription(env: dict[str, str], cpu_limit: float) -> list[str]:
+    """Each configured workers x threads-per-worker that exceeds `cpu_limit`. Workers are
+    BERT_SERVE_WORKERS, else what bert-serve runs by default: as many as the CPUs hold at
+    BERT_SERVE_THREADS_PER_WORKER threads each, one thread each when that is not set either."""
+    cores = max(1, math.floor(cpu_limit))
+    workers = int(env.get("BERT_SERVE_WORKERS", max(1, cores // int(env.get("BERT_SERVE_THREADS_PER_WORKER", 1)))))
+    problems = [f"{workers} workers > cpu limit {cpu_limit:g}"] if workers > cpu_limit else []
+    problems += [f"{workers} workers x {name}={env[name]} > cpu limit {cpu_limit:g}"
+                 for name in THREADS_PER_WORKER if name in env and workers * int(env[name]) > cpu_limit]
+    return problems
+
+
+def test_oversubscription_check_flags_threads_beyond_the_limit():
+    """The check below can fail: 4 default workers (one per CPU) x TVM_NUM_THREADS=4 are 16
+    threads under a 4-CPU limit, as are 2 workers x 4 OMP threads; 2 x 2 fit."""
+    assert _oversubscription({"TVM_NUM_THREADS": "4"}, 4.0)
+    assert _oversubscription({"BERT_SERVE_WORKERS": "2", "OMP_NUM_THREADS": "4"}, 4.0)
+    assert _oversubscription({"BERT_SERVE_WORKERS": "5"}, 4.0)
+    assert _oversubscription({"BERT_SERVE_THREADS_PER_WORKER": "3"}, 2.5)
+    assert not _oversubscription({"BERT_SERVE_WORKERS": "2", "TVM_NUM_THREADS": "2"}, 4.0)
+    assert not _oversubscription({"BERT_SERVE_THREADS_PER_WORKER": "2"}, 4.0)
+    assert not _oversubscription({}, 4.0)
+
+
+def test_worker_threads_fit_the_cpu_limit():
+    """No configured workers x threads-per-worker exceeds the container's CPU limit."""
+    for deployment in _deployments():
+        limits = _container(deployment)["resources"]["limits"]
+        variant = deployment["metadata"]["labels"].get("app.kubernetes.io/variant", "cpu")
+        assert "cpu" in limits, f"{variant} Deployment: no cpu limit to size the threads from"
+        problems = _oversubscription(_container_env(deployment), _cpus(limits["cpu"]))
+        assert not problems, f"{variant} Deployment oversubscribes its CPUs: {problems}"

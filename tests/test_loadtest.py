@@ -1,6 +1,8 @@
 """The load test runs end to end in --quick mode against real servers on 127.0.0.1."""
 
 import json
+import subprocess
+import sys
 
 from loadtest.__main__ import main
 
@@ -24,3 +26,16 @@ def test_quick_loadtest_accounts_for_every_request(tiny_embed_artifact, tmp_path
     assert all(set(r["batches_by_path"]) == {"torch"} for r in rows if r["backend"] == "torch")
     assert [v["endpoint"] for v in report["verdicts"]] == ["/embed", "/classify"]
     assert "| tvm | /embed | closed | 8 |" in capsys.readouterr().out
+
+
+def test_quick_loadtest_without_an_artifact_says_how_to_make_one(tmp_path):
+    """`python -m loadtest --quick` where artifacts/minilm-cpu (the default) was never compiled:
+    one line naming the compile command, exit 2, and no server started."""
+    result = subprocess.run([sys.executable, "-m", "loadtest", "--quick"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr == ("python -m loadtest: error: artifacts/minilm-cpu is not a compiled artifact (no "
+                             "manifest.json); make it with: .venv/bin/bert-compile --config configs/default.yaml "
+                             "--out artifacts/minilm-cpu\n")
+    assert not (tmp_path / "docs").exists()  # no server log, no report

@@ -3,6 +3,11 @@
 Counts of ops before and after the pass on the real MiniLM, the packed layout of the lifted
 weights, numerics of the packed kernel through the real CPU pipeline on odd shapes (symbolic and
 static M, fused epilogues), and that the schedule reads the panels without repacking them.
+
+Every test runs for both AVX2 (8 fp32 lanes) and AVX-512 (16 lanes), with shapes derived from the
+lane count, so an AVX2 machine checks the AVX-512 layout and schedule too. The targets are the
+x86-64 levels v3 and v4 (the features every AVX2 / AVX-512 CPU has, znver3 and znver4 included);
+code for a level this CPU does not reach is compiled, never run.
 """
 
 from __future__ import annotations
@@ -15,14 +20,36 @@ from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from compile.build import make_target
+from compile.cpu_features import missing_on_host, target_features
 from compile.cpu_schedule import cpu_pipeline, packed_panel_width, schedule_matmul, vector_lanes
 from compile.lift import lift_and_transform
 from compile.opcount import tracked_counts
 from compile.packing import pack_linear_weights, specialize_packed_matmuls
 from compile.strategy import apply_strategy
 
-TARGET = make_target("cpu")
-LANES = vector_lanes(TARGET)
+MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
+TARGETS = {lanes: make_target("cpu", mcpu=mcpu) for lanes, mcpu in MCPU_OF_LANES.items()}
+each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
+
+
+def _runs_here(target: tvm.target.Target) -> bool:
+    """Whether this CPU has every feature code for `target` may use (unknown: assume it has)."""
+    return not missing_on_host(target_features(target))
+
+
+def _panel(lanes: int) -> int:
+    """The widest panel `schedule_matmul` cuts for `lanes` (a width every candidate divides)."""
+    return packed_panel_width(48 * lanes, lanes)
+
+
+def _packable(lanes: int) -> int:
+    """An N of three panels: 72 with AVX2 (24-wide panels), 96 with AVX-512 (32-wide)."""
+    return 3 * _panel(lanes)
+
+
+def _unpackable(lanes: int) -> int:
+    """An N no panel width divides (so N would need padding): 20 with AVX2, 40 with AVX-512."""
+    return 2 * lanes + lanes // 2
 
 
 def _linear_module(m, k: int, n: int) -> tvm.IRModule:
@@ -44,42 +71,68 @@ def _weights(k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return rng.standard_normal((n, k)).astype("float32"), rng.standard_normal(n).astype("float32")
 
 
-def _fused_packed_kernel(mod: tvm.IRModule) -> tirx.PrimFunc:
-    with TARGET:
-        fused = tvm.transform.Sequential(cpu.legalize_passes(TARGET))(mod)
-    (kernel,) = [f for gv, f in fused.functions_items() if "packed_matmul" in gv.name_hint]
+def _fused(mod: tvm.IRModule, lanes: int) -> tvm.IRModule:
+    target = TARGETS[lanes]
+    with target:
+        return tvm.transform.Sequential(cpu.legalize_passes(target))(mod)
+
+
+def _fused_packed_kernel(mod: tvm.IRModule, lanes: int) -> tirx.PrimFunc:
+    (kernel,) = [f for gv, f in _fused(mod, lanes).functions_items() if "packed_matmul" in gv.name_hint]
     return kernel
 
 
-def test_minilm_linears_are_packed_and_lifted(minilm_imported):
+def test_targets_have_the_lane_counts_they_stand_for():
+    assert {lanes: vector_lanes(target) for lanes, target in TARGETS.items()} == {8: 8, 16: 16}
+    assert _packable(8) == 72 and _packable(16) == 96
+    assert _unpackable(8) == 20 and _unpackable(16) == 40
+
+
+@each_lane_count
+def test_panel_widths_derived_from_lanes(lanes):
+    assert packed_panel_width(_packable(lanes), lanes) == _panel(lanes)
+    assert _packable(lanes) % (2 * lanes) == 0 or _packable(lanes) % (3 * lanes) == 0
+    assert packed_panel_width(_unpackable(lanes), lanes) is None
+
+
+@each_lane_count
+def test_minilm_linears_are_packed_and_lifted(minilm_imported, lanes):
     combined = apply_strategy(minilm_imported.mod, "concat")
-    packed, count = pack_linear_weights(combined, LANES)
+    packed, count = pack_linear_weights(combined, lanes)
     assert count == 6 * 4  # per layer: the Q/K/V concat, the attention output, FFN in and out
     assert tracked_counts(combined)["matmul"] == 36
     assert tracked_counts(packed)["matmul"] == 12  # the attention batch matmuls stay
     lifted = lift_and_transform(packed, minilm_imported.params)
     panels = [w.shape for w in lifted.weights if w.ndim == 3]
-    nt = packed_panel_width(384, LANES)
+    nt = packed_panel_width(384, lanes)
     assert len(panels) == 24 and all(shape[2] == nt and shape[1] in (384, 1536) for shape in panels)
     assert sorted({shape[0] * nt for shape in panels}) == [384, 1152, 1536]
 
 
-def test_a_width_the_panel_does_not_divide_stays_unpacked():
-    assert packed_panel_width(20, 8) is None
-    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 16, 20), 8)
+@each_lane_count
+def test_a_width_the_panel_does_not_divide_stays_unpacked(lanes):
+    n = _unpackable(lanes)
+    assert packed_panel_width(n, lanes) is None
+    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 16, n), lanes)
     assert count == 0 and tracked_counts(mod)["matmul"] == 1
 
 
+@each_lane_count
 @pytest.mark.parametrize("m", [1, 7, 37, "symbolic"])
-def test_packed_kernel_matches_torch(m):
-    k, n = 48, 72
+def test_packed_kernel_matches_torch(m, lanes):
+    """Packs, lifts and compiles for both lane counts; runs only what this CPU can run."""
+    k, n, target = 48, _packable(lanes), TARGETS[lanes]
     w, b = _weights(k, n)
-    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64") if m == "symbolic" else m, k, n), LANES)
+    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64") if m == "symbolic" else m, k, n), lanes)
     assert count == 1
     lifted = lift_and_transform(mod, [tvm.runtime.tensor(w), tvm.runtime.tensor(b)])
-    nt = packed_panel_width(n, LANES)
+    nt = packed_panel_width(n, lanes)
+    assert lifted.weights[-1].shape == (n // nt, k, nt)
     np.testing.assert_array_equal(lifted.weights[-1], w.reshape(n // nt, nt, k).transpose(0, 2, 1))
-    vm = relax.VirtualMachine(tvm.compile(lifted.mod, TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    executable = tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target))
+    if not _runs_here(target):
+        pytest.skip(f"compiled for {MCPU_OF_LANES[lanes]}; this CPU lacks its features, so it is not run")
+    vm = relax.VirtualMachine(executable, tvm.cpu())
     for rows in ([5, 1, 19] if m == "symbolic" else [m]):
         x = np.random.default_rng(rows).standard_normal((rows, k)).astype("float32")
         out = vm["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in lifted.weights]).numpy()
@@ -87,15 +140,14 @@ def test_packed_kernel_matches_torch(m):
         np.testing.assert_allclose(out, expected.numpy(), rtol=1e-4, atol=1e-4)
 
 
-def test_schedule_reads_the_panels_without_repacking():
-    packed, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 384, 1536), LANES)
+@each_lane_count
+def test_schedule_reads_the_panels_without_repacking(lanes):
+    packed, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 384, 1536), lanes)
     plain = _linear_module(tirx.Var("m", "int64"), 384, 1536)
     for mod, repacks in ((packed, False), (plain, True)):
         lifted = lift_and_transform(mod, [tvm.runtime.tensor(w) for w in _weights(384, 1536)])
-        with TARGET:
-            fused = tvm.transform.Sequential(cpu.legalize_passes(TARGET))(lifted.mod)
-        (kernel,) = [f for gv, f in fused.functions_items() if "matmul" in gv.name_hint]
-        sch = schedule_matmul(kernel, LANES)
+        (kernel,) = [f for gv, f in _fused(lifted.mod, lanes).functions_items() if "matmul" in gv.name_hint]
+        sch = schedule_matmul(kernel, lanes)
         names = [sch.get(block).name_hint for block in sch.get_child_blocks(sch.get_sblock("root"))]
         assert any(name.endswith("_global") and name.startswith(("lv", "w")) for name in names) == repacks, names
         assert not any(name.startswith("panel_view") for name in names)  # the panels' view is inlined
@@ -103,12 +155,30 @@ def test_schedule_reads_the_panels_without_repacking():
         assert "T.parallel" in text and "T.vectorized" in text
 
 
-def test_bucket_specialisation_rewrites_the_kernel_for_static_shapes():
-    mod, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, 72), LANES)
+@each_lane_count
+def test_bucket_specialisation_rewrites_the_kernel_for_static_shapes(lanes):
+    n = _packable(lanes)
+    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, n), lanes)
+    assert count == 1
     m = mod["main"].params[0].ty.shape[0]
     static = specialize_packed_matmuls(relax.transform.BindSymbolicVars({m: 6})(mod))
-    kernel = _fused_packed_kernel(static)
+    kernel = _fused_packed_kernel(static, lanes)
     text = kernel.script()
-    assert "T.Buffer((T.int64(6), T.int64(48))" in text and "T.int64(6), T.int64(72)" in text
+    assert "T.Buffer((T.int64(6), T.int64(48))" in text and f"T.int64(6), T.int64({n})" in text
     assert "TypeVar(" not in text  # no symbolic M left (the generic kernel declares m = TypeVar("m"))
-    assert schedule_matmul(kernel, LANES) is not None
+    sch = schedule_matmul(kernel, lanes)
+    assert sch is not None
+    assert f"T.int64({lanes})" in sch.mod["main"].script()  # vectorised by the lane count
+
+
+@each_lane_count
+def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
+    """What compile/pipeline.py does for a CPU target: pack at `vector_lanes(target)`, then build
+    for that target (the AVX-512 build must succeed on an AVX2 machine, where it is not run)."""
+    target = TARGETS[lanes]
+    n = _packable(vector_lanes(target))
+    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, n), vector_lanes(target))
+    assert count == 1
+    lifted = lift_and_transform(mod, [tvm.runtime.tensor(x) for x in _weights(48, n)])
+    assert lifted.weights[-1].shape == (n // _panel(lanes), 48, _panel(lanes))
+    tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target))

@@ -8,10 +8,13 @@ import torch
 from conftest import TINY_LABELS, compile_artifact
 
 from compile import pipeline
+from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+from compile.cpu_features import target_features
 from compile.errors import ArtifactError, ValidationError
 from compile.loader import load_artifact
-from compile.manifest import Manifest
+from compile.manifest import CostModel, Manifest
+from compile.timing import fit_cost_model
 
 
 def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
@@ -33,6 +36,60 @@ def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
     assert all(b["strategy"] == "concat" and b["strategy_ms"] is None for b in manifest["buckets"])
     assert (tiny_embed_artifact / "tokenizer" / "tokenizer.json").is_file()
     assert (tiny_embed_artifact / manifest["weights"]["concat"]["file"]).is_file()
+    assert manifest["target"]["cpu_features"] == target_features(make_target("cpu"))
+
+
+def test_manifest_has_measured_latencies(tiny_embed_artifact):
+    manifest = Manifest.read(tiny_embed_artifact)
+    assert all(b.latency_ms is not None and b.latency_ms > 0 for b in manifest.buckets)
+    cost = manifest.generic.cost_model
+    assert cost is not None and min(cost.fixed_ms, cost.per_token_ms, cost.per_attention_ms) >= 0
+    grid = [[cost.predicted_ms(batch, seq) for seq in (1, 8, 16, 32, 64)] for batch in (1, 2, 4, 8, 16)]
+    assert min(map(min, grid)) > 0
+    assert all(row == sorted(row) for row in grid)  # grows with seq
+    assert all(list(column) == sorted(column) for column in zip(*grid))  # grows with batch
+    assert cost.predicted_ms(16, 64) > cost.predicted_ms(1, 1)
+    # what the batch planner reads: the chosen bucket's latency, else the generic prediction
+    assert manifest.predicted_ms(1, 5) == manifest.buckets[0].latency_ms
+    assert manifest.predicted_ms(3, 12) == manifest.buckets[2].latency_ms  # 4x16
+    assert manifest.predicted_ms(6, 30) == cost.predicted_ms(6, 30)
+    assert manifest.predicted_ms(3, 12, buckets=[]) == cost.predicted_ms(3, 12)
+
+
+def test_cost_model_fit_recovers_known_coefficients():
+    shapes = [(1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128)]
+    truth = (1.5, 0.02, 3e-4)
+    samples = {(b, s): truth[0] + truth[1] * b * s + truth[2] * b * s * s for b, s in shapes}
+    np.testing.assert_allclose(fit_cost_model(samples), truth, rtol=1e-9)
+    model = CostModel(fixed_ms=truth[0], per_token_ms=truth[1], per_attention_ms=truth[2])
+    assert all(model.predicted_ms(b, s) == pytest.approx(ms) for (b, s), ms in samples.items())
+    # a zero term is recovered as zero, not as a small negative number
+    no_attention = {(b, s): 2.0 + 0.01 * b * s for b, s in shapes}
+    np.testing.assert_allclose(fit_cost_model(no_attention), (2.0, 0.01, 0.0), atol=1e-12)
+
+
+def test_cost_model_fit_never_goes_negative():
+    """Timings that fall with size (noise) fit non-negative terms, not a negative slope."""
+    samples = {(1, 16): 5.0, (1, 64): 4.0, (4, 64): 3.0, (8, 128): 2.5}
+    fixed, per_token, per_attention = fit_cost_model(samples)
+    assert min(fixed, per_token, per_attention) >= 0 and fixed > 0
+    with pytest.raises(ValueError):
+        fit_cost_model({})
+
+
+def test_manifest_without_latencies_still_reads(tiny_embed_artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_embed_artifact, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    del data["generic"]["cost_model"]
+    for bucket in data["buckets"]:
+        del bucket["latency_ms"]
+    (copy / "manifest.json").write_text(json.dumps(data))
+    manifest = Manifest.read(copy)
+    assert manifest.generic.cost_model is None and all(b.latency_ms is None for b in manifest.buckets)
+    assert manifest.predicted_ms(1, 5) is None and manifest.predicted_ms(6, 30) is None
 
 
 def _torch_reference(model_dir, task, input_ids, attention_mask):

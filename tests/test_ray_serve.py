@@ -2,6 +2,9 @@
 
 The cluster is this test's own (2 CPUs, no dashboard, its own short temp dir), so it neither joins
 nor disturbs anyone else's on the machine, and the test checks that none of its processes outlive it.
+What is asserted is what Serve guarantees: the deployment reports its two replicas running (before
+and after the burst), and every answer is right. Which replica serves which request is the proxy's
+choice, so it is not asserted.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ import os
 import shutil
 import socket
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
+import psutil
 import pytest
 
 import ray
@@ -24,14 +27,15 @@ from ray import serve
 
 from compile.loader import load_artifact
 from service.inference import l2_normalize
-from service.ray_serve import DEFAULT_CONFIG, ConfigError, deploy, load_config
+from service.ray_serve import APP_NAME, DEFAULT_CONFIG, ConfigError, deploy, load_config
 from service.settings import Settings
 from service.tokenization import TextTokenizer
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 TEXTS = [" ".join(WORDS[offset:offset + length]) for offset, length in
          [(0, 3), (2, 9), (4, 5), (1, 12), (6, 2), (3, 7), (0, 14), (5, 4), (8, 6), (7, 1)]]
-BURST, CONCURRENCY, BURST_TIMEOUT_S = 40, 8, 60
+BURST, CONCURRENCY = 40, 8
+DEPLOYMENT = "BertServer"  # service.ray_serve's @serve.deployment name
 
 
 def _free_port() -> int:
@@ -88,9 +92,18 @@ def _non_loopback_listeners(pids) -> list[str]:
     return exposed
 
 
+def _replica_states() -> tuple[str, dict[str, int]]:
+    """The application's status and its deployment's replica count per state, as serve.status() reports them."""
+    application = serve.status().applications[APP_NAME]
+    states = application.deployments[DEPLOYMENT].replica_states
+    return str(getattr(application.status, "value", application.status)), {
+        str(getattr(state, "value", state)): count for state, count in states.items()}
+
+
 async def _burst(url: str) -> list[tuple[str, int, list, str]]:
     limit = asyncio.Semaphore(CONCURRENCY)
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+    # The timeout only keeps a hung replica from hanging the test; it asserts no speed.
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
         async def one(i: int):
             text = TEXTS[i % len(TEXTS)]
             async with limit:
@@ -98,7 +111,7 @@ async def _burst(url: str) -> list[tuple[str, int, list, str]]:
             body = response.json() if response.status_code == 200 else response.text
             return text, response.status_code, body, response.headers.get("x-replica", "")
 
-        return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(BURST))), BURST_TIMEOUT_S)
+        return await asyncio.gather(*(one(i) for i in range(BURST)))
 
 
 def test_config_file_validates_and_flags_override(tmp_path):
@@ -131,30 +144,34 @@ def test_two_replicas_answer_a_burst_correctly(tiny_embed_artifact, monkeypatch)
                                           "http.host": "127.0.0.1", "http.port": port})
     settings = Settings(artifacts=[tiny_embed_artifact], workers=1, max_wait_ms=5)
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
-    started = time.monotonic()
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
                  _temp_dir=temp_dir, log_to_driver=False)
-        url = deploy(settings, config)
+        url = deploy(settings, config)  # serve.run returns once the application is running
+        deployed = _replica_states()
         results = asyncio.run(_burst(url))
+        after_burst = _replica_states()
         exposed = _non_loopback_listeners([os.getpid(), *_processes_under(temp_dir)])
     finally:
         serve.shutdown()
         ray.shutdown()
-    elapsed = time.monotonic() - started
     try:
-        deadline = time.monotonic() + 15
-        while _processes_under(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leftover = _processes_under(temp_dir)
-        assert not leftover, f"Ray processes left behind: {leftover}"
+        # Waits for each process's exit (the timeout only bounds a hang).
+        processes = []
+        for pid in _processes_under(temp_dir):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                processes.append(psutil.Process(pid))
+        _, alive = psutil.wait_procs(processes, timeout=60)
+        assert not alive, f"Ray processes left behind: {_processes_under(temp_dir)}"
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
+    assert deployed == ("RUNNING", {"RUNNING": 2}), deployed
+    assert after_burst == ("RUNNING", {"RUNNING": 2}), after_burst  # no replica died or restarted under load
     assert not exposed, exposed
     assert len(results) == BURST
     for text, status, body, _replica in results:
         assert status == 200, body
         np.testing.assert_allclose(np.asarray(body[0]), expected[text], atol=1e-4)
-    assert len({replica for *_, replica in results} - {""}) == 2, "both replicas should have served"
-    assert elapsed < 90
+    replicas = {replica for *_, replica in results}
+    assert "" not in replicas and 1 <= len(replicas) <= 2, replicas  # every answer names one of the two replicas

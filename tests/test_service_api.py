@@ -35,7 +35,8 @@ def metric(text: str, name: str, **labels: str) -> float:
 
 @pytest.fixture(scope="module")
 def server(serve, tiny_embed_artifact, tiny_classify_artifact):
-    with serve([tiny_embed_artifact, tiny_classify_artifact], "--max-wait-ms", "20", "--workers", "2") as running:
+    with serve([tiny_embed_artifact, tiny_classify_artifact], "--max-wait-ms", "20", "--cores", "2",
+               "--workers", "2") as running:
         yield running
 
 
@@ -66,6 +67,30 @@ def test_probes_info_and_metrics(client):
                  "bert_serve_batch_size_bucket", "bert_serve_tokens_total", "bert_serve_padding_tokens_total",
                  "bert_serve_batches_total", "bert_serve_fallback_total"):
         assert name in text
+
+
+def test_info_reports_the_topology_and_how_batches_are_costed(client):
+    info = client.get("/info").json()
+    assert info["topology"] == {"cores": 2, "workers": 2, "threads_per_worker": 1, "wide": True}
+    assert {model["batch_costs"] for model in info["models"]} == {"measured latency"}
+
+
+def test_root_routes_to_the_default_task_like_tei(server, client, monkeypatch):
+    """POST / is /embed when an embedding model is loaded: what huggingface_hub's client posts to."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite is offline; this talks to loopback only
+
+    text = "a sentence for the default route"
+    expected = np.asarray(client.post("/embed", json={"inputs": text}).json()[0])
+    response = client.post("/", json={"inputs": text})
+    assert response.status_code == 200
+    np.testing.assert_allclose(response.json()[0], expected, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(InferenceClient(base_url=server.url).feature_extraction(text)).reshape(-1),
+                               expected, atol=1e-6)
+    bad = client.post("/", json={"inputs": 3})
+    assert bad.status_code == 422 and bad.json()["error_type"] == "Validation"
+    assert client.post("/", content=b"{not json").status_code == 422
 
 
 def test_embed_is_normalised_ordered_and_timed(client):
@@ -125,8 +150,14 @@ def test_batch_larger_than_every_bucket_is_split_not_sent_to_generic(client):
     assert metric(after, "bert_serve_fallback_total") == metric(before, "bert_serve_fallback_total")
     hits = metric(after, "bert_serve_batches_total") - metric(before, "bert_serve_batches_total")
     assert hits >= 3  # at least ceil(10 / 4) bucket runs
+    # every computed token is a real one or padding up to the bucket that ran it
+    runs = {b: metric(after, "bert_serve_batches_total", path=f"bucket-{b}")
+            - metric(before, "bert_serve_batches_total", path=f"bucket-{b}") for b in ("1x8", "2x16", "4x16")}
+    computed = sum(count * int(b.split("x")[0]) * int(b.split("x")[1]) for b, count in runs.items())
+    tokens = metric(after, "bert_serve_tokens_total") - metric(before, "bert_serve_tokens_total")
     padding = metric(after, "bert_serve_padding_tokens_total") - metric(before, "bert_serve_padding_tokens_total")
-    assert padding >= 0
+    assert tokens == int(response.headers["x-compute-tokens"])
+    assert padding == computed - tokens and padding > 0
 
 
 def test_classify_matches_pytorch_softmax(client, tiny_classifier_dir):

@@ -12,6 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
+from loadtest.servers import metric_value, wait_until
 from service.settings import Settings
 
 TEXTS = ["a short one", "a somewhat longer sentence with several more words in it", "tokens " * 30]
@@ -81,7 +82,7 @@ def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_clas
         expected = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).numpy()
         logits = BertForSequenceClassification.from_pretrained(tiny_classifier_dir).eval()(**batch).logits
         probs = torch.softmax(logits, -1).numpy()
-    with serve([tiny_embed_artifact, tiny_classify_artifact], "--backend", "torch", "--torch-threads", "1") as server:
+    with serve([tiny_embed_artifact, tiny_classify_artifact], "--backend", "torch", "--threads-per-worker", "1") as server:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             response = client.post("/embed", json={"inputs": TEXTS})
             assert response.status_code == 200 and response.headers["x-compute-path"] == "torch"
@@ -95,18 +96,21 @@ def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_clas
 
 def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
     """Requests lingering in the queue when SIGTERM arrives are still answered; then exit 0."""
-    with serve([tiny_embed_artifact], "--max-wait-ms", "800", "--workers", "1") as server:
+    with serve([tiny_embed_artifact], "--max-wait-ms", "60000", "--workers", "1", "--no-wide-worker") as server:
         statuses: list[int] = []
 
         def send(i: int) -> None:
             statuses.append(httpx.post(f"{server.url}/embed", json={"inputs": f"in flight {i}"}, timeout=30).status_code)
 
+        send(-1)  # an answered request: the next ones arrive soon after it, so the batcher expects
+        # company and lets them linger (up to 60 s) instead of running them at once
         threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
-        time.sleep(0.3)  # all three are queued, lingering for company
+        wait_until(lambda: metric_value(server.url, "bert_serve_queue_depth", model="embed") == 3,
+                   what="three lingering inputs")
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=30)
-        assert statuses == [200, 200, 200]
+        assert statuses == [200, 200, 200, 200]
         assert server.process.wait(timeout=30) == 0

@@ -1,27 +1,29 @@
-"""Batch planning (pure): bucket-sized batches, generic only for what no bucket holds, budgets."""
+"""Batch planning (pure): bucket-sized batches, generic only for what no bucket holds, budgets, and
+costs from measured library latencies where the artifact has them."""
 
 from __future__ import annotations
 
 from compile.bucketing import parse_buckets
-from service.planning import BatchLimits, batch_size_hint, plan_batches
+from service.planning import CALL_TOKENS, BatchCosts, BatchLimits, batch_size_hint, plan_batches
 
-TINY = parse_buckets("1x8,2x16,4x16")
+TINY_BUCKETS = parse_buckets("1x8,2x16,4x16")
+TINY = BatchCosts(TINY_BUCKETS)  # no measurements: padded tokens
 LIMITS = BatchLimits(max_batch_tokens=16384, max_batch_requests=None, generic_max_batch=16)
 
 
 def shapes(lengths, batches):
-    return [sorted(lengths[i] for i in batch) for batch in batches]
+    return [sorted(lengths[i] for i in batch.indices) for batch in batches]
 
 
 def test_every_input_is_planned_once():
     lengths = [5, 40, 3, 12, 12, 60, 7, 16, 9, 2, 33]
     batches = plan_batches(lengths, TINY, LIMITS)
-    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert sorted(i for batch in batches for i in batch.indices) == list(range(len(lengths)))
 
 
 def test_a_batch_larger_than_every_bucket_is_split_into_bucket_sized_batches():
     batches = plan_batches([10] * 10, TINY, LIMITS)
-    assert [len(batch) for batch in batches] == [4, 4, 2]
+    assert [len(batch.indices) for batch in batches] == [4, 4, 2]
 
 
 def test_only_inputs_longer_than_every_bucket_go_generic_together():
@@ -33,24 +35,63 @@ def test_only_inputs_longer_than_every_bucket_go_generic_together():
 def test_sorting_groups_similar_lengths():
     lengths = [3, 15, 4, 16, 2, 14]
     planned = shapes(lengths, plan_batches(lengths, TINY, LIMITS))
-    # the shortest run alone on 1x8; the long ones share 4x16, where one short input rides for free
-    assert planned == [[2], [3], [4, 14, 15, 16]]
+    # the long ones share a 4x16 call where short ones ride along for free: two calls, not four
+    assert planned == [[2, 3, 4, 14], [15, 16]]
 
 
 def test_no_jump_to_a_much_bigger_bucket_when_running_alone_is_cheaper():
-    buckets = parse_buckets("1x16,8x128")
-    assert [len(batch) for batch in plan_batches([10, 10, 10], buckets, LIMITS)] == [1, 1, 1]
-    assert [len(batch) for batch in plan_batches([100] * 3, buckets, LIMITS)] == [3]
+    buckets = BatchCosts(parse_buckets("1x16,8x128"))
+    assert [len(batch.indices) for batch in plan_batches([10, 10, 10], buckets, LIMITS)] == [1, 1, 1]
+    assert [len(batch.indices) for batch in plan_batches([100] * 3, buckets, LIMITS)] == [3]
 
 
 def test_budget_counts_padded_bucket_capacity_and_request_bound():
     small = BatchLimits(max_batch_tokens=32, max_batch_requests=None, generic_max_batch=16)
-    assert [len(b) for b in plan_batches([12] * 4, TINY, small)] == [2, 2]  # 4x16 = 64 > 32; 2x16 fits
+    assert [len(b.indices) for b in plan_batches([12] * 4, TINY, small)] == [2, 2]  # 4x16 = 64 > 32; 2x16 fits
     bounded = BatchLimits(max_batch_tokens=16384, max_batch_requests=3, generic_max_batch=16)
-    assert [len(b) for b in plan_batches([12] * 4, TINY, bounded)] == [3, 1]
+    assert [len(b.indices) for b in plan_batches([12] * 4, TINY, bounded)] == [2, 2]  # not 3 (on 4x16) + 1
+    assert sorted(len(b.indices) for b in plan_batches([12] * 8, TINY, bounded)) == [2, 3, 3]  # ties: fewer calls
 
 
 def test_shape_free_backend_batches_by_padded_tokens():
     limits = BatchLimits(max_batch_tokens=40, max_batch_requests=None, generic_max_batch=16)
-    assert [len(b) for b in plan_batches([10] * 8, [], limits)] == [4, 4]
-    assert batch_size_hint([], limits) == 16 and batch_size_hint(TINY, LIMITS) == 4
+    assert [len(b.indices) for b in plan_batches([10] * 8, BatchCosts([]), limits)] == [4, 4]
+    assert batch_size_hint([], limits) == 16 and batch_size_hint(TINY_BUCKETS, LIMITS) == 4
+
+
+# Measured on a 2-core znver4 (MiniLM): 1x128 18.5 ms, 8x128 137 ms; the generic library's fit.
+MEASURED = {parse_buckets("1x16")[0]: 5.0, parse_buckets("1x128")[0]: 18.5, parse_buckets("8x128")[0]: 137.0}
+
+
+def generic_ms(size: int, seq: int) -> float:
+    return 2.0 + 0.12 * size * seq + 0.0001 * size * seq * seq
+
+
+def test_measured_latency_batches_what_padded_tokens_would_split():
+    """8 x 1x128 (148 ms) and 1 x 8x128 (137 ms) hold the same padded tokens: by tokens they tie and
+    the planner ran eight calls; by measured latency one batch wins."""
+    measured = BatchCosts(list(MEASURED), MEASURED, generic_ms)
+    assert measured.measured
+    planned = plan_batches([112] * 8, measured, LIMITS)
+    assert [(len(b.indices), b.bucket.name) for b in planned] == [(8, "8x128")]
+
+
+def test_the_cheapest_fitting_bucket_runs_the_batch_not_the_smallest():
+    by_name = {bucket.name: bucket for bucket in parse_buckets("2x64,4x32")}  # equal padded tokens
+    costs = BatchCosts(list(by_name.values()), {by_name["2x64"]: 9.0, by_name["4x32"]: 4.0}, generic_ms)
+    assert costs.choose(2, 20).bucket.name == "4x32"
+    assert costs.choose(2, 50).bucket.name == "2x64"
+    assert costs.choose(5, 10) is None and costs.generic(5, 10).cost == generic_ms(5, 10)
+
+
+def test_a_batch_stops_growing_when_one_more_input_costs_more_than_its_own_run():
+    costs = BatchCosts(list(MEASURED), MEASURED, generic_ms)
+    planned = plan_batches([10, 10, 100], costs, LIMITS)
+    # 10-token inputs run alone on 1x16 (5 ms each) rather than padded into 8x128 (137 ms)
+    assert [(sorted(b.indices), b.bucket.name) for b in planned] == [([0], "1x16"), ([1], "1x16"), ([2], "1x128")]
+
+
+def test_missing_measurements_fall_back_to_padded_tokens():
+    partial = dict(list(MEASURED.items())[:1])
+    costs = BatchCosts(list(MEASURED), partial, generic_ms)
+    assert not costs.measured and costs.choose(1, 100).cost == CALL_TOKENS + 128

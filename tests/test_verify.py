@@ -44,6 +44,11 @@ def test_verify_records_every_library_with_the_runtime_alone(tiny_embed_artifact
     assert all(b.max_abs_diff is not None and b.max_abs_diff <= 1e-4 for b in manifest.buckets)
     assert sorted(manifest.generic.max_abs_diff) == ["2x11", "3x5", "5x20"]
     assert all(d is not None and d <= 1e-4 for d in manifest.generic.max_abs_diff.values())
+    # what compile measured and recorded survives the rewrite
+    before = Manifest.read(tiny_embed_artifact)
+    assert manifest.target.cpu_features == before.target.cpu_features
+    assert [b.latency_ms for b in manifest.buckets] == [b.latency_ms for b in before.buckets]
+    assert manifest.generic.cost_model == before.generic.cost_model
 
 
 def test_verify_fails_when_a_library_disagrees_with_pytorch(tiny_embed_artifact, tmp_path):

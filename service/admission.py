@@ -1,0 +1,110 @@
+"""Admission: the bounded queue of tokenised inputs, and how fast they arrive.
+
+Admission is counted in inputs (queued or running), like TEI's `max_concurrent_requests`
+permits: a request that does not fit now is refused at once (429), one that could never fit is
+413, so memory stays bounded. Every admitted input belongs to a request; when any input of a
+request fails, times out or is abandoned, the request's other inputs are dropped from the queue
+(their futures are cancelled and the batcher skips them), and the count always comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .errors import Overloaded, TooLarge
+from .tokenization import Encoded
+
+# Weight of the newest inter-arrival gap in the arrival-rate estimate (an exponential moving
+# average over roughly the last 1 / ARRIVAL_SMOOTHING requests).
+ARRIVAL_SMOOTHING = 0.2
+
+
+@dataclass(eq=False)
+class Entry:
+    encoded: Encoded
+    future: asyncio.Future
+    enqueued_at: float = field(default_factory=time.perf_counter)
+    request: list[Entry] = field(default_factory=list, repr=False)  # every input of its request, itself included
+
+    @property
+    def live(self) -> bool:
+        """Still wanted: its request has neither failed, timed out nor been abandoned."""
+        return not self.future.done()
+
+    def fail_request(self, error: BaseException) -> None:
+        """Fail this input and, at once, the other inputs of its request: nobody waits for them."""
+        for entry in self.request or [self]:
+            if entry.live:
+                entry.future.set_exception(error)
+
+
+class InputQueue:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.entries: deque[Entry] = deque()
+        self.admitted = 0  # inputs queued or running, of requests still waiting
+        self._last_arrival: float | None = None
+        self._mean_gap = math.inf
+        self.arrived = asyncio.Event()
+
+    def admit(self, encoded: list[Encoded]) -> list[Entry]:
+        if len(encoded) > self.capacity:
+            raise TooLarge(f"{len(encoded)} inputs can never fit the server's queue of {self.capacity} "
+                           f"(--max-concurrent-requests); send at most {self.capacity} per request")
+        if self.admitted + len(encoded) > self.capacity:
+            raise Overloaded()
+        self._note_arrival()
+        loop = asyncio.get_running_loop()
+        entries = [Entry(item, loop.create_future()) for item in encoded]
+        for entry in entries:
+            entry.request = entries
+        self.admitted += len(entries)
+        self.entries.extend(entries)
+        self.arrived.set()
+        return entries
+
+    def release(self, entries: list[Entry]) -> None:
+        """The request is over (answered, failed or abandoned): its inputs stop counting."""
+        for entry in entries:
+            if not entry.future.done():
+                entry.future.cancel()
+        self.admitted -= len(entries)
+
+    def take(self, count: int) -> list[Entry]:
+        """Up to `count` live inputs, oldest first (dropped ones are discarded on the way)."""
+        taken: list[Entry] = []
+        while self.entries and len(taken) < count:
+            entry = self.entries.popleft()
+            if entry.live:
+                taken.append(entry)
+        return taken
+
+    def put_back(self, entries: list[Entry]) -> None:
+        """Return inputs to the head of the queue, in their order."""
+        self.entries.extendleft(reversed(entries))
+
+    def live_count(self) -> int:
+        return sum(entry.live for entry in self.entries)
+
+    def drop_dead_head(self) -> None:
+        while self.entries and not self.entries[0].live:
+            self.entries.popleft()
+
+    def arrival_rate(self, now: float | None = None) -> float:
+        """Requests per second, from the recent gaps, decayed by the silence since the last one."""
+        if self._last_arrival is None:
+            return 0.0
+        silence = (now or time.perf_counter()) - self._last_arrival
+        return 1.0 / max(self._mean_gap, silence, 1e-6)
+
+    def _note_arrival(self) -> None:
+        now = time.perf_counter()
+        if self._last_arrival is not None:
+            gap = now - self._last_arrival
+            self._mean_gap = gap if math.isinf(self._mean_gap) else (
+                ARRIVAL_SMOOTHING * gap + (1 - ARRIVAL_SMOOTHING) * self._mean_gap)
+        self._last_arrival = now

@@ -1,0 +1,208 @@
+"""Fault injection against a real uvicorn on 127.0.0.1: whatever raises where, every admitted input
+is answered with a result or a JSON error, the admission count comes back to zero, and the server
+neither hangs nor claims to be ready when it is not. The backend is the real tiny artifact wrapped
+by `loadtest.faults.FaultyBackend`; synchronisation is by events and observed state, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+
+import httpx
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+import service.batcher
+from loadtest.faults import FaultyBackend
+from loadtest.servers import metric_value, running_app, wait_until
+from service.app import create_app
+from service.backends import load_backend
+from service.settings import Settings
+
+
+def settings(artifact, **overrides) -> Settings:
+    """One narrow worker, no lingering: each test decides what runs when."""
+    values = {"artifacts": [artifact], "workers": 1, "threads_per_worker": 1, "wide_worker": False, "max_wait_ms": 0}
+    return Settings(**{**values, **overrides})
+
+
+@pytest.fixture
+def faulty(tiny_embed_artifact):
+    """Serve the tiny artifact through a FaultyBackend built from the keyword arguments."""
+
+    @contextlib.contextmanager
+    def start(*, on_fatal=None, **faults):
+        backends: list[FaultyBackend] = []
+        overrides = faults.pop("settings", {})
+
+        def loader(directory, kind, threads):
+            backends.append(FaultyBackend(load_backend(directory, kind, threads), **faults))
+            return backends[-1]
+
+        app = create_app(settings(tiny_embed_artifact, **overrides), loader=loader, on_fatal=on_fatal)
+        with running_app(app) as url:
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="/ready 200")
+            yield url, backends[0]
+
+    return start
+
+
+def admitted(url: str) -> float:
+    return metric_value(url, "bert_serve_admitted_inputs", model="embed")
+
+
+def queued(url: str) -> float:
+    return metric_value(url, "bert_serve_queue_depth", model="embed")
+
+
+def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
+    thread = threading.Thread(target=lambda: results.append(httpx.post(f"{url}/embed", json=body, timeout=60)))
+    thread.start()
+    return thread
+
+
+def test_a_failing_batch_fails_only_its_requests(faulty, tiny_embed_artifact):
+    poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
+    with faulty(poison_id=poison) as (url, backend):
+        healthy = httpx.post(f"{url}/embed", json={"inputs": "healthy text"})
+        assert healthy.status_code == 200
+        failed = httpx.post(f"{url}/embed", json={"inputs": "poison"})
+        assert failed.status_code == 500
+        assert failed.json()["error_type"] == "Backend" and "call 2 failed" in failed.json()["error"]
+        again = httpx.post(f"{url}/embed", json={"inputs": "healthy text"})
+        np.testing.assert_allclose(again.json(), healthy.json(), atol=1e-6)
+        assert metric_value(url, "bert_serve_batch_failures_total", model="embed") == 1
+        assert admitted(url) == 0
+
+
+def test_a_backend_returning_too_few_rows_answers_500_not_a_hang(faulty):
+    with faulty(short_calls=[1]) as (url, backend):
+        response = httpx.post(f"{url}/embed", json={"inputs": ["one", "two"]}, timeout=60)
+        assert response.status_code == 500 and "shape" in response.json()["error"]
+        assert httpx.post(f"{url}/embed", json={"inputs": ["one", "two"]}).status_code == 200
+        assert admitted(url) == 0
+
+
+def test_one_failing_input_drops_the_requests_other_queued_inputs(faulty, tiny_embed_artifact):
+    """Batches of one input; the first call blocks while a 3-input request queues behind it; its
+    first input fails, so the other two are dropped, never run."""
+    poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
+    with faulty(block_calls=[1], poison_id=poison, settings={"max_batch_requests": 1}) as (url, backend):
+        first: list = []
+        blocker = post_in_thread(url, {"inputs": "holds the only worker"}, first)
+        assert backend.blocked.wait(60)
+        second: list = []
+        request = post_in_thread(url, {"inputs": ["poison", "never runs", "never runs either"]}, second)
+        wait_until(lambda: queued(url) == 3, what="three queued inputs")
+        backend.release.set()
+        blocker.join(60)
+        request.join(60)
+        assert first[0].status_code == 200
+        assert second[0].status_code == 500 and second[0].json()["error_type"] == "Backend"
+        wait_until(lambda: admitted(url) == 0, what="admission back to zero")
+        assert backend.calls == 2  # the blocked call and the poisoned one; the other two were dropped
+
+
+def test_a_request_past_its_deadline_gets_504_and_its_inputs_are_dropped(faulty):
+    with faulty(block_calls=[1], settings={"request_timeout": 1.0}) as (url, backend):
+        first: list = []
+        blocker = post_in_thread(url, {"inputs": "stuck"}, first)
+        assert backend.blocked.wait(60)
+        late = httpx.post(f"{url}/embed", json={"inputs": ["queued behind it", "and another"]}, timeout=60)
+        assert late.status_code == 504 and late.json()["error_type"] == "Timeout"
+        blocker.join(60)  # the stuck one times out too
+        assert first[0].status_code == 504
+        assert queued(url) == 0 and admitted(url) == 0  # the late request's inputs left the queue
+        backend.release.set()
+        assert httpx.post(f"{url}/embed", json={"inputs": "after"}, timeout=60).status_code == 200
+        assert backend.calls == 2  # the late request never ran
+        assert metric_value(url, "bert_serve_request_timeouts_total", model="embed") == 2
+
+
+def test_a_request_that_can_never_fit_is_413_not_429(faulty):
+    with faulty(settings={"max_concurrent_requests": 3, "max_client_batch_size": 8}) as (url, _):
+        response = httpx.post(f"{url}/embed", json={"inputs": ["a", "b", "c", "d"]})
+        assert response.status_code == 413 and "never fit" in response.json()["error"]
+        assert httpx.post(f"{url}/embed", json={"inputs": ["a", "b", "c"]}).status_code == 200
+
+
+def test_zero_shot_counts_texts_and_labels_against_the_client_batch_size(faulty):
+    with faulty(settings={"max_client_batch_size": 4}) as (url, _):
+        body = {"inputs": ["one text", "another"], "labels": ["x", "y", "z"]}
+        response = httpx.post(f"{url}/classify", json=body)
+        assert response.status_code == 413 and "5" in response.json()["error"]
+        body["labels"] = ["x", "y"]
+        assert httpx.post(f"{url}/classify", json=body).status_code == 200
+
+
+def test_a_dead_batching_loop_answers_503_and_restarts(faulty, monkeypatch):
+    real_plan = service.batcher.plan_batches
+    calls = {"n": 0}
+
+    def plan_once_broken(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("planner bug")
+        return real_plan(*args)
+
+    monkeypatch.setattr(service.batcher, "plan_batches", plan_once_broken)
+    with faulty() as (url, _):
+        response = httpx.post(f"{url}/embed", json={"inputs": ["a", "b"]}, timeout=60)
+        assert response.status_code == 503 and "planner bug" in response.json()["error"]
+        assert httpx.post(f"{url}/embed", json={"inputs": "after the restart"}, timeout=60).status_code == 200
+        assert httpx.get(f"{url}/ready").status_code == 200
+        assert metric_value(url, "bert_serve_batcher_crashes_total", model="embed") == 1
+        assert admitted(url) == 0
+
+
+def test_a_loop_that_keeps_dying_turns_ready_503_and_stops_the_server(faulty, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(service.batcher, "plan_batches", broken)
+    stopped = threading.Event()
+    with faulty(on_fatal=stopped.set) as (url, _):
+        statuses = [httpx.post(f"{url}/embed", json={"inputs": f"try {i}"}, timeout=60).status_code
+                    for i in range(service.batcher.MAX_LOOP_CRASHES + 1)]
+        assert statuses == [503] * len(statuses)
+        assert stopped.wait(30)
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and "failed 3 times" in ready.json()["error"]
+
+
+def test_a_warmup_failure_on_one_worker_ends_start_up(tiny_embed_artifact):
+    """Two workers and the wide one warm up in parallel; the second warm-up fails: start-up stops
+    with that error (there is no barrier for the others to wait on)."""
+    stopped = threading.Event()
+
+    def loader(directory, kind, threads):
+        return FaultyBackend(load_backend(directory, kind, threads), fail_warmups=[2])
+
+    app = create_app(Settings(artifacts=[tiny_embed_artifact], cores=2, workers=2, threads_per_worker=1),
+                     loader=loader, on_fatal=stopped.set)
+    with running_app(app) as url:
+        assert stopped.wait(60)
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and "warm-up 2 failed" in ready.json()["error"]
+
+
+def test_admission_returns_to_zero_when_clients_give_up(faulty):
+    """Clients that disconnect while their inputs wait behind a blocked call leave nothing admitted."""
+    with faulty(block_calls=[1]) as (url, backend):
+        first: list = []
+        blocker = post_in_thread(url, {"inputs": "blocks"}, first)
+        assert backend.blocked.wait(60)
+
+        async def impatient():
+            async with httpx.AsyncClient(base_url=url) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/embed", json={"inputs": ["x", "y"]}, timeout=0.5)
+
+        asyncio.run(impatient())
+        backend.release.set()
+        blocker.join(60)
+        wait_until(lambda: admitted(url) == 0, what="admission back to zero")
+        assert first[0].status_code == 200

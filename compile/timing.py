@@ -47,7 +47,9 @@ def use_all_cores() -> int:
     assumes hyper-threading), so timings would not be those of a server that sets its threads."""
     import tvm
 
-    threads = int(os.environ.get("TVM_NUM_THREADS") or process_cores())
+    # A thread's pool is created with TVM_NUM_THREADS workers (default: half the cores) and can
+    # only use fewer later, so the variable must be set before the first pool exists.
+    threads = int(os.environ.setdefault("TVM_NUM_THREADS", str(process_cores())))
     tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: kBig, every core on x86
     return threads
 

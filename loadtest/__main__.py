@@ -23,7 +23,7 @@ from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
 from .servers import running_server
 from .strategy_table import read_manifest
-from .workload import make_requests
+from .workload import artifact_tokenizer, make_requests
 
 PROG = "python -m loadtest"
 
@@ -47,8 +47,12 @@ def parse_args(argv):
     return args
 
 
+TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding"}
+
+
 def compute_path_counts(base: str) -> Counter:
-    """Batches per compute path so far, from the server's Prometheus metrics."""
+    """Batches per compute path so far, and real and padding tokens computed (keys `tokens`,
+    `padding`), summed over the server's models, from its Prometheus metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counts: Counter = Counter()
@@ -57,13 +61,13 @@ def compute_path_counts(base: str) -> Counter:
         for sample in family.samples:
             if sample.name == "bert_serve_batches_total":
                 counts[sample.labels["path"]] += sample.value
+            elif sample.name in TOKEN_COUNTERS:
+                counts[TOKEN_COUNTERS[sample.name]] += sample.value
     return counts
 
 
 def token_counter(artifacts: Path):
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(artifacts / read_manifest(artifacts).tokenizer / "tokenizer.json"))
+    tokenizer = artifact_tokenizer(artifacts)
     return lambda texts: sum(len(encoding.ids) for encoding in tokenizer.encode_batch(texts))
 
 
@@ -97,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
                     else:
                         run = open_loop(base, endpoint, requests, tokens, level, args.time_limit, seed=args.seed)
                     outcomes, elapsed = asyncio.run(run)
-                    batches = compute_path_counts(base) - before
+                    counts = compute_path_counts(base)
+                    computed = {key: counts[key] - before[key] for key in ("tokens", "padding")}
+                    batches = Counter({k: v for k, v in (counts - before).items() if k not in computed})
                     row = {"backend": backend, "endpoint": endpoint, "mode": mode, "level": level,
                            **summarize(outcomes, elapsed), "batches_by_path": dict(batches),
+                           "padding_share": (computed["padding"] / (computed["tokens"] + computed["padding"])
+                                             if computed["tokens"] else None),
                            "peak_rss_mb": memory.peak_bytes / 2**20}
                     total_batches = sum(batches.values())
                     row["bucket_share"] = (sum(v for k, v in batches.items() if k.startswith("bucket")) / total_batches

@@ -54,13 +54,14 @@ def write_outputs(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
     fields = ["backend", "endpoint", "mode", "level", "sent", "answered", "errors", "throughput_rps",
-              "tokens_per_s", "p50_ms", "p90_ms", "p99_ms", "max_ms", "bucket_share", "peak_rss_mb"]
+              "tokens_per_s", "p50_ms", "p90_ms", "p99_ms", "max_ms", "bucket_share", "padding_share", "peak_rss_mb"]
     with open(out / "results.csv", "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
         for row in report["rows"]:
             writer.writerow({**{k: row[k] for k in ("backend", "endpoint", "mode", "level", "sent", "answered",
                                                      "throughput_rps", "tokens_per_s", "bucket_share")},
+                             "padding_share": row.get("padding_share"),
                              "errors": json.dumps(row["errors"]), "peak_rss_mb": row["peak_rss_mb"],
                              **{f"{k}_ms": v for k, v in row["latency_ms"].items()}})
     _plot_latency(report["rows"], out / "latency_vs_throughput.png")
@@ -131,17 +132,18 @@ def markdown(report: dict) -> str:
         f"Command: `{report['command']}`", "",
         f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
         f"versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}", "",
-        "| backend | endpoint | mode | level | sent | answered | errors | req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms | bucket share | peak RSS MB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | endpoint | mode | level | sent | answered | errors | req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms | bucket share | padding share | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
     for r in report["rows"]:
         lat = r["latency_ms"]
         share = "-" if r["bucket_share"] is None else f"{100 * r['bucket_share']:.0f}%"
+        padding = "-" if r.get("padding_share") is None else f"{100 * r['padding_share']:.0f}%"
         lines.append(
             f"| {r['backend']} | {r['endpoint']} | {r['mode']} | {r['level']} | {r['sent']} | {r['answered']} | "
             f"{r['errors'] or '-'} | {r['throughput_rps']:.2f} | {r['tokens_per_s']:.0f} | {fmt(lat['p50'])} | "
-            f"{fmt(lat['p90'])} | {fmt(lat['p99'])} | {fmt(lat['max'])} | {share} | {r['peak_rss_mb']:.0f} |"
+            f"{fmt(lat['p90'])} | {fmt(lat['p99'])} | {fmt(lat['max'])} | {share} | {padding} | {r['peak_rss_mb']:.0f} |"
         )
     for verdict in report.get("verdicts", []):
         lines += ["", f"At concurrency {verdict['concurrency']} on {verdict['endpoint']} (where torch peaks): "

@@ -36,22 +36,22 @@ class MemorySampler(threading.Thread):
         super().__init__(daemon=True)
         self.pid = pid
         self.peak_bytes = 0
-        self._stop = threading.Event()
+        self._done = threading.Event()
 
     def run(self) -> None:
         import psutil
 
         try:
             process = psutil.Process(self.pid)
-            while not self._stop.is_set():
+            while not self._done.is_set():
                 procs = [process, *process.children(recursive=True)]
                 self.peak_bytes = max(self.peak_bytes, sum(p.memory_info().rss for p in procs))
-                self._stop.wait(0.1)
+                self._done.wait(0.1)
         except psutil.Error:
             pass
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
 
 
 @dataclass
@@ -64,11 +64,13 @@ class RunningServer:
 
 @contextlib.contextmanager
 def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[str, str] | None = None,
-                   ready_headers: dict[str, str] | None = None, timeout: float = 600.0) -> Iterator[RunningServer]:
-    """`python -m service --artifacts ... *args` on 127.0.0.1:<free port>, yielded once /ready is 200;
-    terminated (SIGTERM, then SIGKILL after 30 s) on exit."""
+                   ready_headers: dict[str, str] | None = None, timeout: float = 600.0,
+                   module: str = "service") -> Iterator[RunningServer]:
+    """`python -m service --artifacts ... *args` (or another module taking the same --host, --port
+    and --artifacts) on 127.0.0.1:<free port>, yielded once /ready is 200; terminated (SIGTERM,
+    then SIGKILL after 30 s) on exit."""
     port = free_port()
-    command = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port)]
     for directory in artifacts:
         command += ["--artifacts", str(directory)]
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,3 +40,19 @@ def make_requests(count: int, seed: int = 0) -> list[Request]:
             inputs.append(" ".join(rng.choice(VOCABULARY) for _ in range(rng.randint(low, high))))
         requests.append(Request(inputs, sum(len(text.split()) for text in inputs)))
     return requests
+
+
+def artifact_tokenizer(artifacts):
+    """The artifact's tokenizer as the server runs it: no padding, no truncation (the shipped
+    tokenizer.json of MiniLM pads to 128, which would count every input as 128 tokens)."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from .strategy_table import read_manifest
+
+    artifacts = Path(artifacts)
+    tokenizer = Tokenizer.from_file(str(artifacts / read_manifest(artifacts).tokenizer / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    return tokenizer

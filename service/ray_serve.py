@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import signal
 import sys
 import threading
@@ -191,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, {"replicas": args.replicas, "ray_actor_options.num_cpus": args.num_cpus,
                                            "http.host": args.host, "http.port": args.port})
-        flags = {"artifacts": args.artifacts, "workers": args.workers}
-        settings = Settings.load({**config.server, **{k: v for k, v in flags.items() if v is not None}})
+        # each replica uses the CPUs Ray reserves for it, not every core of the node it lands on
+        flags = {"artifacts": args.artifacts, "workers": args.workers,
+                 "cores": max(1, math.floor(config.ray_actor_options.num_cpus))}
+        settings = Settings.load({"cores": flags.pop("cores"), **config.server,
+                                  **{k: v for k, v in flags.items() if v is not None}})
         for directory in settings.artifacts:  # a wrong directory fails here, before Ray starts N replicas
             Manifest.read(directory)
     except (ConfigError, ArtifactError) as exc:

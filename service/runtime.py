@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from compile.loader import check_cpu_features
 from compile.manifest import Manifest
 
 from .backends import Backend, load_backend
@@ -47,6 +48,8 @@ class Runtime:
         self.manifests: dict[str, tuple[Path, Manifest]] = {}
         for directory in settings.artifacts:
             manifest = Manifest.read(directory)
+            if settings.backend == "tvm":
+                check_cpu_features(Path(directory), manifest.target)  # before listening: exit 2, not SIGILL later
             if manifest.task in self.manifests:
                 raise ArtifactSetError(f"two {manifest.task} artifacts given; at most one per task")
             self.manifests[manifest.task] = (Path(directory), manifest)

@@ -1,7 +1,7 @@
 """compile/cpu_features.py and the loader's refusal of artifacts compiled for a CPU this one is not.
 
 An artifact whose code uses instructions this CPU lacks must be refused with one clear line
-(ArtifactError; `python -m compile.verify` exits 2), never loaded to die with SIGILL.
+(ArtifactError; `python -m compile.verify` and the server exit 2), never loaded to die with SIGILL.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import compile_artifact
@@ -141,3 +143,13 @@ def test_verify_exits_with_one_line_for_another_cpu(foreign_artifact):
         f"verify: error: {out} was compiled for {mcpu} and needs CPU features {', '.join(missing)} this CPU "
         "lacks; recompile it here (bert-compile without --mcpu)"
     )
+
+
+def test_the_server_refuses_an_artifact_for_another_cpu_before_listening(foreign_artifact):
+    out, mcpu, missing = foreign_artifact
+    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(out), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stderr.strip().splitlines() == [
+        f"bert-serve: error: {out} was compiled for {mcpu} and needs CPU features {', '.join(missing)} this CPU "
+        "lacks; recompile it here (bert-compile without --mcpu)"]

@@ -23,6 +23,7 @@ def test_quick_loadtest_accounts_for_every_request(tiny_embed_artifact, tmp_path
     compiled = [r for r in rows if r["backend"] == "tvm"]
     assert all(sum(r["batches_by_path"].values()) > 0 for r in compiled)
     assert all(0.0 <= r["bucket_share"] <= 1.0 for r in compiled)
+    assert all(0.0 < r["padding_share"] < 1.0 for r in compiled)  # buckets pad; read from /metrics
     assert all(set(r["batches_by_path"]) == {"torch"} for r in rows if r["backend"] == "torch")
     assert [v["endpoint"] for v in report["verdicts"]] == ["/embed", "/classify"]
     assert "| tvm | /embed | closed | 8 |" in capsys.readouterr().out

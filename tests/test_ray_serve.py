@@ -142,7 +142,7 @@ def test_two_replicas_answer_a_burst_correctly(tiny_embed_artifact, monkeypatch)
     port = _free_port()
     config = load_config(DEFAULT_CONFIG, {"replicas": 2, "ray_actor_options.num_cpus": 0.5,
                                           "http.host": "127.0.0.1", "http.port": port})
-    settings = Settings(artifacts=[tiny_embed_artifact], workers=1, max_wait_ms=5)
+    settings = Settings(artifacts=[tiny_embed_artifact], cores=1, max_wait_ms=5)  # one core per replica
     temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay under 108 bytes
     try:
         ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -206,3 +206,10 @@ def test_admission_returns_to_zero_when_clients_give_up(faulty):
         blocker.join(60)
         wait_until(lambda: admitted(url) == 0, what="admission back to zero")
         assert first[0].status_code == 200
+
+
+def test_a_lone_request_on_an_idle_server_does_not_wait_for_company(faulty):
+    """--max-wait-ms is only spent when arrivals are expected: nothing has arrived for a while."""
+    with faulty(settings={"max_wait_ms": 30000}) as (url, _):
+        response = httpx.post(f"{url}/embed", json={"inputs": "alone"}, timeout=60)
+        assert response.status_code == 200 and int(response.headers["x-queue-time"]) < 1000  # not 30 s

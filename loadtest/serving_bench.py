@@ -1,0 +1,205 @@
+"""`python -m loadtest.serving_bench`: the server against its own libraries and the PyTorch server.
+
+Starts one compiled server per worker topology and the PyTorch server(s), all on 127.0.0.1 at
+once (an idle server costs no CPU), then measures, on this machine:
+
+1. a single short query (1 input, ~8 tokens) over a kept-alive connection: each server's p50,
+   requests interleaved across servers, against the in-process median of the library that
+   serves it (every core, as the wide worker runs it);
+2. one request of 8 inputs x ~112 tokens: p50 per server, interleaved;
+3. mixed traffic (the load-test workload) at a closed-loop concurrency: throughput and latency
+   per server, one server at a time, in alternating order over `--rounds` rounds (medians).
+
+Writes JSON and a markdown table; the table in docs/PERFORMANCE.md comes from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from .driver import closed_loop
+from .report import summarize
+from .servers import running_server
+from .strategy_table import read_manifest
+from .workload import VOCABULARY, artifact_tokenizer, make_requests
+
+PROG = "python -m loadtest.serving_bench"
+
+# name -> (backend, server flags); the first tvm entry is the default topology
+TOPOLOGIES = {
+    "tvm default (narrow x1 thread + wide)": ("tvm", []),
+    "tvm narrow only (1 thread each)": ("tvm", ["--no-wide-worker"]),
+    "tvm 1 worker x all cores": ("tvm", ["--workers", "1", "--threads-per-worker", "0"]),
+    "torch default (1 worker x all cores)": ("torch", []),
+    "torch 1 thread per worker": ("torch", ["--threads-per-worker", "1", "--workers", "0"]),
+}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--artifacts", type=Path, default=Path("artifacts/minilm-cpu"))
+    parser.add_argument("--short-requests", type=int, default=200, help="single-query requests per server")
+    parser.add_argument("--long-requests", type=int, default=30, help="8 x 112-token requests per server")
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop level of the mixed traffic")
+    parser.add_argument("--mixed-requests", type=int, default=300, help="requests per mixed-traffic run")
+    parser.add_argument("--rounds", type=int, default=2, help="mixed-traffic runs per server, alternating order")
+    parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
+                        help="another artifact of the same model, served with the default tvm topology; repeatable")
+    parser.add_argument("--gap-ms", type=float, default=50.0, help="idle time before each timed request")
+    parser.add_argument("--only", help="comma-separated topology names to run (default: all)")
+    parser.add_argument("--out", type=Path, default=Path("docs/serving"))
+    return parser.parse_args(argv)
+
+
+def _text(words: int, seed: int) -> str:
+    return " ".join(VOCABULARY[(seed * 7 + i * 13) % len(VOCABULARY)] for i in range(words))
+
+
+def _resolve(flags: list[str], cores: int) -> list[str]:
+    """'0' in a topology's flags means every core this machine has."""
+    return [str(cores) if flag == "0" else flag for flag in flags]
+
+
+def library_median_ms(artifacts: Path, ids: list[int], repeats: int = 200) -> tuple[str, float]:
+    """In-process median of the library that serves one input of these ids, on every core."""
+    import numpy as np
+
+    from compile.loader import load_artifact
+    from compile.timing import interleaved_medians, use_all_cores
+
+    use_all_cores()
+    model = load_artifact(artifacts)
+    input_ids = np.asarray([ids], dtype=np.int64)
+    mask = np.ones_like(input_ids)
+    path = model.run(input_ids, mask).path
+    stats = interleaved_medians({"library": lambda: model.run(input_ids, mask)}, repeats, warmup=10)
+    return path, stats["library"]["median_s"] * 1e3
+
+
+def interleaved_p50(urls: dict[str, str], body: dict, count: int, gap_s: float) -> dict[str, dict]:
+    """Send `body` `count` times to each server in turn over kept-alive connections; p50 per server.
+
+    Each request starts `gap_s` after the last answer, so no server's idle threads still spin
+    (TVM's pool, OpenMP under torch) when the next one is timed: each sees an idle machine."""
+    samples: dict[str, list[float]] = {name: [] for name in urls}
+    paths: dict[str, set] = {name: set() for name in urls}
+    with contextlib.ExitStack() as stack:
+        clients = {name: stack.enter_context(httpx.Client(base_url=url, timeout=120)) for name, url in urls.items()}
+        for client in clients.values():  # connection set up and first-call costs out of the samples
+            for _ in range(3):
+                client.post("/embed", json=body).raise_for_status()
+        names = list(urls)
+        for i in range(count):
+            for name in names[i % len(names):] + names[: i % len(names)]:
+                time.sleep(gap_s)
+                started = time.perf_counter()
+                response = clients[name].post("/embed", json=body)
+                samples[name].append((time.perf_counter() - started) * 1e3)
+                response.raise_for_status()
+                paths[name].add(response.headers.get("x-compute-path"))
+    return {name: {"p50_ms": statistics.median(values), "paths": sorted(paths[name])}
+            for name, values in samples.items()}
+
+
+def machine() -> dict:
+    from compile.build import host_cpu
+
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    return {"cpu": fields.get("Model name", "").strip(), "llvm_mcpu": host_cpu(), "cores": len(os.sched_getaffinity(0)),
+            "avx512": "avx512f" in flags, "vnni": "avx512_vnni" in flags}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        for artifacts in [args.artifacts, *args.compare]:
+            read_manifest(artifacts)
+    except Exception as exc:  # noqa: BLE001 - one line, whatever is wrong with the directory
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    cores = len(os.sched_getaffinity(0))
+    chosen = args.only.split(",") if args.only else list(TOPOLOGIES)
+    unknown = [name for name in chosen if name not in TOPOLOGIES]
+    if unknown:
+        print(f"{PROG}: error: unknown topology {unknown[0]!r}; choose from {list(TOPOLOGIES)}", file=sys.stderr)
+        return 2
+    tokenizer = artifact_tokenizer(args.artifacts)
+    short = _text(6, 1)
+    long_inputs = [_text(110, seed) for seed in range(8)]
+    log(f"{PROG}: in-process library median for a {len(tokenizer.encode(short).ids)}-token query ...")
+    served_by, library_ms = library_median_ms(args.artifacts, tokenizer.encode(short).ids)
+    report = {"command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]), "machine": machine(),
+              "artifacts": str(args.artifacts), "library": {"served_by": served_by, "median_ms": library_ms},
+              "short_tokens": len(tokenizer.encode(short).ids),
+              "long_tokens": [len(tokenizer.encode(text).ids) for text in long_inputs]}
+    requests = make_requests(args.mixed_requests, seed=0)
+    tokens = [sum(len(e.ids) for e in tokenizer.encode_batch(r.inputs)) for r in requests]
+    logs = args.out / "logs"
+    plan = [(name, args.artifacts, *TOPOLOGIES[name]) for name in chosen]
+    plan += [(f"tvm default, {path.name}", path, "tvm", []) for path in args.compare]
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for index, (name, artifacts, backend, flags) in enumerate(plan):
+            log(f"{PROG}: starting {name} ...")
+            servers[name] = stack.enter_context(running_server(
+                [artifacts], "--backend", backend, "--log-level", "warning", *_resolve(flags, cores),
+                log_path=logs / f"server-{index}.log"))
+        urls = {name: server.url for name, server in servers.items()}
+        report["topology"] = {name: httpx.get(f"{url}/info").json()["topology"] for name, url in urls.items()}
+        log(f"{PROG}: single short query x {args.short_requests} per server ...")
+        report["short"] = interleaved_p50(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3)
+        log(f"{PROG}: 8 x ~112 tokens x {args.long_requests} per server ...")
+        report["long"] = interleaved_p50(urls, {"inputs": long_inputs}, args.long_requests, args.gap_ms / 1e3)
+        runs: dict[str, list[dict]] = {name: [] for name in urls}
+        for round_index in range(args.rounds):
+            order = list(urls) if round_index % 2 == 0 else list(urls)[::-1]
+            for name in order:
+                log(f"{PROG}: mixed traffic, concurrency {args.concurrency}, round {round_index + 1}: {name} ...")
+                outcomes, elapsed = asyncio.run(closed_loop(urls[name], "/embed", requests, tokens,
+                                                            args.concurrency, time_limit=120))
+                runs[name].append(summarize(outcomes, elapsed))
+        report["mixed"] = {name: {"throughput_rps": statistics.median(r["throughput_rps"] for r in rs),
+                                  "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rs),
+                                  "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rs),
+                                  "errors": [r["errors"] for r in rs]}
+                           for name, rs in runs.items()}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "serving_bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (args.out / "serving_bench.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def markdown(report: dict) -> str:
+    machine_line = report["machine"]
+    lines = [f"CPU: {machine_line['cpu']} (LLVM mcpu {machine_line['llvm_mcpu']}, {machine_line['cores']} cores, "
+             f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}); library {report['library']['served_by']} "
+             f"in process: {report['library']['median_ms']:.2f} ms for a {report['short_tokens']}-token query.", "",
+             "| server | topology (workers x threads, wide) | 1 short query p50 ms | 8 x ~112 tokens p50 ms "
+             "| mixed traffic req/s | mixed p50 ms | mixed p99 ms |", "|---|---|---|---|---|---|---|"]
+    for name, mixed in report["mixed"].items():
+        topology = report["topology"][name]
+        lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
+                     f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
+                     f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
+                     f"{mixed['p99_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""Cores, workers and the lanes that run batches (pure: fake cgroup trees, the event loop only)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from service.admission import InputQueue
+from service.lanes import Lanes
+from service.tokenization import Encoded
+from service.topology import Topology, TopologyError, cgroup_cpu_limit, plan_topology, usable_cores
+
+
+def cgroup(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+@pytest.mark.parametrize("files, limit", [
+    ({"cpu.max": "max 100000\n"}, None),  # cgroup v2, no quota
+    ({"cpu.max": "150000 100000\n"}, 1.5),  # v2: 1.5 CPUs
+    ({"cpu/cpu.cfs_quota_us": "400000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 4.0),  # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+    ({}, None),  # no cgroup files at all
+])
+def test_cgroup_quota_is_read_from_v1_or_v2(tmp_path, files, limit):
+    assert cgroup_cpu_limit(cgroup(tmp_path, files)) == limit
+
+
+def test_usable_cores_is_the_affinity_capped_by_the_quota_floored(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    assert usable_cores(cgroup(tmp_path / "none", {})) == affinity
+    assert usable_cores(cgroup(tmp_path / "half", {"cpu.max": "50000 100000"})) == 1  # 0.5 CPU: still one
+    assert usable_cores(cgroup(tmp_path / "big", {"cpu.max": f"{100000 * (affinity + 8)} 100000"})) == affinity
+
+
+@pytest.mark.parametrize("cores, backend, flags, expected", [
+    (2, "tvm", {}, Topology(2, 2, 1, True)),
+    (4, "tvm", {}, Topology(4, 4, 1, True)),
+    (1, "tvm", {}, Topology(1, 1, 1, False)),  # one core: nothing to widen to
+    (4, "tvm", {"threads_per_worker": 2}, Topology(4, 2, 2, True)),
+    (4, "tvm", {"workers": 1}, Topology(4, 1, 4, False)),
+    (4, "tvm", {"wide": False}, Topology(4, 4, 1, False)),
+    (2, "torch", {}, Topology(2, 1, 2, False)),
+    (4, "torch", {"threads_per_worker": 1}, Topology(4, 4, 1, False)),
+])
+def test_topology_defaults_and_flags(cores, backend, flags, expected):
+    assert plan_topology(cores, backend, **flags) == expected
+
+
+def test_oversubscribing_flags_are_refused():
+    with pytest.raises(TopologyError, match="oversubscribe the 2 cores"):
+        plan_topology(2, "tvm", workers=2, threads_per_worker=2)
+    with pytest.raises(TopologyError, match="needs --backend tvm"):
+        plan_topology(2, "torch", wide=True)
+
+
+def test_the_cli_refuses_an_oversubscribing_topology_with_one_line(tiny_embed_artifact):
+    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(tiny_embed_artifact), "--cores", "2",
+                             "--workers", "2", "--threads-per-worker", "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "bert-serve: error: 2 workers x 2 threads would oversubscribe the 2 cores this process may use "
+        "(affinity and cgroup quota); lower --workers or --threads-per-worker"]
+
+
+def test_a_lone_batch_takes_the_wide_lane_and_shuts_out_the_narrow_ones():
+    async def scenario():
+        lanes = Lanes("t", Topology(2, 2, 1, True), configure_thread=lambda threads: None)
+        try:
+            wide = lanes.take(alone=True)
+            assert wide is lanes.wide and not lanes.has_free()  # every core is taken
+            waiting = asyncio.ensure_future(lanes.wait_free())
+            await asyncio.sleep(0)
+            assert not waiting.done()
+            lanes.release(wide)
+            await asyncio.wait_for(waiting, 5)
+            first = lanes.take(alone=False)
+            second = lanes.take(alone=True)  # not alone on the machine: a narrow lane, beside the first
+            assert {first, second} == set(lanes.narrow) and not lanes.has_free()
+            lanes.release(first)
+            assert lanes.take(alone=True) is first  # the wide lane needs every narrow one idle
+        finally:
+            lanes.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_each_lane_sizes_its_own_threads_on_its_own_thread():
+    seen: dict[str, int] = {}
+
+    def configure(threads: int) -> None:
+        seen[threading.current_thread().name] = threads
+
+    async def scenario():
+        lanes = Lanes("t", Topology(4, 2, 2, True), configure)
+        try:
+            for lane in lanes.all:
+                lane.submit(lambda: None).result()
+        finally:
+            lanes.shutdown()
+
+    asyncio.run(scenario())
+    assert sorted(seen.values()) == [2, 2, 4] and len(seen) == 3
+
+
+def test_the_arrival_rate_rises_with_arrivals_and_decays_in_silence():
+    async def scenario():
+        queue = InputQueue(capacity=100)
+        assert queue.arrival_rate() == 0.0  # nothing seen: never worth waiting for
+        item = Encoded(ids=np.ones(3, dtype=np.int64), type_ids=np.zeros(3, dtype=np.int64))
+        for _ in range(5):
+            queue.admit([item])
+        now = time.perf_counter()
+        assert queue.arrival_rate(now) > 100  # five arrivals within microseconds
+        assert queue.arrival_rate(now + 10) == pytest.approx(0.1)  # ten silent seconds later
+
+    asyncio.run(scenario())

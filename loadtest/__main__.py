@@ -21,7 +21,7 @@ from compile.errors import ArtifactError
 
 from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
-from .servers import running_server
+from .servers import LOGS, running_server
 from .strategy_table import read_manifest
 from .workload import artifact_tokenizer, make_requests
 
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     for backend in backends:
         log(f"loadtest: starting {backend} server ...")
         with running_server([args.artifacts], "--backend", backend, *args.server_arg,
-                            log_path=args.out / f"server-{backend}.log") as server:
+                            log_path=LOGS / f"loadtest-server-{backend}.log") as server:
             base, memory = server.url, server.memory
             for endpoint in endpoints:
                 for mode, level in levels:

@@ -21,6 +21,7 @@ from typing import Iterator
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+LOGS = REPO / "build" / "logs"  # the benchmarks' server logs (git-ignored)
 
 
 def free_port() -> int:

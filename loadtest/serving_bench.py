@@ -30,7 +30,7 @@ import httpx
 
 from .driver import closed_loop
 from .report import summarize
-from .servers import running_server
+from .servers import LOGS, running_server
 from .strategy_table import read_manifest
 from .workload import VOCABULARY, artifact_tokenizer, make_requests
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               "long_tokens": [len(tokenizer.encode(text).ids) for text in long_inputs]}
     requests = make_requests(args.mixed_requests, seed=0)
     tokens = [sum(len(e.ids) for e in tokenizer.encode_batch(r.inputs)) for r in requests]
-    logs = args.out / "logs"
+    logs = LOGS / "serving_bench"
     plan = [(name, args.artifacts, *TOPOLOGIES[name]) for name in chosen]
     plan += [(f"tvm default, {path.name}", path, "tvm", []) for path in args.compare]
     with contextlib.ExitStack() as stack:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{PROG}: single short query x {args.short_requests} per server ...")
         report["short"] = interleaved_p50(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3)
         log(f"{PROG}: 8 x ~112 tokens x {args.long_requests} per server ...")
-        report["long"] = interleaved_p50(urls, {"inputs": long_inputs}, args.long_requests, args.gap_ms / 1e3)
+        report["long"] = interleaved_p50(urls, {"inputs": long_inputs, "truncate": True}, args.long_requests, args.gap_ms / 1e3)
         runs: dict[str, list[dict]] = {name: [] for name in urls}
         for round_index in range(args.rounds):
             order = list(urls) if round_index % 2 == 0 else list(urls)[::-1]

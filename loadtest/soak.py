@@ -26,7 +26,7 @@ import httpx
 
 from .driver import closed_loop
 from .report import summarize
-from .servers import metric_value, running_server
+from .servers import LOGS, metric_value, running_server
 from .strategy_table import read_manifest
 from .workload import make_requests
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [0] * len(requests)
     log(f"{PROG}: starting the server with {args.fail_rate:.1%} injected failures ...")
     with running_server([args.artifacts], "--serve", "--fail-rate", str(args.fail_rate), "--seed", str(args.seed),
-                        module="loadtest.soak", log_path=args.out / "server.log") as server:
+                        module="loadtest.soak", log_path=LOGS / "soak-server.log") as server:
         sampler = Sampler(server.url, server.process.pid, args.sample_every)
         sampler.start()
         log(f"{PROG}: {args.concurrency} clients for {args.duration:.0f} s ...")

@@ -1,0 +1,43 @@
+"""The serving benchmark and the soak run end to end on the tiny artifact against real servers on
+127.0.0.1 (what they report, not how fast: speed is for the recorded runs in docs/)."""
+
+from __future__ import annotations
+
+import json
+
+from loadtest import serving_bench, soak
+
+
+def test_serving_bench_compares_topologies_and_backends(tiny_embed_artifact, tmp_path, capsys):
+    out = tmp_path / "serving"
+    only = "tvm default (narrow x1 thread + wide),torch default (1 worker x all cores)"
+    assert serving_bench.main(["--artifacts", str(tiny_embed_artifact), "--only", only, "--short-requests", "5",
+                               "--long-requests", "2", "--mixed-requests", "20", "--rounds", "1", "--gap-ms", "1",
+                               "--concurrency", "4", "--out", str(out)]) == 0
+    report = json.loads((out / "serving_bench.json").read_text())
+    names = only.split(",")
+    assert list(report["mixed"]) == names
+    assert report["topology"][names[0]]["wide"] is True and report["topology"][names[1]]["workers"] == 1
+    assert len(report["short"][names[0]]["paths"]) == 1 and report["short"][names[0]]["paths"][0].startswith("bucket-")
+    assert report["short"][names[1]]["paths"] == ["torch"]
+    assert report["library"]["served_by"].startswith("bucket-") and report["library"]["median_ms"] > 0
+    assert all(run["throughput_rps"] > 0 and run["errors"] == [{}] for run in report["mixed"].values())
+    assert report["machine"]["llvm_mcpu"] and report["machine"]["cores"] >= 1
+    assert "| tvm default (narrow x1 thread + wide) |" in capsys.readouterr().out
+
+
+def test_soak_answers_every_request_with_failures_injected(tiny_embed_artifact, tmp_path, capsys):
+    out = tmp_path / "soak"
+    assert soak.main(["--artifacts", str(tiny_embed_artifact), "--duration", "4", "--concurrency", "4",
+                      "--fail-rate", "0.2", "--sample-every", "0.5", "--max-growth", "0.5", "--out", str(out)]) == 0
+    report = json.loads((out / "soak.json").read_text())
+    assert all(report["checks"].values()) and report["admitted_after"] == 0
+    assert set(report["statuses"]) == {"200", "500"}  # 20% of the batches raised, every request was answered
+    assert 0 < report["failed_batches"] < report["batches"]
+    assert "PASS every request answered" in capsys.readouterr().out
+
+
+def test_benchmarks_refuse_a_missing_artifact_with_one_line(tmp_path, capsys):
+    for module in (serving_bench, soak):
+        assert module.main(["--artifacts", str(tmp_path / "missing")]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1

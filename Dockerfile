@@ -51,10 +51,9 @@ WORKDIR /src
 # (used as constraints); the lock's test and bench extras (pytest, onnx, onnxruntime,
 # matplotlib, sentence-transformers, scikit-learn, ...) stay out of the image.
 # torch comes from PyTorch's CPU index: PyPI's torch==2.13.0 is the CUDA build (several GB of
-# nvidia-* wheels). torch is needed by bert-compile, by `--backend torch`, and by
-# compile/loader.py itself (it imports compile/checkpoint.py, which imports torch at module
-# level), so the runtime stage carries it; the CPU build is enough for CUDA images too, since
-# the TVM libraries, not torch, run on the GPU.
+# nvidia-* wheels). torch is needed by bert-compile and by `--backend torch`, and TVM's Python
+# package imports it whenever it is installed, so the runtime stage carries it; the CPU build
+# is enough for CUDA images too, since the TVM libraries, not torch, run on the GPU.
 COPY requirements.lock pyproject.toml ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
         -c requirements.lock "torch==2.13.0+cpu" \
@@ -84,10 +83,11 @@ RUN if [ "$TARGET" = cuda ]; then \
         && ln -s ../../include "$cu13/targets/x86_64-linux/include"; \
     fi
 
-# The project itself (compile/, service/, loadtest/ and the console scripts), not editable,
+# The project itself (artifact/, compile/, service/, loadtest/ and the console scripts), not editable,
 # so the runtime stage needs no source tree.
 COPY README.md ./
 COPY configs/ configs/
+COPY artifact/ artifact/
 COPY compile/ compile/
 COPY service/ service/
 COPY loadtest/ loadtest/

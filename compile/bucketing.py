@@ -1,37 +1,16 @@
-"""Shape buckets: parsing, ordering, and choosing the smallest bucket that fits a batch."""
+"""Parsing shape buckets from flags and configs ("8x128"); the Bucket itself is the artifact's
+(`artifact.bucketing`)."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
+
+from artifact.bucketing import Bucket
 
 from .errors import CompileError
 
 _BUCKET_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
-
-
-@dataclass(frozen=True, order=True)
-class Bucket:
-    """A static (batch, seq) shape, ordered by padded tokens, then by sequence length.
-
-    On equal padded tokens the shorter sequence wins: attention costs batch x seq^2.
-    """
-
-    capacity: int
-    seq: int
-    batch: int
-
-    @classmethod
-    def of(cls, batch: int, seq: int) -> "Bucket":
-        return cls(capacity=batch * seq, seq=seq, batch=batch)
-
-    @property
-    def name(self) -> str:
-        return f"{self.batch}x{self.seq}"
-
-    def fits(self, batch: int, seq: int) -> bool:
-        return batch <= self.batch and seq <= self.seq
 
 
 def parse_bucket(text: str) -> Bucket:
@@ -53,9 +32,3 @@ def parse_buckets(items: Iterable[str] | str) -> list[Bucket]:
     if not buckets:
         raise CompileError("no buckets given: pass at least one BATCHxSEQ")
     return buckets
-
-
-def smallest_fitting(buckets: Sequence[Bucket], batch: int, seq: int) -> Bucket | None:
-    """The bucket with the least padded work that holds (batch, seq), or None."""
-    fitting = [bucket for bucket in buckets if bucket.fits(batch, seq)]
-    return min(fitting, default=None)

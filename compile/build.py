@@ -9,7 +9,8 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from .bucketing import Bucket
+from artifact.bucketing import Bucket
+
 from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
 from .packing import specialize_packed_matmuls

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from artifact.hashing import file_sha256
+
 from .errors import CompileError
-from .hashing import file_sha256
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments

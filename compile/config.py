@@ -9,7 +9,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .bucketing import Bucket, parse_bucket, parse_buckets
+from artifact.bucketing import Bucket
+
+from .bucketing import parse_bucket, parse_buckets
 from .errors import CompileError
 
 Task = Literal["embed", "classify"]

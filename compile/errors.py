@@ -7,7 +7,3 @@ class CompileError(Exception):
 
 class ValidationError(CompileError):
     """A compiled artifact disagrees with PyTorch beyond the tolerance."""
-
-
-class ArtifactError(Exception):
-    """An artifact directory that cannot be loaded (missing, corrupt, wrong schema)."""

@@ -16,19 +16,11 @@ import torch
 import transformers
 import tvm
 
-from .artifact import atomic_directory
-from .bucketing import Bucket
-from .build import build_library, make_target, specialize
-from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
-from .config import CompileConfig
-from .cpu_features import missing_on_host, target_features
-from .cpu_schedule import vector_lanes
-from .errors import CompileError
-from .hashing import file_sha256
-from .importer import export_and_import
-from .lift import LiftedModel, lift_and_transform
-from .loader import LibraryRunner, device_for, device_name, load_weights
-from .manifest import (
+from artifact.bucketing import Bucket
+from artifact.cpu_features import missing_on_host, target_features
+from artifact.hashing import file_sha256
+from artifact.loader import LibraryRunner, device_for, device_name, load_weights
+from artifact.manifest import (
     BucketEntry,
     CostModel,
     GenericEntry,
@@ -41,11 +33,20 @@ from .manifest import (
     TargetEntry,
     WeightsEntry,
 )
+
+from .build import build_library, make_target, specialize
+from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
+from .config import CompileConfig
+from .cpu_schedule import vector_lanes
+from .errors import CompileError
+from .importer import export_and_import
+from .lift import LiftedModel, lift_and_transform
 from .opcount import tracked_counts
 from .packing import pack_linear_weights
 from .precision import to_precision
 from .progress import Progress
 from .sparsity import prune_model, sparsify
+from .staging import atomic_directory
 from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import budgeted_medians_ms, fit_cost_model, interleaved_medians, use_all_cores
 from .validate import checked_diff, cosine_drift

@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .bucketing import Bucket
+from artifact.bucketing import Bucket
+from artifact.loader import LibraryRunner
+
 from .checkpoint import CheckpointInfo, example_inputs
 from .errors import ValidationError
-from .loader import LibraryRunner
 
 
 def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket, vocab_size: int, seed: int) -> float:

@@ -14,7 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from .errors import ArtifactError, CompileError, ValidationError
+from artifact.errors import ArtifactError
+
+from .errors import CompileError, ValidationError
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -29,9 +31,11 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
     """Max |tvm - torch| per library and shape; raises ValidationError past the manifest's tolerance."""
     import torch
 
-    from .bucketing import Bucket, parse_bucket
+    from artifact.bucketing import Bucket
+    from artifact.loader import device_name, load_artifact
+
+    from .bucketing import parse_bucket
     from .checkpoint import inspect_checkpoint, load_wrapper
-    from .loader import device_name, load_artifact
     from .validate import checked_diff
 
     model = load_artifact(directory)

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import httpx
 
-from compile.errors import ArtifactError
+from artifact.errors import ArtifactError
 
 from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
 from .servers import LOGS, running_server
-from .strategy_table import read_manifest
 from .workload import artifact_tokenizer, make_requests
 
 PROG = "python -m loadtest"

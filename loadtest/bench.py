@@ -123,8 +123,9 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from artifact.errors import ArtifactError
     from compile.bucketing import parse_buckets
-    from compile.errors import ArtifactError, CompileError
+    from compile.errors import CompileError
 
     from .strategy_table import read_manifest
 
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
+    from artifact.loader import load_artifact, model_inputs
     from compile.checkpoint import INPUT_NAMES, example_inputs, inspect_checkpoint, load_wrapper
-    from compile.loader import load_artifact, model_inputs
     from compile.timing import interleaved_medians
 
     torch.set_num_threads(args.threads)

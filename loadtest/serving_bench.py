@@ -75,7 +75,7 @@ def library_median_ms(artifacts: Path, ids: list[int], repeats: int = 200) -> tu
     """In-process median of the library that serves one input of these ids, on every core."""
     import numpy as np
 
-    from compile.loader import load_artifact
+    from artifact.loader import load_artifact
     from compile.timing import interleaved_medians, use_all_cores
 
     use_all_cores()

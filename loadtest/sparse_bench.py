@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, argv) -> int:
+    from artifact.loader import load_artifact
     from compile.bucketing import parse_bucket
     from compile.checkpoint import example_inputs, inspect_checkpoint
     from compile.config import default_model_dir, load_config
-    from compile.loader import load_artifact
     from compile.pipeline import compile_model
     from compile.timing import interleaved_medians
 

@@ -7,8 +7,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from compile.errors import ArtifactError
-from compile.manifest import MANIFEST_FILE, Manifest
+from artifact.errors import ArtifactError
+from artifact.manifest import MANIFEST_FILE, Manifest
 
 
 def read_manifest(directory: Path) -> Manifest:

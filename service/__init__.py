@@ -1,8 +1,11 @@
 """HTTP service over compiled BERT artifacts, shaped after text-embeddings-inference's router.
 
 Modules: `settings` (CLI/env configuration), `app` + `routes` (HTTP layer), `schemas` (request
-and response models), `errors` (the JSON error contract), `tokenization`, `planning` (how queued
-inputs become padded batches), `batcher` (the queue and worker pool), `backends` (TVM, PyTorch),
-`inference` (request-level embed/classify/zero-shot), `runtime` (loading, warm-up, readiness),
-`metrics` (Prometheus), `logs` and `cli`.
+and response models), `errors` (the JSON error contract), `tokenization`, `inference`
+(request-level embed/classify/zero-shot), and the batching path: `admission` (the bounded queue,
+deadlines, arrival rate), `planning` (queued inputs into the batches of least measured cost),
+`topology` (the cores the process may use and how workers share them), `lanes` (the worker
+threads within those cores), `batcher` (the supervised loop that ties them together), `backends`
+(TVM, PyTorch); `runtime` (loading, warm-up, readiness), `metrics` (Prometheus), `logs`, `cli`,
+and `ray_serve` (the same app in Ray Serve replicas).
 """

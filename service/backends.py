@@ -1,6 +1,6 @@
 """Backends run one padded batch: TVM over the compiled artifact, or PyTorch eager as the oracle.
 
-Both return `compile.loader.RunResult`, so the batcher and metrics do not care which one runs.
+Both return `artifact.loader.RunResult`, so the batcher and metrics do not care which one runs.
 Each also says how to size the intra-op threads of a worker thread (`configure_thread`, called
 once on each worker's own thread) and what a batch costs on each of its libraries (`costs`).
 """
@@ -14,10 +14,10 @@ from typing import Protocol
 import numpy as np
 import tvm
 
-from compile.bucketing import Bucket
-from compile.errors import ArtifactError
-from compile.loader import CompiledModel, RunResult, load_artifact
-from compile.manifest import Manifest
+from artifact.bucketing import Bucket
+from artifact.errors import ArtifactError
+from artifact.loader import CompiledModel, RunResult, load_artifact
+from artifact.manifest import Manifest
 
 from .planning import BatchCosts
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from compile.bucketing import Bucket
+from artifact.bucketing import Bucket
 
 from .admission import Entry, InputQueue
 from .backends import Backend

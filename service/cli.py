@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from compile.errors import ArtifactError
+from artifact.errors import ArtifactError
 
 from .settings import ENV_PREFIX, Settings
 

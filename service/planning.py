@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from compile.bucketing import Bucket
-
+from artifact.bucketing import Bucket
 
 # Without measurements, a call's fixed cost (dispatch, per-op launches, copies) in tokens' worth of
 # compute: MiniLM's 1x16 bucket takes ~5 ms where 1x128 takes ~18.5, about 30 tokens of overhead.

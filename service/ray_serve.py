@@ -23,9 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from artifact.errors import ArtifactError
+from artifact.manifest import Manifest
 from compile.config import read_yaml_mapping, validation_problems
-from compile.errors import ArtifactError
-from compile.manifest import Manifest
 
 from .settings import Settings
 

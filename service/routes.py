@@ -9,15 +9,21 @@ import time
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from .errors import InvalidInput, Unavailable
 from .inference import Computed, ModelService
 from .runtime import Runtime
-from .schemas import (ClassifyRequest, EmbedRequest, OpenAIEmbedding, OpenAIEmbeddingRequest,
-                      OpenAIEmbeddingResponse, OpenAIUsage)
+from .schemas import (
+    ClassifyRequest,
+    EmbedRequest,
+    OpenAIEmbedding,
+    OpenAIEmbeddingRequest,
+    OpenAIEmbeddingResponse,
+    OpenAIUsage,
+)
 
 router = APIRouter()
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from compile.loader import check_cpu_features
-from compile.manifest import Manifest
+from artifact.loader import check_cpu_features
+from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
 from .batcher import Batcher

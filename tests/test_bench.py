@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from compile.hashing import file_sha256
+from artifact.hashing import file_sha256
 from loadtest import strategy_table
 from loadtest.bench import bert_flops, main
 

@@ -1,6 +1,7 @@
 import pytest
 
-from compile.bucketing import Bucket, parse_bucket, parse_buckets, smallest_fitting
+from artifact.bucketing import Bucket, smallest_fitting
+from compile.bucketing import parse_bucket, parse_buckets
 from compile.errors import CompileError
 
 

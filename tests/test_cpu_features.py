@@ -1,4 +1,4 @@
-"""compile/cpu_features.py and the loader's refusal of artifacts compiled for a CPU this one is not.
+"""artifact/cpu_features.py and the loader's refusal of artifacts compiled for a CPU this one is not.
 
 An artifact whose code uses instructions this CPU lacks must be refused with one clear line
 (ArtifactError; `python -m compile.verify` and the server exit 2), never loaded to die with SIGILL.
@@ -16,12 +16,12 @@ import pytest
 from conftest import compile_artifact
 from test_verify import run_verify
 
-from compile import cpu_features
+from artifact import cpu_features
+from artifact.cpu_features import FEATURES, host_flags, linux_flag, missing_on_host, target_features
+from artifact.errors import ArtifactError
+from artifact.loader import load_artifact
+from artifact.manifest import Manifest
 from compile.build import make_target
-from compile.cpu_features import FEATURES, host_flags, linux_flag, missing_on_host, target_features
-from compile.errors import ArtifactError
-from compile.loader import load_artifact
-from compile.manifest import Manifest
 
 FOREIGN_CPUS = ["znver4", "sapphirerapids", "graniterapids"]
 
@@ -86,7 +86,7 @@ def test_loader_refuses_when_this_cpu_lacks_a_recorded_feature(tiny_embed_artifa
 
 def test_loader_warns_and_loads_where_cpu_features_are_unknown(tiny_embed_artifact, monkeypatch, caplog):
     monkeypatch.setattr(cpu_features, "host_flags", lambda *args: None)
-    with caplog.at_level(logging.WARNING, logger="compile.loader"):
+    with caplog.at_level(logging.WARNING, logger="artifact.loader"):
         assert load_artifact(tiny_embed_artifact).buckets
     assert "cannot read this CPU's features" in caplog.text
 

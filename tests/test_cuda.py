@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from compile.loader import device_for
+from artifact.loader import device_for
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_BENCH = ROOT / "scripts" / "gpu_bench.sh"
@@ -35,7 +35,7 @@ TEXTS = ["the GPU serves this", "a second, slightly longer sentence to embed on 
 @pytest.mark.parametrize(("name", "bound"), [("cuda-float32-graph", 1e-4), ("cuda-float32-plain", 1e-4),
                                              ("cuda-float16-graph", 2e-2), ("cuda-float16-plain", 2e-2)])
 def test_every_library_matches_pytorch_on_the_gpu(name, bound):
-    from compile.manifest import Manifest
+    from artifact.manifest import Manifest
     from compile.verify import verify
 
     manifest = Manifest.read(ARTIFACTS / name)
@@ -48,8 +48,8 @@ def test_every_library_matches_pytorch_on_the_gpu(name, bound):
 
 @needs_gpu
 def test_cuda_graph_bucket_replays_the_same_numbers():
+    from artifact.loader import load_artifact
     from compile.checkpoint import example_inputs
-    from compile.loader import load_artifact
 
     model = load_artifact(ARTIFACTS / "cuda-float32-graph")
     assert model.manifest.target.cuda_graph
@@ -65,7 +65,7 @@ def test_cuda_graph_bucket_replays_the_same_numbers():
 def test_tvm_and_torch_servers_on_the_gpu_match_sentence_transformers(serve):
     from sentence_transformers import SentenceTransformer
 
-    from compile.manifest import Manifest
+    from artifact.manifest import Manifest
 
     artifact = ARTIFACTS / "cuda-float32-graph"
     reference = SentenceTransformer(Manifest.read(artifact).model.path, device="cuda").encode(

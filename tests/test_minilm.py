@@ -7,9 +7,9 @@ import pytest
 import tvm
 from conftest import compile_artifact
 
+from artifact.loader import load_artifact
+from artifact.manifest import Manifest
 from compile.checkpoint import example_inputs
-from compile.loader import load_artifact
-from compile.manifest import Manifest
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,8 +19,8 @@ import tvm
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
+from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
-from compile.cpu_features import missing_on_host, target_features
 from compile.cpu_schedule import cpu_pipeline, packed_panel_width, schedule_matmul, vector_lanes
 from compile.lift import lift_and_transform
 from compile.opcount import tracked_counts

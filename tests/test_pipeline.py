@@ -7,13 +7,14 @@ import pytest
 import torch
 from conftest import TINY_LABELS, compile_artifact
 
+from artifact.cpu_features import target_features
+from artifact.errors import ArtifactError
+from artifact.loader import load_artifact
+from artifact.manifest import CostModel, Manifest
 from compile import pipeline
 from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
-from compile.cpu_features import target_features
-from compile.errors import ArtifactError, ValidationError
-from compile.loader import load_artifact
-from compile.manifest import CostModel, Manifest
+from compile.errors import ValidationError
 from compile.timing import fit_cost_model
 
 

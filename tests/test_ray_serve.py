@@ -21,11 +21,10 @@ import httpx
 import numpy as np
 import psutil
 import pytest
-
 import ray
 from ray import serve
 
-from compile.loader import load_artifact
+from artifact.loader import load_artifact
 from service.inference import l2_normalize
 from service.ray_serve import APP_NAME, DEFAULT_CONFIG, ConfigError, deploy, load_config
 from service.settings import Settings

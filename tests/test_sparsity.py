@@ -180,7 +180,7 @@ def sparse_artifact(tiny_bert_dir, tmp_path_factory):
 
 
 def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact):
-    from compile.loader import load_artifact
+    from artifact.loader import load_artifact
 
     model = load_artifact(sparse_artifact)
     manifest, sparsity = model.manifest, model.manifest.sparsity
@@ -196,7 +196,7 @@ def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact):
 def test_sparse_artifact_serves_through_the_service(sparse_artifact, serve):
     import httpx
 
-    from compile.loader import load_artifact
+    from artifact.loader import load_artifact
     from service.tokenization import TextTokenizer
 
     texts = ["block sparse weights", "a longer sentence that still fits in the bucket"]

@@ -8,14 +8,14 @@ from test_passes import BiasFirstQKV
 from tvm import relax
 from tvm.script import relax as R
 
-from compile.bucketing import Bucket
+from artifact.bucketing import Bucket
+from artifact.loader import LibraryRunner, load_artifact, load_weights
+from artifact.manifest import Manifest
 from compile.canonicalize import canonicalize
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.combine import combine_parallel_matmuls
 from compile.combine_batched import batch_parallel_linears
 from compile.lift import lift_and_transform
-from compile.loader import LibraryRunner, load_artifact, load_weights
-from compile.manifest import Manifest
 from compile.opcount import count_ops, tracked_counts
 from compile.pipeline import save_weights
 from compile.strategy import STRATEGIES, apply_strategy

@@ -16,7 +16,7 @@ import sys
 import httpx
 import numpy as np
 
-from compile.manifest import Manifest
+from artifact.manifest import Manifest
 
 RUNTIME_ONLY = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
 
@@ -70,7 +70,7 @@ def test_verify_refuses_what_is_not_an_artifact(tmp_path):
 
 
 def test_server_runs_with_the_tvm_runtime_alone(tiny_embed_artifact, serve):
-    from compile.loader import load_artifact
+    from artifact.loader import load_artifact
 
     text_ids = np.array([[101, 7592, 2088, 102]])
     expected = load_artifact(tiny_embed_artifact).run(text_ids, np.ones_like(text_ids)).output[0]

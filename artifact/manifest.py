@@ -25,7 +25,7 @@ class TargetEntry(_Strict):
     mcpu: str | None = None
     cuda_arch: str | None = None
     cuda_graph: bool = False
-    # x86 features (LLVM names, compile/cpu_features.py) the CPU code needs: the CPU libraries', or a
+    # x86 features (LLVM names, artifact/cpu_features.py) the CPU code needs: the CPU libraries', or a
     # CUDA artifact's host code. The loader refuses the artifact on a CPU that lacks one (else SIGILL).
     cpu_features: list[str] = Field(default_factory=list)
 

@@ -1,5 +1,4 @@
-"""Writing an artifact directory atomically (staged in a sibling temp dir, renamed at the end).
-No torch or TVM imports: the loader and the service use it too."""
+"""Writing an artifact directory atomically (staged in a sibling temp dir, renamed at the end)."""
 
 from __future__ import annotations
 
@@ -9,8 +8,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from artifact.manifest import MANIFEST_FILE
+
 from .errors import CompileError
-from .manifest import MANIFEST_FILE
 
 
 def _check_destination(out: Path) -> None:

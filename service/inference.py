@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batcher import Batcher
-from .errors import TooLarge
+from .errors import InvalidInput, TooLarge
 from .tokenization import TextTokenizer
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
@@ -41,8 +41,9 @@ class ModelService:
     """One artifact's tokenizer and batcher, and what the routes ask of it."""
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
-                 tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int):
+                 tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int):
         self.name = name
+        self.output_dim = output_dim
         self.task = task
         self.labels = labels
         self.tokenizer = tokenizer
@@ -74,9 +75,13 @@ class ModelService:
             inference_seconds=float(np.mean([result.inference_seconds for result in results])),
         )
 
-    async def embed(self, texts: list[str], normalize: bool, truncate: bool) -> tuple[np.ndarray, Computed]:
+    async def embed(self, texts: list[str], normalize: bool, truncate: bool,
+                    dimensions: int | None = None) -> tuple[np.ndarray, Computed]:
+        """Embeddings; with `dimensions`, the first d components (Matryoshka), normalised after the cut."""
+        if dimensions is not None and dimensions > self.output_dim:
+            raise InvalidInput(f"`dimensions` must be at most the model's {self.output_dim}, got {dimensions}")
         computed = await self.compute(texts, truncate)
-        vectors = computed.outputs
+        vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
 
     async def classify(self, texts: list[str], raw_scores: bool, truncate: bool) -> tuple[list[list[dict]], Computed]:

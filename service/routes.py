@@ -1,5 +1,6 @@
-"""The HTTP routes: TEI's /embed and /predict (+ /classify), OpenAI's /v1/embeddings, `/` (the
-default task, as TEI routes it: embed when an embedding model is loaded, else predict), and probes."""
+"""The HTTP routes: TEI's /embed, /predict (+ /classify), /tokenize, /decode and /similarity,
+OpenAI's /v1/embeddings, `/` (the default task, as TEI routes it: embed when an embedding model
+is loaded, else predict), and probes."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from .inference import Computed, ModelService
 from .runtime import Runtime
 from .schemas import (
     ClassifyRequest,
+    DecodeRequest,
     EmbedRequest,
     OpenAIEmbedding,
     OpenAIEmbeddingRequest,
     OpenAIEmbeddingResponse,
     OpenAIUsage,
+    SimilarityRequest,
+    TokenizeRequest,
 )
 
 router = APIRouter()
@@ -90,7 +94,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     service = _runtime(request).model("embed")
     texts = _texts(body.inputs)
     service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate))
+    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate), body.dimensions)
     return JSONResponse(vectors.tolist(), headers=_headers(service, computed, started))
 
 
@@ -111,6 +115,35 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         predictions, computed = await service.classify(texts, body.raw_scores, truncate)
     content = predictions[0] if isinstance(body.inputs, str) else predictions
     return JSONResponse(content, headers=_headers(service, computed, started))
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
+    """TEI's /tokenize: the tokens each input would be run as (one list per input)."""
+    service = _runtime(request).model(_runtime(request).primary_task)
+    texts = _texts(body.inputs)
+    service.check_batch_size(len(texts))
+    return service.tokenizer.tokens(texts, body.add_special_tokens)
+
+
+@router.post("/decode")
+async def decode(body: DecodeRequest, request: Request) -> list[str]:
+    """TEI's /decode: token ids (one list, or one per input) back to text."""
+    service = _runtime(request).model(_runtime(request).primary_task)
+    ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+    service.check_batch_size(len(ids))
+    return service.tokenizer.decode(ids, body.skip_special_tokens)
+
+
+@router.post("/similarity")
+async def similarity(body: SimilarityRequest, request: Request) -> Response:
+    """TEI's /similarity: the cosine similarity of each sentence's embedding to the source's."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed")
+    texts = [body.inputs.source_sentence, *body.inputs.sentences]
+    service.check_batch_size(len(texts))
+    vectors, computed = await service.embed(texts, normalize=True, truncate=_truncate(request, body.truncate))
+    return JSONResponse((vectors[1:] @ vectors[0]).tolist(), headers=_headers(service, computed, started))
 
 
 @router.post("/")
@@ -136,7 +169,8 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     service = _runtime(request).model("embed")
     texts = _texts(body.input)
     service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate)
+    vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate,
+                                            dimensions=body.dimensions)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
     else:

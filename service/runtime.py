@@ -116,7 +116,7 @@ class Runtime:
                           on_fatal=self.on_fatal)
         return ModelService(directory.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
-                            self._tokenizer_pool, settings.max_client_batch_size)
+                            self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim)
 
     def model(self, task: str) -> ModelService:
         if task not in self.manifests:

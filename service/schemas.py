@@ -1,4 +1,5 @@
-"""Request and response models of the HTTP API (TEI's /embed and /predict, OpenAI's embeddings).
+"""Request and response models of the HTTP API (TEI's /embed, /predict, /tokenize, /decode and
+/similarity, OpenAI's embeddings).
 
 Requests are strict: JSON of the wrong type (a number for `inputs`, a string for `normalize`)
 is a 422, not silently coerced. Unknown fields are ignored, as TEI's serde models do.
@@ -30,6 +31,7 @@ class EmbedRequest(_Request):
     inputs: Inputs
     normalize: bool = True
     truncate: bool | None = None  # None: the server's --auto-truncate
+    dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
 
     _check_inputs = field_validator("inputs")(_non_empty)
 
@@ -50,11 +52,51 @@ class ClassifyRequest(_Request):
         return value
 
 
+class TokenizeRequest(_Request):
+    inputs: Inputs
+    add_special_tokens: bool = True
+
+    _check_inputs = field_validator("inputs")(_non_empty)
+
+
+class DecodeRequest(_Request):
+    ids: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+    @field_validator("ids")
+    @classmethod
+    def _check_ids(cls, value: list[int] | list[list[int]]) -> list[int] | list[list[int]]:
+        if not value:
+            raise ValueError("`ids` cannot be empty")
+        return value
+
+
+class SimilarityInputs(_Request):
+    source_sentence: str
+    sentences: list[str]
+
+    @field_validator("sentences")
+    @classmethod
+    def _check_sentences(cls, value: list[str]) -> list[str]:
+        return _non_empty(value)
+
+    @field_validator("source_sentence")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        return _non_empty(value)
+
+
+class SimilarityRequest(_Request):
+    inputs: SimilarityInputs
+    truncate: bool | None = None
+
+
 class OpenAIEmbeddingRequest(_Request):
     input: Inputs
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
+    dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
 
     @field_validator("input")
     @classmethod

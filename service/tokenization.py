@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from .errors import TooLarge
+from .errors import InvalidInput, TooLarge
 
 ST_CONFIG = "sentence_bert_config.json"
 
@@ -42,6 +42,28 @@ class TextTokenizer:
         self._truncating = Tokenizer.from_file(str(tokenizer_file))
         self._truncating.no_padding()
         self._truncating.enable_truncation(max_length)
+
+    def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+        """TEI's /tokenize: per input, each token's id, its text (the input's own characters, or
+        the special token), whether it is special, and its character span (None when special)."""
+        result = []
+        for text, encoding in zip(texts, self._full.encode_batch(texts, add_special_tokens=add_special_tokens)):
+            tokens = []
+            for token_id, token, special, (start, stop) in zip(encoding.ids, encoding.tokens,
+                                                               encoding.special_tokens_mask, encoding.offsets):
+                if special:
+                    tokens.append({"id": token_id, "text": token, "special": True, "start": None, "stop": None})
+                else:
+                    tokens.append({"id": token_id, "text": text[start:stop], "special": False,
+                                   "start": start, "stop": stop})
+            result.append(tokens)
+        return result
+
+    def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        vocab = self._full.get_vocab_size()
+        if any(not 0 <= token < vocab for row in ids for token in row):
+            raise InvalidInput(f"`ids` must lie in [0, {vocab})")
+        return self._full.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
     def encode(self, texts: list[str], truncate: bool) -> list[Encoded]:
         tokenizer = self._truncating if truncate else self._full

@@ -185,6 +185,40 @@ def test_classify_matches_pytorch_softmax(client, tiny_classifier_dir):
                                probs[0], atol=1e-4)
 
 
+def test_tokenize_and_decode_match_the_tokenizer(client, tiny_embed_artifact):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json"))
+    tokenizer.no_padding()
+    tokenizer.no_truncation()
+    texts = ["Hello, world!", "Tokenizers split words like unbelievable"]
+    tokens = client.post("/tokenize", json={"inputs": texts}).json()
+    assert len(tokens) == 2
+    for text, row in zip(texts, tokens):
+        expected = tokenizer.encode(text)
+        assert [t["id"] for t in row] == expected.ids
+        assert row[0] == {"id": expected.ids[0], "text": "[CLS]", "special": True, "start": None, "stop": None}
+        assert all(t["text"] == text[t["start"]:t["stop"]] for t in row if not t["special"])
+    bare = client.post("/tokenize", json={"inputs": "Hello", "add_special_tokens": False}).json()
+    assert [t["id"] for t in bare[0]] == tokenizer.encode("Hello", add_special_tokens=False).ids
+    ids = [t["id"] for t in tokens[1]]
+    assert client.post("/decode", json={"ids": ids}).json() == [tokenizer.decode(ids)]
+    assert client.post("/decode", json={"ids": [ids, ids[:3]], "skip_special_tokens": False}).json() == \
+        tokenizer.decode_batch([ids, ids[:3]], skip_special_tokens=False)
+    bad = client.post("/decode", json={"ids": [10**9]})
+    assert bad.status_code == 422 and "ids" in bad.json()["error"]
+
+
+def test_similarity_is_the_cosine_of_the_embeddings(client):
+    source, sentences = "a cat sits on the mat", ["a cat is on a mat", "stock markets fell today"]
+    response = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences}})
+    assert response.status_code == 200
+    vectors = np.asarray(client.post("/embed", json={"inputs": [source, *sentences]}).json())
+    np.testing.assert_allclose(response.json(), vectors[1:] @ vectors[0], atol=1e-5)
+    empty = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": []}})
+    assert empty.status_code == 422
+
+
 def test_openai_client(server, client):
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
@@ -200,6 +234,22 @@ def test_openai_client(server, client):
     decoded = np.frombuffer(base64.b64decode(single["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, expected[0], atol=1e-6)
     assert single["object"] == "list" and single["data"][0]["object"] == "embedding"
+
+
+def test_dimensions_keep_the_first_components_renormalised(server, client):
+    """Matryoshka truncation on /embed and through the openai client's `dimensions=`; 422 past the width."""
+    openai = pytest.importorskip("openai")
+    texts = [sentence(5), sentence(9, 2)]
+    raw = np.asarray(client.post("/embed", json={"inputs": texts, "normalize": False}).json())
+    expected = raw[:, :8] / np.linalg.norm(raw[:, :8], axis=1, keepdims=True)
+    cut = client.post("/embed", json={"inputs": texts, "dimensions": 8})
+    assert cut.status_code == 200
+    np.testing.assert_allclose(cut.json(), expected, atol=1e-6)
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    result = api.embeddings.create(input=texts, model="tiny-embed", dimensions=8)
+    np.testing.assert_allclose([item.embedding for item in result.data], expected, atol=1e-6)
+    too_wide = client.post("/embed", json={"inputs": texts, "dimensions": 33})  # the tiny model is 32 wide
+    assert too_wide.status_code == 422 and "at most the model's 32" in too_wide.json()["error"]
 
 
 LONG = sentence(100)  # 102 tokens > 64

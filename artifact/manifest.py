@@ -115,6 +115,8 @@ class Manifest(_Strict):
     dtype: Literal["float32", "float16"]
     pooling: str
     labels: list[str]
+    # how a classifier's logits become scores: the checkpoint's `problem_type` (None: single-label)
+    problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] | None = None
     output_dim: int
     tvm_version: str
     torch_version: str

@@ -284,6 +284,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             dtype=config.dtype,
             pooling=info.pooling,
             labels=info.labels,
+            problem_type=info.config.get("problem_type") if config.task == "classify" else None,
             output_dim=len(info.labels) if config.task == "classify" else info.hidden_size,
             tvm_version=tvm.__version__,
             torch_version=torch.__version__,

@@ -41,9 +41,11 @@ class ModelService:
     """One artifact's tokenizer and batcher, and what the routes ask of it."""
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
-                 tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int):
+                 tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
+                 problem_type: str | None = None):
         self.name = name
         self.output_dim = output_dim
+        self.problem_type = problem_type
         self.task = task
         self.labels = labels
         self.tokenizer = tokenizer
@@ -86,7 +88,7 @@ class ModelService:
 
     async def classify(self, texts: list[str], raw_scores: bool, truncate: bool) -> tuple[list[list[dict]], Computed]:
         computed = await self.compute(texts, truncate)
-        scores = computed.outputs if raw_scores else probabilities(computed.outputs)
+        scores = computed.outputs if raw_scores else probabilities(computed.outputs, self.problem_type)
         return [ranked(self.labels, row) for row in scores], computed
 
     async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
@@ -107,9 +109,12 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """Softmax over labels; a single-logit head is a sigmoid, as in TEI."""
-    return 1.0 / (1.0 + np.exp(-logits)) if logits.shape[1] == 1 else softmax(logits)
+def probabilities(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
+    """Scores as the checkpoint's head was trained (and as TEI gives them): a sigmoid per label for
+    multi-label classification or a single logit, else a softmax over labels."""
+    if problem_type == "multi_label_classification" or logits.shape[1] == 1:
+        return 1.0 / (1.0 + np.exp(-logits))
+    return softmax(logits)
 
 
 def ranked(labels: list[str], scores: np.ndarray) -> list[dict]:

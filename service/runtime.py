@@ -116,7 +116,8 @@ class Runtime:
                           on_fatal=self.on_fatal)
         return ModelService(directory.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
-                            self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim)
+                            self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
+                            manifest.problem_type)
 
     def model(self, task: str) -> ModelService:
         if task not in self.manifests:

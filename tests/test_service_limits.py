@@ -114,3 +114,30 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
             thread.join(timeout=30)
         assert statuses == [200, 200, 200, 200]
         assert server.process.wait(timeout=30) == 0
+
+
+def test_a_multi_label_head_scores_each_label_with_a_sigmoid(serve, tmp_path, tiny_classifier_dir):
+    """A checkpoint trained with problem_type multi_label_classification: scores are per-label
+    sigmoids, as transformers computes them for that head (and as TEI serves them), not a softmax."""
+    import torch
+    from conftest import compile_artifact
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from artifact.manifest import Manifest
+
+    checkpoint = tmp_path / "multi-label"
+    model = BertForSequenceClassification.from_pretrained(tiny_classifier_dir, problem_type="multi_label_classification")
+    model.save_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    tokenizer.save_pretrained(checkpoint)
+    artifact = tmp_path / "artifacts" / "multi-label"
+    compile_artifact(checkpoint, artifact, ["4x16"], task="classify", generic_shapes=["3x5"])
+    assert Manifest.read(artifact).problem_type == "multi_label_classification"
+    with torch.no_grad():
+        logits = model.eval()(**tokenizer(TEXTS[:2], padding=True, return_tensors="pt")).logits
+    with serve([artifact]) as server:
+        predictions = httpx.post(f"{server.url}/classify", json={"inputs": TEXTS[:2]}, timeout=30).json()
+    labels = ["negative", "neutral", "positive"]
+    got = [[{p["label"]: p["score"] for p in row}[label] for label in labels] for row in predictions]
+    np.testing.assert_allclose(got, torch.sigmoid(logits).numpy(), atol=1e-5)
+    assert not np.allclose(np.sum(got, axis=1), 1.0)  # not a softmax

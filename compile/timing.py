@@ -11,6 +11,8 @@ from typing import Callable
 
 import numpy as np
 
+from artifact.cores import usable_cores
+
 
 def interleaved_medians(
     candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
@@ -33,14 +35,6 @@ def interleaved_medians(
     }
 
 
-def process_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS tells it)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def use_all_cores() -> int:
     """Size the calling thread's TVM thread pool to `TVM_NUM_THREADS`, else to every core of the
     process, and return that count. Without it TVM's pool takes half the cores on x86 (it
@@ -49,7 +43,7 @@ def use_all_cores() -> int:
 
     # A thread's pool is created with TVM_NUM_THREADS workers (default: half the cores) and can
     # only use fewer later, so the variable must be set before the first pool exists.
-    threads = int(os.environ.setdefault("TVM_NUM_THREADS", str(process_cores())))
+    threads = int(os.environ.setdefault("TVM_NUM_THREADS", str(usable_cores())))
     tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: kBig, every core on x86
     return threads
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from artifact.cores import usable_cores
 
 from .driver import closed_loop
 from .report import summarize
@@ -118,7 +119,7 @@ def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     flags = fields.get("Flags", "").split()
-    return {"cpu": fields.get("Model name", "").strip(), "llvm_mcpu": host_cpu(), "cores": len(os.sched_getaffinity(0)),
+    return {"cpu": fields.get("Model name", "").strip(), "llvm_mcpu": host_cpu(), "cores": usable_cores(),
             "avx512": "avx512f" in flags, "vnni": "avx512_vnni" in flags}
 
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     chosen = args.only.split(",") if args.only else list(TOPOLOGIES)
     unknown = [name for name in chosen if name not in TOPOLOGIES]
     if unknown:

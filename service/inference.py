@@ -20,9 +20,9 @@ from .tokenization import TextTokenizer
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
 ZERO_SHOT_SCALE = 20.0
-# Requests up to this many characters are tokenised on the event loop (~40 us for a short query,
-# where handing them to the tokenizer thread and back cost ~1.3 ms); longer ones off it, so a
-# large request never stalls the loop.
+# Requests up to this many characters are tokenised on the event loop (tens of microseconds, less
+# than handing them to the tokenizer thread and back); longer ones off it, so a large request
+# never stalls the loop.
 INLINE_TOKENIZE_CHARS = 2048
 
 

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from artifact.cores import usable_cores
 from artifact.loader import check_cpu_features
 from artifact.manifest import Manifest
 
@@ -27,7 +28,7 @@ from .metrics import Metrics
 from .planning import BatchLimits
 from .settings import Settings
 from .tokenization import TextTokenizer, max_input_length
-from .topology import plan_topology, usable_cores
+from .topology import plan_topology
 
 log = logging.getLogger(__name__)
 

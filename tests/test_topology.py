@@ -12,10 +12,11 @@ import time
 import numpy as np
 import pytest
 
+from artifact.cores import cgroup_cpu_limit, usable_cores
 from service.admission import InputQueue
 from service.lanes import Lanes
 from service.tokenization import Encoded
-from service.topology import Topology, TopologyError, cgroup_cpu_limit, plan_topology, usable_cores
+from service.topology import Topology, TopologyError, plan_topology
 
 
 def cgroup(tmp_path, files: dict[str, str]):

@@ -15,13 +15,11 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import httpx
-
 from artifact.errors import ArtifactError
 
 from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
-from .servers import LOGS, running_server
+from .servers import LOGS, metric_samples, running_server
 from .workload import artifact_tokenizer, make_requests
 
 PROG = "python -m loadtest"
@@ -52,16 +50,12 @@ TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_token
 def compute_path_counts(base: str) -> Counter:
     """Batches per compute path so far, and real and padding tokens computed (keys `tokens`,
     `padding`), summed over the server's models, from its Prometheus metrics."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     counts: Counter = Counter()
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "bert_serve_batches_total":
-                counts[sample.labels["path"]] += sample.value
-            elif sample.name in TOKEN_COUNTERS:
-                counts[TOKEN_COUNTERS[sample.name]] += sample.value
+    for sample in metric_samples(base):
+        if sample.name == "bert_serve_batches_total":
+            counts[sample.labels["path"]] += sample.value
+        elif sample.name in TOKEN_COUNTERS:
+            counts[TOKEN_COUNTERS[sample.name]] += sample.value
     return counts
 
 

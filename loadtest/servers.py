@@ -134,12 +134,17 @@ def wait_until(condition, timeout: float = 60.0, what: str = "condition") -> Non
         time.sleep(0.02)
 
 
-def metric_value(base: str, name: str, **labels: str) -> float:
-    """One sample of the server's Prometheus metrics (0 when absent)."""
+def metric_samples(base: str) -> list:
+    """Every sample of the server's Prometheus metrics (name, labels, value)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    for family in text_string_to_metric_families(httpx.get(f"{base}/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                return sample.value
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def metric_value(base: str, name: str, **labels: str) -> float:
+    """One sample of the server's Prometheus metrics (0 when absent)."""
+    for sample in metric_samples(base):
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
     return 0.0

@@ -1,10 +1,16 @@
-"""Shape buckets as artifacts hold them: a static (batch, seq) shape, its order, and the choice of
-the smallest one that fits a batch (parsing them from user input is the compile stage's)."""
+"""Shape buckets as artifacts hold them: the static shape each library is built for, its order, and
+the choice of the smallest one that fits a batch (parsing them from user input is the compile
+stage's).
+
+A padded artifact's bucket is a (batch, seq) shape every batch is padded to. A packed artifact's
+is only a bound on the sequence length: its library takes any number of sequences and any total
+token count (both symbolic), so no token is padded; attention pads each sequence to `seq`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Union
 
 
 @dataclass(frozen=True, order=True)
@@ -26,11 +32,38 @@ class Bucket:
     def name(self) -> str:
         return f"{self.batch}x{self.seq}"
 
+    @property
+    def rows(self) -> int:
+        """Full-length sequences the library runs at once (what it is validated and timed on)."""
+        return self.batch
+
     def fits(self, batch: int, seq: int) -> bool:
         return batch <= self.batch and seq <= self.seq
 
 
-def smallest_fitting(buckets: Sequence[Bucket], batch: int, seq: int) -> Bucket | None:
+@dataclass(frozen=True, order=True)
+class PackedBucket:
+    """A packed library for sequences of up to `seq` tokens, any number of them."""
+
+    seq: int
+
+    @property
+    def name(self) -> str:
+        return f"packed-{self.seq}"
+
+    @property
+    def rows(self) -> int:
+        """Sequences it is validated and timed on: enough to cross kernel tiles, few at long `seq`."""
+        return max(1, min(8, 512 // self.seq))
+
+    def fits(self, batch: int, seq: int) -> bool:
+        return seq <= self.seq
+
+
+AnyBucket = Union[Bucket, PackedBucket]
+
+
+def smallest_fitting(buckets: Sequence[AnyBucket], batch: int, seq: int) -> AnyBucket | None:
     """The bucket with the least padded work that holds (batch, seq), or None."""
     fitting = [bucket for bucket in buckets if bucket.fits(batch, seq)]
     return min(fitting, default=None)

@@ -1,8 +1,9 @@
 """The one reader of artifact directories, shared by validation, the service and the benchmarks.
 
 It verifies every library against the manifest's sha256, keeps one set of weights on the
-device, and runs a batch through the smallest bucket that fits (padding batch and sequence)
-or through the generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
+device, and runs a batch through the smallest bucket that fits (padding batch and sequence; a
+packed artifact's libraries take the real tokens only, see `artifact.packed_batch`) or through
+the generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
 each calling thread gets its own VM over the shared module and weights.
 
 It needs only TVM's runtime: with the compiler library absent (or `TVM_USE_RUNTIME_LIB=1`)
@@ -20,11 +21,12 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .bucketing import Bucket, smallest_fitting
+from .bucketing import AnyBucket, Bucket, smallest_fitting
 from .cpu_features import missing_on_host
 from .errors import ArtifactError
 from .hashing import file_sha256
 from .manifest import Manifest, TargetEntry
+from .packed_batch import pack_batch
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +128,9 @@ def pad_to(array: np.ndarray, batch: int, seq: int, value: int = 0) -> np.ndarra
 @dataclass(frozen=True)
 class RunResult:
     output: np.ndarray  # [batch, dim]: pooled embeddings or logits
-    path: str  # "bucket-8x128" or "generic"
-    bucket: Bucket | None
-    computed_tokens: int  # batch x seq actually run, padding included
+    path: str  # "bucket-8x128", "bucket-packed-128" or "generic"
+    bucket: AnyBucket | None
+    computed_tokens: int  # token rows the linear layers ran, padding included
     real_tokens: int
 
     @property
@@ -141,13 +143,17 @@ class CompiledModel:
     directory: Path
     manifest: Manifest
     device: tvm.runtime.Device
-    runners: dict[Bucket, LibraryRunner]
+    runners: dict[AnyBucket, LibraryRunner]
     generic: LibraryRunner
     refused: dict[str, str] = field(default_factory=dict)
 
     @property
-    def buckets(self) -> list[Bucket]:
+    def buckets(self) -> list[AnyBucket]:
         return sorted(self.runners)
+
+    @property
+    def packed(self) -> bool:
+        return self.manifest.layout == "packed"
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -155,13 +161,13 @@ class CompiledModel:
 
     @property
     def max_batch(self) -> int:
-        return max([self.manifest.generic.max_batch] + [b.batch for b in self.runners])
+        return max([self.manifest.generic.max_batch] + [b.batch for b in self.runners if isinstance(b, Bucket)])
 
     @property
     def max_seq(self) -> int:
         return self.manifest.generic.max_seq
 
-    def select(self, batch: int, seq: int) -> Bucket | None:
+    def select(self, batch: int, seq: int) -> AnyBucket | None:
         return smallest_fitting(self.buckets, batch, seq)
 
     def run(
@@ -169,10 +175,10 @@ class CompiledModel:
         input_ids: np.ndarray,
         attention_mask: np.ndarray,
         token_type_ids: np.ndarray | None = None,
-        bucket: Bucket | None = None,
+        bucket: AnyBucket | None = None,
     ) -> RunResult:
-        """Run one batch on `bucket` (a caller's choice, e.g. the planner's cheapest) or the smallest
-        fitting bucket, else on the generic library."""
+        """Run one batch of right-padded rows on `bucket` (a caller's choice, e.g. the planner's
+        cheapest) or the smallest fitting bucket, else on the generic library."""
         batch, seq = input_ids.shape
         vocab_size = self.manifest.model.vocab_size
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
@@ -181,25 +187,31 @@ class CompiledModel:
         if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
             raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
         bucket = bucket or self.select(batch, seq)
-        if bucket is not None:
+        if bucket is None:
+            generic = self.manifest.generic
+            if batch > generic.max_batch or seq > generic.max_seq:
+                raise ValueError(
+                    f"batch {batch}x{seq} exceeds the generic library's bounds {generic.max_batch}x{generic.max_seq}"
+                )
+        if self.packed:
+            inputs = pack_batch(input_ids, attention_mask, token_type_ids, seq=bucket.seq if bucket else None)
+            computed = real_tokens
+        elif bucket is not None:
             padded = [pad_to(x, bucket.batch, bucket.seq) for x in model_inputs(input_ids, attention_mask, token_type_ids)[:3]]
-            output = self.runners[bucket](*model_inputs(*padded))[:batch]
-            return RunResult(output, f"bucket-{bucket.name}", bucket, bucket.capacity, real_tokens)
-        generic = self.manifest.generic
-        if batch > generic.max_batch or seq > generic.max_seq:
-            raise ValueError(
-                f"batch {batch}x{seq} exceeds the generic library's bounds {generic.max_batch}x{generic.max_seq}"
-            )
-        output = self.generic(*model_inputs(input_ids, attention_mask, token_type_ids))
-        return RunResult(output, "generic", None, batch * seq, real_tokens)
+            inputs, computed = model_inputs(*padded), bucket.capacity
+        else:
+            inputs, computed = model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
+        if bucket is None:
+            return RunResult(self.generic(*inputs), "generic", None, computed, real_tokens)
+        return RunResult(self.runners[bucket](*inputs)[:batch], f"bucket-{bucket.name}", bucket, computed, real_tokens)
 
     def warmup(self) -> None:
         """Run every library once, so first requests do not pay for lazy initialisation."""
         for bucket in self.buckets:
-            ones = np.ones((bucket.batch, bucket.seq), dtype=np.int64)
-            self.runners[bucket](*model_inputs(ones, ones, None))
+            ones = np.ones((bucket.rows, bucket.seq), dtype=np.int64)
+            self.run(ones, ones, bucket=bucket)
         ones = np.ones((1, 2), dtype=np.int64)
-        self.generic(*model_inputs(ones, ones, None))
+        self.generic(*(pack_batch(ones, ones) if self.packed else model_inputs(ones, ones, None)))
 
 
 def _verified(directory: Path, library: str, sha256: str) -> Path:
@@ -242,10 +254,10 @@ def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = Non
         if not weights_path.is_file() or file_sha256(weights_path) != entry.sha256:
             raise ArtifactError(f"weights {entry.file} are missing or do not match the manifest's sha256")
         weights[strategy] = load_weights(weights_path, entry.names, device)
-    runners: dict[Bucket, LibraryRunner] = {}
+    runners: dict[AnyBucket, LibraryRunner] = {}
     refused: dict[str, str] = {}
     for entry in manifest.buckets:
-        bucket = Bucket.of(entry.batch, entry.seq)
+        bucket = entry.bucket
         try:
             path = _verified(directory, entry.library, entry.sha256)
             runners[bucket] = LibraryRunner(path, device, weights[entry.strategy])

@@ -8,7 +8,7 @@ from typing import Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bucketing import Bucket, smallest_fitting
+from .bucketing import AnyBucket, Bucket, PackedBucket, smallest_fitting
 from .errors import ArtifactError
 
 SCHEMA_VERSION = 1
@@ -47,24 +47,30 @@ class LibraryEntry(_Strict):
     strategy_ms: dict[str, float] | None = None  # per-strategy median ms when chosen by `auto`
 
 
-class BucketEntry(LibraryEntry):
-    batch: int
-    seq: int
-    max_abs_diff: float | None
-    latency_ms: float | None = None  # median ms of one call, measured at compile time (None: not timed)
-
-
 class CostModel(_Strict):
-    """The generic library's measured latency, fitted over a few shapes (non-negative terms):
-    ms = fixed_ms + per_token_ms * batch * seq + per_attention_ms * batch * seq^2."""
+    """A library's measured latency, fitted over a few shapes (non-negative terms):
+    ms = fixed_ms + per_token_ms * tokens + per_attention_ms * batch * seq^2, where tokens are the
+    rows the linear layers compute (batch * seq when padded) and seq is what attention pads to."""
 
     fixed_ms: float
     per_token_ms: float
     per_attention_ms: float
 
-    def predicted_ms(self, batch: int, seq: int) -> float:
-        tokens = batch * seq
-        return self.fixed_ms + self.per_token_ms * tokens + self.per_attention_ms * tokens * seq
+    def predicted_ms(self, batch: int, seq: int, tokens: int | None = None) -> float:
+        tokens = batch * seq if tokens is None else tokens
+        return self.fixed_ms + self.per_token_ms * tokens + self.per_attention_ms * batch * seq * seq
+
+
+class BucketEntry(LibraryEntry):
+    batch: int | None  # None: a packed library (any number of sequences of up to `seq` tokens)
+    seq: int
+    max_abs_diff: float | None
+    latency_ms: float | None = None  # median ms of one call at the bucket's shape, measured at compile time
+    cost_model: CostModel | None = None  # a packed library's latency over token and sequence counts
+
+    @property
+    def bucket(self) -> AnyBucket:
+        return PackedBucket(self.seq) if self.batch is None else Bucket.of(self.batch, self.seq)
 
 
 class GenericEntry(LibraryEntry):
@@ -113,6 +119,8 @@ class Manifest(_Strict):
     target: TargetEntry
     model: ModelEntry
     dtype: Literal["float32", "float16"]
+    # padded: each library takes [batch, seq] token rows; packed: the real tokens only (artifact/packed_batch.py)
+    layout: Literal["padded", "packed"] = "padded"
     pooling: str
     labels: list[str]
     # how a classifier's logits become scores: the checkpoint's `problem_type` (None: single-label)
@@ -132,16 +140,22 @@ class Manifest(_Strict):
     tolerance: float
     created_at: str
 
-    def predicted_ms(self, batch: int, seq: int, buckets: Iterable[Bucket] | None = None) -> float | None:
-        """Measured ms of the library that would run (batch, seq): the smallest fitting bucket's
-        `latency_ms` (among `buckets`, default all; pass a loaded model's to skip refused ones),
-        else the generic cost model's prediction; None where that library was not timed."""
-        latencies = {Bucket.of(b.batch, b.seq): b.latency_ms for b in self.buckets}
-        bucket = smallest_fitting(sorted(latencies if buckets is None else buckets), batch, seq)
+    def predicted_ms(self, batch: int, seq: int, buckets: Iterable[AnyBucket] | None = None,
+                     tokens: int | None = None) -> float | None:
+        """Measured ms of the library that would run `batch` sequences padded to `seq` (`tokens` of
+        them real, default all): the smallest fitting bucket's `latency_ms` (a packed one's cost
+        model) among `buckets` (default all; pass a loaded model's to skip refused ones), else the
+        generic cost model's prediction; None where that library was not timed."""
+        entries = {entry.bucket: entry for entry in self.buckets}
+        bucket = smallest_fitting(sorted(entries if buckets is None else buckets), batch, seq)
+        packed = self.layout == "packed"
         if bucket is not None:
-            return latencies.get(bucket)
+            entry = entries[bucket]
+            if not packed:
+                return entry.latency_ms
+            return entry.cost_model.predicted_ms(batch, bucket.seq, tokens) if entry.cost_model else None
         cost = self.generic.cost_model
-        return cost.predicted_ms(batch, seq) if cost is not None else None
+        return cost.predicted_ms(batch, seq, tokens if packed else None) if cost is not None else None
 
     def write(self, directory: Path) -> None:
         """Write through a temporary file and a rename, so a reader never sees half a manifest."""

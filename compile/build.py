@@ -9,7 +9,7 @@ from pathlib import Path
 import tvm
 from tvm import relax
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket, Bucket
 
 from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
@@ -28,10 +28,13 @@ def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) ->
     return tvm.target.Target(host)
 
 
-def specialize(mod: tvm.IRModule, bucket: Bucket) -> tvm.IRModule:
-    """Bind the symbolic (batch, seq) of `main` to a bucket's static shape."""
-    batch, seq = symbolic_dims(mod)
-    return specialize_packed_matmuls(relax.transform.BindSymbolicVars({batch: bucket.batch, seq: bucket.seq})(mod))
+def specialize(mod: tvm.IRModule, bucket: AnyBucket) -> tvm.IRModule:
+    """Bind the symbolic (batch, seq) of `main` to a bucket's static shape; a packed bucket binds
+    only seq (any number of sequences and tokens: both stay symbolic)."""
+    dims = symbolic_dims(mod)
+    bound = {dims["batch"]: bucket.batch} if isinstance(bucket, Bucket) else {}
+    bound[dims["seq"]] = bucket.seq
+    return specialize_packed_matmuls(relax.transform.BindSymbolicVars(bound)(mod))
 
 
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:

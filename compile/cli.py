@@ -27,7 +27,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
                         help="capture CUDA bucket libraries as CUDA graphs")
     parser.add_argument("--mcpu", help="LLVM CPU name (default: this machine's)")
-    parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128")
+    parser.add_argument("--layout", choices=["padded", "packed"],
+                        help="packed: run on the real tokens only, no padding (cpu)")
+    parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128 (packed: packed-SEQ, "
+                        "e.g. packed-64,packed-512)")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
     parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
@@ -53,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the staging directory is cleaned up
     overrides = {
         key: getattr(args, key)
-        for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "max_batch", "pooling",
+        for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
                     "strategy", "sparsity", "block", "out", "validate")
     }
     for key in ("buckets", "sparse_layers"):

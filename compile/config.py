@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket, Bucket, PackedBucket
 
 from .bucketing import parse_bucket, parse_buckets
 from .errors import CompileError
@@ -21,6 +21,8 @@ FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1)
 # Odd shapes (batch x seq) for validating the generic library, tried in this order.
 GENERIC_CANDIDATES = [(3, 20), (5, 41), (2, 77), (1, 13), (7, 9), (2, 5), (1, 3)]
+DEFAULT_BUCKETS = {"padded": ["1x16", "1x128", "8x128"],
+                   "packed": ["packed-16", "packed-32", "packed-64", "packed-128", "packed-256", "packed-512"]}
 
 
 def default_model_dir() -> Path:
@@ -44,7 +46,9 @@ class CompileConfig(BaseModel):
     dtype: Literal["float32", "float16"] = "float32"
     cuda_graph: bool = Field(False, description="capture bucket libraries as CUDA graphs (cuda only)")
     mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's")
-    buckets: list[str] = Field(default_factory=lambda: ["1x16", "1x128", "8x128"])
+    layout: Literal["padded", "packed"] = Field(
+        "padded", description="packed: libraries run on the real tokens only (buckets are packed-SEQ bounds)")
+    buckets: list[str] | None = Field(None, description="default: 1x16, 1x128, 8x128 padded; packed-16 .. -512 packed")
     max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
     pooling: Pooling = "auto"
     strategy: Literal["auto", "concat", "batched", "off"] = "concat"
@@ -65,15 +69,22 @@ class CompileConfig(BaseModel):
     )
     seed: int = 0
 
-    @field_validator("buckets", "generic_shapes")
+    @field_validator("buckets", "generic_shapes", mode="before")
     @classmethod
-    def _shapes_parse(cls, value: list[str] | None) -> list[str] | None:
+    def _shapes_parse(cls, value: list | None) -> list[str] | None:
         if value is None:
             return None
         try:
-            return [parse_bucket(item).name for item in value]
+            return [parse_bucket(str(item)).name for item in value]
         except CompileError as exc:
             raise ValueError(str(exc)) from exc
+
+    @field_validator("generic_shapes")
+    @classmethod
+    def _generic_shapes_are_padded(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(isinstance(parse_bucket(item), PackedBucket) for item in value):
+            raise ValueError("generic validation shapes are BATCHxSEQ")
+        return value
 
     @field_validator("block")
     @classmethod
@@ -93,6 +104,15 @@ class CompileConfig(BaseModel):
             raise ValueError("dtype float16 is supported for target cuda only")
         if self.target != "cuda" and self.cuda_graph:
             raise ValueError("cuda_graph needs target cuda")
+        if self.buckets is not None:
+            kinds = {isinstance(parse_bucket(item), PackedBucket) for item in self.buckets}
+            if kinds != {self.layout == "packed"}:
+                expected = "packed-SEQ, e.g. packed-128" if self.layout == "packed" else "BATCHxSEQ, e.g. 8x128"
+                raise ValueError(f"buckets of layout {self.layout} are {expected}")
+        if self.layout == "packed" and self.target != "cpu":
+            raise ValueError("layout packed is built for target cpu only")
+        if self.layout == "packed" and self.sparsity is not None:
+            raise ValueError("layout packed does not combine with sparsity")
         return self
 
     @property
@@ -104,7 +124,9 @@ class CompileConfig(BaseModel):
     def model_dir(self) -> Path:
         return self.model if self.model is not None else default_model_dir()
 
-    def bucket_list(self) -> list[Bucket]:
+    def bucket_list(self) -> list[AnyBucket]:
+        if self.buckets is None:
+            return parse_buckets(DEFAULT_BUCKETS[self.layout])
         return parse_buckets(self.buckets)
 
     def generic_shape_list(self, max_seq: int) -> list[Bucket]:

@@ -9,7 +9,10 @@ import torch
 import tvm
 from tvm import relax
 
-from .checkpoint import INPUT_NAMES, example_inputs
+from artifact.packed_batch import PACKED_INPUT_NAMES, pack_batch
+
+from .checkpoint import INPUT_NAMES, BertWrapper, example_inputs
+from .packed_model import PackedBertWrapper
 
 
 @dataclass
@@ -20,8 +23,10 @@ class ImportedModel:
     params: list[tvm.runtime.Tensor]
 
 
-def export_and_import(wrapper: torch.nn.Module, max_batch: int, max_seq: int, vocab_size: int) -> ImportedModel:
-    """Export with symbolic (batch, seq) and import, keeping weights as parameters.
+def export_and_import(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_size: int,
+                      layout: str = "padded") -> ImportedModel:
+    """Export with symbolic (batch, seq) and import, keeping weights as parameters. The packed
+    layout (`PackedBertWrapper`) adds a symbolic token count.
 
     Weights stay parameters (not constants) because CombineParallelMatmul only matches
     Vars, and LiftTransformParams later moves weight-only work out of `main`.
@@ -36,6 +41,15 @@ def export_and_import(wrapper: torch.nn.Module, max_batch: int, max_seq: int, vo
     seq = Dim("seq", min=1, max=max(max_seq, 9))
     dynamic_shapes = {name: {0: batch, 1: seq} for name in INPUT_NAMES}
     args = example_inputs(2, 8, vocab_size)
+    if layout == "packed":  # 11 real tokens padded to 13 rows: no dimension equals another
+        tokens = Dim("tokens", min=1, max=max(max_batch * max_seq, 14))
+        dynamic_shapes = {name: {0: tokens} for name in PACKED_INPUT_NAMES}
+        dynamic_shapes["gather"] = dynamic_shapes["attention_mask"] = {0: batch, 1: seq}
+        ids, mask, type_ids, _ = (x.numpy() for x in args)
+        mask[:] = 0
+        mask[0, :8], mask[1, :3] = 1, 1
+        args = tuple(torch.from_numpy(x) for x in pack_batch(ids, mask, type_ids, tokens=13))
+        wrapper = PackedBertWrapper(wrapper)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes)
@@ -44,7 +58,11 @@ def export_and_import(wrapper: torch.nn.Module, max_batch: int, max_seq: int, vo
     return ImportedModel(mod=mod, params=list(params["main"]))
 
 
-def symbolic_dims(mod: tvm.IRModule) -> tuple[tvm.tirx.Var, tvm.tirx.Var]:
-    """The (batch, seq) symbolic variables of `main`'s first input."""
-    shape = mod["main"].params[0].ty.shape
-    return shape[0], shape[1]
+def symbolic_dims(mod: tvm.IRModule) -> dict[str, tvm.tirx.Var]:
+    """`main`'s symbolic "batch" and "seq" (from its first [batch, seq] input) and, packed, "tokens"."""
+    params = mod["main"].params
+    if len(params[0].ty.shape) == 2:  # padded: input_ids [batch, seq]
+        batch, seq = params[0].ty.shape
+        return {"batch": batch, "seq": seq}
+    batch, seq = params[PACKED_INPUT_NAMES.index("gather")].ty.shape
+    return {"tokens": params[0].ty.shape[0], "batch": batch, "seq": seq}

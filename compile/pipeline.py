@@ -16,7 +16,7 @@ import torch
 import transformers
 import tvm
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket, Bucket, PackedBucket
 from artifact.cpu_features import missing_on_host, target_features
 from artifact.hashing import file_sha256
 from artifact.loader import LibraryRunner, device_for, device_name, load_weights
@@ -49,13 +49,28 @@ from .sparsity import prune_model, sparsify
 from .staging import atomic_directory
 from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import budgeted_medians_ms, fit_cost_model, interleaved_medians, use_all_cores
-from .validate import checked_diff, cosine_drift
+from .validate import checked_diff, cosine_drift, library_inputs
 
 TOKENIZER_DIR = "tokenizer"
 UNTIMED_AUTO_STRATEGY = "concat"  # what `auto` builds when it cannot time (CUDA without a GPU)
 # (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
 COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A timed call: `batch` random rows of up to `width` tokens, padded to `seq` for attention,
+    `tokens` rows computed by the linear layers (what a cost model is fitted over)."""
+
+    batch: int
+    width: int
+    seq: int
+    tokens: int
+
+    @classmethod
+    def full(cls, batch: int, seq: int) -> "Workload":
+        return cls(batch, seq, seq, batch * seq)
 
 
 @dataclass
@@ -68,18 +83,32 @@ class BuildRecord:
     strategy: str
     strategy_ms: dict[str, float] | None
     diffs: dict[str, float | None] = field(default_factory=dict)
-    latency_ms: dict[Bucket, float] = field(default_factory=dict)  # measured median ms per shape
+    latency_ms: dict[Workload, float] = field(default_factory=dict)  # measured median ms per workload
 
     def cost_model(self) -> CostModel | None:
-        """The generic library's latency fitted over its timed shapes; None when not timed."""
+        """The library's latency fitted over its timed workloads; None when not timed."""
         if not self.latency_ms:
             return None
-        fixed, per_token, per_attention = fit_cost_model({(s.batch, s.seq): ms for s, ms in self.latency_ms.items()})
+        fixed, per_token, per_attention = fit_cost_model(
+            {(w.batch, w.seq, w.tokens): ms for w, ms in self.latency_ms.items()})
         return CostModel(fixed_ms=fixed, per_token_ms=per_token, per_attention_ms=per_attention)
 
 
-def cost_model_shapes(max_batch: int, max_seq: int) -> list[Bucket]:
-    return sorted({Bucket.of(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+def cost_model_workloads(max_batch: int, max_seq: int) -> list[Workload]:
+    """The generic library's: full rows at a few (batch, seq) within its bounds."""
+    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+    return [Workload.full(b, s) for b, s in shapes]
+
+
+def bucket_workloads(bucket: AnyBucket) -> list[Workload]:
+    """A bucket's timing: its full shape first (its `latency_ms`); a packed one also one sequence
+    and a batch of short sequences, so that its cost model tells tokens from attention."""
+    first = Workload.full(bucket.rows, bucket.seq)
+    if isinstance(bucket, Bucket):
+        return [first]
+    rows, seq = bucket.rows, bucket.seq
+    shorter = [Workload(rows, width, seq, rows * width) for width in {max(1, seq // 4), max(1, seq // 2)}]
+    return [first, *{Workload.full(1, seq), Workload.full(max(1, rows // 2), seq)}, *shorter]
 
 
 def runs_here(kind: str, target: tvm.target.Target, features: list[str]) -> bool:
@@ -129,6 +158,7 @@ class LibraryBuilder:
         self.target = target
         self.device = device_for(config.target)
         self.can_run = bool(self.device.exist) if can_run is None else can_run
+        self.layout = config.layout
         self.validate = config.validate_artifacts and self.can_run
         # Libraries are timed (for the server's batch planner) when validated, with every core:
         # as a server runs them. `validate: false` skips both.
@@ -142,9 +172,8 @@ class LibraryBuilder:
         )
 
     def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
-              timing_shape: Bucket, validation_shapes: list[Bucket], static: bool = True,
-              latency_shapes: list[Bucket] | None = None) -> BuildRecord:
-        """Build, choose, validate, then time the library at `latency_shapes` (default: `timing_shape`)."""
+              workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> BuildRecord:
+        """Build each strategy, keep the fastest on the first workload, validate, then time it on all."""
         started = time.perf_counter()
         candidates = {}
         for strategy, variant in self.variants.items():
@@ -152,7 +181,7 @@ class LibraryBuilder:
             build_library(shape_module(variant.mod), self.target, self.staging / library,
                           cuda_graph=self.config.cuda_graph and static)
             candidates[strategy] = library
-        strategy, strategy_ms = self._choose(candidates, timing_shape)
+        strategy, strategy_ms = self._choose(candidates, workloads[0])
         library = f"lib/{name}.so"
         (self.staging / candidates[strategy]).rename(self.staging / library)
         for other in set(candidates) - {strategy}:
@@ -161,48 +190,52 @@ class LibraryBuilder:
         for index, shape in enumerate(validation_shapes):
             record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
         if self.timed:
-            record.latency_ms = self._latencies(record, timing_shape, latency_shapes or [timing_shape])
+            record.latency_ms = self._latencies(record, workloads)
         return record
 
     def _runner(self, library: str, strategy: str) -> LibraryRunner:
         return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
 
-    def _choose(self, candidates: dict[str, str], shape: Bucket) -> tuple[str, dict[str, float] | None]:
+    def _choose(self, candidates: dict[str, str], workload: Workload) -> tuple[str, dict[str, float] | None]:
         if len(candidates) == 1:
             return next(iter(candidates)), None
-        inputs = self._inputs(shape)
+        inputs = self._inputs(workload)
         runners = {s: self._runner(library, s) for s, library in candidates.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
                                     repeats=self.config.strategy_repeats)
         strategy_ms = {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
         return min(strategy_ms, key=strategy_ms.get), strategy_ms
 
-    def _inputs(self, shape: Bucket) -> list[np.ndarray]:
-        return [x.numpy() for x in example_inputs(shape.batch, shape.seq, self.vocab_size, seed=self.config.seed)]
+    def _inputs(self, workload: Workload) -> tuple[np.ndarray, ...]:
+        rows = example_inputs(workload.batch, workload.width, self.vocab_size, seed=self.config.seed)
+        return library_inputs(self.layout, tuple(x.numpy() for x in rows), workload.seq, workload.tokens)
 
-    def _latencies(self, record: BuildRecord, timing_shape: Bucket, shapes: list[Bucket]) -> dict[Bucket, float]:
-        """Median ms of the chosen library per shape; `auto`'s timing of it is reused, not redone."""
+    def _latencies(self, record: BuildRecord, workloads: list[Workload]) -> dict[Workload, float]:
+        """Median ms of the chosen library per workload; `auto`'s timing of the first is reused."""
         measured = {}
         if record.strategy_ms is not None:
-            measured[timing_shape] = record.strategy_ms[record.strategy]
+            measured[workloads[0]] = record.strategy_ms[record.strategy]
         runner = self._runner(record.library, record.strategy)
-        todo = {shape.name: shape for shape in shapes if shape not in measured}
-        calls = {name: (lambda x=self._inputs(shape): runner(*x)) for name, shape in todo.items()}
+        todo = {str(index): w for index, w in enumerate(workloads) if w not in measured}
+        calls = {key: (lambda x=self._inputs(w): runner(*x)) for key, w in todo.items()}
         if calls:
-            measured.update({todo[name]: ms for name, ms in budgeted_medians_ms(calls).items()})
-        return {shape: round(ms, 4) for shape, ms in measured.items()}
+            measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
+        return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def _check(self, record: BuildRecord, shape: Bucket, seed: int) -> float | None:
+    def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:
             return None
         return checked_diff(record.name, self._runner(record.library, record.strategy), self.wrapper, shape,
-                            self.vocab_size, seed, self.config.effective_tolerance)
+                            self.vocab_size, seed, self.config.effective_tolerance, self.layout)
 
 
 def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
     """Compile `config.model` into an artifact directory at `config.out`, atomically."""
     info = inspect_checkpoint(config.model_dir(), config.task, config.pooling)
     buckets, generic_shapes = check_shapes(config, info)
+    if config.layout == "packed" and info.config.get("position_embedding_type", "absolute") != "absolute":
+        raise CompileError("layout packed needs absolute position embeddings; this checkpoint has "
+                           f"{info.config['position_embedding_type']}")
     target = make_target(config.target, config.cuda_arch, config.mcpu)
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
@@ -220,7 +253,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
             reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
-            imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size)
+            imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size, config.layout)
         with progress.step(f"passes for strategy {', '.join(strategies)}; lift weights"):
             variants, passes = {}, {}
             for strategy in strategies:
@@ -249,10 +282,13 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         records = []
         for bucket in buckets:
             with progress.step(f"build + validate bucket {bucket.name}"):
-                records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b), bucket, [bucket]))
+                records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
+                                             bucket_workloads(bucket), [bucket]))
         with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
-            generic = builder.build("generic", lambda m: m, generic_shapes[0], generic_shapes, static=False,
-                                    latency_shapes=cost_model_shapes(config.max_batch, info.max_seq))
+            generic_workloads = cost_model_workloads(config.max_batch, info.max_seq)
+            first = Workload.full(generic_shapes[0].batch, generic_shapes[0].seq)  # `auto` chooses on it
+            generic = builder.build("generic", lambda m: m, [first] + [w for w in generic_workloads if w != first],
+                                    generic_shapes, static=False)
             records.append(generic)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
@@ -282,6 +318,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 pad_token_id=int(info.config.get("pad_token_id") or 0),
             ),
             dtype=config.dtype,
+            layout=config.layout,
             pooling=info.pooling,
             labels=info.labels,
             problem_type=info.config.get("problem_type") if config.task == "classify" else None,
@@ -292,8 +329,9 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             tokenizer=TOKENIZER_DIR,
             weights=weight_files,
             buckets=[
-                BucketEntry(batch=b.batch, seq=b.seq, max_abs_diff=r.diffs[b.name], latency_ms=r.latency_ms.get(b),
-                            **library_fields(r))
+                BucketEntry(batch=b.batch if isinstance(b, Bucket) else None, seq=b.seq, max_abs_diff=r.diffs[b.name],
+                            latency_ms=r.latency_ms.get(bucket_workloads(b)[0]),
+                            cost_model=r.cost_model() if isinstance(b, PackedBucket) else None, **library_fields(r))
                 for b, r in zip(buckets, records)
             ],
             generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,

@@ -61,10 +61,11 @@ def budgeted_medians_ms(candidates: dict[str, Callable[[], object]], repeats: in
     return {name: value["median_s"] * 1e3 for name, value in stats.items()}
 
 
-def fit_cost_model(samples: dict[tuple[int, int], float]) -> tuple[float, float, float]:
-    """(fixed, per_token, per_attention) >= 0 fitting ms = fixed + per_token * b * s +
-    per_attention * b * s^2 to {(batch, seq): ms}, minimising the squared *relative* error (a
-    1x16 call matters to the planner as much as an 8x128 one).
+def fit_cost_model(samples: dict[tuple[int, ...], float]) -> tuple[float, float, float]:
+    """(fixed, per_token, per_attention) >= 0 fitting ms = fixed + per_token * tokens +
+    per_attention * b * s^2 to {(batch, seq): ms} (tokens = b * s) or {(batch, seq, tokens): ms},
+    minimising the squared *relative* error (a 1x16 call matters to the planner as much as an
+    8x128 one).
 
     Exact non-negative least squares for three terms: the best unconstrained fit over every subset
     of the terms whose coefficients are all non-negative (the optimum is one of them).
@@ -73,7 +74,8 @@ def fit_cost_model(samples: dict[tuple[int, int], float]) -> tuple[float, float,
     measured = np.array([samples[shape] for shape in shapes], dtype=np.float64)
     if not len(shapes) or (measured <= 0).any():
         raise ValueError("need at least one positive timing to fit")
-    columns = np.array([[1.0, b * s, b * s * s] for b, s in shapes], dtype=np.float64)
+    columns = np.array([[1.0, shape[2] if len(shape) > 2 else shape[0] * shape[1], shape[0] * shape[1] ** 2]
+                        for shape in shapes], dtype=np.float64)
     weighted, target = columns / measured[:, None], np.ones(len(shapes))
     best, best_residual = np.zeros(3), float(np.sum(target**2))
     for subset in itertools.product((False, True), repeat=3):

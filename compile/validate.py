@@ -5,30 +5,42 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket
 from artifact.loader import LibraryRunner
+from artifact.packed_batch import pack_batch
 
 from .checkpoint import CheckpointInfo, example_inputs
 from .errors import ValidationError
 
 
-def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket, vocab_size: int, seed: int) -> float:
-    """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included).
-    PyTorch runs wherever the wrapper's weights are (the GPU, for a CUDA artifact)."""
-    inputs = example_inputs(shape.batch, shape.seq, vocab_size, seed=seed)
+def library_inputs(layout: str, inputs: tuple[np.ndarray, ...], seq: int, tokens: int | None = None
+                   ) -> tuple[np.ndarray, ...]:
+    """What a library of `layout` takes for padded example rows (ids, mask, type ids, positions):
+    the rows themselves, or packed (sequences padded to `seq`, `tokens` packed rows)."""
+    if layout == "packed":
+        return pack_batch(*inputs[:3], seq=seq, tokens=tokens)
+    return inputs
+
+
+def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int, seed: int,
+                 layout: str = "padded") -> float:
+    """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included),
+    PyTorch running the padded rows. PyTorch runs wherever the wrapper's weights are (the GPU,
+    for a CUDA artifact)."""
+    inputs = example_inputs(shape.rows, shape.seq, vocab_size, seed=seed)
     device = next(wrapper.parameters()).device
     with torch.no_grad():
         expected = wrapper(*(x.to(device) for x in inputs)).float().cpu().numpy()
-    actual = runner(*(x.numpy() for x in inputs))
+    actual = runner(*library_inputs(layout, tuple(x.numpy() for x in inputs), shape.seq))
     if actual.shape != expected.shape:
         return float("inf")
     return float(np.max(np.abs(actual - expected)))
 
 
-def checked_diff(name: str, runner: LibraryRunner, wrapper: torch.nn.Module, shape: Bucket, vocab_size: int,
-                 seed: int, tolerance: float) -> float:
+def checked_diff(name: str, runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int,
+                 seed: int, tolerance: float, layout: str = "padded") -> float:
     """`max_abs_diff`, or a ValidationError naming the library and shape when over `tolerance`."""
-    diff = max_abs_diff(runner, wrapper, shape, vocab_size, seed)
+    diff = max_abs_diff(runner, wrapper, shape, vocab_size, seed, layout)
     if not diff <= tolerance:
         raise ValidationError(f"{name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {tolerance:g}")
     return diff

@@ -31,7 +31,6 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
     """Max |tvm - torch| per library and shape; raises ValidationError past the manifest's tolerance."""
     import torch
 
-    from artifact.bucketing import Bucket
     from artifact.loader import device_name, load_artifact
 
     from .bucketing import parse_bucket
@@ -53,15 +52,15 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
     diffs: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for index, entry in enumerate(manifest.buckets):
-            bucket = Bucket.of(entry.batch, entry.seq)
+            bucket = entry.bucket
             diff = checked_diff(f"bucket {bucket.name}", model.runners[bucket], wrapper, bucket, vocab,
-                                seed + index, tolerance)
+                                seed + index, tolerance, manifest.layout)
             diffs[f"bucket_{bucket.name}"] = {bucket.name: diff}
             entry.max_abs_diff = diff
         generic = {}
         for index, shape_name in enumerate(manifest.generic.max_abs_diff, len(manifest.buckets)):
             generic[shape_name] = checked_diff("generic", model.generic, wrapper, parse_bucket(shape_name), vocab,
-                                               seed + index, tolerance)
+                                               seed + index, tolerance, manifest.layout)
         diffs["generic"] = generic
     if record:
         manifest.generic.max_abs_diff = generic

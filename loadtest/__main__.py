@@ -19,7 +19,7 @@ from artifact.errors import ArtifactError
 
 from .driver import closed_loop, open_loop
 from .report import saturation_verdict, summarize, write_outputs
-from .servers import LOGS, metric_samples, running_server
+from .servers import LOGS, TOKEN_COUNTERS, compute_path_counts, padding_share, running_server
 from .workload import artifact_tokenizer, make_requests
 
 PROG = "python -m loadtest"
@@ -42,21 +42,6 @@ def parse_args(argv):
     if args.quick:
         args.concurrency, args.rates, args.requests, args.time_limit = "1,8", "8", 24, 15.0
     return args
-
-
-TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding"}
-
-
-def compute_path_counts(base: str) -> Counter:
-    """Batches per compute path so far, and real and padding tokens computed (keys `tokens`,
-    `padding`), summed over the server's models, from its Prometheus metrics."""
-    counts: Counter = Counter()
-    for sample in metric_samples(base):
-        if sample.name == "bert_serve_batches_total":
-            counts[sample.labels["path"]] += sample.value
-        elif sample.name in TOKEN_COUNTERS:
-            counts[TOKEN_COUNTERS[sample.name]] += sample.value
-    return counts
 
 
 def token_counter(artifacts: Path):
@@ -95,12 +80,10 @@ def main(argv: list[str] | None = None) -> int:
                         run = open_loop(base, endpoint, requests, tokens, level, args.time_limit, seed=args.seed)
                     outcomes, elapsed = asyncio.run(run)
                     counts = compute_path_counts(base)
-                    computed = {key: counts[key] - before[key] for key in ("tokens", "padding")}
-                    batches = Counter({k: v for k, v in (counts - before).items() if k not in computed})
+                    batches = Counter({k: v for k, v in (counts - before).items() if k not in TOKEN_COUNTERS.values()})
                     row = {"backend": backend, "endpoint": endpoint, "mode": mode, "level": level,
                            **summarize(outcomes, elapsed), "batches_by_path": dict(batches),
-                           "padding_share": (computed["padding"] / (computed["tokens"] + computed["padding"])
-                                             if computed["tokens"] else None),
+                           "padding_share": padding_share(before, counts),
                            "peak_rss_mb": memory.peak_bytes / 2**20}
                     total_batches = sum(batches.values())
                     row["bucket_share"] = (sum(v for k, v in batches.items() if k.startswith("bucket")) / total_batches

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -148,3 +149,24 @@ def metric_value(base: str, name: str, **labels: str) -> float:
         if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
             return sample.value
     return 0.0
+
+
+TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding"}
+
+
+def compute_path_counts(base: str) -> Counter:
+    """Batches per compute path so far, and real and padding tokens computed (keys `tokens`,
+    `padding`), summed over the server's models, from its Prometheus metrics."""
+    counts: Counter = Counter()
+    for sample in metric_samples(base):
+        if sample.name == "bert_serve_batches_total":
+            counts[sample.labels["path"]] += sample.value
+        elif sample.name in TOKEN_COUNTERS:
+            counts[TOKEN_COUNTERS[sample.name]] += sample.value
+    return counts
+
+
+def padding_share(before: Counter, after: Counter) -> float | None:
+    """Padding's share of the tokens computed between two `compute_path_counts`."""
+    tokens, padding = (after[key] - before[key] for key in ("tokens", "padding"))
+    return padding / (tokens + padding) if tokens + padding else None

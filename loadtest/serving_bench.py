@@ -31,7 +31,7 @@ from artifact.cores import usable_cores
 
 from .driver import closed_loop
 from .report import summarize
-from .servers import LOGS, running_server
+from .servers import LOGS, compute_path_counts, padding_share, running_server
 from .strategy_table import read_manifest
 from .workload import VOCABULARY, artifact_tokenizer, make_requests
 
@@ -170,12 +170,15 @@ def main(argv: list[str] | None = None) -> int:
             order = list(urls) if round_index % 2 == 0 else list(urls)[::-1]
             for name in order:
                 log(f"{PROG}: mixed traffic, concurrency {args.concurrency}, round {round_index + 1}: {name} ...")
+                before = compute_path_counts(urls[name])
                 outcomes, elapsed = asyncio.run(closed_loop(urls[name], "/embed", requests, tokens,
                                                             args.concurrency, time_limit=120))
-                runs[name].append(summarize(outcomes, elapsed))
+                runs[name].append({**summarize(outcomes, elapsed),
+                                   "padding_share": padding_share(before, compute_path_counts(urls[name]))})
         report["mixed"] = {name: {"throughput_rps": statistics.median(r["throughput_rps"] for r in rs),
                                   "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rs),
                                   "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rs),
+                                  "padding_share": statistics.median(r["padding_share"] or 0.0 for r in rs),
                                   "errors": [r["errors"] for r in rs]}
                            for name, rs in runs.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -192,13 +195,14 @@ def markdown(report: dict) -> str:
              f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}); library {report['library']['served_by']} "
              f"in process: {report['library']['median_ms']:.2f} ms for a {report['short_tokens']}-token query.", "",
              "| server | topology (workers x threads, wide) | 1 short query p50 ms | 8 x ~112 tokens p50 ms "
-             "| mixed traffic req/s | mixed p50 ms | mixed p99 ms |", "|---|---|---|---|---|---|---|"]
+             "| mixed traffic req/s | mixed p50 ms | mixed p99 ms | mixed padding share |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, mixed in report["mixed"].items():
         topology = report["topology"][name]
         lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
                      f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
-                     f"{mixed['p99_ms']:.0f} |")
+                     f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
     return "\n".join(lines)
 
 

@@ -14,12 +14,12 @@ from typing import Protocol
 import numpy as np
 import tvm
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket
 from artifact.errors import ArtifactError
 from artifact.loader import CompiledModel, RunResult, load_artifact
 from artifact.manifest import Manifest
 
-from .planning import BatchCosts
+from .planning import BatchCosts, Costs, PackedCosts
 
 # TVM's ThreadGroup::AffinityMode kBig: use the pool's first N threads (whether they are pinned to
 # cores is TVM_BIND_THREADS's choice; the server leaves them unpinned, see service.topology).
@@ -33,27 +33,31 @@ class Backend(Protocol):
     device: str  # where it computes: "cpu" or "cuda" (TEI's x-compute-type)
     manifest: Manifest
     directory: Path
-    buckets: list[Bucket]  # static shapes a batch is padded to; empty: run at its own shape
+    buckets: list[AnyBucket]  # the libraries' static shapes (artifact.bucketing); empty: run at its own shape
     max_batch: int  # the most inputs one shape-free (generic) run accepts
     max_seq: int
     refused: dict[str, str]  # buckets whose library failed verification, and why
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
-            bucket: Bucket | None = None) -> RunResult: ...
+            bucket: AnyBucket | None = None) -> RunResult: ...
 
     def warmup(self) -> None: ...
 
     def configure_thread(self, threads: int) -> None: ...
 
-    def costs(self) -> BatchCosts: ...
+    def costs(self) -> Costs: ...
 
 
-def measured_costs(manifest: Manifest, buckets: list[Bucket]) -> BatchCosts:
+def measured_costs(manifest: Manifest, buckets: list[AnyBucket]) -> Costs:
     """Batch costs from the latencies the compile stage measured (padded tokens where it did not)."""
-    bucket_ms = {Bucket.of(entry.batch, entry.seq): entry.latency_ms for entry in manifest.buckets
-                 if entry.latency_ms is not None}
     model = manifest.generic.cost_model
-    return BatchCosts(buckets, bucket_ms, model.predicted_ms if model is not None else None)
+    generic = model.predicted_ms if model is not None else None
+    if manifest.layout == "packed":
+        models = {entry.bucket: entry.cost_model.predicted_ms for entry in manifest.buckets
+                  if entry.cost_model is not None}
+        return PackedCosts(buckets, models, generic)
+    bucket_ms = {entry.bucket: entry.latency_ms for entry in manifest.buckets if entry.latency_ms is not None}
+    return BatchCosts(buckets, bucket_ms, generic)
 
 
 class TvmBackend:
@@ -81,7 +85,7 @@ class TvmBackend:
         """Size this thread's TVM pool (TVM keeps one per calling thread; see service.topology)."""
         tvm.get_global_func("runtime.config_threadpool")(TVM_AFFINITY_BIG, threads)
 
-    def costs(self) -> BatchCosts:
+    def costs(self) -> Costs:
         return measured_costs(self.manifest, self.buckets)
 
 
@@ -107,7 +111,7 @@ class TorchBackend:
         self.module = load_wrapper(info, manifest.task, manifest.dtype).to(self.device)
         self.manifest = manifest
         self.directory = directory
-        self.buckets: list[Bucket] = []
+        self.buckets: list[AnyBucket] = []
         self.max_batch = manifest.generic.max_batch
         self.max_seq = manifest.generic.max_seq
         self.refused: dict[str, str] = {}
@@ -128,7 +132,7 @@ class TorchBackend:
     def configure_thread(self, threads: int) -> None:
         """PyTorch's intra-op thread count is process-wide: set once, in __init__."""
 
-    def costs(self) -> BatchCosts:
+    def costs(self) -> Costs:
         return BatchCosts([])
 
 

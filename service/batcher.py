@@ -27,14 +27,14 @@ from typing import Callable
 
 import numpy as np
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket
 
 from .admission import Entry, InputQueue
 from .backends import Backend
 from .errors import BackendFailure, GatewayTimeout, Overloaded, ServiceError, Unavailable
 from .lanes import Lane, Lanes
 from .metrics import Metrics
-from .planning import BatchCosts, BatchLimits, batch_size_hint, plan_batches
+from .planning import BatchLimits, Costs, batch_size_hint, plan_batches, unmeasured_costs
 from .tokenization import Encoded
 from .topology import Topology
 
@@ -55,7 +55,7 @@ class ItemResult:
 class Batcher:
     def __init__(self, name: str, backend: Backend, limits: BatchLimits, topology: Topology, *, max_wait_ms: float,
                  sort_window: int, capacity: int, request_timeout_s: float, metrics: Metrics,
-                 costs: BatchCosts | None = None, on_fatal: Callable[[], None] | None = None):
+                 costs: Costs | None = None, on_fatal: Callable[[], None] | None = None):
         self.name = name
         self.backend = backend
         self.limits = limits
@@ -63,7 +63,7 @@ class Batcher:
         self.max_wait = max_wait_ms / 1000
         self.request_timeout = request_timeout_s
         self.metrics = metrics
-        self.costs = costs or BatchCosts(backend.buckets)
+        self.costs = costs or unmeasured_costs(backend.buckets)
         self.on_fatal = on_fatal
         metrics.register_model(name)
         self.batch_size = batch_size_hint(backend.buckets, limits)
@@ -218,7 +218,7 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _next_batch(self) -> tuple[list[Entry], Bucket | None] | None:
+    def _next_batch(self) -> tuple[list[Entry], AnyBucket | None] | None:
         """Sort a window of queued inputs by length; take the planned batch holding the oldest one."""
         window = self.queue.take(self.window)
         if not window:
@@ -235,7 +235,7 @@ class Batcher:
         self._gauge()
         return [window[i] for i in chosen.indices], chosen.bucket
 
-    async def _execute(self, entries: list[Entry], bucket: Bucket | None, lane: Lane) -> None:
+    async def _execute(self, entries: list[Entry], bucket: AnyBucket | None, lane: Lane) -> None:
         started = time.perf_counter()
         try:
             try:
@@ -263,7 +263,7 @@ class Batcher:
         except Exception:  # noqa: BLE001 - metrics never fail a request that was answered
             log.exception("recording metrics of a batch failed on %s", self.name)
 
-    def _run(self, entries: list[Entry], bucket: Bucket | None):
+    def _run(self, entries: list[Entry], bucket: AnyBucket | None):
         """Worker thread: right-pad the batch to its longest input and run it."""
         seq = max(len(entry.encoded) for entry in entries)
         input_ids = np.zeros((len(entries), seq), dtype=np.int64)

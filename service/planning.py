@@ -4,7 +4,9 @@ A batch's cost is what running it will take: the measured latency of the library
 it (each bucket's median, recorded at compile time; the generic library by the cost model fitted
 over shapes), so that fixed per-call overhead, small-batch inefficiency and quadratic attention
 all count. Artifacts without measurements fall back to padded tokens (batch x seq of the bucket,
-as TEI counts the budget of padded backends).
+as TEI counts the budget of padded backends). A packed artifact's libraries compute only the real
+tokens: a batch costs its library's cost model at its token count, attention padded to the
+library's sequence bound (`PackedCosts`).
 
 Inputs are sorted by token count, then cut into the batches of least total cost. Among the
 buckets that hold a batch, the cheapest runs it; inputs longer than every bucket go to the
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from artifact.bucketing import Bucket
+from artifact.bucketing import AnyBucket, Bucket, PackedBucket
 
 # Without measurements, a call's fixed cost (dispatch, per-op launches, copies) in tokens' worth of
 # compute: MiniLM's 1x16 bucket takes ~5 ms where 1x128 takes ~18.5, about 30 tokens of overhead.
@@ -36,9 +38,14 @@ class BatchLimits:
 
 @dataclass(frozen=True)
 class Choice:
-    bucket: Bucket | None  # None: the generic library at the batch's own shape
+    bucket: AnyBucket | None  # None: the generic library at the batch's own shape
     cost: float
     computed_tokens: int
+
+
+# (batch, seq, tokens) -> ms: a library's latency for `batch` sequences padded to `seq` for
+# attention, `tokens` rows through the linear layers (`CostModel.predicted_ms`)
+LatencyModel = Callable[[int, int, int], float]
 
 
 class BatchCosts:
@@ -53,7 +60,7 @@ class BatchCosts:
         self._generic_cost = generic_ms if measured else (lambda size, seq: float(CALL_TOKENS + size * seq))
         self._chosen: dict[tuple[int, int], Choice | None] = {}  # the planner asks for the same shapes often
 
-    def choose(self, size: int, seq: int) -> Choice | None:
+    def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
         """The cheapest bucket that holds the batch, or None when none does."""
         key = (size, seq)
         if key not in self._chosen:
@@ -62,17 +69,59 @@ class BatchCosts:
             self._chosen[key] = None if best is None else Choice(best, self._bucket_cost(best), best.capacity)
         return self._chosen[key]
 
-    def generic(self, size: int, seq: int) -> Choice:
+    def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
         return Choice(None, self._generic_cost(size, seq), size * seq)
+
+
+class PackedCosts:
+    """What a batch costs on a packed artifact: its real tokens through the linear layers, its
+    sequences padded to the library's bound for attention. Without measurements: tokens, plus
+    the call overhead, plus attention's padded tokens (to prefer the tightest bound)."""
+
+    def __init__(self, buckets: Sequence[PackedBucket], bucket_models: dict[PackedBucket, LatencyModel] | None = None,
+                 generic_model: LatencyModel | None = None):
+        self.buckets = sorted(buckets)
+        self.measured = (bucket_models is not None and generic_model is not None
+                         and all(b in bucket_models for b in self.buckets))
+        unmeasured = lambda size, seq, tokens: float(CALL_TOKENS + tokens + size * seq)  # noqa: E731
+        self._bucket_models = bucket_models if self.measured else {b: unmeasured for b in self.buckets}
+        self._generic_model = generic_model if self.measured else unmeasured
+
+    def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
+        tokens = size * seq if tokens is None else tokens
+        costs = [(self._bucket_models[b](size, b.seq, tokens), b) for b in self.buckets if b.fits(size, seq)]
+        cost, best = min(costs, default=(None, None))
+        return None if best is None else Choice(best, cost, tokens)
+
+    def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
+        tokens = size * seq if tokens is None else tokens
+        return Choice(None, self._generic_model(size, seq, tokens), tokens)
+
+
+Costs = BatchCosts | PackedCosts
+
+
+def unmeasured_costs(buckets: Sequence[AnyBucket]) -> Costs:
+    """Costs in tokens, for a backend whose libraries were not timed."""
+    if any(isinstance(bucket, PackedBucket) for bucket in buckets):
+        return PackedCosts(buckets)
+    return BatchCosts(buckets)
 
 
 @dataclass(frozen=True)
 class PlannedBatch:
     indices: list[int]
-    bucket: Bucket | None
+    bucket: AnyBucket | None
 
 
-def plan_batches(lengths: Sequence[int], costs: BatchCosts, limits: BatchLimits) -> list[PlannedBatch]:
+def most_inputs(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
+    """The most inputs one batch may hold: the largest padded bucket's rows or the generic bound
+    (a packed library takes any number), within the request limit."""
+    largest = max([bucket.batch for bucket in buckets if isinstance(bucket, Bucket)] + [limits.generic_max_batch])
+    return min(largest, limits.max_batch_requests or largest)
+
+
+def plan_batches(lengths: Sequence[int], costs: Costs, limits: BatchLimits) -> list[PlannedBatch]:
     """Indices into `lengths`, grouped into the batches of least total cost, shortest inputs first.
 
     The inputs are sorted by length and cut into consecutive groups by dynamic programming over
@@ -81,22 +130,24 @@ def plan_batches(lengths: Sequence[int], costs: BatchCosts, limits: BatchLimits)
     """
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     sorted_lengths = [lengths[i] for i in order]
-    largest = max([bucket.batch for bucket in costs.buckets] + [limits.generic_max_batch])
-    largest = min(largest, limits.max_batch_requests or largest)
-    fits_bucket = [costs.choose(1, length) is not None for length in sorted_lengths]
+    prefix = [0]
+    for length in sorted_lengths:
+        prefix.append(prefix[-1] + length)
+    largest = most_inputs(costs.buckets, limits)
+    fits_bucket = [costs.choose(1, length, length) is not None for length in sorted_lengths]
     n = len(order)
     best: list[tuple[float, int]] = [(0.0, 0)] + [(float("inf"), 0)] * n  # (cost, batches) of the first j inputs
     cut: list[tuple[int, Choice | None]] = [(0, None)] * (n + 1)
     for end in range(1, n + 1):
         seq = sorted_lengths[end - 1]  # the longest of any group ending here
         for start in range(end - 1, max(0, end - largest) - 1, -1):
-            size = end - start
+            size, tokens = end - start, prefix[end] - prefix[start]
             if fits_bucket[end - 1]:
-                choice = costs.choose(size, seq)
+                choice = costs.choose(size, seq, tokens)
             elif fits_bucket[start] or size > limits.generic_max_batch:
                 break  # generic batches hold only what no bucket holds; growing further cannot help
             else:
-                choice = costs.generic(size, seq)
+                choice = costs.generic(size, seq, tokens)
             if choice is None:
                 break  # no bucket holds this many: neither does one for more
             if size > 1 and choice.computed_tokens > limits.max_batch_tokens:
@@ -113,7 +164,8 @@ def plan_batches(lengths: Sequence[int], costs: BatchCosts, limits: BatchLimits)
     return batches[::-1]
 
 
-def batch_size_hint(buckets: Sequence[Bucket], limits: BatchLimits) -> int:
+def batch_size_hint(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
     """How many inputs make a full batch: used to size the sort window and to stop waiting."""
-    largest = max((bucket.batch for bucket in buckets), default=limits.generic_max_batch)
+    padded = [bucket.batch for bucket in buckets if isinstance(bucket, Bucket)]
+    largest = max(padded) if padded else limits.generic_max_batch
     return min(largest, limits.max_batch_requests or largest)

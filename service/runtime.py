@@ -177,15 +177,16 @@ class Runtime:
             "checkpoint": manifest.model.path,
             "target": manifest.target.model_dump(),
             "dtype": manifest.dtype,
+            "layout": manifest.layout,
             "pooling": manifest.pooling,
             "labels": manifest.labels,
             "output_dim": manifest.output_dim,
             "max_input_length": service.tokenizer.max_length if service else None,
-            "buckets": [{"name": f"{b.batch}x{b.seq}", "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
+            "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
             "batch_costs": (None if service is None else
-                            "measured latency" if service.batcher.costs.measured else "padded tokens"),
+                            "measured latency" if service.batcher.costs.measured else "tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
                         "strategy": manifest.generic.strategy},
             "versions": {"tvm": manifest.tvm_version, "torch": manifest.torch_version,

@@ -121,6 +121,15 @@ def minilm_artifact(minilm_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def minilm_packed_artifact(minilm_dir, tmp_path_factory) -> Path:
+    """The real all-MiniLM-L6-v2 with the packed layout, two sequence bounds."""
+    out = tmp_path_factory.mktemp("artifacts") / "minilm-packed"
+    compile_artifact(minilm_dir, out, ["packed-16", "packed-64"], layout="packed",
+                     generic_shapes=["3x20", "2x45", "5x9"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def serve(tmp_path_factory):
     """Start `python -m service` on a free loopback port: a context manager yielding, once /ready
     says 200, a namespace with `url`, `process` and `log` (the server's output file)."""

@@ -33,6 +33,14 @@ def gpt2_dir(tmp_path):
         (lambda t, m, g: ["--model", str(m), "--buckets", "1x100"], "max_position_embeddings (64)"),
         (lambda t, m, g: ["--model", str(m), "--task", "classify"], "not a BertForSequenceClassification"),
         (lambda t, m, g: ["--model", str(m), "--config", str(t / "nope.yaml")], "config file not found"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--buckets", "8x16"],
+         "buckets of layout packed are packed-SEQ"),
+        (lambda t, m, g: ["--model", str(m), "--buckets", "packed-16"], "buckets of layout padded are BATCHxSEQ"),
+        (lambda t, m, g: ["--model", str(m), "--buckets", "1x8,packed-16"], "mix padded"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--buckets", "packed-100"],
+         "max_position_embeddings (64)"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--target", "cuda"], "packed is built for target cpu"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"], "does not combine with sparsity"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make_args, message):

@@ -24,7 +24,7 @@ def client(serve, minilm_artifact):
             yield client
 
 
-def test_embed_matches_sentence_transformers(client, minilm_dir):
+def _assert_matches_sentence_transformers(client, minilm_dir):
     from sentence_transformers import SentenceTransformer
 
     expected = SentenceTransformer(str(minilm_dir), device="cpu").encode(SENTENCES, normalize_embeddings=True)
@@ -33,6 +33,17 @@ def test_embed_matches_sentence_transformers(client, minilm_dir):
     got = np.asarray(response.json())
     cosine = (got * expected).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(expected, axis=1)
     assert cosine.min() >= 0.9999, cosine
+
+
+def test_embed_matches_sentence_transformers(client, minilm_dir):
+    _assert_matches_sentence_transformers(client, minilm_dir)
+
+
+def test_packed_artifact_embeds_match_sentence_transformers(serve, minilm_packed_artifact, minilm_dir):
+    with serve([minilm_packed_artifact], "--workers", "1") as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            _assert_matches_sentence_transformers(client, minilm_dir)
+            assert client.get("/info").json()["models"][0]["layout"] == "packed"
 
 
 def test_zero_shot_classify_ranks_obvious_sentences(client):

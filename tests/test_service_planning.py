@@ -4,7 +4,15 @@ costs from measured library latencies where the artifact has them."""
 from __future__ import annotations
 
 from compile.bucketing import parse_buckets
-from service.planning import CALL_TOKENS, BatchCosts, BatchLimits, batch_size_hint, plan_batches
+from service.planning import (
+    CALL_TOKENS,
+    BatchCosts,
+    BatchLimits,
+    PackedCosts,
+    batch_size_hint,
+    plan_batches,
+    unmeasured_costs,
+)
 
 TINY_BUCKETS = parse_buckets("1x8,2x16,4x16")
 TINY = BatchCosts(TINY_BUCKETS)  # no measurements: padded tokens
@@ -98,3 +106,39 @@ def test_missing_measurements_fall_back_to_padded_tokens():
     costs = BatchCosts(list(MEASURED), partial, generic_ms)
     assert not costs.measured and costs.choose(1, 100).cost == CALL_TOKENS + 128
 
+
+
+# A packed artifact's libraries (per sequence bound): ms = 2 + 0.15 per token + 0.0003 x batch x seq^2.
+def packed_model(size: int, seq: int, tokens: int) -> float:
+    return 2.0 + 0.15 * tokens + 0.0003 * size * seq * seq
+
+
+PACKED_BUCKETS = parse_buckets("packed-16,packed-128")
+PACKED = PackedCosts(PACKED_BUCKETS, {b: packed_model for b in PACKED_BUCKETS}, packed_model)
+
+
+def test_packed_costs_count_real_tokens_and_attention_padded_to_the_bound():
+    assert PACKED.measured
+    choice = PACKED.choose(3, 12, tokens=20)
+    assert choice.bucket.name == "packed-16" and choice.computed_tokens == 20
+    assert choice.cost == packed_model(3, 16, 20)
+    assert PACKED.choose(2, 100, tokens=150).bucket.name == "packed-128"
+    assert PACKED.choose(1, 200, tokens=200) is None and PACKED.generic(1, 200, 200).computed_tokens == 200
+
+
+def test_packed_plans_fill_the_generic_bound_and_keep_long_inputs_apart():
+    """No bucket shape limits a packed batch: 40 short inputs fill batches of the generic bound
+    (16 here; the per-call cost is paid 3 times, not 40), and the long input runs alone rather
+    than padding the short ones' attention to 128."""
+    lengths = [8] * 40 + [120]
+    planned = plan_batches(lengths, PACKED, LIMITS)
+    assert batch_size_hint(PACKED_BUCKETS, LIMITS) == LIMITS.generic_max_batch == 16
+    assert len(planned) == 4 and max(len(b.indices) for b in planned) == 16
+    assert [(b.indices, b.bucket.name) for b in planned if 40 in b.indices] == [([40], "packed-128")]
+    assert {b.bucket.name for b in planned if 40 not in b.indices} == {"packed-16"}
+
+
+def test_unmeasured_packed_costs_are_tokens():
+    costs = unmeasured_costs(PACKED_BUCKETS)
+    assert isinstance(costs, PackedCosts) and not costs.measured
+    assert costs.choose(2, 10, tokens=15).cost == CALL_TOKENS + 15 + 2 * 16

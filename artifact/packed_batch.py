@@ -1,0 +1,57 @@
+"""The packed layout's inputs: a padded batch of token rows, concatenated without its padding.
+
+A packed library runs every linear layer, layer norm and GELU on `[tokens, hidden]`, the real
+tokens of all sequences one after another, and gathers them per sequence only for attention and
+pooling. Its inputs, built here from the padded `[batch, seq]` rows the tokenizer gives:
+
+- input_ids, token_type_ids, position_ids `[tokens]`: the real tokens, positions restarting at 0
+  for each sequence;
+- gather `[batch, seq]`: where each sequence's j-th token sits in the packed rows (0 past its
+  end, masked out);
+- attention_mask `[batch, seq]`: 1 for real tokens;
+- scatter `[tokens]`: each packed token's position in the `[batch * seq]` attention output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+PACKED_INPUT_NAMES = ("input_ids", "token_type_ids", "position_ids", "gather", "attention_mask", "scatter")
+
+
+def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray | None = None,
+               seq: int | None = None, tokens: int | None = None) -> tuple[np.ndarray, ...]:
+    """The six packed inputs of a right-padded batch (each row's mask is ones, then zeros).
+
+    `seq` pads the per-sequence arrays to a packed bucket's bound (default: the batch's own
+    width); `tokens` appends pad tokens up to that many packed rows (default: none), which the
+    model computes and drops, as a padded library would.
+    """
+    input_ids = np.asarray(input_ids)
+    mask = np.asarray(attention_mask).astype(bool)
+    batch, width = input_ids.shape
+    lengths = mask.sum(axis=1)
+    if not (mask == (np.arange(width)[None, :] < lengths[:, None])).all():
+        raise ValueError("packing needs right-padded rows: each attention mask must be ones, then zeros")
+    seq = width if seq is None else seq
+    if lengths.max(initial=0) > seq:
+        raise ValueError(f"a sequence of {lengths.max()} tokens does not fit a packed bucket of {seq}")
+    real = int(lengths.sum())
+    tokens = real if tokens is None else tokens
+    if tokens < real:
+        raise ValueError(f"{real} tokens do not fit {tokens} packed rows")
+    rows, columns = np.nonzero(mask)  # row-major: exactly the packed order
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+
+    def packed(values: np.ndarray) -> np.ndarray:
+        out = np.zeros(tokens, dtype=np.int64)
+        out[:real] = values
+        return out
+
+    type_ids = np.zeros_like(input_ids) if token_type_ids is None else np.asarray(token_type_ids)
+    gather = np.zeros((batch, seq), dtype=np.int64)
+    gather[rows, columns] = starts[rows] + columns
+    sequence_mask = np.zeros((batch, seq), dtype=np.int64)
+    sequence_mask[rows, columns] = 1
+    return (packed(input_ids[rows, columns]), packed(type_ids[rows, columns]), packed(columns),
+            gather, sequence_mask, packed(rows * seq + columns))

@@ -1,0 +1,50 @@
+"""The packed layout's inputs (artifact/packed_batch.py), checked against the padded rows they came from."""
+
+import numpy as np
+import pytest
+
+from artifact.packed_batch import pack_batch
+
+
+def _rows(lengths, width):
+    ids = np.arange(1, len(lengths) * width + 1).reshape(len(lengths), width)
+    mask = (np.arange(width)[None, :] < np.array(lengths)[:, None]).astype(np.int64)
+    return ids, mask
+
+
+def test_packs_the_real_tokens_only_with_positions_restarting_per_sequence():
+    ids, mask = _rows([3, 1, 4], width=5)
+    type_ids = np.where(np.arange(5)[None, :] >= 2, 1, 0).repeat(3, axis=0)
+    packed_ids, packed_types, positions, gather, sequence_mask, scatter = pack_batch(ids, mask, type_ids)
+    assert packed_ids.tolist() == [1, 2, 3, 6, 11, 12, 13, 14]
+    assert packed_types.tolist() == [0, 0, 1, 0, 0, 0, 1, 1]
+    assert positions.tolist() == [0, 1, 2, 0, 0, 1, 2, 3]
+    assert (sequence_mask == mask).all() and gather.shape == (3, 5)
+
+
+def test_gather_and_scatter_are_inverse_over_the_real_tokens():
+    ids, mask = _rows([2, 5, 1, 3], width=6)
+    packed_ids, _, _, gather, sequence_mask, scatter = pack_batch(ids, mask, seq=8)
+    assert gather.shape == sequence_mask.shape == (4, 8)
+    # each sequence's j-th token, read through gather, is the padded row's j-th token
+    assert (np.where(sequence_mask == 1, packed_ids[gather], 0) == np.pad(ids * mask, ((0, 0), (0, 2)))).all()
+    # each packed token lands, through scatter, on the [batch * seq] slot it was gathered from
+    assert (gather.reshape(-1)[scatter] == np.arange(len(scatter))).all()
+
+
+def test_pad_tokens_are_appended_and_never_gathered():
+    ids, mask = _rows([2, 3], width=3)
+    packed_ids, _, positions, gather, sequence_mask, scatter = pack_batch(ids, mask, tokens=8)
+    assert len(packed_ids) == len(scatter) == 8 and packed_ids[5:].tolist() == [0, 0, 0]
+    assert set(gather[sequence_mask == 1].tolist()) == set(range(5))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda ids, mask: (ids, mask[:, ::-1].copy(), {}), "right-padded"),
+    (lambda ids, mask: (ids, mask, {"seq": 2}), "does not fit a packed bucket of 2"),
+    (lambda ids, mask: (ids, mask, {"tokens": 3}), "do not fit 3 packed rows"),
+])
+def test_a_batch_that_cannot_be_packed_is_refused(change, message):
+    ids, mask, kwargs = change(*_rows([1, 3], width=4))
+    with pytest.raises(ValueError, match=message):
+        pack_batch(ids, mask, **kwargs)

@@ -180,13 +180,22 @@ class CompiledModel:
         """Run one batch of right-padded rows on `bucket` (a caller's choice, e.g. the planner's
         cheapest) or the smallest fitting bucket, else on the generic library."""
         batch, seq = input_ids.shape
+        if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
+            raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
+        return self._run_on(bucket or self.select(batch, seq), input_ids, attention_mask, token_type_ids)
+
+    def run_generic(self, input_ids: np.ndarray, attention_mask: np.ndarray,
+                    token_type_ids: np.ndarray | None = None) -> RunResult:
+        """Run one batch on the generic library even where a bucket would hold it."""
+        return self._run_on(None, input_ids, attention_mask, token_type_ids)
+
+    def _run_on(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
+                token_type_ids: np.ndarray | None) -> RunResult:
+        batch, seq = input_ids.shape
         vocab_size = self.manifest.model.vocab_size
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
             raise ValueError(f"token ids must lie in [0, {vocab_size})")  # the gather kernel does not check
         real_tokens = int(np.asarray(attention_mask).sum())
-        if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
-            raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
-        bucket = bucket or self.select(batch, seq)
         if bucket is None:
             generic = self.manifest.generic
             if batch > generic.max_batch or seq > generic.max_seq:
@@ -211,7 +220,7 @@ class CompiledModel:
             ones = np.ones((bucket.rows, bucket.seq), dtype=np.int64)
             self.run(ones, ones, bucket=bucket)
         ones = np.ones((1, 2), dtype=np.int64)
-        self.generic(*(pack_batch(ones, ones) if self.packed else model_inputs(ones, ones, None)))
+        self.run_generic(ones, ones)
 
 
 def _verified(directory: Path, library: str, sha256: str) -> Path:

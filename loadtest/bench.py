@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
-    from artifact.loader import load_artifact, model_inputs
+    from artifact.loader import load_artifact
     from compile.checkpoint import INPUT_NAMES, example_inputs, inspect_checkpoint, load_wrapper
     from compile.timing import interleaved_medians
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             # Every candidate returns its output on the host, so GPU timings include the sync.
             candidates = {
                 "tvm_bucket": lambda: model.run(ids, mask),
-                "tvm_generic": lambda: model.generic(*model_inputs(ids, mask, None)),
+                "tvm_generic": lambda: model.run_generic(ids, mask),
                 "torch_eager": lambda: wrapper(*tensors).cpu(),
             }
             for label, other in others.items():

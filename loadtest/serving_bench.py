@@ -72,8 +72,9 @@ def _resolve(flags: list[str], cores: int) -> list[str]:
     return [str(cores) if flag == "0" else flag for flag in flags]
 
 
-def library_median_ms(artifacts: Path, ids: list[int], repeats: int = 200) -> tuple[str, float]:
-    """In-process median of the library that serves one input of these ids, on every core."""
+def library_median_ms(artifacts: Path, ids: list[int], gap_s: float, repeats: int = 200) -> tuple[str, float, float]:
+    """In-process medians of the library that serves one input of these ids, on every core: back
+    to back, and `gap_s` after the previous call (an idle pool's wake-up, as the server sees it)."""
     import numpy as np
 
     from artifact.loader import load_artifact
@@ -85,32 +86,50 @@ def library_median_ms(artifacts: Path, ids: list[int], repeats: int = 200) -> tu
     mask = np.ones_like(input_ids)
     path = model.run(input_ids, mask).path
     stats = interleaved_medians({"library": lambda: model.run(input_ids, mask)}, repeats, warmup=10)
-    return path, stats["library"]["median_s"] * 1e3
+    idle = []
+    for _ in range(min(repeats, 100)):
+        time.sleep(gap_s)
+        started = time.perf_counter()
+        model.run(input_ids, mask)
+        idle.append(time.perf_counter() - started)
+    return path, stats["library"]["median_s"] * 1e3, statistics.median(idle) * 1e3
 
 
-def interleaved_p50(urls: dict[str, str], body: dict, count: int, gap_s: float) -> dict[str, dict]:
-    """Send `body` `count` times to each server in turn over kept-alive connections; p50 per server.
+def interleaved_p50(urls: dict[str, str], body: dict | None, count: int, gap_s: float) -> dict[str, dict]:
+    """Send `body` to /embed `count` times to each server in turn over kept-alive connections; p50
+    per server. Without a body, GET /health instead: the HTTP round trip with no work behind it.
 
     Each request starts `gap_s` after the last answer, so no server's idle threads still spin
     (TVM's pool, OpenMP under torch) when the next one is timed: each sees an idle machine."""
     samples: dict[str, list[float]] = {name: [] for name in urls}
+    parts: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
     paths: dict[str, set] = {name: set() for name in urls}
     with contextlib.ExitStack() as stack:
         clients = {name: stack.enter_context(httpx.Client(base_url=url, timeout=120)) for name, url in urls.items()}
+        send = ((lambda client: client.post("/embed", json=body)) if body is not None
+                else (lambda client: client.get("/health")))
         for client in clients.values():  # connection set up and first-call costs out of the samples
             for _ in range(3):
-                client.post("/embed", json=body).raise_for_status()
+                send(client).raise_for_status()
         names = list(urls)
         for i in range(count):
             for name in names[i % len(names):] + names[: i % len(names)]:
                 time.sleep(gap_s)
                 started = time.perf_counter()
-                response = clients[name].post("/embed", json=body)
+                response = send(clients[name])
                 samples[name].append((time.perf_counter() - started) * 1e3)
                 response.raise_for_status()
                 paths[name].add(response.headers.get("x-compute-path"))
-    return {name: {"p50_ms": statistics.median(values), "paths": sorted(paths[name])}
+                parts[name].append(server_timing(response.headers.get("server-timing", "")))
+    return {name: {"p50_ms": statistics.median(values), "paths": sorted(paths[name]),
+                   "server_p50_ms": {part: statistics.median(p[part] for p in parts[name]) for part in parts[name][0]}
+                   if parts[name][0] else {}}
             for name, values in samples.items()}
+
+
+def server_timing(header: str) -> dict[str, float]:
+    """`Server-Timing: tokenize;dur=0.041, ...` as {"tokenize": 0.041, ...} (ms)."""
+    return {name: float(dur) for name, dur in (part.split(";dur=") for part in header.split(", ") if ";dur=" in part)}
 
 
 def machine() -> dict:
@@ -142,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     short = _text(6, 1)
     long_inputs = [_text(110, seed) for seed in range(8)]
     log(f"{PROG}: in-process library median for a {len(tokenizer.encode(short).ids)}-token query ...")
-    served_by, library_ms = library_median_ms(args.artifacts, tokenizer.encode(short).ids)
+    served_by, library_ms, idle_library_ms = library_median_ms(args.artifacts, tokenizer.encode(short).ids,
+                                                               args.gap_ms / 1e3)
     report = {"command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]), "machine": machine(),
-              "artifacts": str(args.artifacts), "library": {"served_by": served_by, "median_ms": library_ms},
+              "artifacts": str(args.artifacts), "library": {"served_by": served_by, "median_ms": library_ms, "idle_median_ms": idle_library_ms},
               "short_tokens": len(tokenizer.encode(short).ids),
               "long_tokens": [len(tokenizer.encode(text).ids) for text in long_inputs]}
     requests = make_requests(args.mixed_requests, seed=0)
@@ -163,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         report["topology"] = {name: httpx.get(f"{url}/info").json()["topology"] for name, url in urls.items()}
         log(f"{PROG}: single short query x {args.short_requests} per server ...")
         report["short"] = interleaved_p50(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3)
+        report["http_floor"] = interleaved_p50(urls, None, args.short_requests, args.gap_ms / 1e3)
         log(f"{PROG}: 8 x ~112 tokens x {args.long_requests} per server ...")
         report["long"] = interleaved_p50(urls, {"inputs": long_inputs, "truncate": True}, args.long_requests, args.gap_ms / 1e3)
         runs: dict[str, list[dict]] = {name: [] for name in urls}
@@ -193,7 +214,8 @@ def markdown(report: dict) -> str:
     machine_line = report["machine"]
     lines = [f"CPU: {machine_line['cpu']} (LLVM mcpu {machine_line['llvm_mcpu']}, {machine_line['cores']} cores, "
              f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}); library {report['library']['served_by']} "
-             f"in process: {report['library']['median_ms']:.2f} ms for a {report['short_tokens']}-token query.", "",
+             f"in process: {report['library']['median_ms']:.2f} ms for a {report['short_tokens']}-token query back to "
+             f"back, {report['library']['idle_median_ms']:.2f} ms when each call follows an idle gap.", "",
              "| server | topology (workers x threads, wide) | 1 short query p50 ms | 8 x ~112 tokens p50 ms "
              "| mixed traffic req/s | mixed p50 ms | mixed p99 ms | mixed padding share |",
              "|---|---|---|---|---|---|---|---|"]
@@ -203,6 +225,16 @@ def markdown(report: dict) -> str:
                      f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
                      f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
+    lines += ["", "Where the single query's time goes (medians, ms; the server's parts from its `Server-Timing` header):",
+              "", "| server | client p50 | server total | tokenize | queue | inference | outside the server (HTTP, client) "
+              "| GET /health p50 |", "|---|---|---|---|---|---|---|---|"]
+    for name, short in report["short"].items():
+        server = short.get("server_p50_ms") or {}
+        if not server:
+            continue
+        lines.append(f"| {name} | {short['p50_ms']:.2f} | {server['total']:.2f} | {server['tokenize']:.2f} | "
+                     f"{server['queue']:.2f} | {server['inference']:.2f} | {short['p50_ms'] - server['total']:.2f} | "
+                     f"{report['http_floor'][name]['p50_ms']:.2f} |")
     return "\n".join(lines)
 
 

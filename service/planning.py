@@ -88,10 +88,11 @@ class PackedCosts:
         self._generic_model = generic_model if self.measured else unmeasured
 
     def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
+        """The tightest bound that holds the batch: the same tokens, the least attention padding
+        (the libraries' fits differ by noise, not by kernels, so they do not pick here)."""
         tokens = size * seq if tokens is None else tokens
-        costs = [(self._bucket_models[b](size, b.seq, tokens), b) for b in self.buckets if b.fits(size, seq)]
-        cost, best = min(costs, default=(None, None))
-        return None if best is None else Choice(best, cost, tokens)
+        best = next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
+        return None if best is None else Choice(best, self._bucket_models[best](size, best.seq, tokens), tokens)
 
     def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
         tokens = size * seq if tokens is None else tokens

@@ -49,9 +49,14 @@ def _ms(seconds: float) -> str:
 
 
 def _headers(service: ModelService, computed: Computed, started: float) -> dict[str, str]:
-    """TEI's per-response headers (times in whole ms), plus which compute path(s) served."""
-    total = _ms(time.perf_counter() - started)
+    """TEI's per-response headers (times in whole ms), which compute path(s) served, and the same
+    times to the microsecond as a standard `Server-Timing` header (what a latency breakdown needs)."""
+    seconds = time.perf_counter() - started
+    total = _ms(seconds)
+    parts = {"tokenize": computed.tokenization_seconds, "queue": computed.queue_seconds,
+             "inference": computed.inference_seconds, "total": seconds}
     return {
+        "server-timing": ", ".join(f"{name};dur={value * 1e3:.3f}" for name, value in parts.items()),
         "x-compute-path": ",".join(computed.paths),
         "x-compute-type": service.batcher.backend.device,
         "x-compute-time": total,

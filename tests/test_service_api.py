@@ -107,6 +107,10 @@ def test_embed_is_normalised_ordered_and_timed(client):
     for header in ("x-compute-time", "x-tokenization-time", "x-queue-time", "x-inference-time", "x-compute-tokens"):
         assert response.headers[header].isdigit(), header
     assert response.headers["x-compute-path"].startswith("bucket-")
+    timing = dict(part.split(";dur=") for part in response.headers["server-timing"].split(", "))
+    assert set(timing) == {"tokenize", "queue", "inference", "total"}
+    assert 0 < float(timing["inference"]) <= float(timing["total"])
+    assert int(response.headers["x-inference-time"]) == int(float(timing["inference"]))
 
 
 def test_concurrent_mixed_burst_matches_alone(server, client):

@@ -9,7 +9,8 @@
 # Build arguments
 #   TARGET     cpu | cuda. cuda compiles configs/cuda.yaml (no GPU needed at build time; the
 #              libraries are validated against PyTorch only where a GPU is present, so a CUDA
-#              image is NOT validated at build time) and adds the CUDA user-space libraries.
+#              image is NOT validated at build time) and adds the CUDA user-space libraries
+#              to the serving environment.
 #   CUDA_ARCH  passed to `bert-compile --cuda-arch` (default sm_90, H100).
 #   MCPU       LLVM CPU the host code is compiled for. bert-compile's own default is the build
 #              machine's CPU, which could SIGILL on a different node; x86-64-v3 (AVX2 + FMA)
@@ -46,42 +47,19 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/venv
 
 WORKDIR /src
-# Dependencies first (one cached layer, independent of the source). Only the project's own
-# dependencies from pyproject.toml are installed, at the exact versions in requirements.lock
-# (used as constraints); the lock's test and bench extras (pytest, onnx, onnxruntime,
-# matplotlib, sentence-transformers, scikit-learn, ...) stay out of the image.
+# Dependencies first (one cached layer, independent of the source): the project's own and its
+# `compile` extra (torch, transformers, the bundled model) from pyproject.toml, at the exact
+# versions in requirements.lock (used as constraints); the lock's test and bench extras (pytest,
+# onnx, onnxruntime, matplotlib, sentence-transformers, ...) stay out of the image.
 # torch comes from PyTorch's CPU index: PyPI's torch==2.13.0 is the CUDA build (several GB of
-# nvidia-* wheels). torch is needed by bert-compile and by `--backend torch`, and TVM's Python
-# package imports it whenever it is installed, so the runtime stage carries it; the CPU build
-# is enough for CUDA images too, since the TVM libraries, not torch, run on the GPU.
+# nvidia-* wheels). Only this stage has torch: the runtime stage serves without it.
 COPY requirements.lock pyproject.toml ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple \
         -c requirements.lock "torch==2.13.0+cpu" \
-    && python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
-        > /tmp/dependencies.txt \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+print(*p['dependencies'], *p['optional-dependencies']['compile'], sep='\n')" > /tmp/dependencies.txt \
     && pip install -c requirements.lock -r /tmp/dependencies.txt \
     && rm /tmp/dependencies.txt
-
-# CUDA user-space libraries, from NVIDIA's pip wheels (CUDA 13, the version TVM's wheel links:
-# libtvm_runtime_cuda.so NEEDs libcudart.so.13 and libcuda.so.1). TVM 0.27 stores CUDA kernels
-# in the .so files as CUDA *source* and compiles them when a library is loaded, through
-# tvm.support.nvcc's NVRTC path, so serving needs more than libcudart:
-#   nvidia-cuda-runtime  libcudart.so.13 and cuda_runtime.h
-#   nvidia-cuda-nvrtc    libnvrtc.so.13 and libnvrtc-builtins.so.13.0
-#   nvidia-cuda-cccl     the cuda/std/* headers the generated kernels include
-#   cuda-bindings        the Python NVRTC binding tvm.support.nvcc calls
-# TVM looks for the CCCL headers under $CUDA_PATH/targets/x86_64-linux/include (the toolkit's
-# layout), so that path is linked to the wheel's include directory. libcuda.so.1 is the
-# driver's and is mounted by the NVIDIA container toolkit at run time.
-# (An nvidia/cuda:13.0.x-runtime-ubuntu24.04 base would give libcudart and libnvrtc but
-# neither the headers nor cuda-bindings, and Python 3.12 instead of the tested 3.11.)
-RUN if [ "$TARGET" = cuda ]; then \
-        pip install nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-cccl==13.0.85 \
-            cuda-bindings==13.0.3 \
-        && cu13=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
-        && mkdir -p "$cu13/targets/x86_64-linux" \
-        && ln -s ../../include "$cu13/targets/x86_64-linux/include"; \
-    fi
 
 # The project itself (artifact/, compile/, service/, loadtest/ and the console scripts), not editable,
 # so the runtime stage needs no source tree.
@@ -101,7 +79,48 @@ RUN case "$TARGET" in \
     && bert-compile "$@" --mcpu "$MCPU" --out /opt/bert/artifacts --quiet
 
 # ---------------------------------------------------------------------------------------------
-# runtime: the venv and the artifacts only; no compiler, no source tree, no pip cache
+# serve-env: what serving needs and nothing else (scripts/serve_env.sh): TVM's runtime library,
+# tokenizers, FastAPI. No torch, no transformers, no TVM compiler library; `--backend torch` is
+# for development machines, not this image.
+# ---------------------------------------------------------------------------------------------
+FROM python:3.11-slim-bookworm AS serve-env
+ARG TARGET
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONDONTWRITEBYTECODE=1
+WORKDIR /src
+COPY requirements.lock pyproject.toml README.md ./
+COPY scripts/serve_env.sh scripts/
+COPY artifact/ artifact/
+COPY compile/ compile/
+COPY service/ service/
+COPY loadtest/ loadtest/
+RUN scripts/serve_env.sh /opt/venv
+
+# CUDA user-space libraries, from NVIDIA's pip wheels (CUDA 13, the version TVM's wheel links:
+# libtvm_runtime_cuda.so NEEDs libcudart.so.13 and libcuda.so.1). TVM 0.27 stores CUDA kernels
+# in the .so files as CUDA *source* and compiles them when a library is loaded, through
+# tvm.support.nvcc's NVRTC path, so serving needs more than libcudart:
+#   nvidia-cuda-runtime  libcudart.so.13 and cuda_runtime.h
+#   nvidia-cuda-nvrtc    libnvrtc.so.13 and libnvrtc-builtins.so.13.0
+#   nvidia-cuda-cccl     the cuda/std/* headers the generated kernels include
+#   cuda-bindings        the Python NVRTC binding tvm.support.nvcc calls
+# TVM looks for the CCCL headers under $CUDA_PATH/targets/x86_64-linux/include (the toolkit's
+# layout), so that path is linked to the wheel's include directory. libcuda.so.1 is the
+# driver's and is mounted by the NVIDIA container toolkit at run time.
+# (An nvidia/cuda:13.0.x-runtime-ubuntu24.04 base would give libcudart and libnvrtc but
+# neither the headers nor cuda-bindings, and Python 3.12 instead of the tested 3.11.)
+RUN if [ "$TARGET" = cuda ]; then \
+        /opt/venv/bin/pip install nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-cccl==13.0.85 \
+            cuda-bindings==13.0.3 \
+        && cu13=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
+        && mkdir -p "$cu13/targets/x86_64-linux" \
+        && ln -s ../../include "$cu13/targets/x86_64-linux/include"; \
+    fi
+
+# ---------------------------------------------------------------------------------------------
+# runtime: the serving venv and the artifacts only; no compiler, no torch, no source tree, no pip cache
 # ---------------------------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS runtime-base
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can check it.
@@ -116,7 +135,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     BERT_SERVE_ARTIFACTS=/opt/bert/artifacts \
     BERT_SERVE_HOST=0.0.0.0 \
     BERT_SERVE_PORT=8080
-COPY --from=build /opt/venv /opt/venv
+COPY --from=serve-env /opt/venv /opt/venv
 COPY --from=build /opt/bert/artifacts /opt/bert/artifacts
 
 FROM runtime-base AS runtime-cpu

@@ -206,7 +206,8 @@ class CompiledModel:
             inputs = pack_batch(input_ids, attention_mask, token_type_ids, seq=bucket.seq if bucket else None)
             computed = real_tokens
         elif bucket is not None:
-            padded = [pad_to(x, bucket.batch, bucket.seq) for x in model_inputs(input_ids, attention_mask, token_type_ids)[:3]]
+            rows = model_inputs(input_ids, attention_mask, token_type_ids)[:3]
+            padded = [pad_to(x, bucket.batch, bucket.seq) for x in rows]
             inputs, computed = model_inputs(*padded), bucket.capacity
         else:
             inputs, computed = model_inputs(input_ids, attention_mask, token_type_ids), batch * seq

@@ -98,6 +98,14 @@ class StrategyPasses(_Strict):
     main_after_lift: PassCounts
 
 
+class StrategyChoice(_Strict):
+    """How `auto` traded memory for speed: `shared` runs every library except those whose own
+    fastest strategy beat it by more than `margin` (each strategy in use loads its own weight set)."""
+
+    shared: str
+    margin: float
+
+
 class PassesEntry(_Strict):
     before: PassCounts
     strategies: dict[str, StrategyPasses]
@@ -134,6 +142,7 @@ class Manifest(_Strict):
     buckets: list[BucketEntry]
     generic: GenericEntry
     passes: PassesEntry
+    strategy_choice: StrategyChoice | None = None  # None: one strategy was built
     sparsity: SparsityEntry | None = None
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)

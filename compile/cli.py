@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
                         help="how parallel matmuls are combined; auto times all three per bucket")
+    parser.add_argument("--strategy-margin", dest="strategy_margin", type=float,
+                        help="auto: a library leaves the shared strategy (one more weight set in memory) only when "
+                             "faster by more than this fraction (default 0.03)")
     parser.add_argument("--sparsity", type=float, help="prune this fraction of weight blocks, e.g. 0.9")
     parser.add_argument("--block", help="sparse block shape ROWSxCOLS (default 16x1)")
     parser.add_argument("--sparse-layers", dest="sparse_layers",
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
-                    "strategy", "sparsity", "block", "out", "validate")
+                    "strategy", "strategy_margin", "sparsity", "block", "out", "validate")
     }
     for key in ("buckets", "sparse_layers"):
         if getattr(args, key) is not None:

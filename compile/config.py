@@ -59,6 +59,9 @@ class CompileConfig(BaseModel):
         0.5, gt=0, le=1, description="weights denser than this stay dense (the dense kernel is faster)"
     )
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
+    strategy_margin: float = Field(
+        0.03, ge=0, description="auto: a library leaves the shared strategy (and adds a weight set, one more copy "
+        "of the model in memory) only when its own fastest is faster by more than this fraction")
     out: Path = Path("artifacts/minilm-cpu")
     validate_artifacts: bool = Field(True, alias="validate")
     tolerance: float | None = Field(
@@ -106,6 +109,8 @@ class CompileConfig(BaseModel):
             raise ValueError("cuda_graph needs target cuda")
         if self.buckets is not None:
             kinds = {isinstance(parse_bucket(item), PackedBucket) for item in self.buckets}
+            if len(kinds) > 1:
+                parse_buckets(self.buckets)  # raises: an artifact has one layout
             if kinds != {self.layout == "packed"}:
                 expected = "packed-SEQ, e.g. packed-128" if self.layout == "packed" else "BATCHxSEQ, e.g. 8x128"
                 raise ValueError(f"buckets of layout {self.layout} are {expected}")

@@ -56,7 +56,8 @@ class PackedBertWrapper(torch.nn.Module):
         def per_sequence(projected):
             return torch.index_select(projected, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
 
-        query, key, value = (per_sequence(linear(hidden)) for linear in (attention.query, attention.key, attention.value))
+        query, key, value = (per_sequence(projection(hidden))
+                             for projection in (attention.query, attention.key, attention.value))
         scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(size) + additive
         context = torch.matmul(torch.softmax(scores, dim=-1), value)
         return torch.index_select(context.transpose(1, 2).reshape(batch * seq, heads * size), 0, scatter)

@@ -29,6 +29,7 @@ from artifact.manifest import (
     PassCounts,
     PassesEntry,
     SparsityEntry,
+    StrategyChoice,
     StrategyPasses,
     TargetEntry,
     WeightsEntry,
@@ -71,6 +72,33 @@ class Workload:
     @classmethod
     def full(cls, batch: int, seq: int) -> "Workload":
         return cls(batch, seq, seq, batch * seq)
+
+
+@dataclass
+class Candidates:
+    """One library built once per strategy, before the strategy is chosen."""
+
+    name: str
+    libraries: dict[str, str]  # strategy -> library file in the staging directory
+    strategy_ms: dict[str, float] | None  # None: one strategy, nothing to time
+    workloads: list[Workload]
+    validation_shapes: list[AnyBucket]
+    seconds: float
+
+
+def choose_strategies(pending: list[Candidates], margin: float) -> tuple[dict[str, str], str]:
+    """({library: strategy}, shared strategy). Every strategy in use ships a full weight set, so
+    one shared strategy (the least total time over all libraries) runs everything, except a library
+    whose own fastest strategy beats it by more than `margin` (0.05: 5%)."""
+    strategies = list(pending[0].libraries)
+    timed = [c for c in pending if c.strategy_ms is not None]
+    shared = min(strategies, key=lambda s: sum(c.strategy_ms[s] for c in timed)) if timed else strategies[0]
+    chosen = {}
+    for candidates in pending:
+        times = candidates.strategy_ms
+        fastest = min(times, key=times.get) if times else shared
+        chosen[candidates.name] = fastest if times and times[shared] > times[fastest] * (1 + margin) else shared
+    return chosen, shared
 
 
 @dataclass
@@ -172,39 +200,42 @@ class LibraryBuilder:
         )
 
     def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
-              workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> BuildRecord:
-        """Build each strategy, keep the fastest on the first workload, validate, then time it on all."""
+              workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> Candidates:
+        """Build the library once per strategy and time each on the first workload (when `auto`)."""
         started = time.perf_counter()
-        candidates = {}
+        libraries = {}
         for strategy, variant in self.variants.items():
             library = f"lib/{name}.{strategy}.so"
             build_library(shape_module(variant.mod), self.target, self.staging / library,
                           cuda_graph=self.config.cuda_graph and static)
-            candidates[strategy] = library
-        strategy, strategy_ms = self._choose(candidates, workloads[0])
-        library = f"lib/{name}.so"
-        (self.staging / candidates[strategy]).rename(self.staging / library)
-        for other in set(candidates) - {strategy}:
-            (self.staging / candidates[other]).unlink()
-        record = BuildRecord(name, library, time.perf_counter() - started, strategy, strategy_ms)
-        for index, shape in enumerate(validation_shapes):
+            libraries[strategy] = library
+        strategy_ms = self._time_strategies(libraries, workloads[0])
+        return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
+
+    def finish(self, candidates: Candidates, strategy: str) -> BuildRecord:
+        """Ship `strategy`'s library (the others are deleted), validate it, time it on every workload."""
+        library = f"lib/{candidates.name}.so"
+        (self.staging / candidates.libraries[strategy]).rename(self.staging / library)
+        for other in set(candidates.libraries) - {strategy}:
+            (self.staging / candidates.libraries[other]).unlink()
+        record = BuildRecord(candidates.name, library, candidates.seconds, strategy, candidates.strategy_ms)
+        for index, shape in enumerate(candidates.validation_shapes):
             record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
         if self.timed:
-            record.latency_ms = self._latencies(record, workloads)
+            record.latency_ms = self._latencies(record, candidates.workloads)
         return record
 
     def _runner(self, library: str, strategy: str) -> LibraryRunner:
         return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
 
-    def _choose(self, candidates: dict[str, str], workload: Workload) -> tuple[str, dict[str, float] | None]:
-        if len(candidates) == 1:
-            return next(iter(candidates)), None
+    def _time_strategies(self, libraries: dict[str, str], workload: Workload) -> dict[str, float] | None:
+        if len(libraries) == 1:
+            return None
         inputs = self._inputs(workload)
-        runners = {s: self._runner(library, s) for s, library in candidates.items()}
+        runners = {s: self._runner(library, s) for s, library in libraries.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
                                     repeats=self.config.strategy_repeats)
-        strategy_ms = {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
-        return min(strategy_ms, key=strategy_ms.get), strategy_ms
+        return {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
 
     def _inputs(self, workload: Workload) -> tuple[np.ndarray, ...]:
         rows = example_inputs(workload.batch, workload.width, self.vocab_size, seed=self.config.seed)
@@ -243,7 +274,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     if config.strategy == "auto":  # timing needs to run the libraries; where they cannot, build one strategy only
         strategies = list(STRATEGIES) if can_run else [UNTIMED_AUTO_STRATEGY]
     progress = progress or Progress(0, quiet=True)
-    progress.set_total(4 + len(buckets) + 1)
+    progress.set_total(4 + 2 * (len(buckets) + 1))
     vocab_size = int(info.config["vocab_size"])
 
     with atomic_directory(config.out) as staging:
@@ -279,17 +310,23 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
         builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size, can_run)
-        records = []
+        pending = []
         for bucket in buckets:
-            with progress.step(f"build + validate bucket {bucket.name}"):
-                records.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
+            with progress.step(f"build bucket {bucket.name}"):
+                pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
                                              bucket_workloads(bucket), [bucket]))
-        with progress.step(f"build + validate generic library on {', '.join(s.name for s in generic_shapes)}"):
+        with progress.step("build generic library"):
             generic_workloads = cost_model_workloads(config.max_batch, info.max_seq)
             first = Workload.full(generic_shapes[0].batch, generic_shapes[0].seq)  # `auto` chooses on it
-            generic = builder.build("generic", lambda m: m, [first] + [w for w in generic_workloads if w != first],
-                                    generic_shapes, static=False)
-            records.append(generic)
+            pending.append(builder.build("generic", lambda m: m, [first] + [w for w in generic_workloads if w != first],
+                                         generic_shapes, static=False))
+        chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
+        records = []
+        for candidates in pending:
+            shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
+            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
+                records.append(builder.finish(candidates, chosen[candidates.name]))
+        generic = records[-1]
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()
@@ -337,6 +374,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
                                  cost_model=generic.cost_model(), **library_fields(generic)),
             passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
+            strategy_choice=(StrategyChoice(shared=shared_strategy, margin=config.strategy_margin)
+                             if len(strategies) > 1 else None),
             sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
             validated=builder.validate,
             validated_on=device_name(builder.device) if builder.validate else None,

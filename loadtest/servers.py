@@ -62,23 +62,25 @@ class RunningServer:
     process: subprocess.Popen
     log: Path
     memory: MemorySampler
+    ready_s: float  # from spawning the process to /ready answering 200 (polled every 0.1 s)
 
 
 @contextlib.contextmanager
 def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[str, str] | None = None,
                    ready_headers: dict[str, str] | None = None, timeout: float = 600.0,
-                   module: str = "service") -> Iterator[RunningServer]:
+                   module: str = "service", python: str = sys.executable) -> Iterator[RunningServer]:
     """`python -m service --artifacts ... *args` (or another module taking the same --host, --port
-    and --artifacts) on 127.0.0.1:<free port>, yielded once /ready is 200; terminated (SIGTERM,
-    then SIGKILL after 30 s) on exit."""
+    and --artifacts) on 127.0.0.1:<free port>, run by `python` (e.g. a serving-only environment's),
+    yielded once /ready is 200; terminated (SIGTERM, then SIGKILL after 30 s) on exit."""
     port = free_port()
-    command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port)]
+    command = [python, "-m", module, "--host", "127.0.0.1", "--port", str(port)]
     for directory in artifacts:
         command += ["--artifacts", str(directory)]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
         process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                    env={**os.environ, **(env or {})})
+    spawned = time.monotonic()
     memory = MemorySampler(process.pid)
     memory.start()
     url = f"http://127.0.0.1:{port}"
@@ -92,8 +94,8 @@ def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not ready after {timeout:.0f} s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(0.2)
-        yield RunningServer(url, process, log_path, memory)
+            time.sleep(0.1)
+        yield RunningServer(url, process, log_path, memory, time.monotonic() - spawned)
     finally:
         memory.stop()
         if process.poll() is None:

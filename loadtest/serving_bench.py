@@ -59,6 +59,9 @@ def parse_args(argv):
                         help="another artifact of the same model, served with the default tvm topology; repeatable")
     parser.add_argument("--gap-ms", type=float, default=50.0, help="idle time before each timed request")
     parser.add_argument("--only", help="comma-separated topology names to run (default: all)")
+    parser.add_argument("--server-python", default=sys.executable,
+                        help="the Python that runs the tvm-backend servers, e.g. .venv-serve/bin/python from "
+                             "scripts/serve_env.sh (default: this one)")
     parser.add_argument("--out", type=Path, default=Path("docs/serving"))
     return parser.parse_args(argv)
 
@@ -178,9 +181,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{PROG}: starting {name} ...")
             servers[name] = stack.enter_context(running_server(
                 [artifacts], "--backend", backend, "--log-level", "warning", *_resolve(flags, cores),
-                log_path=logs / f"server-{index}.log"))
+                log_path=logs / f"server-{index}.log",
+                python=args.server_python if backend == "tvm" else sys.executable))
         urls = {name: server.url for name, server in servers.items()}
-        report["topology"] = {name: httpx.get(f"{url}/info").json()["topology"] for name, url in urls.items()}
+        infos = {name: httpx.get(f"{url}/info").json() for name, url in urls.items()}
+        report["topology"] = {name: info["topology"] for name, info in infos.items()}
+        report["process"] = {name: {"ready_s": servers[name].ready_s, "rss_mb": info["memory"]["rss_bytes"] / 2**20,
+                                    "weights_mb": info["memory"]["weights_bytes"] / 2**20}
+                             for name, info in infos.items()}
         log(f"{PROG}: single short query x {args.short_requests} per server ...")
         report["short"] = interleaved_p50(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3)
         report["http_floor"] = interleaved_p50(urls, None, args.short_requests, args.gap_ms / 1e3)
@@ -196,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             args.concurrency, time_limit=120))
                 runs[name].append({**summarize(outcomes, elapsed),
                                    "padding_share": padding_share(before, compute_path_counts(urls[name]))})
+        for name, server in servers.items():
+            report["process"][name]["peak_rss_mb"] = server.memory.peak_bytes / 2**20
         report["mixed"] = {name: {"throughput_rps": statistics.median(r["throughput_rps"] for r in rs),
                                   "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rs),
                                   "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rs),
@@ -225,6 +235,11 @@ def markdown(report: dict) -> str:
                      f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
                      f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
+    lines += ["", "| server | start to /ready s | RSS after warm-up MB | peak RSS MB | weight files MB |",
+              "|---|---|---|---|---|"]
+    for name, process in report["process"].items():
+        lines.append(f"| {name} | {process['ready_s']:.1f} | {process['rss_mb']:.0f} | {process['peak_rss_mb']:.0f} | "
+                     f"{process['weights_mb']:.0f} |")
     lines += ["", "Where the single query's time goes (medians, ms; the server's parts from its `Server-Timing` header):",
               "", "| server | client p50 | server total | tokenize | queue | inference | outside the server (HTTP, client) "
               "| GET /health p50 |", "|---|---|---|---|---|---|---|---|"]

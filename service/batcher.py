@@ -34,7 +34,7 @@ from .backends import Backend
 from .errors import BackendFailure, GatewayTimeout, Overloaded, ServiceError, Unavailable
 from .lanes import Lane, Lanes
 from .metrics import Metrics
-from .planning import BatchLimits, Costs, batch_size_hint, plan_batches, unmeasured_costs
+from .planning import BatchLimits, Costs, batch_size_hint, plan_batches, shared_limits, unmeasured_costs
 from .tokenization import Encoded
 from .topology import Topology
 
@@ -225,7 +225,7 @@ class Batcher:
             self._gauge()
             return None
         try:
-            plan = plan_batches([len(entry.encoded) for entry in window], self.costs, self.limits)
+            plan = plan_batches([len(entry.encoded) for entry in window], self.costs, shared_limits(self.limits, len(window), len(self.lanes.narrow)))
             chosen = next(batch for batch in plan if 0 in batch.indices)
         except BaseException:
             self.queue.put_back(window)  # nothing taken is lost: the supervisor answers it

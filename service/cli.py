@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 from pathlib import Path
@@ -76,6 +77,16 @@ def _draining_server_class():
     return DrainingServer
 
 
+def serve_without_compiler() -> None:
+    """Keep what only compiling needs out of a tvm-backend server: TVM's runtime library only (not
+    its 250 MB compiler), and no torch. tvm_ffi imports torch whenever it is installed (for DLPack
+    interop the server does not use); with `sys.modules["torch"] = None` that import fails as if
+    torch were absent. `TVM_USE_RUNTIME_LIB=0` keeps the compiler library for a user who wants it."""
+    os.environ.setdefault("TVM_USE_RUNTIME_LIB", "1")
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -87,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs
 
     logs.configure(settings.log_level, settings.log_format)
+    if settings.backend == "tvm":
+        serve_without_compiler()
     import uvicorn  # heavy imports (tvm, torch) only once the settings are sane
 
     from .app import create_app

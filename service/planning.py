@@ -19,7 +19,7 @@ bucket-sized ones, never sent to the generic path wholesale).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from artifact.bucketing import AnyBucket, Bucket, PackedBucket
@@ -163,6 +163,16 @@ def plan_batches(lengths: Sequence[int], costs: Costs, limits: BatchLimits) -> l
         batches.append(PlannedBatch(order[start:end], choice.bucket))
         end = start
     return batches[::-1]
+
+
+def shared_limits(limits: BatchLimits, queued: int, workers: int) -> BatchLimits:
+    """`limits`, with no batch holding more than its share of the `queued` inputs when `workers`
+    run batches side by side: the plan cheapest in total (everything in one call, the per-call
+    cost paid once) would leave the other workers idle."""
+    if workers < 2 or queued < 2:
+        return limits
+    share = -(-queued // workers)
+    return replace(limits, max_batch_requests=min(limits.max_batch_requests or share, share))
 
 
 def batch_size_hint(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:

@@ -163,6 +163,8 @@ class Runtime:
             "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,
                          "payload_limit": settings.payload_limit, "request_timeout_s": settings.request_timeout},
             "topology": self.topology.describe(),
+            "memory": {"rss_bytes": resident_bytes(),
+                       "weights_bytes": sum(weights_bytes(directory, manifest) for directory, manifest in self.manifests.values())},
             "models": [self._describe_model(task, directory, manifest) for task, (directory, manifest)
                        in self.manifests.items()],
         }
@@ -185,6 +187,7 @@ class Runtime:
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
+            "weights_bytes": weights_bytes(directory, manifest),
             "batch_costs": (None if service is None else
                             "measured latency" if service.batcher.costs.measured else "tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
@@ -192,3 +195,19 @@ class Runtime:
             "versions": {"tvm": manifest.tvm_version, "torch": manifest.torch_version,
                          "transformers": manifest.transformers_version},
         }
+
+
+def weights_bytes(directory: Path, manifest: Manifest) -> int:
+    """Bytes of the weight files an artifact loads (every weight set its libraries use)."""
+    return sum((directory / entry.file).stat().st_size for entry in manifest.weights.values())
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux /proc), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -39,8 +39,10 @@ def gpt2_dir(tmp_path):
         (lambda t, m, g: ["--model", str(m), "--buckets", "1x8,packed-16"], "mix padded"),
         (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--buckets", "packed-100"],
          "max_position_embeddings (64)"),
-        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--target", "cuda"], "packed is built for target cpu"),
-        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"], "does not combine with sparsity"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--target", "cuda"],
+         "packed is built for target cpu"),
+        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"],
+         "does not combine with sparsity"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make_args, message):

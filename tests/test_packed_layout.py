@@ -34,10 +34,12 @@ def test_packed_function_equals_the_padded_one(tiny_bert_dir, tiny_classifier_di
     info = inspect_checkpoint(tiny_classifier_dir if task == "classify" else tiny_bert_dir, task, pooling)
     padded = load_wrapper(info, task)
     ids, mask = _ragged([7, 1, 13, 4])
-    inputs = [torch.from_numpy(x) for x in (ids, mask, np.zeros_like(ids), np.broadcast_to(np.arange(13), ids.shape).copy())]
+    positions = np.broadcast_to(np.arange(13), ids.shape).copy()
+    inputs = [torch.from_numpy(x) for x in (ids, mask, np.zeros_like(ids), positions)]
+    packed = [torch.from_numpy(x) for x in pack_batch(ids, mask, seq=16, tokens=30)]
     with torch.no_grad():
         expected = padded(*inputs).numpy()
-        got = PackedBertWrapper(padded)(*(torch.from_numpy(x) for x in pack_batch(ids, mask, seq=16, tokens=30))).numpy()
+        got = PackedBertWrapper(padded)(*packed).numpy()
     np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
@@ -91,7 +93,8 @@ def test_loader_runs_real_tokens_only_and_matches_pytorch(packed_artifact, tiny_
     np.testing.assert_allclose(result.output, expected, atol=1e-4)
 
 
-def test_served_packed_artifact_answers_like_the_padded_one_without_padding(serve, packed_artifact, tiny_embed_artifact):
+def test_served_packed_artifact_answers_like_the_padded_one_without_padding(serve, packed_artifact,
+                                                                           tiny_embed_artifact):
     texts = ["a short one", "a somewhat longer sentence with more words in it", "mid length text here"]
     answers = {}
     for name, artifact in (("packed", packed_artifact), ("padded", tiny_embed_artifact)):

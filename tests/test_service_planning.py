@@ -11,6 +11,7 @@ from service.planning import (
     PackedCosts,
     batch_size_hint,
     plan_batches,
+    shared_limits,
     unmeasured_costs,
 )
 
@@ -142,3 +143,14 @@ def test_unmeasured_packed_costs_are_tokens():
     costs = unmeasured_costs(PACKED_BUCKETS)
     assert isinstance(costs, PackedCosts) and not costs.measured
     assert costs.choose(2, 10, tokens=15).cost == CALL_TOKENS + 15 + 2 * 16
+
+
+def test_queued_inputs_are_shared_between_workers_not_planned_into_one_call():
+    """32 queued inputs and two 1-thread workers: batches of at most 16, so both cores work."""
+    one_worker = plan_batches([8] * 32, PACKED, shared_limits(LIMITS, 32, workers=1))
+    two_workers = plan_batches([8] * 32, PACKED, shared_limits(LIMITS, 32, workers=2))
+    assert max(len(b.indices) for b in one_worker) == LIMITS.generic_max_batch
+    assert sorted(len(b.indices) for b in two_workers) == [16, 16]
+    assert shared_limits(LIMITS, 5, workers=2).max_batch_requests == 3
+    capped = BatchLimits(max_batch_tokens=16384, max_batch_requests=2, generic_max_batch=16)
+    assert shared_limits(capped, 32, workers=2).max_batch_requests == 2

@@ -26,6 +26,7 @@ def test_serving_bench_compares_topologies_and_backends(tiny_embed_artifact, tmp
     breakdown = report["short"][names[0]]["server_p50_ms"]
     assert 0 < breakdown["inference"] <= breakdown["total"] <= report["short"][names[0]]["p50_ms"]
     assert all(0 <= run["padding_share"] < 1 for run in report["mixed"].values())
+    assert all(p["ready_s"] > 0 and p["rss_mb"] > p["weights_mb"] > 0 for p in report["process"].values())
     assert "| tvm default (narrow x1 thread + wide) |" in capsys.readouterr().out
 
 

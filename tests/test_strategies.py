@@ -17,7 +17,7 @@ from compile.combine import combine_parallel_matmuls
 from compile.combine_batched import batch_parallel_linears
 from compile.lift import lift_and_transform
 from compile.opcount import count_ops, tracked_counts
-from compile.pipeline import save_weights
+from compile.pipeline import Candidates, choose_strategies, save_weights
 from compile.strategy import STRATEGIES, apply_strategy
 from compile.validate import max_abs_diff
 
@@ -113,14 +113,34 @@ def auto_artifact(tiny_bert_dir, tmp_path_factory):
     return out
 
 
-def test_auto_times_three_strategies_and_keeps_the_fastest(auto_artifact):
+def test_auto_times_three_strategies_and_shares_one_unless_another_gains_the_margin(auto_artifact):
     out = auto_artifact
     manifest = Manifest.read(out)
-    for entry in [*manifest.buckets, manifest.generic]:
+    entries = [*manifest.buckets, manifest.generic]
+    shared, margin = manifest.strategy_choice.shared, manifest.strategy_choice.margin
+    assert shared == min(STRATEGIES, key=lambda s: sum(e.strategy_ms[s] for e in entries))
+    for entry in entries:
         assert set(entry.strategy_ms) == set(STRATEGIES)
-        assert entry.strategy == min(entry.strategy_ms, key=entry.strategy_ms.get)
-    assert set(manifest.weights) == {e.strategy for e in [*manifest.buckets, manifest.generic]}
+        fastest = min(entry.strategy_ms, key=entry.strategy_ms.get)
+        gains = entry.strategy_ms[shared] > entry.strategy_ms[fastest] * (1 + margin)
+        assert entry.strategy == (fastest if gains else shared)
+    assert set(manifest.weights) == {e.strategy for e in entries}
     assert sorted(p.name for p in (out / "lib").iterdir()) == ["bucket_1x8.so", "bucket_4x16.so", "generic.so"]
+
+
+def _candidates(name, **strategy_ms):
+    return Candidates(name, {s: f"lib/{name}.{s}.so" for s in strategy_ms}, strategy_ms, [], [], 0.0)
+
+
+def test_a_library_leaves_the_shared_weight_set_only_for_more_than_the_margin():
+    pending = [_candidates("a", concat=10.0, off=12.0), _candidates("b", concat=20.0, off=19.0),
+               _candidates("c", concat=30.0, off=31.0)]
+    chosen, shared = choose_strategies(pending, margin=0.05)
+    assert shared == "concat"  # 60 ms in all against 62
+    assert chosen == {"a": "concat", "b": "off", "c": "concat"}  # b: 20 > 19 x 1.05
+    assert choose_strategies(pending, margin=0.1)[0] == {"a": "concat", "b": "concat", "c": "concat"}
+    untimed = [Candidates("d", {"concat": "lib/d.so"}, None, [], [], 0.0)]
+    assert choose_strategies(untimed, margin=0.05) == ({"d": "concat"}, "concat")
 
 
 

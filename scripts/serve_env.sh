@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create a serving-only environment (default: .venv-serve): the project and what `bert-serve`
+# needs for the tvm backend, at requirements.lock's versions. No torch, no transformers, and TVM's
+# compiler library (libtvm_compiler.so, ~250 MB) removed: the server loads TVM's runtime only.
+# The Docker image's runtime stage is built by this script. Usage: scripts/serve_env.sh [DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv-serve}
+PYTHON=${PYTHON:-python3}
+"$PYTHON" -m venv "$VENV"
+requirements=$(mktemp)
+trap 'rm -f "$requirements"' EXIT
+"$VENV/bin/python" -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies'], sep='\n')" \
+    > "$requirements"
+"$VENV/bin/python" -m pip install --quiet --no-cache-dir -c requirements.lock -r "$requirements"
+"$VENV/bin/python" -m pip install --quiet --no-cache-dir --no-deps .
+rm -f "$VENV"/lib/python3*/site-packages/tvm/lib/libtvm_compiler.so

@@ -1,0 +1,33 @@
+"""A tvm-backend server carries the model, not the compiler: no torch, no transformers, no TVM
+compiler library mapped into the process (read from /proc), and /info reports its memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+COMPILE_ONLY = ("libtorch", "libtvm_compiler", "transformers")
+
+
+def mapped_files(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/" in line}
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from Linux /proc")
+def test_tvm_server_maps_no_torch_and_no_tvm_compiler(serve, tiny_embed_artifact):
+    with serve([tiny_embed_artifact], "--workers", "1") as server:
+        assert httpx.post(f"{server.url}/embed", json={"inputs": "still answers"}, timeout=60).status_code == 200
+        files = mapped_files(server.process.pid)
+        assert any("libtvm_runtime" in name for name in files)  # the check reads what it should
+        assert not [name for name in files if any(part in name for part in COMPILE_ONLY)]
+        info = httpx.get(f"{server.url}/info").json()
+        weights = sum(f.stat().st_size for f in Path(tiny_embed_artifact).glob("weights-*.safetensors"))
+        assert info["memory"]["weights_bytes"] == info["models"][0]["weights_bytes"] == weights
+        assert info["memory"]["rss_bytes"] > weights
+
+
+def test_torch_backend_still_loads_torch(serve, tiny_embed_artifact):
+    with serve([tiny_embed_artifact], "--backend", "torch", "--workers", "1") as server:
+        assert any("libtorch" in name for name in mapped_files(server.process.pid))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -81,6 +82,7 @@ def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[
         process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                    env={**os.environ, **(env or {})})
     spawned = time.monotonic()
+    previous_handler = _exit_on_sigterm()
     memory = MemorySampler(process.pid)
     memory.start()
     url = f"http://127.0.0.1:{port}"
@@ -105,6 +107,17 @@ def running_server(artifacts: list[Path], *args: str, log_path: Path, env: dict[
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _exit_on_sigterm():
+    """Make SIGTERM raise SystemExit in the main thread, so a benchmark stopped by it still stops
+    the servers it started (Python's default SIGTERM ends the process without running `finally`).
+    Returns the handler to restore, or None where nothing was changed."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
 
 
 @contextlib.contextmanager

@@ -45,3 +45,22 @@ def test_benchmarks_refuse_a_missing_artifact_with_one_line(tmp_path, capsys):
     for module in (serving_bench, soak):
         assert module.main(["--artifacts", str(tmp_path / "missing")]) == 2
         assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_a_benchmark_stopped_by_sigterm_stops_its_servers(tiny_embed_artifact, tmp_path):
+    """SIGTERM to a process inside `running_server` ends it through `finally`: no server is left."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import sys, time\nfrom pathlib import Path\nfrom loadtest.servers import running_server\n"
+              f"with running_server([Path({str(tiny_embed_artifact)!r})], '--workers', '1', "
+              f"log_path=Path({str(tmp_path / 'server.log')!r})) as server:\n"
+              "    print(server.process.pid, flush=True)\n    time.sleep(600)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    server_pid = int(bench.stdout.readline())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not Path(f"/proc/{server_pid}").exists(), "the server outlived the benchmark"  # reaped in `finally`

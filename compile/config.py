@@ -108,9 +108,7 @@ class CompileConfig(BaseModel):
         if self.target != "cuda" and self.cuda_graph:
             raise ValueError("cuda_graph needs target cuda")
         if self.buckets is not None:
-            kinds = {isinstance(parse_bucket(item), PackedBucket) for item in self.buckets}
-            if len(kinds) > 1:
-                parse_buckets(self.buckets)  # raises: an artifact has one layout
+            kinds = {isinstance(bucket, PackedBucket) for bucket in parse_buckets(self.buckets)}  # refuses a mix
             if kinds != {self.layout == "packed"}:
                 expected = "packed-SEQ, e.g. packed-128" if self.layout == "packed" else "BATCHxSEQ, e.g. 8x128"
                 raise ValueError(f"buckets of layout {self.layout} are {expected}")

@@ -89,7 +89,7 @@ class Candidates:
 def choose_strategies(pending: list[Candidates], margin: float) -> tuple[dict[str, str], str]:
     """({library: strategy}, shared strategy). Every strategy in use ships a full weight set, so
     one shared strategy (the least total time over all libraries) runs everything, except a library
-    whose own fastest strategy beats it by more than `margin` (0.05: 5%)."""
+    whose own fastest strategy beats it by more than `margin` (0.03: 3%)."""
     strategies = list(pending[0].libraries)
     timed = [c for c in pending if c.strategy_ms is not None]
     shared = min(strategies, key=lambda s: sum(c.strategy_ms[s] for c in timed)) if timed else strategies[0]

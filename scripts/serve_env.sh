@@ -2,7 +2,8 @@
 # Create a serving-only environment (default: .venv-serve): the project and what `bert-serve`
 # needs for the tvm backend, at requirements.lock's versions. No torch, no transformers, and TVM's
 # compiler library (libtvm_compiler.so, ~250 MB) removed: the server loads TVM's runtime only.
-# The Docker image's runtime stage is built by this script. Usage: scripts/serve_env.sh [DIR]
+# The Docker image's runtime stage is built by this script. Needs Python 3.11+ (tomllib).
+# Usage: scripts/serve_env.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-.venv-serve}
@@ -14,4 +15,5 @@ trap 'rm -f "$requirements"' EXIT
     > "$requirements"
 "$VENV/bin/python" -m pip install --quiet --no-cache-dir -c requirements.lock -r "$requirements"
 "$VENV/bin/python" -m pip install --quiet --no-cache-dir --no-deps .
+rm -rf build/lib build/bdist.*  # setuptools' copies of the sources, not the project's build/ logs
 rm -f "$VENV"/lib/python3*/site-packages/tvm/lib/libtvm_compiler.so

@@ -225,7 +225,8 @@ class Batcher:
             self._gauge()
             return None
         try:
-            plan = plan_batches([len(entry.encoded) for entry in window], self.costs, shared_limits(self.limits, len(window), len(self.lanes.narrow)))
+            limits = shared_limits(self.limits, len(window), len(self.lanes.narrow))
+            plan = plan_batches([len(entry.encoded) for entry in window], self.costs, limits)
             chosen = next(batch for batch in plan if 0 in batch.indices)
         except BaseException:
             self.queue.put_back(window)  # nothing taken is lost: the supervisor answers it

@@ -64,6 +64,7 @@ class Runtime:
         os.environ.setdefault("TVM_BIND_THREADS", "0")
         self.models: dict[str, ModelService] = {}
         self.backends: dict[str, Backend] = {}
+        self.weights_bytes: dict[str, int] = {}  # per task, once its weights are loaded
         self.error: str | None = None
         self.loaded = False
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -95,6 +96,7 @@ class Runtime:
                 service = self._service(directory, manifest, backend)
                 await asyncio.to_thread(service.batcher.warmup_workers)
                 self.backends[task], self.models[task] = backend, service
+                self.weights_bytes[task] = weights_bytes(directory, manifest)
             for service in self.models.values():
                 service.batcher.start()
         except Exception as exc:  # noqa: BLE001 - any load failure means the server cannot serve
@@ -163,8 +165,7 @@ class Runtime:
             "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,
                          "payload_limit": settings.payload_limit, "request_timeout_s": settings.request_timeout},
             "topology": self.topology.describe(),
-            "memory": {"rss_bytes": resident_bytes(),
-                       "weights_bytes": sum(weights_bytes(directory, manifest) for directory, manifest in self.manifests.values())},
+            "memory": {"rss_bytes": resident_bytes(), "weights_bytes": sum(self.weights_bytes.values())},
             "models": [self._describe_model(task, directory, manifest) for task, (directory, manifest)
                        in self.manifests.items()],
         }
@@ -187,7 +188,7 @@ class Runtime:
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
-            "weights_bytes": weights_bytes(directory, manifest),
+            "weights_bytes": self.weights_bytes.get(task),
             "batch_costs": (None if service is None else
                             "measured latency" if service.batcher.costs.measured else "tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,

@@ -87,6 +87,16 @@ def serve_without_compiler() -> None:
         sys.modules["torch"] = None  # type: ignore[assignment]
 
 
+def torch_installed() -> bool:
+    """Whether PyTorch eager can run here (the torch backend imports both when it loads)."""
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -100,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(settings.log_level, settings.log_format)
     if settings.backend == "tvm":
         serve_without_compiler()
+    elif not torch_installed():
+        print("bert-serve: error: --backend torch needs torch and transformers, which this environment lacks "
+              "(a serving-only environment serves the tvm backend; install the project's `compile` extra)",
+              file=sys.stderr)
+        return 2
     import uvicorn  # heavy imports (tvm, torch) only once the settings are sane
 
     from .app import create_app

@@ -31,3 +31,20 @@ def test_tvm_server_maps_no_torch_and_no_tvm_compiler(serve, tiny_embed_artifact
 def test_torch_backend_still_loads_torch(serve, tiny_embed_artifact):
     with serve([tiny_embed_artifact], "--backend", "torch", "--workers", "1") as server:
         assert any("libtorch" in name for name in mapped_files(server.process.pid))
+
+
+def test_torch_backend_without_torch_exits_2_with_one_line(tmp_path, tiny_embed_artifact):
+    """Where torch is not installed (a serving-only environment, the Docker image), `--backend torch`
+    is refused before listening, not failed in the background after start-up."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None  # as if not installed\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(tiny_embed_artifact),
+                             "--backend", "torch", "--port", "0"], capture_output=True, text=True, timeout=120,
+                            env=env, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "--backend torch needs torch" in result.stderr

@@ -20,7 +20,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", type=Path, help="YAML file of compile settings (configs/*.yaml)")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--task", choices=["embed", "classify"])
+    parser.add_argument("--task", choices=["embed", "classify", "rerank"],
+                        help="rerank: a cross-encoder (a classifier with one label), served on /rerank")
     parser.add_argument("--target", choices=["cpu", "cuda"])
     parser.add_argument("--cuda-arch", dest="cuda_arch", help="CUDA architecture (default sm_90)")
     parser.add_argument("--dtype", choices=["float32", "float16"], help="float16: CUDA only")

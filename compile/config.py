@@ -14,7 +14,7 @@ from artifact.bucketing import AnyBucket, Bucket, PackedBucket
 from .bucketing import parse_bucket, parse_buckets
 from .errors import CompileError
 
-Task = Literal["embed", "classify"]
+Task = Literal["embed", "classify", "rerank"]  # rerank: a classifier with one label (a cross-encoder)
 TargetKind = Literal["cpu", "cuda"]
 Pooling = Literal["auto", "mean", "cls", "max"]
 FP32_TOLERANCE = 1e-4
@@ -117,6 +117,12 @@ class CompileConfig(BaseModel):
         if self.layout == "packed" and self.sparsity is not None:
             raise ValueError("layout packed does not combine with sparsity")
         return self
+
+    @property
+    def model_task(self) -> str:
+        """What the compiled function computes: a reranker is a classifier with one logit (the
+        manifest says classify, and the service serves /rerank from any one-label classifier, as TEI does)."""
+        return "classify" if self.task == "rerank" else self.task
 
     @property
     def effective_tolerance(self) -> float:

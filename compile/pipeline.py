@@ -262,7 +262,10 @@ class LibraryBuilder:
 
 def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
     """Compile `config.model` into an artifact directory at `config.out`, atomically."""
-    info = inspect_checkpoint(config.model_dir(), config.task, config.pooling)
+    info = inspect_checkpoint(config.model_dir(), config.model_task, config.pooling)
+    if config.task == "rerank" and len(info.labels) != 1:
+        raise CompileError(f"--task rerank needs a cross-encoder with one label; {info.path.name} has "
+                           f"{len(info.labels)} ({', '.join(info.labels)}): use --task classify")
     buckets, generic_shapes = check_shapes(config, info)
     if config.layout == "packed" and info.config.get("position_embedding_type", "absolute") != "absolute":
         raise CompileError("layout packed needs absolute position embeddings; this checkpoint has "
@@ -279,7 +282,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
 
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
-            wrapper = load_wrapper(info, config.task)
+            wrapper = load_wrapper(info, config.model_task)
             sparsity = _prune(wrapper, info, config) if config.sparsity is not None else None
             # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
             reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
@@ -336,7 +339,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                     "strategy": record.strategy, "strategy_ms": record.strategy_ms}
 
         manifest = Manifest(
-            task=config.task,
+            task=config.model_task,
             target=TargetEntry(
                 kind=config.target,
                 tvm_target=str(builder.target),
@@ -358,8 +361,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             layout=config.layout,
             pooling=info.pooling,
             labels=info.labels,
-            problem_type=info.config.get("problem_type") if config.task == "classify" else None,
-            output_dim=len(info.labels) if config.task == "classify" else info.hidden_size,
+            problem_type=info.config.get("problem_type") if config.model_task == "classify" else None,
+            output_dim=len(info.labels) if config.model_task == "classify" else info.hidden_size,
             tvm_version=tvm.__version__,
             torch_version=torch.__version__,
             transformers_version=transformers.__version__,
@@ -389,7 +392,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
 def _prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig) -> dict:
     """Block-prune the checkpoint's chosen linears in place, before export: PyTorch validation and
     TVM then see the same weights. Returns the manifest's sparsity fields known so far."""
-    dense = load_wrapper(info, config.task)
+    dense = load_wrapper(info, config.model_task)
     try:
         pruned = prune_model(wrapper.bert, 1.0 - config.sparsity, config.block_shape(), tuple(config.sparse_layers))
     except ValueError as exc:

@@ -87,7 +87,7 @@ class Sampler(threading.Thread):
         started = time.monotonic()
         while not self._done.wait(self.every):
             self.samples.append({"t_s": time.monotonic() - started, "rss_mb": process.memory_info().rss / 2**20,
-                                 "admitted": metric_value(self.url, "bert_serve_admitted_inputs", model="embed")})
+                                 "admitted": metric_value(self.url, "bert_serve_admitted_inputs")})
 
     def stop(self) -> None:
         self._done.set()
@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         outcomes, elapsed = asyncio.run(closed_loop(server.url, "/embed", requests, tokens, args.concurrency,
                                                     args.duration, timeout=120))
         sampler.stop()
-        admitted_after = metric_value(server.url, "bert_serve_admitted_inputs", model="embed")
-        failures = metric_value(server.url, "bert_serve_batch_failures_total", model="embed")
-        batches = sum(metric_value(server.url, "bert_serve_batches_total", model="embed", path=path)
+        admitted_after = metric_value(server.url, "bert_serve_admitted_inputs")
+        failures = metric_value(server.url, "bert_serve_batch_failures_total")
+        batches = sum(metric_value(server.url, "bert_serve_batches_total", path=path)
                       for path in {p for o in outcomes if o.compute_path for p in o.compute_path.split(",")})
         info = httpx.get(f"{server.url}/info").json()
     statuses = Counter("no answer" if o.status is None else o.status for o in outcomes)

@@ -36,7 +36,6 @@ from .lanes import Lane, Lanes
 from .metrics import Metrics
 from .planning import BatchLimits, Costs, batch_size_hint, plan_batches, shared_limits, unmeasured_costs
 from .tokenization import Encoded
-from .topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +52,12 @@ class ItemResult:
 
 
 class Batcher:
-    def __init__(self, name: str, backend: Backend, limits: BatchLimits, topology: Topology, *, max_wait_ms: float,
+    def __init__(self, name: str, backend: Backend, limits: BatchLimits, lanes: Lanes, *, max_wait_ms: float,
                  sort_window: int, capacity: int, request_timeout_s: float, metrics: Metrics,
                  costs: Costs | None = None, on_fatal: Callable[[], None] | None = None):
         self.name = name
         self.backend = backend
         self.limits = limits
-        self.topology = topology
         self.max_wait = max_wait_ms / 1000
         self.request_timeout = request_timeout_s
         self.metrics = metrics
@@ -69,7 +67,7 @@ class Batcher:
         self.batch_size = batch_size_hint(backend.buckets, limits)
         self.window = sort_window * self.batch_size
         self.queue = InputQueue(capacity)
-        self.lanes = Lanes(name, topology, backend.configure_thread)
+        self.lanes = lanes  # shared by every model's batcher: one set of workers within the cores
         self.failure: str | None = None  # why the loop gave up, once it has
         self._healthy = True
         self._running: set[asyncio.Task] = set()
@@ -124,8 +122,9 @@ class Batcher:
         self._closing = True
         self.queue.arrived.set()
 
-    async def close(self) -> None:
-        """Refuse new work, finish what is queued and running (up to the request timeout), stop."""
+    async def close(self) -> bool:
+        """Refuse new work, finish what is queued and running (up to the request timeout), stop;
+        whether every batch finished (the lanes' owner then waits for their threads)."""
         self.drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout
@@ -141,7 +140,7 @@ class Batcher:
         self._fail_queued(Unavailable("server is shutting down"))
         if self._running:
             await asyncio.wait(set(self._running), timeout=max(0.0, deadline - loop.time()))
-        self.lanes.shutdown(wait=not self._running)
+        return not self._running
 
     def _loop_alive(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -179,6 +178,8 @@ class Batcher:
             await self._wait_for_work()
             await self.lanes.wait_free()
             await self._linger()
+            if not self.lanes.has_free():  # another model's batcher took the worker while this one lingered
+                continue
             planned = self._next_batch()
             if planned is None:
                 continue

@@ -29,7 +29,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add = parser.add_argument
     add("--artifacts", action="append", type=Path,
-        help="artifact directory; give twice to serve an embed and a classify artifact")
+        help="artifact directory; repeat to serve several models (requests pick one by `model`, "
+             "else the first of the route's task; `/` serves the first)")
+    add("--served-name", dest="served_names", action="append",
+        help="the model's name in requests and GET /v1/models, one per --artifacts in order (default: the directory's name)")
+    add("--default-prompt-name", help="prepend this prompt of the checkpoint's sentence-transformers `prompts` to "
+        "inputs that name none (e.g. query)")
+    add("--default-prompt", help="prepend this text to inputs that name no prompt (e.g. 'query: ')")
     add("--host")
     add("--port", type=int)
     add("--backend", choices=["tvm", "torch"], help="tvm (default) or torch eager on the same checkpoint")
@@ -55,7 +61,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _settings_error(exc: ValidationError) -> str:
     first = exc.errors()[0]
-    return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    where = ".".join(str(part) for part in first["loc"])
+    message = str(first["msg"]).removeprefix("Value error, ")
+    return f"{where}: {message}" if where else message
 
 
 def _draining_server_class():

@@ -65,6 +65,13 @@ class NotSupported(ServiceError):
     error_type = "Validation"
 
 
+class ModelNotFound(ServiceError):
+    """`model` names no model this server holds (OpenAI answers 404 here too)."""
+
+    status = 404
+    error_type = "NotFound"
+
+
 class BackendFailure(ServiceError):
     """A batch failed to run; only that batch's requests see this."""
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from .batcher import Batcher
 from .errors import InvalidInput, TooLarge
-from .tokenization import TextTokenizer
+from .tokenization import Prompts, TextInput, TextTokenizer
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
@@ -42,8 +42,9 @@ class ModelService:
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
                  tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
-                 problem_type: str | None = None):
+                 problem_type: str | None = None, prompts: Prompts | None = None):
         self.name = name
+        self.prompts = prompts or Prompts({}, "")
         self.output_dim = output_dim
         self.problem_type = problem_type
         self.task = task
@@ -57,9 +58,10 @@ class ModelService:
         if count > self.max_client_batch_size:
             raise TooLarge(f"batch size {count} > maximum allowed batch size {self.max_client_batch_size}")
 
-    async def compute(self, texts: list[str], truncate: bool) -> Computed:
+    async def compute(self, texts: list[TextInput], truncate: bool) -> Computed:
         started = time.perf_counter()
-        if sum(len(text) for text in texts) <= INLINE_TOKENIZE_CHARS:
+        characters = sum(len(text) if isinstance(text, str) else len(text[0]) + len(text[1]) for text in texts)
+        if characters <= INLINE_TOKENIZE_CHARS:
             encoded = self.tokenizer.encode(texts, truncate)  # tens of microseconds: cheaper than a thread hop
         else:
             encoded = await asyncio.get_running_loop().run_in_executor(
@@ -71,25 +73,37 @@ class ModelService:
             outputs=np.stack([result.output for result in results]),
             paths=list(dict.fromkeys(result.path for result in results)),
             tokens=sum(len(item) for item in encoded),
-            characters=sum(len(text) for text in texts),
+            characters=characters,
             tokenization_seconds=tokenized - started,
             queue_seconds=float(np.mean([result.queue_seconds for result in results])),
             inference_seconds=float(np.mean([result.inference_seconds for result in results])),
         )
 
-    async def embed(self, texts: list[str], normalize: bool, truncate: bool,
-                    dimensions: int | None = None) -> tuple[np.ndarray, Computed]:
-        """Embeddings; with `dimensions`, the first d components (Matryoshka), normalised after the cut."""
+    async def embed(self, texts: list[str], normalize: bool, truncate: bool, dimensions: int | None = None,
+                    prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
+        """Embeddings; with `dimensions`, the first d components (Matryoshka), normalised after the
+        cut; `prompt_name` (else the default prompt) is prepended to every text."""
         if dimensions is not None and dimensions > self.output_dim:
             raise InvalidInput(f"`dimensions` must be at most the model's {self.output_dim}, got {dimensions}")
-        computed = await self.compute(texts, truncate)
+        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
 
-    async def classify(self, texts: list[str], raw_scores: bool, truncate: bool) -> tuple[list[list[dict]], Computed]:
+    async def classify(self, texts: list[str], scoring: str, truncate: bool) -> tuple[list[list[dict]], Computed]:
+        """Labels ranked by score; `scoring` is "auto" (as the head was trained), or "none" (raw
+        logits), "softmax" or "sigmoid" (the HF pipeline's `function_to_apply`)."""
         computed = await self.compute(texts, truncate)
-        scores = computed.outputs if raw_scores else probabilities(computed.outputs, self.problem_type)
+        logits = computed.outputs
+        scores = {"auto": lambda: probabilities(logits, self.problem_type), "none": lambda: logits,
+                  "softmax": lambda: softmax(logits), "sigmoid": lambda: sigmoid(logits)}[scoring]()
         return [ranked(self.labels, row) for row in scores], computed
+
+    async def rerank(self, query: str, texts: list[str], raw_scores: bool,
+                     truncate: bool) -> tuple[np.ndarray, Computed]:
+        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it."""
+        computed = await self.compute([(query, text) for text in texts], truncate)
+        logits = computed.outputs[:, 0]
+        return (logits if raw_scores else sigmoid(logits)), computed
 
     async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
                         truncate: bool) -> tuple[list[list[dict]], Computed]:
@@ -109,11 +123,15 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=1, keepdims=True)
 
 
+def sigmoid(logits: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-logits))
+
+
 def probabilities(logits: np.ndarray, problem_type: str | None = None) -> np.ndarray:
     """Scores as the checkpoint's head was trained (and as TEI gives them): a sigmoid per label for
     multi-label classification or a single logit, else a softmax over labels."""
     if problem_type == "multi_label_classification" or logits.shape[1] == 1:
-        return 1.0 / (1.0 + np.exp(-logits))
+        return sigmoid(logits)
     return softmax(logits)
 
 

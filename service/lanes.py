@@ -2,7 +2,8 @@
 
 Each lane is one OS thread (a single-thread executor) whose intra-op pool is sized once, on that
 thread, by the backend's `configure_thread`; each thread also gets its own TVM VM. The narrow
-lanes run side by side; the wide lane (every core) runs only when nothing else does. All
+lanes run side by side; the wide lane (every core) runs only when nothing else does. One set of
+lanes serves every model of the server, so several models never oversubscribe the cores. All
 bookkeeping happens on the event loop, so it needs no locks.
 """
 
@@ -28,9 +29,9 @@ class Lane:
 
 
 class Lanes:
-    def __init__(self, name: str, topology: Topology, configure_thread: Callable[[int], None]):
+    def __init__(self, topology: Topology, configure_thread: Callable[[int], None]):
         def lane(label: str, threads: int) -> Lane:
-            executor = ThreadPoolExecutor(1, thread_name_prefix=f"infer-{name}-{label}",
+            executor = ThreadPoolExecutor(1, thread_name_prefix=f"infer-{label}",
                                           initializer=configure_thread, initargs=(threads,))
             return Lane(label, threads, executor)
 

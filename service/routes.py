@@ -1,6 +1,6 @@
-"""The HTTP routes: TEI's /embed, /predict (+ /classify), /tokenize, /decode and /similarity,
-OpenAI's /v1/embeddings, `/` (the default task, as TEI routes it: embed when an embedding model
-is loaded, else predict), and probes."""
+"""The HTTP routes: TEI's /embed, /predict (+ /classify), /rerank, /tokenize, /decode and
+/similarity, OpenAI's /v1/embeddings and /v1/models, `/` (the first model's task, as TEI routes
+it), and probes. A request's `model` picks one of several models by name."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from .schemas import (
     OpenAIEmbeddingRequest,
     OpenAIEmbeddingResponse,
     OpenAIUsage,
+    RerankRequest,
     SimilarityRequest,
     TokenizeRequest,
 )
@@ -106,10 +107,11 @@ async def metrics(request: Request) -> Response:
 @router.post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     started = time.perf_counter()
-    service = _runtime(request).model("embed")
+    service = _runtime(request).model("embed", body.model)
     texts = _texts(body.inputs)
     service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate), body.dimensions)
+    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate), body.dimensions,
+                                            body.prompt_name)
     return _json(vectors, _headers(service, computed, started))
 
 
@@ -121,21 +123,45 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     texts = _texts(body.inputs)
     truncate = _truncate(request, body.truncate)
     if body.labels:
-        service = _runtime(request).model("embed")
+        service = _runtime(request).model("embed", body.model)
         service.check_batch_size(len(texts) + len(body.labels))  # both are embedded
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncate)
     else:
-        service = _runtime(request).model("classify")
+        service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
-        predictions, computed = await service.classify(texts, body.raw_scores, truncate)
-    content = predictions[0] if isinstance(body.inputs, str) else predictions
+        scoring = "none" if body.raw_scores else "auto"
+        if body.parameters is not None and body.parameters.function_to_apply is not None:
+            scoring = body.parameters.function_to_apply
+        predictions, computed = await service.classify(texts, scoring, truncate)
+    if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
+        content = [ranks[: body.parameters.top_k] for ranks in predictions]
+    else:  # TEI's: one input given as a string gets one flat list
+        content = predictions[0] if isinstance(body.inputs, str) else predictions
     return JSONResponse(content, headers=_headers(service, computed, started))
+
+
+@router.post("/rerank")
+async def rerank(body: RerankRequest, request: Request) -> Response:
+    """TEI's /rerank: a cross-encoder scores each (query, text) pair; best first."""
+    started = time.perf_counter()
+    service = _runtime(request).model("rerank", body.model)
+    service.check_batch_size(len(body.texts))
+    scores, computed = await service.rerank(body.query, body.texts, body.raw_scores, _truncate(request, body.truncate))
+    ranks = [{"index": int(i), "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
+             for i in np.argsort(-scores, kind="stable")]
+    return JSONResponse(ranks, headers=_headers(service, computed, started))
+
+
+def _any_model(request: Request, name: str | None):
+    """The named model, else the first one (tokenizing needs no particular task)."""
+    runtime = _runtime(request)
+    return runtime.model(runtime.default_task(), name or runtime.primary.name)
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
     """TEI's /tokenize: the tokens each input would be run as (one list per input)."""
-    service = _runtime(request).model(_runtime(request).primary_task)
+    service = _any_model(request, body.model)
     texts = _texts(body.inputs)
     service.check_batch_size(len(texts))
     return service.tokenizer.tokens(texts, body.add_special_tokens)
@@ -144,7 +170,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
 @router.post("/decode")
 async def decode(body: DecodeRequest, request: Request) -> list[str]:
     """TEI's /decode: token ids (one list, or one per input) back to text."""
-    service = _runtime(request).model(_runtime(request).primary_task)
+    service = _any_model(request, body.model)
     ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
     service.check_batch_size(len(ids))
     return service.tokenizer.decode(ids, body.skip_special_tokens)
@@ -154,38 +180,52 @@ async def decode(body: DecodeRequest, request: Request) -> list[str]:
 async def similarity(body: SimilarityRequest, request: Request) -> Response:
     """TEI's /similarity: the cosine similarity of each sentence's embedding to the source's."""
     started = time.perf_counter()
-    service = _runtime(request).model("embed")
+    service = _runtime(request).model("embed", body.model)
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
     service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, normalize=True, truncate=_truncate(request, body.truncate))
+    vectors, computed = await service.embed(texts, normalize=True, truncate=_truncate(request, body.truncate),
+                                            prompt_name=body.prompt_name)
     return JSONResponse((vectors[1:] @ vectors[0]).tolist(), headers=_headers(service, computed, started))
+
+
+DEFAULT_ROUTES = {"embed": (EmbedRequest, embed), "classify": (ClassifyRequest, classify),
+                  "rerank": (RerankRequest, rerank)}
 
 
 @router.post("/")
 async def default_task(request: Request) -> Response:
-    """TEI's `/`: the body of /embed when an embedding model is loaded, else that of /predict
-    (what `huggingface_hub.InferenceClient(base_url=...)` posts to)."""
+    """TEI's `/`: the body of the first model's task (/embed, /predict or /rerank), or /similarity's
+    when `inputs` holds a source sentence; what `huggingface_hub.InferenceClient(base_url=...)`
+    posts to for feature_extraction, text_classification and sentence_similarity."""
     try:
         payload = await request.json()
     except ValueError:
         raise InvalidInput("the body is not valid JSON") from None
+    is_similarity = isinstance(payload, dict) and isinstance(payload.get("inputs"), dict)
+    schema, route = (SimilarityRequest, similarity) if is_similarity else \
+        DEFAULT_ROUTES[_runtime(request).default_task()]
     try:
-        if _runtime(request).primary_task == "embed":
-            return await embed(EmbedRequest.model_validate(payload), request)
-        return await classify(ClassifyRequest.model_validate(payload), request)
+        body = schema.model_validate(payload)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
+    return await route(body, request)
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict:
+    """OpenAI's model list: every model this server holds, by the name requests select it with."""
+    return _runtime(request).list_models()
 
 
 @router.post("/v1/embeddings")
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()
-    service = _runtime(request).model("embed")
+    service = _runtime(request).model("embed", body.model)
     texts = _texts(body.input)
     service.check_batch_size(len(texts))
     vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate,
-                                            dimensions=body.dimensions)
+                                            dimensions=body.dimensions, prompt_name=body.prompt_name)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
     else:

@@ -13,6 +13,8 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Callable
 
@@ -22,12 +24,13 @@ from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
 from .batcher import Batcher
-from .errors import NotSupported, Unavailable
+from .errors import ModelNotFound, NotSupported, Unavailable
 from .inference import ModelService
+from .lanes import Lanes
 from .metrics import Metrics
 from .planning import BatchLimits
 from .settings import Settings
-from .tokenization import TextTokenizer, max_input_length
+from .tokenization import Prompts, TextTokenizer, max_input_length
 from .topology import plan_topology
 
 log = logging.getLogger(__name__)
@@ -39,6 +42,40 @@ class ArtifactSetError(ValueError):
     """The --artifacts given cannot be served together."""
 
 
+@dataclass(frozen=True)
+class ServedArtifact:
+    name: str  # what requests select it by (`model`): --served-name, or the directory's name
+    directory: Path
+    manifest: Manifest
+    prompts: Prompts  # an embedding model's sentence-transformers prompts; none for a classifier
+
+
+def served_artifacts(settings: Settings) -> list[ServedArtifact]:
+    """Read every manifest and name every model; names are unique, so `model` selects one."""
+    names = settings.served_names or []
+    if len(names) > len(settings.artifacts):
+        raise ArtifactSetError(f"{len(names)} --served-name for {len(settings.artifacts)} --artifacts")
+    served = []
+    for i, directory in enumerate(settings.artifacts):
+        manifest = Manifest.read(directory)
+        if settings.backend == "tvm":
+            check_cpu_features(Path(directory), manifest.target)  # before listening: exit 2, not SIGILL later
+        prompts = Prompts({}, "")
+        if manifest.task == "embed":
+            try:
+                prompts = Prompts.of_checkpoint(Path(directory) / manifest.tokenizer, settings.default_prompt_name,
+                                                settings.default_prompt)
+            except ValueError as exc:
+                raise ArtifactSetError(f"{directory}: {exc}") from None
+        served.append(ServedArtifact(names[i] if i < len(names) else Path(directory).name, Path(directory), manifest,
+                                     prompts))
+    taken = [artifact.name for artifact in served]
+    twice = sorted({name for name in taken if taken.count(name) > 1})
+    if twice:
+        raise ArtifactSetError(f"two models are named {twice[0]!r}; name them apart with --served-name")
+    return served
+
+
 class Runtime:
     def __init__(self, settings: Settings, metrics: Metrics, loader: BackendLoader = load_backend,
                  on_fatal: Callable[[], None] | None = None):
@@ -46,14 +83,7 @@ class Runtime:
         self.metrics = metrics
         self.loader = loader
         self.on_fatal = on_fatal
-        self.manifests: dict[str, tuple[Path, Manifest]] = {}
-        for directory in settings.artifacts:
-            manifest = Manifest.read(directory)
-            if settings.backend == "tvm":
-                check_cpu_features(Path(directory), manifest.target)  # before listening: exit 2, not SIGILL later
-            if manifest.task in self.manifests:
-                raise ArtifactSetError(f"two {manifest.task} artifacts given; at most one per task")
-            self.manifests[manifest.task] = (Path(directory), manifest)
+        self.artifacts = served_artifacts(settings)
         self.topology = plan_topology(settings.cores or usable_cores(), settings.backend, settings.workers,
                                       settings.threads_per_worker, settings.wide_worker)
         # TVM sizes each thread's pool from TVM_NUM_THREADS when that thread first needs one (the
@@ -62,9 +92,10 @@ class Runtime:
         # cores. Set before any pool exists.
         os.environ["TVM_NUM_THREADS"] = str(self.topology.cores)
         os.environ.setdefault("TVM_BIND_THREADS", "0")
-        self.models: dict[str, ModelService] = {}
+        self.models: dict[str, ModelService] = {}  # by name, in --artifacts order, once loaded
         self.backends: dict[str, Backend] = {}
-        self.weights_bytes: dict[str, int] = {}  # per task, once its weights are loaded
+        self.weights_bytes: dict[str, int] = {}  # per model, once its weights are loaded
+        self.lanes: Lanes | None = None  # every model's batches run on the same workers, within the cores
         self.error: str | None = None
         self.loaded = False
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
@@ -77,26 +108,30 @@ class Runtime:
     def not_ready_reason(self) -> str:
         if self.error:
             return self.error
-        down = [f"{task}: {service.batcher.failure or 'batcher restarting'}" for task, service in self.models.items()
+        down = [f"{name}: {service.batcher.failure or 'batcher restarting'}" for name, service in self.models.items()
                 if not service.batcher.healthy]
         return "; ".join(down) if down and self.loaded else "warming up"
 
     @property
-    def primary_task(self) -> str:
-        return "embed" if "embed" in self.manifests else "classify"
+    def primary(self) -> ServedArtifact:
+        """The first model given: what `/` serves and /info's TEI fields describe."""
+        return self.artifacts[0]
 
     async def start(self) -> None:
         """Load, warm up and start every model; on failure record why and ask the server to stop."""
         started = time.perf_counter()
         try:
-            for task, (directory, manifest) in self.manifests.items():
-                log.info("loading %s artifact %s (backend %s)", task, directory, self.settings.backend)
-                backend = await asyncio.to_thread(self.loader, directory, self.settings.backend,
+            for artifact in self.artifacts:
+                log.info("loading %s artifact %s as %r (backend %s)", artifact.manifest.task, artifact.directory,
+                         artifact.name, self.settings.backend)
+                backend = await asyncio.to_thread(self.loader, artifact.directory, self.settings.backend,
                                                   self.topology.threads_per_worker)
-                service = self._service(directory, manifest, backend)
+                if self.lanes is None:
+                    self.lanes = Lanes(self.topology, backend.configure_thread)
+                service = self._service(artifact, backend)
                 await asyncio.to_thread(service.batcher.warmup_workers)
-                self.backends[task], self.models[task] = backend, service
-                self.weights_bytes[task] = weights_bytes(directory, manifest)
+                self.backends[artifact.name], self.models[artifact.name] = backend, service
+                self.weights_bytes[artifact.name] = weights_bytes(artifact.directory, artifact.manifest)
             for service in self.models.values():
                 service.batcher.start()
         except Exception as exc:  # noqa: BLE001 - any load failure means the server cannot serve
@@ -108,26 +143,42 @@ class Runtime:
         self.loaded = True
         log.info("ready in %.1f s (%s)", time.perf_counter() - started, self.topology)
 
-    def _service(self, directory: Path, manifest: Manifest, backend: Backend) -> ModelService:
-        settings = self.settings
-        tokenizer_dir = directory / manifest.tokenizer
+    def _service(self, artifact: ServedArtifact, backend: Backend) -> ModelService:
+        settings, manifest = self.settings, artifact.manifest
+        tokenizer_dir = artifact.directory / manifest.tokenizer
         limit = max_input_length(min(manifest.model.max_position_embeddings, backend.max_seq), tokenizer_dir)
         limits = BatchLimits(settings.max_batch_tokens, settings.max_batch_requests, backend.max_batch)
-        batcher = Batcher(manifest.task, backend, limits, self.topology, max_wait_ms=settings.max_wait_ms,
+        batcher = Batcher(artifact.name, backend, limits, self.lanes, max_wait_ms=settings.max_wait_ms,
                           sort_window=settings.sort_window, capacity=settings.max_concurrent_requests,
                           request_timeout_s=settings.request_timeout, metrics=self.metrics, costs=backend.costs(),
                           on_fatal=self.on_fatal)
-        return ModelService(directory.name, manifest.task, manifest.labels,
+        return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type)
+                            manifest.problem_type, artifact.prompts)
 
-    def model(self, task: str) -> ModelService:
-        if task not in self.manifests:
-            raise NotSupported(f"this server has no {task} model")
+    def model(self, task: str, name: str | None = None) -> ModelService:
+        """The model a request asks for by `name`, else the first one serving `task` (embed,
+        classify, or rerank: a classifier with one label)."""
+        if name is not None:
+            artifact = next((artifact for artifact in self.artifacts if artifact.name == name), None)
+            if artifact is None:
+                raise ModelNotFound(f"model {name!r} is not served here; GET /v1/models lists "
+                                    f"{', '.join(repr(a.name) for a in self.artifacts)}")
+            if not serves(artifact.manifest, task):
+                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}")
+        else:
+            artifact = next((artifact for artifact in self.artifacts if serves(artifact.manifest, task)), None)
+            if artifact is None:
+                raise NotSupported(f"this server has no {KIND_OF_TASK[task]}")
         if not self.loaded:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
-        return self.models[task]
+        return self.models[artifact.name]
+
+    def default_task(self) -> str:
+        """TEI's `/`: the first model's task (embed, predict, or rerank for a one-label classifier)."""
+        manifest = self.primary.manifest
+        return "rerank" if serves(manifest, "rerank") else manifest.task
 
     def drain(self) -> None:
         """Shutdown has begun: refuse new inputs, dispatch queued ones without waiting for company."""
@@ -135,25 +186,21 @@ class Runtime:
             service.batcher.drain()
 
     async def close(self) -> None:
-        for service in self.models.values():
-            await service.batcher.close()
+        finished = [await service.batcher.close() for service in self.models.values()]
+        if self.lanes is not None:
+            self.lanes.shutdown(wait=all(finished))  # a stuck batch is left behind rather than hang shutdown
         self._tokenizer_pool.shutdown(wait=True)
 
     def describe(self) -> dict:
-        """The /info body: TEI's fields for the primary model, then every model in detail."""
+        """The /info body: TEI's fields for the first model, then every model in detail."""
         settings = self.settings
-        directory, manifest = self.manifests[self.primary_task]
-        service = self.models.get(self.primary_task)
-        if manifest.task == "embed":
-            model_type = {"embedding": {"pooling": manifest.pooling}}
-        else:
-            model_type = {"classifier": {"id2label": dict(enumerate(manifest.labels)),
-                                         "label2id": {label: i for i, label in enumerate(manifest.labels)}}}
+        primary = self.primary
+        service = self.models.get(primary.name)
         return {
-            "model_id": directory.name,
-            "model_sha": manifest.model.weights_sha256,
-            "model_dtype": manifest.dtype,
-            "model_type": model_type,
+            "model_id": primary.name,
+            "model_sha": primary.manifest.model.weights_sha256,
+            "model_dtype": primary.manifest.dtype,
+            "model_type": tei_model_type(primary.manifest),
             "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": service.tokenizer.max_length if service else None,
             "max_batch_tokens": settings.max_batch_tokens,
@@ -166,16 +213,25 @@ class Runtime:
                          "payload_limit": settings.payload_limit, "request_timeout_s": settings.request_timeout},
             "topology": self.topology.describe(),
             "memory": {"rss_bytes": resident_bytes(), "weights_bytes": sum(self.weights_bytes.values())},
-            "models": [self._describe_model(task, directory, manifest) for task, (directory, manifest)
-                       in self.manifests.items()],
+            "models": [self._describe_model(artifact) for artifact in self.artifacts],
         }
 
-    def _describe_model(self, task: str, directory: Path, manifest: Manifest) -> dict:
-        service = self.models.get(task)
-        backend = self.backends.get(task)
+    def list_models(self) -> dict:
+        """OpenAI's GET /v1/models."""
+        return {"object": "list", "data": [
+            {"id": artifact.name, "object": "model", "created": int(datetime.fromisoformat(artifact.manifest.created_at).timestamp()),
+             "owned_by": "bert-tvm-serve", "task": "rerank" if serves(artifact.manifest, "rerank") else
+             artifact.manifest.task}
+            for artifact in self.artifacts]}
+
+    def _describe_model(self, artifact: ServedArtifact) -> dict:
+        name, directory, manifest = artifact.name, artifact.directory, artifact.manifest
+        service = self.models.get(name)
+        backend = self.backends.get(name)
         return {
-            "model_id": directory.name,
-            "task": task,
+            "model_id": name,
+            "task": manifest.task,
+            "model_type": tei_model_type(manifest),
             "artifact": str(directory),
             "checkpoint": manifest.model.path,
             "target": manifest.target.model_dump(),
@@ -185,10 +241,11 @@ class Runtime:
             "labels": manifest.labels,
             "output_dim": manifest.output_dim,
             "max_input_length": service.tokenizer.max_length if service else None,
+            "prompts": service.prompts.describe() if service else None,
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
-            "weights_bytes": self.weights_bytes.get(task),
+            "weights_bytes": self.weights_bytes.get(name),
             "batch_costs": (None if service is None else
                             "measured latency" if service.batcher.costs.measured else "tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
@@ -196,6 +253,29 @@ class Runtime:
             "versions": {"tvm": manifest.tvm_version, "torch": manifest.torch_version,
                          "transformers": manifest.transformers_version},
         }
+
+
+KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier", "rerank": "a reranker (a one-label classifier)"}
+
+
+def serves(manifest: Manifest, task: str) -> bool:
+    """Which routes a model answers: a reranker is a classifier with one label, as in TEI."""
+    if task == "rerank":
+        return manifest.task == "classify" and len(manifest.labels) == 1
+    return manifest.task == task
+
+
+def describe_kind(manifest: Manifest) -> str:
+    return KIND_OF_TASK["rerank" if serves(manifest, "rerank") else manifest.task]
+
+
+def tei_model_type(manifest: Manifest) -> dict:
+    """TEI's /info `model_type`: embedding (with pooling), classifier or reranker (with labels)."""
+    if manifest.task == "embed":
+        return {"embedding": {"pooling": manifest.pooling}}
+    labels = {"id2label": dict(enumerate(manifest.labels)),
+              "label2id": {label: i for i, label in enumerate(manifest.labels)}}
+    return {"reranker" if serves(manifest, "rerank") else "classifier": labels}
 
 
 def weights_bytes(directory: Path, manifest: Manifest) -> int:

@@ -1,5 +1,6 @@
-"""Request and response models of the HTTP API (TEI's /embed, /predict, /tokenize, /decode and
-/similarity, OpenAI's embeddings).
+"""Request and response models of the HTTP API (TEI's /embed, /predict, /rerank, /tokenize, /decode
+and /similarity, OpenAI's embeddings). Every request may name its `model` (GET /v1/models);
+without one, the first model of the route's task serves it.
 
 Requests are strict: JSON of the wrong type (a number for `inputs`, a string for `normalize`)
 is a 422, not silently coerced. Unknown fields are ignored, as TEI's serde models do.
@@ -23,8 +24,12 @@ def _non_empty(value: Inputs) -> Inputs:
     return value
 
 
-class _Request(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class _Request(_Strict):
+    model: str | None = None
 
 
 class EmbedRequest(_Request):
@@ -32,8 +37,17 @@ class EmbedRequest(_Request):
     normalize: bool = True
     truncate: bool | None = None  # None: the server's --auto-truncate
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
+    prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
     _check_inputs = field_validator("inputs")(_non_empty)
+
+
+class PipelineParameters(_Strict):
+    """The Hugging Face Inference API's text-classification `parameters` (what
+    `huggingface_hub.InferenceClient.text_classification` sends)."""
+
+    top_k: int | None = Field(None, ge=1)
+    function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
 
 
 class ClassifyRequest(_Request):
@@ -41,6 +55,8 @@ class ClassifyRequest(_Request):
     raw_scores: bool = False
     truncate: bool | None = None
     labels: list[str] | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
+    parameters: PipelineParameters | None = Field(
+        None, description="the HF Inference API's payload: answers take its shape, a list per input")
 
     _check_inputs = field_validator("inputs")(_non_empty)
 
@@ -50,6 +66,17 @@ class ClassifyRequest(_Request):
         if value is not None and (not value or any(label == "" for label in value)):
             raise ValueError("`labels` must be a non-empty list of non-empty strings")
         return value
+
+
+class RerankRequest(_Request):
+    query: str
+    texts: list[str]
+    raw_scores: bool = False
+    return_text: bool = False
+    truncate: bool | None = None
+
+    _check_query = field_validator("query")(_non_empty)
+    _check_texts = field_validator("texts")(_non_empty)
 
 
 class TokenizeRequest(_Request):
@@ -71,7 +98,7 @@ class DecodeRequest(_Request):
         return value
 
 
-class SimilarityInputs(_Request):
+class SimilarityInputs(_Strict):
     source_sentence: str
     sentences: list[str]
 
@@ -89,14 +116,15 @@ class SimilarityInputs(_Request):
 class SimilarityRequest(_Request):
     inputs: SimilarityInputs
     truncate: bool | None = None
+    prompt_name: str | None = None
 
 
 class OpenAIEmbeddingRequest(_Request):
     input: Inputs
-    model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
+    prompt_name: str | None = None
 
     @field_validator("input")
     @classmethod

@@ -1,7 +1,7 @@
 """Server settings: defaults < BERT_SERVE_* environment variables < command-line flags.
 
 pydantic-settings is not a dependency, so the environment is read here: every field `x_y` is
-settable as `BERT_SERVE_X_Y`; list fields (`artifacts`) take comma-separated values.
+settable as `BERT_SERVE_X_Y`; list fields (`artifacts`, `served_names`) take comma-separated values.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENV_PREFIX = "BERT_SERVE_"
 
@@ -20,7 +20,12 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    artifacts: list[Path] = Field(min_length=1, max_length=2, description="artifact directories (one per task)")
+    artifacts: list[Path] = Field(min_length=1, description="artifact directories; the first is what `/` serves")
+    served_names: list[str] | None = Field(None, description="the models' names, in --artifacts order "
+                                           "(default: each directory's name); requests select one by `model`")
+    default_prompt_name: str | None = Field(None, description="a prompt of the checkpoint's sentence-transformers "
+                                            "`prompts` prepended to every input that names none")
+    default_prompt: str | None = Field(None, description="a text prepended to every input that names no prompt")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     backend: Literal["tvm", "torch"] = "tvm"
@@ -41,12 +46,18 @@ class Settings(BaseModel):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
 
-    @field_validator("artifacts", mode="before")
+    @field_validator("artifacts", "served_names", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _one_default_prompt(self) -> "Settings":
+        if self.default_prompt_name is not None and self.default_prompt is not None:
+            raise ValueError("give --default-prompt-name or --default-prompt, not both")
+        return self
 
     @classmethod
     def load(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":

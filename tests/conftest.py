@@ -36,7 +36,8 @@ def _tiny_config(**extra):
 def _copy_tokenizer(destination: Path) -> None:
     source = default_model_dir()
     for name in TOKENIZER_FILES:
-        shutil.copy2(source / name, destination / name)
+        if (source / name).is_file():  # MiniLM's WordPiece files; the list also names other families'
+            shutil.copy2(source / name, destination / name)
 
 
 @pytest.fixture(scope="session")
@@ -54,14 +55,12 @@ def minilm_imported(minilm_dir):
     return export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"])
 
 
-@pytest.fixture(scope="session")
-def tiny_bert_dir(tmp_path_factory) -> Path:
-    """A 2-layer BertModel with sentence-transformers mean pooling metadata."""
+def save_tiny_sentence_transformer(directory: Path, seed: int, prompts: dict[str, str] | None = None) -> Path:
+    """A 2-layer BertModel with sentence-transformers mean pooling metadata (and prompts, if given)."""
     import torch
     from transformers import BertModel
 
-    torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("tiny-bert")
+    torch.manual_seed(seed)
     BertModel(_tiny_config(), add_pooling_layer=False).save_pretrained(directory)
     _copy_tokenizer(directory)
     (directory / "modules.json").write_text(
@@ -69,8 +68,16 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
                     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
     )
     (directory / "1_Pooling").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    if prompts is not None:
+        (directory / "config_sentence_transformers.json").write_text(
+            json.dumps({"prompts": prompts, "default_prompt_name": None}))
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-bert"), seed=0)
 
 
 @pytest.fixture(scope="session")

@@ -51,11 +51,11 @@ def faulty(tiny_embed_artifact):
 
 
 def admitted(url: str) -> float:
-    return metric_value(url, "bert_serve_admitted_inputs", model="embed")
+    return metric_value(url, "bert_serve_admitted_inputs", model="tiny-embed")
 
 
 def queued(url: str) -> float:
-    return metric_value(url, "bert_serve_queue_depth", model="embed")
+    return metric_value(url, "bert_serve_queue_depth", model="tiny-embed")
 
 
 def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
@@ -74,7 +74,7 @@ def test_a_failing_batch_fails_only_its_requests(faulty, tiny_embed_artifact):
         assert failed.json()["error_type"] == "Backend" and "call 2 failed" in failed.json()["error"]
         again = httpx.post(f"{url}/embed", json={"inputs": "healthy text"})
         np.testing.assert_allclose(again.json(), healthy.json(), atol=1e-6)
-        assert metric_value(url, "bert_serve_batch_failures_total", model="embed") == 1
+        assert metric_value(url, "bert_serve_batch_failures_total", model="tiny-embed") == 1
         assert admitted(url) == 0
 
 
@@ -119,7 +119,7 @@ def test_a_request_past_its_deadline_gets_504_and_its_inputs_are_dropped(faulty)
         backend.release.set()
         assert httpx.post(f"{url}/embed", json={"inputs": "after"}, timeout=60).status_code == 200
         assert backend.calls == 2  # the late request never ran
-        assert metric_value(url, "bert_serve_request_timeouts_total", model="embed") == 2
+        assert metric_value(url, "bert_serve_request_timeouts_total", model="tiny-embed") == 2
 
 
 def test_a_request_that_can_never_fit_is_413_not_429(faulty):
@@ -154,7 +154,7 @@ def test_a_dead_batching_loop_answers_503_and_restarts(faulty, monkeypatch):
         assert response.status_code == 503 and "planner bug" in response.json()["error"]
         assert httpx.post(f"{url}/embed", json={"inputs": "after the restart"}, timeout=60).status_code == 200
         assert httpx.get(f"{url}/ready").status_code == 200
-        assert metric_value(url, "bert_serve_batcher_crashes_total", model="embed") == 1
+        assert metric_value(url, "bert_serve_batcher_crashes_total", model="tiny-embed") == 1
         assert admitted(url) == 0
 
 

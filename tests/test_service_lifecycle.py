@@ -52,7 +52,8 @@ def test_load_failure_is_reported_and_stops_the_server(tiny_embed_artifact):
         assert response.status_code == 503 and "library is corrupt" in response.json()["error"]
 
 
-@pytest.mark.parametrize("artifacts", [[], ["a", "b", "c"]])
-def test_settings_refuse_no_or_too_many_artifacts(artifacts):
+def test_settings_refuse_no_artifacts_and_two_default_prompts():
     with pytest.raises(ValueError):
-        Settings(artifacts=artifacts)
+        Settings(artifacts=[])
+    with pytest.raises(ValueError, match="not both"):
+        Settings(artifacts=["a"], default_prompt_name="query", default_prompt="query: ")

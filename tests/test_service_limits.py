@@ -107,7 +107,7 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
         threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
-        wait_until(lambda: metric_value(server.url, "bert_serve_queue_depth", model="embed") == 3,
+        wait_until(lambda: metric_value(server.url, "bert_serve_queue_depth", model="tiny-embed") == 3,
                    what="three lingering inputs")
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:

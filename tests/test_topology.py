@@ -76,7 +76,7 @@ def test_the_cli_refuses_an_oversubscribing_topology_with_one_line(tiny_embed_ar
 
 def test_a_lone_batch_takes_the_wide_lane_and_shuts_out_the_narrow_ones():
     async def scenario():
-        lanes = Lanes("t", Topology(2, 2, 1, True), configure_thread=lambda threads: None)
+        lanes = Lanes(Topology(2, 2, 1, True), configure_thread=lambda threads: None)
         try:
             wide = lanes.take(alone=True)
             assert wide is lanes.wide and not lanes.has_free()  # every core is taken
@@ -103,7 +103,7 @@ def test_each_lane_sizes_its_own_threads_on_its_own_thread():
         seen[threading.current_thread().name] = threads
 
     async def scenario():
-        lanes = Lanes("t", Topology(4, 2, 2, True), configure)
+        lanes = Lanes(Topology(4, 2, 2, True), configure)
         try:
             for lane in lanes.all:
                 lane.submit(lambda: None).result()

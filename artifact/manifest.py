@@ -33,6 +33,7 @@ class TargetEntry(_Strict):
 class ModelEntry(_Strict):
     path: str
     weights_sha256: str
+    model_type: str = "bert"  # the family: bert, roberta, xlm-roberta, distilbert
     architecture: str
     hidden_size: int
     max_position_embeddings: int

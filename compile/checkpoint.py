@@ -1,4 +1,4 @@
-"""Reading a Hugging Face BERT checkpoint and wrapping it as the exact function we compile.
+"""Reading a Hugging Face BERT-family checkpoint and wrapping it as the exact function we compile.
 
 The same wrapper is exported for TVM and run eagerly as the PyTorch oracle (validation, the
 service's `--backend torch`), so both sides compute the same thing by construction.
@@ -16,6 +16,7 @@ import torch
 from artifact.hashing import file_sha256
 
 from .errors import CompileError
+from .families import FAMILIES, Family
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments
@@ -23,8 +24,12 @@ TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
-    "vocab.txt",
+    "vocab.txt",  # WordPiece (BERT, DistilBERT)
+    "vocab.json",  # byte-level BPE (RoBERTa)
+    "merges.txt",
+    "sentencepiece.bpe.model",  # XLM-R
     "sentence_bert_config.json",  # max_seq_length: the input limit sentence-transformers applies
+    "config_sentence_transformers.json",  # prompts (e5-style "query: " prefixes) and the default prompt name
 )
 
 
@@ -39,12 +44,18 @@ class CheckpointInfo:
     labels: list[str] = field(default_factory=list)
 
     @property
+    def family(self) -> Family:
+        return FAMILIES[self.config["model_type"]]
+
+    @property
     def max_seq(self) -> int:
-        return int(self.config.get("max_position_embeddings", 512))
+        """The longest input: RoBERTa's position table also holds the padding index and the one before it."""
+        first = self.family.first_position(self.config.get("pad_token_id"))
+        return int(self.config.get("max_position_embeddings", 512)) - first
 
     @property
     def hidden_size(self) -> int:
-        return int(self.config["hidden_size"])
+        return int(self.config[self.family.hidden_size_key])
 
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
@@ -73,7 +84,7 @@ def sentence_transformers_pooling(model_dir: Path) -> str | None:
 
 
 def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> CheckpointInfo:
-    """Check that `model_dir` is a BERT checkpoint usable for `task`, without loading weights."""
+    """Check that `model_dir` is a checkpoint of a family we compile, usable for `task`, without loading weights."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CompileError(f"model directory not found: {model_dir}")
@@ -84,8 +95,10 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise CompileError(f"{config_file} is not valid JSON: {exc}") from None
-    if config.get("model_type") != "bert":
-        raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r})")
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r}; "
+                           f"supported: {', '.join(FAMILIES)})")
     weight_files = tuple(model_dir / name for name in WEIGHT_FILES if (model_dir / name).is_file())
     if not weight_files:
         raise CompileError(f"{model_dir} has no weights ({' or '.join(WEIGHT_FILES)})")
@@ -94,9 +107,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     labels: list[str] = []
     if task == "classify":
         architectures = config.get("architectures") or []
-        if "BertForSequenceClassification" not in architectures:
+        if family.classifier not in architectures:
             raise CompileError(
-                f"{model_dir} is not a BertForSequenceClassification checkpoint "
+                f"{model_dir} is not a {family.classifier} checkpoint "
                 f"(architectures={architectures}); use --task embed"
             )
         id2label = config.get("id2label") or {}
@@ -113,29 +126,29 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
 
 
 class BertWrapper(torch.nn.Module):
-    """BERT with explicit position/token-type ids and our own additive attention mask.
+    """A BERT-family encoder with explicit position/token-type ids and our own additive attention mask.
 
-    Building the 4-D mask here (rather than in `BertModel.forward`) keeps transformers' mask
+    Building the 4-D mask here (rather than in the model's `forward`) keeps transformers' mask
     utilities out of the exported graph; passing position ids keeps the sequence length free
-    of `min(seq, 512)` guards (see TVM-0.27-NOTES).
+    of `min(seq, 512)` guards (see TVM-0.27-NOTES). Position ids count from 0 for every family
+    (the family adds its offset). Token type ids are ignored by a family without them.
     """
 
     def __init__(self, model: torch.nn.Module, task: str, pooling: str):
         super().__init__()
         self.task = task
         self.pooling = pooling
-        self.bert = model.bert if task == "classify" else model
-        self.classifier = model.classifier if task == "classify" else None
+        self.family = FAMILIES[model.config.model_type]
+        self.bert = model.base_model  # the encoder, whatever the family calls it
+        self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
 
     def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
-        hidden = self.bert.embeddings(
-            input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids
-        )
+        hidden = self.family.embed(self.bert, input_ids, token_type_ids, position_ids)
         mask = attention_mask.to(hidden.dtype)
         additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
-        hidden = self.bert.encoder(hidden, attention_mask=additive).last_hidden_state
+        hidden = self.family.encoder(self.bert)(hidden, attention_mask=additive).last_hidden_state
         if self.task == "classify":
-            return self.classifier(self.bert.pooler(hidden))
+            return self.classifier(hidden)
         if self.pooling == "cls":
             return hidden[:, 0]
         token_mask = mask.unsqueeze(-1)
@@ -145,17 +158,13 @@ class BertWrapper(torch.nn.Module):
 
 
 def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32") -> BertWrapper:
-    """Load weights with eager attention (plain matmul + softmax, which the importer handles)."""
-    from transformers import BertForSequenceClassification, BertModel
+    """Load the checkpoint's weights into the wrapper we compile (and validate against)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        if task == "classify":
-            model = BertForSequenceClassification.from_pretrained(info.path, attn_implementation="eager")
-        else:
-            model = BertModel.from_pretrained(info.path, add_pooling_layer=False, attn_implementation="eager")
+        model = info.family.load(info.path, task)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()

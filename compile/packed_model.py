@@ -1,11 +1,13 @@
-"""BERT over packed tokens: the function a packed artifact compiles (inputs: artifact/packed_batch.py).
+"""A BERT-family encoder over packed tokens: the function a packed artifact compiles (inputs:
+artifact/packed_batch.py).
 
 Every linear layer, layer norm and GELU runs on `[tokens, hidden]`, the real tokens of all
 sequences one after another, so none of that work is spent on padding. Attention gathers each
 sequence's rows into `[batch, seq]` (masked past its end), and scatters the result back; pooling
-gathers the same way. The layers are the checkpoint's own modules, so the weights and every
-numerical choice (scale, additive mask, GELU, layer norm eps) are those of `BertWrapper`, which
-stays the oracle: validation compares a packed library with it on padded rows.
+gathers the same way. The layers are the checkpoint's own modules (found by its family,
+compile/families.py), so the weights and every numerical choice (scale, additive mask, GELU,
+layer norm eps) are those of `BertWrapper`, which stays the oracle: validation compares a packed
+library with it on padded rows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import math
 import torch
 
 from .checkpoint import BertWrapper
+from .families import LayerParts
 
 
 class PackedBertWrapper(torch.nn.Module):
@@ -24,22 +27,23 @@ class PackedBertWrapper(torch.nn.Module):
         super().__init__()
         self.task = padded.task
         self.pooling = padded.pooling
+        self.family = padded.family
         self.bert = padded.bert
         self.classifier = padded.classifier
+        self.layers = padded.family.layers(padded.bert)
 
     def forward(self, input_ids, token_type_ids, position_ids, gather, attention_mask, scatter):
         batch, seq = gather.shape
         rows = gather.reshape(-1)
-        hidden = self.bert.embeddings(input_ids=input_ids[None], token_type_ids=token_type_ids[None],
-                                      position_ids=position_ids[None])[0]
+        hidden = self.family.embed(self.bert, input_ids[None], token_type_ids[None], position_ids[None])[0]
         mask = attention_mask.to(hidden.dtype)
         additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
-        for layer in self.bert.encoder.layer:
-            attended = layer.attention.output(self._attention(layer.attention.self, hidden, rows, additive, scatter,
-                                                              batch, seq), hidden)
-            hidden = layer.output(layer.intermediate(attended), attended)
-        if self.task == "classify":
-            return self.classifier(self.bert.pooler(torch.index_select(hidden, 0, gather[:, 0])[:, None]))
+        for layer in self.layers:
+            attended = layer.attention_output(self._attention(layer, hidden, rows, additive, scatter, batch, seq),
+                                              hidden)
+            hidden = layer.feed_forward(attended)
+        if self.task == "classify":  # the head reads token 0 of [batch, seq, hidden]: give it [batch, 1, hidden]
+            return self.classifier(torch.index_select(hidden, 0, gather[:, 0])[:, None])
         if self.pooling == "cls":
             return torch.index_select(hidden, 0, gather[:, 0])
         padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)
@@ -49,15 +53,14 @@ class PackedBertWrapper(torch.nn.Module):
         return (padded * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
     @staticmethod
-    def _attention(attention, hidden, rows, additive, scatter, batch, seq):
+    def _attention(layer: LayerParts, hidden, rows, additive, scatter, batch, seq):
         """BERT's eager self-attention per sequence: packed Q, K, V projections, gathered per head."""
-        heads, size = attention.num_attention_heads, attention.attention_head_size
+        heads, size = layer.heads, layer.head_size
 
         def per_sequence(projected):
             return torch.index_select(projected, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
 
-        query, key, value = (per_sequence(projection(hidden))
-                             for projection in (attention.query, attention.key, attention.value))
+        query, key, value = (per_sequence(projection(hidden)) for projection in (layer.query, layer.key, layer.value))
         scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(size) + additive
         context = torch.matmul(torch.softmax(scores, dim=-1), value)
         return torch.index_select(context.transpose(1, 2).reshape(batch * seq, heads * size), 0, scatter)

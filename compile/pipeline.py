@@ -351,6 +351,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             model=ModelEntry(
                 path=str(info.path),
                 weights_sha256=info.weights_sha256(),
+                model_type=info.config["model_type"],
                 architecture=(info.config.get("architectures") or ["BertModel"])[0],
                 hidden_size=info.hidden_size,
                 max_position_embeddings=info.max_seq,

@@ -21,10 +21,11 @@ from tvm.target import Target
 
 from .linears import bindings, transposed_linears
 
-LAYERS = {
-    "ffn": ("intermediate.dense", "output.dense"),
-    "attention_output": ("attention.output.dense",),
-    "qkv": ("attention.self.query", "attention.self.key", "attention.self.value"),
+LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
+    "ffn": ("intermediate.dense", "output.dense", "ffn.lin1", "ffn.lin2"),
+    "attention_output": ("attention.output.dense", "attention.out_lin"),
+    "qkv": ("attention.self.query", "attention.self.key", "attention.self.value",
+            "attention.q_lin", "attention.k_lin", "attention.v_lin"),
 }
 DEFAULT_LAYERS = ("ffn", "attention_output")
 OPAQUE = 8  # relax OpPatternKind::kOpaque: FuseOps must not fuse into an already scheduled kernel

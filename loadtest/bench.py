@@ -48,7 +48,11 @@ def parse_args(argv):
 
 def bert_flops(config: dict, batch: int, seq: int) -> float:
     """Multiply-adds x 2 of the encoder's matmuls (linear layers + attention), per call."""
-    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    def value(*keys):  # BERT, RoBERTa and XLM-R's key, then DistilBERT's
+        return next(config[key] for key in keys if key in config)
+
+    hidden, inter = value("hidden_size", "dim"), value("intermediate_size", "hidden_dim")
+    layers = value("num_hidden_layers", "n_layers")
     tokens = batch * seq
     linear = 2 * tokens * (4 * hidden * hidden + 2 * hidden * inter)
     attention = 2 * 2 * batch * seq * seq * hidden

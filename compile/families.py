@@ -1,0 +1,130 @@
+"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R and DistilBERT.
+
+All four are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
+feed-forward, so one padded and one packed wrapper compile them all. They differ in module names,
+in what the embeddings take (DistilBERT has no token types), in where positions start (RoBERTa
+and XLM-R count from pad_token_id + 1, while the server always feeds 0..len-1) and in the
+classification head. A `Family` answers exactly those questions; everything it returns is the
+checkpoint's own modules, so every numerical choice stays the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """One encoder layer as the packed wrapper runs it: Q/K/V projections, then the layer's own
+    attention-output and feed-forward blocks (each with its residual and layer norm)."""
+
+    query: torch.nn.Linear
+    key: torch.nn.Linear
+    value: torch.nn.Linear
+    heads: int
+    head_size: int
+    attention_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (context, layer input) -> attended
+    feed_forward: Callable[[torch.Tensor], torch.Tensor]  # attended -> layer output
+
+
+class FirstToken(torch.nn.Module):
+    """[batch, seq, hidden] -> [batch, hidden] of token 0, for heads that do not select it themselves."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, 0]
+
+
+class Family:
+    """One member of the BERT family; the defaults are BERT's, which the others are told against."""
+
+    hidden_size_key = "hidden_size"
+    base_model_options = {"add_pooling_layer": False}  # an embedding model has no use for the pooler
+
+    def __init__(self, model_type: str, classifier: str):
+        self.model_type = model_type
+        self.classifier = classifier  # the architecture task `classify` takes
+
+    def first_position(self, pad_token_id: int | None) -> int:
+        """The position id of a sequence's first token."""
+        return 0
+
+    def load(self, path: Path, task: str) -> torch.nn.Module:
+        """The checkpoint's model with eager attention (plain matmul + softmax, which the importer handles)."""
+        from transformers import AutoModel, AutoModelForSequenceClassification
+
+        if task == "classify":
+            return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager")
+        return AutoModel.from_pretrained(path, attn_implementation="eager", **self.base_model_options)
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        """Embeddings, `position_ids` counted from 0 (as the server feeds them)."""
+        return base.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+
+    def encoder(self, base: torch.nn.Module) -> torch.nn.Module:
+        """The layer stack: called as `encoder(hidden, attention_mask=additive).last_hidden_state`."""
+        return base.encoder
+
+    def layers(self, base: torch.nn.Module) -> list[LayerParts]:
+        return [self._parts(layer) for layer in self.encoder(base).layer]
+
+    def _parts(self, layer: torch.nn.Module) -> LayerParts:
+        attention = layer.attention.self
+        return LayerParts(attention.query, attention.key, attention.value, attention.num_attention_heads,
+                          attention.attention_head_size, layer.attention.output,
+                          lambda attended: layer.output(layer.intermediate(attended), attended))
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The classifier from [batch, seq, hidden]: the pooler (dense + tanh on token 0), then the linear."""
+        return torch.nn.Sequential(model.bert.pooler, model.classifier)
+
+
+class Roberta(Family):
+    """RoBERTa and XLM-R: BERT's modules, positions after the padding index, a head without pooler."""
+
+    def first_position(self, pad_token_id: int | None) -> int:
+        return int(pad_token_id) + 1
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        first = self.first_position(base.config.pad_token_id)  # in the compiled function, not in the server
+        return super().embed(base, input_ids, token_type_ids, position_ids + first)
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.classifier  # RobertaClassificationHead: token 0, dense, tanh, out_proj
+
+
+class DistilBert(Family):
+    """DistilBERT: no token types, its own module names, a pre-classifier with ReLU."""
+
+    hidden_size_key = "dim"
+    base_model_options = {}
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        return base.embeddings(input_ids=input_ids, position_ids=position_ids)
+
+    def encoder(self, base: torch.nn.Module) -> torch.nn.Module:
+        return base.transformer
+
+    def _parts(self, layer: torch.nn.Module) -> LayerParts:
+        attention = layer.attention
+        return LayerParts(attention.q_lin, attention.k_lin, attention.v_lin, attention.n_heads,
+                          attention.attention_head_size,
+                          lambda context, hidden: layer.sa_layer_norm(attention.out_lin(context) + hidden),
+                          lambda attended: layer.output_layer_norm(layer.ffn(attended) + attended))
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(FirstToken(), model.pre_classifier, torch.nn.ReLU(), model.classifier)
+
+
+FAMILIES = {
+    family.model_type: family
+    for family in (
+        Family("bert", "BertForSequenceClassification"),
+        Roberta("roberta", "RobertaForSequenceClassification"),
+        Roberta("xlm-roberta", "XLMRobertaForSequenceClassification"),
+        DistilBert("distilbert", "DistilBertForSequenceClassification"),
+    )
+}

@@ -1,0 +1,227 @@
+"""RoBERTa, XLM-R and DistilBERT through the same pipeline as BERT: tiny random-weight checkpoints
+with real fast tokenizers built here (no downloads), compiled in both layouts, served, and compared
+with sentence-transformers and transformers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from string import ascii_lowercase
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from conftest import TINY_LABELS, compile_artifact
+
+from artifact.manifest import Manifest
+from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.errors import CompileError
+
+SENTENCES = [
+    "A man is playing a guitar on stage.",
+    "The new movie was surprisingly good.",
+    "How do I reset my password?",
+    "Stock markets fell sharply on Monday after the announcement.",
+    "The cat sleeps on the warm windowsill.",
+    "Compilers turn high-level programs into efficient machine code.",
+    "It will rain tomorrow in the northern mountains.",
+    "She ordered a coffee and a slice of lemon cake.",
+]
+QUERIES = ["the cat plays a guitar", "Markets fell on Monday.", "zebra quartz jukebox", "a"]  # unseen words included
+FAMILIES = ("roberta", "xlm-roberta", "distilbert")
+SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # RoBERTa's and XLM-R's ids 0..3 (unk must be 3 for XLM-R)
+MAX_SEQ = 40  # longest input; RoBERTa's position table holds two more rows
+VOCAB_FILES = {"roberta": {"vocab.json", "merges.txt"}, "xlm-roberta": set(), "distilbert": {"vocab.txt"}}  # beside
+# tokenizer.json; XLM-R's sentencepiece.bpe.model needs sentencepiece to write
+
+
+def _tokenizer(family: str):
+    """A real fast tokenizer of the family's kind, trained on SENTENCES."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import DistilBertTokenizer, RobertaTokenizer, XLMRobertaTokenizer
+
+    if family == "distilbert":
+        words = sorted({w.strip(".?").lower() for s in SENTENCES for w in s.split()} | set(ascii_lowercase))
+        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "-", *words,
+                 *(f"##{c}" for c in ascii_lowercase)]  # WordPiece spells unseen words letter by letter
+        return DistilBertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    if family == "roberta":
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.train_from_iterator(SENTENCES, trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
+        return RobertaTokenizer(vocab=bpe.get_vocab(), merges=merges)
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()])
+    unigram.train_from_iterator(SENTENCES, trainers.UnigramTrainer(vocab_size=200, special_tokens=SPECIALS,
+                                                                   unk_token="<unk>"))
+    return XLMRobertaTokenizer(vocab=[tuple(piece) for piece in json.loads(unigram.to_str())["model"]["vocab"]])
+
+
+def _config(family: str, vocab_size: int, **extra):
+    from transformers import DistilBertConfig, RobertaConfig, XLMRobertaConfig
+
+    if family == "distilbert":
+        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                max_position_embeddings=MAX_SEQ, pad_token_id=0, **extra)
+    config_class = RobertaConfig if family == "roberta" else XLMRobertaConfig
+    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=MAX_SEQ + 2, type_vocab_size=1,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
+
+
+def make_checkpoint(directory: Path, family: str, task: str = "embed") -> Path:
+    """A 2-layer random-weight checkpoint of `family`; for embed a sentence-transformers one (mean pooling)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    torch.manual_seed(sum(map(ord, family)))
+    tokenizer = _tokenizer(family)
+    directory.mkdir(parents=True)
+    if task == "classify":
+        config = _config(family, len(tokenizer), num_labels=3, id2label=TINY_LABELS,
+                         label2id={v: k for k, v in TINY_LABELS.items()})
+        AutoModelForSequenceClassification.from_config(config).save_pretrained(directory)
+    else:
+        AutoModel.from_config(_config(family, len(tokenizer))).save_pretrained(directory)
+        (directory / "modules.json").write_text(json.dumps(
+            [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_SEQ}))
+        (directory / "1_Pooling").mkdir()
+        (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    tokenizer.save_pretrained(directory)
+    if VOCAB_FILES[family]:
+        tokenizer.backend_tokenizer.model.save(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(family, task) -> checkpoint directory."""
+    root = tmp_path_factory.mktemp("families")
+    return {(family, task): make_checkpoint(root / f"{family}-{task}", family, task)
+            for family in FAMILIES for task in ("embed", "classify")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_wrappers_compute_what_transformers_does(checkpoints, family, task):
+    """The padded wrapper (positions from 0, the family's offset inside) equals the transformers model
+    fed as transformers feeds it; the packed wrapper equals the padded one."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    from artifact.packed_batch import pack_batch
+    from compile.packed_model import PackedBertWrapper
+
+    directory = checkpoints[family, task]
+    info = inspect_checkpoint(directory, task)
+    assert info.max_seq == MAX_SEQ and info.hidden_size == 32
+    wrapper = load_wrapper(info, task)
+    batch = AutoTokenizer.from_pretrained(directory)(QUERIES + SENTENCES[:3], padding=True, return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        got = wrapper(ids, mask, torch.zeros_like(ids), torch.arange(ids.shape[1]).expand_as(ids))
+        if task == "classify":
+            expected = AutoModelForSequenceClassification.from_pretrained(
+                directory, attn_implementation="eager").eval()(**batch).logits
+        else:
+            hidden = AutoModel.from_pretrained(directory, attn_implementation="eager").eval()(**batch).last_hidden_state
+            expected = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
+            ids.numpy(), mask.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
+
+
+LAYOUT_BUCKETS = {"padded": ["1x16", "2x32"], "packed": ["packed-16", "packed-32"]}
+
+
+@pytest.fixture(scope="module")
+def embed_artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """'<family>-<layout>' (also the served name) -> compiled embed artifact."""
+    root = tmp_path_factory.mktemp("family-artifacts")
+    artifacts = {f"{family}-{layout}": root / f"{family}-{layout}" for family in FAMILIES for layout in LAYOUT_BUCKETS}
+    for name, out in artifacts.items():
+        family, layout = name.rsplit("-", 1)
+        compile_artifact(checkpoints[family, "embed"], out, LAYOUT_BUCKETS[layout], layout=layout)
+    return artifacts
+
+
+@pytest.fixture(scope="module")
+def embed_server(serve, embed_artifacts):
+    with serve(list(embed_artifacts.values()), "--workers", "1") as server:
+        yield server
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("layout", LAYOUT_BUCKETS)
+def test_served_embeddings_match_sentence_transformers(checkpoints, embed_artifacts, embed_server, family, layout):
+    from sentence_transformers import SentenceTransformer
+
+    name = f"{family}-{layout}"
+    manifest = Manifest.read(embed_artifacts[name])
+    assert manifest.model.architecture == {"roberta": "RobertaModel", "xlm-roberta": "XLMRobertaModel",
+                                           "distilbert": "DistilBertModel"}[family]
+    assert manifest.model.model_type == family
+    assert manifest.layout == layout and manifest.pooling == "mean" and manifest.validated
+    assert manifest.model.max_position_embeddings == MAX_SEQ
+    assert manifest.passes.before.matmul == 2 * 8  # per layer: Q, K, V, output, 2 FFN, 2 attention
+    assert manifest.passes.strategies["concat"].after.matmul == 2 * 6  # Q, K, V combined in each layer
+    assert manifest.passes.strategies["concat"].after.concat > 0
+    assert manifest.passes.strategies["concat"].after.permute_dims < manifest.passes.before.permute_dims
+    shipped = {path.name for path in (embed_artifacts[name] / "tokenizer").iterdir()}
+    assert shipped == {"tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json", *VOCAB_FILES[family]}
+    texts = [*QUERIES, *SENTENCES, " ".join(SENTENCES)]  # the last one is truncated to MAX_SEQ tokens
+    response = httpx.post(f"{embed_server.url}/embed", json={"inputs": texts, "model": name, "truncate": True},
+                          timeout=60)
+    assert response.status_code == 200, response.text
+    served = torch.tensor(response.json())
+    expected = torch.from_numpy(SentenceTransformer(str(checkpoints[family, "embed"]), device="cpu").encode(texts))
+    assert torch.nn.functional.cosine_similarity(served, expected, dim=-1).min() >= 0.9999
+
+
+@pytest.mark.parametrize("family, layout", [("roberta", "packed"), ("distilbert", "padded")])
+def test_served_classifier_matches_transformers(checkpoints, serve, tmp_path, family, layout):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    directory = checkpoints[family, "classify"]
+    manifest, _ = compile_artifact(directory, tmp_path / "artifact", LAYOUT_BUCKETS[layout], task="classify",
+                                   layout=layout)
+    assert manifest.labels == list(TINY_LABELS.values()) and manifest.validated
+    assert manifest.passes.strategies["concat"].after.matmul == 2 * 6 + 2  # + the head's two linears
+    texts = QUERIES + SENTENCES[:3]
+    model = AutoModelForSequenceClassification.from_pretrained(directory, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = model(**AutoTokenizer.from_pretrained(directory)(texts, padding=True, return_tensors="pt")).logits
+    with serve([tmp_path / "artifact"], "--workers", "1") as server:
+        response = httpx.post(f"{server.url}/predict", json={"inputs": texts}, timeout=60)
+    assert response.status_code == 200, response.text
+    for expected, predictions in zip(torch.softmax(logits, -1).numpy(), response.json()):
+        scores = {p["label"]: p["score"] for p in predictions}
+        np.testing.assert_allclose([scores[label] for label in TINY_LABELS.values()], expected, atol=1e-4)
+
+
+def test_other_model_types_and_heads_are_refused(tmp_path, checkpoints):
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(CompileError, match=r"not a BERT checkpoint \(model_type='gpt2'; supported: bert, roberta, "
+                                           r"xlm-roberta, distilbert\)"):
+        inspect_checkpoint(gpt2, "embed")
+    with pytest.raises(CompileError, match="not a DistilBertForSequenceClassification checkpoint"):
+        inspect_checkpoint(checkpoints["distilbert", "embed"], "classify")
+    with pytest.raises(CompileError, match="longer than the model's max_position_embeddings"):
+        compile_artifact(checkpoints["roberta", "embed"], tmp_path / "out", [f"1x{MAX_SEQ + 1}"])
+
+
+def test_distilbert_linears_are_pruned_by_kind(checkpoints):
+    from compile.sparsity import block_density, prune_model
+
+    wrapper = load_wrapper(inspect_checkpoint(checkpoints["distilbert", "embed"], "embed"), "embed")
+    assert prune_model(wrapper.bert, 0.25, (16, 1), ("ffn", "attention_output")) == 2 * 3
+    assert prune_model(wrapper.bert, 0.25, (16, 1), ("qkv",)) == 2 * 3
+    layer = wrapper.bert.transformer.layer[0]
+    assert block_density(layer.ffn.lin1.weight.detach().numpy(), (16, 1)) == 0.25

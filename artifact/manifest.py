@@ -112,6 +112,20 @@ class PassesEntry(_Strict):
     strategies: dict[str, StrategyPasses]
 
 
+class QuantizationEntry(_Strict):
+    """How an int8 artifact was quantized, and how close it stays to the fp32 model on the shipped
+    sentences (compile/sentences.py): cosine for embeddings, top-1 agreement for a classifier."""
+
+    scheme: str
+    kernel: str
+    linears: int  # linear layers on int8 weights
+    sentences: int
+    cosine_min: float | None = None
+    cosine_mean: float | None = None
+    top1_agreement: float | None = None
+    max_probability_diff: float | None = None
+
+
 class SparsityEntry(_Strict):
     density: float | None  # mean block density of the rewritten weights
     block: list[int]
@@ -145,6 +159,7 @@ class Manifest(_Strict):
     passes: PassesEntry
     strategy_choice: StrategyChoice | None = None  # None: one strategy was built
     sparsity: SparsityEntry | None = None
+    quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float

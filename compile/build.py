@@ -13,7 +13,7 @@ from artifact.bucketing import AnyBucket, Bucket
 
 from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
-from .packing import specialize_packed_matmuls
+from .packing import specialize_te_kernels
 
 
 def host_cpu() -> str:
@@ -34,7 +34,7 @@ def specialize(mod: tvm.IRModule, bucket: AnyBucket) -> tvm.IRModule:
     dims = symbolic_dims(mod)
     bound = {dims["batch"]: bucket.batch} if isinstance(bucket, Bucket) else {}
     bound[dims["seq"]] = bucket.seq
-    return specialize_packed_matmuls(relax.transform.BindSymbolicVars(bound)(mod))
+    return specialize_te_kernels(relax.transform.BindSymbolicVars(bound)(mod))
 
 
 def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:

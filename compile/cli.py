@@ -43,6 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", help="sparse block shape ROWSxCOLS (default 16x1)")
     parser.add_argument("--sparse-layers", dest="sparse_layers",
                         help="comma-separated: ffn, attention_output, qkv (default ffn,attention_output)")
+    parser.add_argument("--quantize", choices=["none", "int8"],
+                        help="int8: linear layers on int8 weights (per channel) and activations (per token), CPU with AVX2")
+    parser.add_argument("--min-cosine", dest="min_cosine", type=float,
+                        help="int8: fail when embeddings fall under this cosine to the fp32 model's (default 0.99)")
     parser.add_argument("--out", type=Path, help="artifact directory to write")
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
@@ -61,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
-                    "strategy", "strategy_margin", "sparsity", "block", "out", "validate")
+                    "strategy", "strategy_margin", "sparsity", "block", "quantize", "min_cosine", "out", "validate")
     }
     for key in ("buckets", "sparse_layers"):
         if getattr(args, key) is not None:

@@ -4,6 +4,7 @@ TVM 0.27's default CPU lowering leaves every fused PrimFunc as the serial, scala
 LegalizeOps wrote, and `tvm.s_tir.dlight.cpu` has no matmul rule, so a whole BERT runs ~100x
 slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first rule that applies:
 
+0. the int8 kernels of `--quantize int8` (compile/int8.py);
 1. `schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
@@ -26,6 +27,8 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.target import Target
 from tvm.target.codegen import llvm_cpu_has_features
+
+from . import int8
 
 SCHEDULED_ATTR = "tirx.is_scheduled"
 log = logging.getLogger(__name__)
@@ -374,6 +377,8 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     lanes = vector_lanes(target)
     func = fast_math(func)
     rules = (
+        int8.schedule_int8_matmul,
+        int8.schedule_row_quantize,
         lambda f: schedule_matmul(f, lanes),
         lambda f: Reduction().apply(f, target, False),
         lambda f: schedule_fallback(f, lanes),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import tvm
 from tvm import relax, te, tirx
 
+from . import int8
 from .cpu_schedule import PANEL_VIEW, packed_panel_width
 from .linears import bindings, transposed_linears
 
@@ -41,7 +42,7 @@ def _i64(value: int) -> tirx.IntImm:
     return tirx.IntImm("int64", value)  # Relax shapes are int64; the kernel's buffers must match them
 
 
-def _linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
+def linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     """{matmul var: W} for `matmul(x [M, K], permute_dims(W))` where W [N, K] is computed from
     parameters only (a weight, or the concatenation of Q, K and V weights)."""
     num_input = int(func.attrs["num_input"]) if "num_input" in func.attrs else 0
@@ -94,28 +95,36 @@ def pack_linear_weights(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, in
     A weight whose N the kernel's panel width does not divide stays as it is.
     """
     func = mod["main"]
-    mutator = _PackLinears(mod, _linears_on_weights(func), lanes)
+    mutator = _PackLinears(mod, linears_on_weights(func), lanes)
     new_func = mutator.visit_expr(func)
     mutator.builder_.update_func(mod.get_global_var("main"), new_func)
     return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.packed
 
 
+# Our TE kernels, by name: the function that writes one, and how many tensor arguments it takes
+# (then come the shape vars the call passes along).
+TE_KERNELS = {KERNEL_NAME: (packed_matmul_te, 2), int8.ROW_QUANTIZE: (int8.quantize_rows_te, 1),
+              int8.MATMUL: (int8.int8_matmul_te, 4)}
+
+
 @relax.expr_functor.mutator
-class _RespecializePacked(relax.PyExprMutator):
+class _RespecializeKernels(relax.PyExprMutator):
     def visit_call_(self, call: relax.Call) -> relax.Expr:
-        if call.op == _CALL_TIR and call.args[0].name_hint.startswith(KERNEL_NAME):
-            x, panels = (self.visit_expr(arg) for arg in call.args[1].fields[:2])  # then the shape vars
-            return self.builder_.emit_te(packed_matmul_te, x, panels, primfunc_name_hint=KERNEL_NAME)
+        if call.op == _CALL_TIR:
+            for name, (write, tensors) in TE_KERNELS.items():
+                if call.args[0].name_hint.startswith(name):
+                    inputs = (self.visit_expr(arg) for arg in call.args[1].fields[:tensors])
+                    return self.builder_.emit_te(write, *inputs, primfunc_name_hint=name)
         return super().visit_call_(call)
 
 
-def specialize_packed_matmuls(mod: tvm.IRModule) -> tvm.IRModule:
-    """Rewrite each packed-matmul kernel for the shapes `main` now calls it with.
+def specialize_te_kernels(mod: tvm.IRModule) -> tvm.IRModule:
+    """Rewrite each of our TE kernels (packed and int8 matmuls) for the shapes `main` now calls it with.
 
     The kernels are written over `main`'s symbolic shapes; after BindSymbolicVars gives a bucket
     static shapes, FuseOps/FuseTIR refuse a symbolic kernel fed static tensors (LegalizeOps,
     which writes the other kernels, runs after the binding and has no such problem).
     """
-    mutator = _RespecializePacked(mod)
+    mutator = _RespecializeKernels(mod)
     mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(mod["main"]))
     return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get())

@@ -28,6 +28,7 @@ from artifact.manifest import (
     ModelEntry,
     PassCounts,
     PassesEntry,
+    QuantizationEntry,
     SparsityEntry,
     StrategyChoice,
     StrategyPasses,
@@ -35,17 +36,20 @@ from artifact.manifest import (
     WeightsEntry,
 )
 
+from . import int8, quantize
 from .build import build_library, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .cpu_schedule import vector_lanes
-from .errors import CompileError
+from .errors import CompileError, ValidationError
 from .importer import export_and_import
 from .lift import LiftedModel, lift_and_transform
 from .opcount import tracked_counts
 from .packing import pack_linear_weights
 from .precision import to_precision
 from .progress import Progress
+from .quantize import quantize_linears, sentence_rows
+from .sentences import ACCURACY_SENTENCES
 from .sparsity import prune_model, sparsify
 from .staging import atomic_directory
 from .strategy import PASSES, STRATEGIES, apply_strategy
@@ -253,11 +257,34 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
+    def quantization_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int) -> QuantizationEntry:
+        """The int8 generic library against the fp32 wrapper on real sentences; an embedding model
+        under `min_cosine` fails the compile (what the quantization costs is unknown when not run)."""
+        entry = QuantizationEntry(scheme=quantize.SCHEME, kernel=quantize.KERNEL, linears=linears,
+                                  sentences=len(ACCURACY_SENTENCES))
+        if not self.validate:
+            return entry
+        rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+        runner = self._runner(generic.library, generic.strategy)
+        step = self.config.max_batch  # the generic library's bound
+        chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
+        actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+        with torch.no_grad():
+            expected = self.wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
+        if self.config.model_task == "classify":
+            return entry.model_copy(update=quantize.classifier_agreement(actual, expected))
+        entry = entry.model_copy(update=quantize.embedding_agreement(actual, expected))
+        if entry.cosine_min < self.config.min_cosine:
+            raise ValidationError(f"int8 embeddings reach cosine {entry.cosine_min:.6f} to the fp32 model's on "
+                                  f"the shipped sentences, under --min-cosine {self.config.min_cosine:g}")
+        return entry
+
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:
             return None
         return checked_diff(record.name, self._runner(record.library, record.strategy), self.wrapper, shape,
-                            self.vocab_size, seed, self.config.effective_tolerance, self.layout)
+                            self.vocab_size, seed, self.config.effective_tolerance, self.layout,
+                            relative=self.config.quantize == "int8")
 
 
 def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
@@ -271,6 +298,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         raise CompileError("layout packed needs absolute position embeddings; this checkpoint has "
                            f"{info.config['position_embedding_type']}")
     target = make_target(config.target, config.cuda_arch, config.mcpu)
+    if config.quantize == "int8" and not int8.supports(target):
+        raise CompileError(f"--quantize int8 needs a CPU with AVX2; mcpu {target.attrs['mcpu']} has none")
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
     strategies = [config.strategy]
@@ -299,8 +328,11 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                                     kept_dense=report["kept_dense"])
                 combined = to_precision(combined, config.dtype)
                 packed, pipeline = combined, list(PASSES[strategy])
+                if config.quantize == "int8":  # int8 panels; what is left (if any) stays fp32
+                    packed, quantized_linears = quantize_linears(packed)
+                    pipeline.insert(-1, "QuantizeLinearsInt8")
                 if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
-                    packed, _ = pack_linear_weights(combined, vector_lanes(target))
+                    packed, _ = pack_linear_weights(packed, vector_lanes(target))
                     pipeline.insert(-1, "PackLinearWeights")
                 variants[strategy] = lift_and_transform(packed, params)
                 passes[strategy] = StrategyPasses(
@@ -330,6 +362,10 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
                 records.append(builder.finish(candidates, chosen[candidates.name]))
         generic = records[-1]
+        quantization = None
+        if config.quantize == "int8":
+            with progress.step("int8 accuracy against the fp32 model on the shipped sentences"):
+                quantization = builder.quantization_report(generic, info, quantized_linears)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()
@@ -381,6 +417,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             strategy_choice=(StrategyChoice(shared=shared_strategy, margin=config.strategy_margin)
                              if len(strategies) > 1 else None),
             sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
+            quantization=quantization,
             validated=builder.validate,
             validated_on=device_name(builder.device) if builder.validate else None,
             tolerance=config.effective_tolerance,

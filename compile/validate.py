@@ -22,26 +22,31 @@ def library_inputs(layout: str, inputs: tuple[np.ndarray, ...], seq: int, tokens
     return inputs
 
 
-def max_abs_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int, seed: int,
-                 layout: str = "padded") -> float:
-    """Largest |tvm - torch| over one random batch of `shape` (ragged attention mask included),
-    PyTorch running the padded rows. PyTorch runs wherever the wrapper's weights are (the GPU,
-    for a CUDA artifact)."""
+def library_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int, seed: int,
+                 layout: str = "padded") -> tuple[float, float]:
+    """(largest |tvm - torch|, largest |tvm - torch| / |torch| of an output row) over one random
+    batch of `shape` (ragged attention mask included), PyTorch running the padded rows. PyTorch
+    runs wherever the wrapper's weights are (the GPU, for a CUDA artifact)."""
     inputs = example_inputs(shape.rows, shape.seq, vocab_size, seed=seed)
     device = next(wrapper.parameters()).device
     with torch.no_grad():
         expected = wrapper(*(x.to(device) for x in inputs)).float().cpu().numpy()
     actual = runner(*library_inputs(layout, tuple(x.numpy() for x in inputs), shape.seq))
     if actual.shape != expected.shape:
-        return float("inf")
-    return float(np.max(np.abs(actual - expected)))
+        return float("inf"), float("inf")
+    rows = np.linalg.norm(actual - expected, axis=1) / np.maximum(np.linalg.norm(expected, axis=1), 1e-12)
+    return float(np.max(np.abs(actual - expected))), float(rows.max())
 
 
 def checked_diff(name: str, runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int,
-                 seed: int, tolerance: float, layout: str = "padded") -> float:
-    """`max_abs_diff`, or a ValidationError naming the library and shape when over `tolerance`."""
-    diff = max_abs_diff(runner, wrapper, shape, vocab_size, seed, layout)
-    if not diff <= tolerance:
+                 seed: int, tolerance: float, layout: str = "padded", relative: bool = False) -> float:
+    """The max abs diff of `library_diff`, or a ValidationError naming the library and shape when
+    it (or, `relative`, the row-relative error: what int8 is held to) is over `tolerance`."""
+    diff, relative_diff = library_diff(runner, wrapper, shape, vocab_size, seed, layout)
+    if relative and not relative_diff <= tolerance:
+        raise ValidationError(f"{name} at {shape.name}: max |tvm - torch| / |torch| of a row = {relative_diff:.3g} "
+                              f"exceeds tolerance {tolerance:g}")
+    if not relative and not diff <= tolerance:
         raise ValidationError(f"{name} at {shape.name}: max |tvm - torch| = {diff:.3g} exceeds tolerance {tolerance:g}")
     return diff
 

@@ -32,7 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="artifact directory; repeat to serve several models (requests pick one by `model`, "
              "else the first of the route's task; `/` serves the first)")
     add("--served-name", dest="served_names", action="append",
-        help="the model's name in requests and GET /v1/models, one per --artifacts in order (default: the directory's name)")
+        help="the model's name in requests and GET /v1/models, one per --artifacts in order "
+             "(default: the directory's name)")
     add("--default-prompt-name", help="prepend this prompt of the checkpoint's sentence-transformers `prompts` to "
         "inputs that name none (e.g. query)")
     add("--default-prompt", help="prepend this text to inputs that name no prompt (e.g. 'query: ')")

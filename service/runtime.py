@@ -199,7 +199,7 @@ class Runtime:
         return {
             "model_id": primary.name,
             "model_sha": primary.manifest.model.weights_sha256,
-            "model_dtype": primary.manifest.dtype,
+            "model_dtype": model_dtype(primary.manifest),
             "model_type": tei_model_type(primary.manifest),
             "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": service.tokenizer.max_length if service else None,
@@ -218,11 +218,13 @@ class Runtime:
 
     def list_models(self) -> dict:
         """OpenAI's GET /v1/models."""
-        return {"object": "list", "data": [
-            {"id": artifact.name, "object": "model", "created": int(datetime.fromisoformat(artifact.manifest.created_at).timestamp()),
-             "owned_by": "bert-tvm-serve", "task": "rerank" if serves(artifact.manifest, "rerank") else
-             artifact.manifest.task}
-            for artifact in self.artifacts]}
+        def entry(artifact: ServedArtifact) -> dict:
+            manifest = artifact.manifest
+            return {"id": artifact.name, "object": "model", "owned_by": "bert-tvm-serve",
+                    "created": int(datetime.fromisoformat(manifest.created_at).timestamp()),
+                    "task": "rerank" if serves(manifest, "rerank") else manifest.task}
+
+        return {"object": "list", "data": [entry(artifact) for artifact in self.artifacts]}
 
     def _describe_model(self, artifact: ServedArtifact) -> dict:
         name, directory, manifest = artifact.name, artifact.directory, artifact.manifest
@@ -235,7 +237,8 @@ class Runtime:
             "artifact": str(directory),
             "checkpoint": manifest.model.path,
             "target": manifest.target.model_dump(),
-            "dtype": manifest.dtype,
+            "dtype": model_dtype(manifest),
+            "quantization": manifest.quantization.model_dump() if manifest.quantization else None,
             "layout": manifest.layout,
             "pooling": manifest.pooling,
             "labels": manifest.labels,
@@ -255,7 +258,8 @@ class Runtime:
         }
 
 
-KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier", "rerank": "a reranker (a one-label classifier)"}
+KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
+                "rerank": "a reranker (a one-label classifier)"}
 
 
 def serves(manifest: Manifest, task: str) -> bool:
@@ -267,6 +271,11 @@ def serves(manifest: Manifest, task: str) -> bool:
 
 def describe_kind(manifest: Manifest) -> str:
     return KIND_OF_TASK["rerank" if serves(manifest, "rerank") else manifest.task]
+
+
+def model_dtype(manifest: Manifest) -> str:
+    """What the linear layers compute in: int8 for a quantized artifact, else the artifact's dtype."""
+    return "int8" if manifest.quantization is not None else manifest.dtype
 
 
 def tei_model_type(manifest: Manifest) -> dict:

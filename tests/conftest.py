@@ -22,15 +22,10 @@ TINY_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 def _tiny_config(**extra):
     from transformers import BertConfig
 
-    return BertConfig(
-        vocab_size=30522,  # the MiniLM tokenizer's vocabulary, copied next to the weights
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        **extra,
-    )
+    sizes = {"vocab_size": 30522,  # the MiniLM tokenizer's vocabulary, copied next to the weights
+             "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+             "max_position_embeddings": 64}
+    return BertConfig(**{**sizes, **extra})
 
 
 def _copy_tokenizer(destination: Path) -> None:
@@ -55,20 +50,23 @@ def minilm_imported(minilm_dir):
     return export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"])
 
 
-def save_tiny_sentence_transformer(directory: Path, seed: int, prompts: dict[str, str] | None = None) -> Path:
+def save_tiny_sentence_transformer(directory: Path, seed: int, prompts: dict[str, str] | None = None,
+                                   config: dict | None = None) -> Path:
     """A 2-layer BertModel with sentence-transformers mean pooling metadata (and prompts, if given)."""
     import torch
     from transformers import BertModel
 
     torch.manual_seed(seed)
-    BertModel(_tiny_config(), add_pooling_layer=False).save_pretrained(directory)
+    bert_config = _tiny_config(**(config or {}))
+    BertModel(bert_config, add_pooling_layer=False).save_pretrained(directory)
     _copy_tokenizer(directory)
     (directory / "modules.json").write_text(
         json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
                     {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
     )
     (directory / "1_Pooling").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32, "pooling_mode_mean_tokens": True}))
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": bert_config.hidden_size, "pooling_mode_mean_tokens": True}))
     if prompts is not None:
         (directory / "config_sentence_transformers.json").write_text(
             json.dumps({"prompts": prompts, "default_prompt_name": None}))

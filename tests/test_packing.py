@@ -24,7 +24,7 @@ from compile.build import make_target
 from compile.cpu_schedule import cpu_pipeline, packed_panel_width, schedule_matmul, vector_lanes
 from compile.lift import lift_and_transform
 from compile.opcount import tracked_counts
-from compile.packing import pack_linear_weights, specialize_packed_matmuls
+from compile.packing import pack_linear_weights, specialize_te_kernels
 from compile.strategy import apply_strategy
 
 MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
@@ -161,7 +161,7 @@ def test_bucket_specialisation_rewrites_the_kernel_for_static_shapes(lanes):
     mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, n), lanes)
     assert count == 1
     m = mod["main"].params[0].ty.shape[0]
-    static = specialize_packed_matmuls(relax.transform.BindSymbolicVars({m: 6})(mod))
+    static = specialize_te_kernels(relax.transform.BindSymbolicVars({m: 6})(mod))
     kernel = _fused_packed_kernel(static, lanes)
     text = kernel.script()
     assert "T.Buffer((T.int64(6), T.int64(48))" in text and f"T.int64(6), T.int64({n})" in text

@@ -10,11 +10,10 @@ import sys
 import httpx
 import numpy as np
 import pytest
+from conftest import _copy_tokenizer, _tiny_config, compile_artifact, save_tiny_sentence_transformer
 
 from compile.errors import CompileError
 from service.tokenization import Prompts
-
-from conftest import _copy_tokenizer, _tiny_config, compile_artifact, save_tiny_sentence_transformer
 
 PROMPTS = {"query": "query: ", "passage": "passage: "}
 QUERY = "how do wizards judge boxing"

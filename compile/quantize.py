@@ -1,0 +1,100 @@
+"""`--quantize int8`: every linear layer over int8 weights, activations quantized per token at run time.
+
+The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parameters only (as
+compile/packing.py finds them, Q/K/V concatenations included), into
+
+    scale_w = max |W[n, :]| / 127                       (per output channel)
+    panels  = int8(round(W / scale_w)) in the kernel's [N / 32, K / 2, 32, 2] layout
+    xq, scale_x = quantize_rows(x)                       (per token, at run time)
+    y = int8_matmul(xq, scale_x, panels, scale_w)        (int32 accumulation, compile/int8.py)
+
+The weight-side ops sit in the weight-only part of `main`, so `LiftTransformParams` runs them at
+compile time and the artifact ships the int8 panels and fp32 scales instead of the fp32 weights.
+Attention (its two batch matmuls), layer norm, softmax, GELU and pooling stay fp32. The kernels
+are TE computes, so FuseOps still fuses the bias / GELU / residual epilogue into the matmul.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax
+
+from . import int8
+from .packing import linears_on_weights
+from .sentences import ACCURACY_SENTENCES
+
+SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
+KERNEL = "avx2 vpmaddwd, int32 accumulation"
+
+
+@relax.expr_functor.mutator
+class _QuantizeLinears(relax.PyExprMutator):
+    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr]):
+        super().__init__(mod)
+        self.linears = linears
+        self.quantized = 0
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        weight = self.linears.get(binding.var)
+        n, k = (int(d) for d in weight.ty.shape) if weight is not None else (0, 0)
+        if weight is None or not int8.quantizable(n, k):
+            super().visit_var_binding_(binding)
+            return
+        emit, op = self.builder_.emit, relax.op
+        w = self.visit_expr(weight)
+        scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
+                               relax.const(int8.QMAX, "float32")))
+        quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -127, 127), "int8"))
+        panels = emit(op.permute_dims(op.reshape(quantized, (n // int8.PANEL, int8.PANEL, k // int8.PAIR, int8.PAIR)),
+                                      [0, 2, 1, 3]))
+        rows = self.builder_.emit_te(int8.quantize_rows_te, self.visit_expr(binding.value.args[0]),
+                                     primfunc_name_hint=int8.ROW_QUANTIZE)
+        output = self.builder_.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
+                                       panels, scale, primfunc_name_hint=int8.MATMUL)
+        if not isinstance(binding.var, relax.DataflowVar):
+            output = self.builder_.emit_output(output)
+        self.set_var_remap(binding.var, output)
+        self.quantized += 1
+
+
+def quantize_linears(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
+    """`mod` with `main`'s linears on int8 weights, and how many were rewritten (run before
+    LiftTransformParams and before compile/packing.py, which then packs what is left in fp32)."""
+    func = mod["main"]
+    mutator = _QuantizeLinears(mod, linears_on_weights(func))
+    mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(func))
+    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.quantized
+
+
+def sentence_rows(tokenizer_file: Path, max_seq: int) -> tuple[np.ndarray, ...]:
+    """The shipped sentences as padded rows: ids, attention mask, token type ids, positions."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.enable_padding()
+    tokenizer.enable_truncation(max_seq)
+    encodings = tokenizer.encode_batch(ACCURACY_SENTENCES)
+    ids = np.array([e.ids for e in encodings], dtype=np.int64)
+    mask = np.array([e.attention_mask for e in encodings], dtype=np.int64)
+    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int64), ids.shape).copy()
+    return ids, mask, np.zeros_like(ids), positions
+
+
+def embedding_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:
+    """Cosine similarity of each quantized embedding to the fp32 model's: min and mean."""
+    cosine = np.sum(quantized * reference, axis=1) / (
+        np.linalg.norm(quantized, axis=1) * np.linalg.norm(reference, axis=1))
+    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean())}
+
+
+def classifier_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:
+    """How often the top label is the fp32 model's, and the largest softmax probability difference."""
+    def softmax(logits):
+        shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return shifted / shifted.sum(axis=1, keepdims=True)
+
+    return {"top1_agreement": float(np.mean(quantized.argmax(axis=1) == reference.argmax(axis=1))),
+            "max_probability_diff": float(np.abs(softmax(quantized) - softmax(reference)).max())}

@@ -1,0 +1,158 @@
+"""The int8 kernels (compile/int8.py) against numpy: row quantisation, and the vpmaddwd matmul
+with its epilogue, at static and symbolic row counts (ragged ones included)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+
+from compile import int8
+from compile.build import make_target
+
+TARGET = make_target("cpu", "sm_90", None)
+pytestmark = pytest.mark.skipif(not int8.supports(TARGET), reason="the int8 kernel needs AVX2")
+
+
+def _build(func, schedule):
+    sch = schedule(func)
+    assert sch is not None
+    return tvm.compile(sch.mod, target=TARGET)
+
+
+def _quantized_weight(n: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
+    scale = np.abs(weight).max(axis=1) / 127
+    quantized = np.round(weight / scale[:, None]).astype(np.int8)
+    panels = quantized.reshape(n // int8.PANEL, int8.PANEL, k // 2, 2).transpose(0, 2, 1, 3).copy()
+    return weight, quantized, scale.astype("float32"), panels
+
+
+@pytest.mark.parametrize("rows", [8, 13, "symbolic"])
+def test_matmul_with_bias_epilogue_matches_numpy(rows):
+    n, k = 48, 48
+    m = tirx.Var("m", "int64") if rows == "symbolic" else rows
+    xq = te.placeholder((m, k), "int16", name="xq")
+    scale = te.placeholder((m,), "float32", name="scale")
+    panels = te.placeholder((n // int8.PANEL, k // 2, int8.PANEL, 2), "int8", name="panels")
+    weight_scale = te.placeholder((n,), "float32", name="weight_scale")
+    bias = te.placeholder((n,), "float32", name="bias")
+    y = int8.int8_matmul_te(xq, scale, panels, weight_scale)
+    out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
+    lib = _build(te.create_prim_func([xq, scale, panels, weight_scale, bias, out]), int8.schedule_int8_matmul)
+
+    _, quantized, w_scale, packed = _quantized_weight(n, k, seed=1)
+    rng = np.random.default_rng(2)
+    count = 21 if rows == "symbolic" else rows
+    x = rng.integers(-127, 128, (count, k)).astype(np.int16)
+    x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
+    b = rng.standard_normal(n).astype("float32")
+    result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
+    lib(*(tvm.runtime.tensor(a) for a in (x, x_scale, packed, w_scale, b)), result)
+    exact = (x.astype(np.int64) @ quantized.T.astype(np.int64)).astype(np.float64)
+    np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
+
+
+def test_row_quantisation_scales_each_row_to_127():
+    m = tirx.Var("m", "int64")
+    x = te.placeholder((m, 40), "float32", name="x")
+    quantized, scale = int8.quantize_rows_te(x)
+    lib = _build(te.create_prim_func([x, quantized, scale]), int8.schedule_row_quantize)
+    values = np.random.default_rng(3).standard_normal((5, 40)).astype("float32")
+    values[2] = 0.0  # an all-zero row must not divide by zero
+    out_q, out_scale = tvm.runtime.tensor(np.zeros((5, 40), "int16")), tvm.runtime.tensor(np.zeros(5, "float32"))
+    lib(tvm.runtime.tensor(values), out_q, out_scale)
+    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
+    np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
+    np.testing.assert_array_equal(out_q.numpy(), np.round(values / expected_scale[:, None]).astype(np.int16))
+    assert np.abs(out_q.numpy()).max() == 127
+
+
+def test_quantized_linear_is_close_to_fp32():
+    """End to end on random data: per-row x per-channel int8 keeps the product within ~1% of fp32."""
+    n, k, count = 96, 64, 7
+    weight, _, w_scale, packed = _quantized_weight(n, k, seed=4)
+    x = np.random.default_rng(5).standard_normal((count, k)).astype("float32")
+    m = tirx.Var("m", "int64")
+    xt = te.placeholder((m, k), "float32", name="x")
+    quantized, scale = int8.quantize_rows_te(xt)
+    quant = _build(te.create_prim_func([xt, quantized, scale]), int8.schedule_row_quantize)
+    xq, sq = tvm.runtime.tensor(np.zeros((count, k), "int16")), tvm.runtime.tensor(np.zeros(count, "float32"))
+    quant(tvm.runtime.tensor(x), xq, sq)
+
+    xqt = te.placeholder((m, k), "int16", name="xq")
+    st = te.placeholder((m,), "float32", name="scale")
+    pt = te.placeholder(packed.shape, "int8", name="panels")
+    wt = te.placeholder((n,), "float32", name="weight_scale")
+    matmul = _build(te.create_prim_func([xqt, st, pt, wt, int8.int8_matmul_te(xqt, st, pt, wt)]),
+                    int8.schedule_int8_matmul)
+    y = tvm.runtime.tensor(np.zeros((count, n), "float32"))
+    matmul(xq, sq, tvm.runtime.tensor(packed), tvm.runtime.tensor(w_scale), y)
+    reference = x @ weight.T
+    assert np.abs(y.numpy() - reference).max() < 0.02 * np.abs(reference).max()
+
+
+# ----------------------------------------------------------------------------- compile and serve
+
+UNSEEN = ["Where can I buy fresh bread on Sunday morning?", "The orchestra rehearsed the symphony twice.",
+          "A sudden storm forced the sailors back to the harbour before dawn.",
+          "Quantum computers may one day break today's public-key cryptography, so standards bodies are "
+          "already choosing algorithms that resist them.", "tiny input"]
+
+
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    """A tiny sentence embedder whose every linear fits the int8 panels (widths multiples of 24)."""
+    from conftest import save_tiny_sentence_transformer
+
+    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-int8"), seed=7,
+                                          config={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4})
+
+
+@pytest.fixture(scope="module")
+def int8_artifact(int8_checkpoint, tmp_path_factory):
+    from conftest import compile_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-int8"
+    compile_artifact(int8_checkpoint, out, ["packed-16", "packed-64"], layout="packed", quantize="int8",
+                     generic_shapes=["3x20"])
+    return out
+
+
+def test_int8_artifact_ships_int8_weights_and_its_accuracy(int8_artifact):
+    from safetensors.numpy import load_file
+
+    from artifact.manifest import Manifest
+
+    manifest = Manifest.read(int8_artifact)
+    assert manifest.quantization.linears == 2 * 4  # per layer: Q/K/V (concatenated), output, two FFN
+    assert manifest.quantization.sentences > 20 and manifest.quantization.cosine_min >= 0.99
+    assert "QuantizeLinearsInt8" in manifest.passes.strategies["concat"].pipeline
+    weights = load_file(str(int8_artifact / manifest.weights["concat"].file))
+    assert sum(1 for w in weights.values() if w.dtype == np.int8) == 8
+
+
+def test_served_int8_embeddings_match_fp32_sentence_transformers(serve, int8_artifact, int8_checkpoint):
+    import httpx
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(int8_checkpoint), device="cpu").encode(UNSEEN, normalize_embeddings=True)
+    with serve([int8_artifact]) as server:
+        served = np.asarray(httpx.post(f"{server.url}/embed", json={"inputs": UNSEEN}, timeout=60).json())
+        info = httpx.get(f"{server.url}/info").json()
+    assert info["model_dtype"] == "int8" and info["models"][0]["quantization"]["linears"] == 8
+    cosine = np.sum(served * expected, axis=1)
+    assert cosine.min() >= 0.99, cosine
+
+
+def test_int8_compile_fails_under_min_cosine_and_leaves_nothing(int8_checkpoint, tmp_path):
+    from conftest import compile_artifact
+
+    from compile.errors import ValidationError
+
+    with pytest.raises(ValidationError, match=r"int8 embeddings reach cosine [\d.]+ to .* under --min-cosine 1"):
+        compile_artifact(int8_checkpoint, tmp_path / "out", ["packed-16"], layout="packed", quantize="int8",
+                         min_cosine=1.0, generic_shapes=["3x20"])
+    assert not (tmp_path / "out").exists()

@@ -10,8 +10,7 @@ The micro-kernel is AVX2's `vpmaddwd`: 8 columns x 2 k of the panel, sign-extend
 multiply-adds per instruction where fp32 FMA does 8, exact (127 x 127 x 2 cannot saturate, unlike
 `vpmaddubsw`'s u8 x s8 pairs, which measured slower here as well as less accurate with 7-bit
 weights). Each vpmaddwd needs a separate vpaddd, so the gain over fp32 FMA comes from the ports
-they share less and from weights 4x smaller: on znver3 the 4 x 24 tile runs 68-70 GMAC/s on one
-core at M = 128 where the fp32 kernel runs 32-35. The loop nest is the fp32 kernel's
+they share less and from weights 4x smaller (docs/PERFORMANCE.md, int8). The loop nest is the fp32 kernel's
 (`cpu_schedule.schedule_matmul`): parallel over panels, a `ROWS` x `PANEL` int32 accumulator in
 registers, the dequantisation and any fused epilogue applied on write-back.
 

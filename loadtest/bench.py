@@ -27,6 +27,7 @@ PROG = "python -m loadtest.bench"
 # (1e-4, 2e-2) since ONNX Runtime and torch.compile reorder reductions too, and far below what a
 # wrong model or wrong weights give (differences of the order of the outputs themselves).
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
+INT8_LEAST_COSINE = 0.98  # an int8 candidate agrees when every output row is this close in direction
 
 
 def parse_args(argv):
@@ -38,6 +39,9 @@ def parse_args(argv):
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
+    parser.add_argument("--onnx-int8", action="store_true",
+                        help="also ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain export and on "
+                             "the transformers-optimized graph")
     parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile(wrapper)")
     parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
                         help="another artifact of the same model (e.g. built without CUDA graphs) whose "
@@ -97,6 +101,43 @@ def onnx_session(wrapper, directory: Path, threads: int):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
+def onnx_int8_sessions(wrapper, directory: Path, threads: int, config: dict) -> dict:
+    """ONNX Runtime int8 at its best: dynamic quantization (int8 weights per channel, activations
+    quantized at run time, what fastembed and Infinity ship) of the plain export and of the graph
+    after ORT's transformers optimizer (fused attention, SkipLayerNormalization, BiasGelu)."""
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.transformers.fusion_options import FusionOptions
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    plain = directory / "model.onnx"
+    if not plain.is_file():
+        onnx_session(wrapper, directory, threads)
+    graphs = {"onnxruntime_int8": plain}
+    options = FusionOptions("bert")
+    # its fused embedding op reads token positions itself (0..seq-1) and fails on the explicit
+    # position ids this export takes once quantized; everything else fuses
+    options.enable_embed_layer_norm = False
+    try:
+        optimized = optimize_model(str(plain), model_type="bert", num_heads=int(config.get("num_attention_heads", 0)),
+                                   hidden_size=int(config.get("hidden_size", 0)), optimization_options=options)
+        optimized.save_model_to_file(str(directory / "model.opt.onnx"))
+        graphs["onnxruntime_int8_optimized"] = directory / "model.opt.onnx"
+    except Exception as exc:  # noqa: BLE001 - the plain graph is still a fair candidate
+        print(f"bench: ORT's transformers optimizer failed ({exc}); int8 on the plain graph only", file=sys.stderr)
+    sessions = {}
+    for label, graph in graphs.items():
+        quantized = graph.with_suffix(".int8.onnx")
+        quantize_dynamic(str(graph), str(quantized), weight_type=QuantType.QInt8, per_channel=True)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sessions[label] = ort.InferenceSession(str(quantized), options, providers=["CPUExecutionProvider"])
+    return sessions
+
+
 def as_array(output) -> np.ndarray:
     """A candidate's output as a float32 host array: a loader RunResult, ONNX Runtime's list of
     outputs (the first is the model's), a torch tensor, or an array."""
@@ -118,6 +159,14 @@ def agreement(outputs: dict[str, np.ndarray], reference: np.ndarray) -> dict[str
         else:
             diffs[label] = float(np.abs(output - reference).max()) if output.size else 0.0
     return diffs
+
+
+def least_cosine(output: np.ndarray, reference: np.ndarray) -> float:
+    """The smallest cosine similarity of an output row to the reference's (how int8 is held)."""
+    if output.shape != reference.shape:
+        return float("-inf")
+    norms = np.linalg.norm(output, axis=1) * np.linalg.norm(reference, axis=1)
+    return float(np.min(np.sum(output * reference, axis=1) / np.maximum(norms, 1e-30)))
 
 
 def _fail(message: str, code: int) -> int:
@@ -159,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     except ArtifactError as exc:
         return _fail(str(exc), 2)
     manifest = model.manifest
+    if manifest.quantization is not None:
+        return _fail(f"{args.artifacts} is int8; give the fp32 artifact as --artifacts and the int8 one as --compare", 2)
+    int8_labels = {label for label, other in others.items() if other.manifest.quantization is not None}
     if manifest.sparsity is not None:
         return _fail(f"{args.artifacts} is block-sparse, so PyTorch eager on its checkpoint is not its reference; "
                      "time sparse builds with python -m loadtest.sparse_bench", 2)
@@ -172,9 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_gflops(args.threads, torch_device, manifest.dtype)
     session = None
     with tempfile.TemporaryDirectory() as scratch:
+        int8_sessions = {}
         if not (args.no_onnx or on_gpu):
             log("bench: exporting ONNX ...")
             session = onnx_session(wrapper, Path(scratch), args.threads)
+            if args.onnx_int8:
+                log("bench: ONNX Runtime int8 (quantize_dynamic) ...")
+                int8_sessions = onnx_int8_sessions(wrapper, Path(scratch), args.threads, info.config)
+                int8_labels |= set(int8_sessions)
 
         compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
         results = []
@@ -196,10 +253,16 @@ def main(argv: list[str] | None = None) -> int:
             if session is not None:
                 feed = dict(zip(INPUT_NAMES, inputs))
                 candidates["onnxruntime"] = lambda: session.run(None, feed)
+                for label, int8_session in int8_sessions.items():
+                    candidates[label] = lambda s=int8_session: s.run(None, feed)
             with torch.no_grad():
                 outputs = {label: as_array(run()) for label, run in candidates.items()}
-            diffs = agreement({k: v for k, v in outputs.items() if k != "torch_eager"}, outputs["torch_eager"])
+            reference = outputs["torch_eager"]
+            diffs = agreement({k: v for k, v in outputs.items() if k not in int8_labels | {"torch_eager"}}, reference)
             wrong = [f"{label} (max abs diff {diff:.3g})" for label, diff in diffs.items() if not diff <= tolerance]
+            cosines = {label: least_cosine(outputs[label], reference) for label in int8_labels}
+            wrong += [f"{label} (cosine {cos:.4f} < {INT8_LEAST_COSINE})" for label, cos in cosines.items()
+                      if not cos >= INT8_LEAST_COSINE]
             if wrong:
                 return _fail(f"at {shape.name}, {', '.join(wrong)} disagree with PyTorch eager beyond "
                              f"{tolerance:g} ({manifest.dtype}); nothing timed", 1)
@@ -209,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats = interleaved_medians(candidates, args.repeats)
             flops = bert_flops(info.config, shape.batch, shape.seq)
             row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
-                   "agreement": diffs, "stats": stats}
+                   "agreement": diffs, "int8_least_cosine": cosines, "stats": stats}
             torch_ms = stats["torch_eager"]["median_s"]
             row["ratio_vs_torch"] = {k: v["median_s"] / torch_ms for k, v in stats.items()}
             if "onnxruntime" in stats:

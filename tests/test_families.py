@@ -17,17 +17,9 @@ from conftest import TINY_LABELS, compile_artifact
 from artifact.manifest import Manifest
 from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import CompileError
+from compile.validate import DRIFT_SENTENCES
 
-SENTENCES = [
-    "A man is playing a guitar on stage.",
-    "The new movie was surprisingly good.",
-    "How do I reset my password?",
-    "Stock markets fell sharply on Monday after the announcement.",
-    "The cat sleeps on the warm windowsill.",
-    "Compilers turn high-level programs into efficient machine code.",
-    "It will rain tomorrow in the northern mountains.",
-    "She ordered a coffee and a slice of lemon cake.",
-]
+SENTENCES = DRIFT_SENTENCES  # what the offline tokenizers are trained on
 QUERIES = ["the cat plays a guitar", "Markets fell on Monday.", "zebra quartz jukebox", "a"]  # unseen words included
 FAMILIES = ("roberta", "xlm-roberta", "distilbert")
 SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # RoBERTa's and XLM-R's ids 0..3 (unk must be 3 for XLM-R)

@@ -111,13 +111,15 @@ def int8_checkpoint(tmp_path_factory):
                                           config={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4})
 
 
-@pytest.fixture(scope="module")
-def int8_artifact(int8_checkpoint, tmp_path_factory):
+@pytest.fixture(scope="module", params=["packed", "padded"])
+def int8_artifact(request, int8_checkpoint, tmp_path_factory):
+    """Both layouts: packed libraries quantize a symbolic token count, padded buckets static rows
+    (1 x 5 = 5 rows: not a multiple of the kernel's 4, so padded inside the kernel)."""
     from conftest import compile_artifact
 
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-int8"
-    compile_artifact(int8_checkpoint, out, ["packed-16", "packed-64"], layout="packed", quantize="int8",
-                     generic_shapes=["3x20"])
+    out = tmp_path_factory.mktemp("artifacts") / f"tiny-int8-{request.param}"
+    buckets = ["packed-16", "packed-64"] if request.param == "packed" else ["1x5", "4x16"]
+    compile_artifact(int8_checkpoint, out, buckets, layout=request.param, quantize="int8", generic_shapes=["3x20"])
     return out
 
 

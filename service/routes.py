@@ -152,16 +152,10 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     return JSONResponse(ranks, headers=_headers(service, computed, started))
 
 
-def _any_model(request: Request, name: str | None):
-    """The named model, else the first one (tokenizing needs no particular task)."""
-    runtime = _runtime(request)
-    return runtime.model(runtime.default_task(), name or runtime.primary.name)
-
-
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
-    """TEI's /tokenize: the tokens each input would be run as (one list per input)."""
-    service = _any_model(request, body.model)
+    """TEI's /tokenize: the tokens each input would be run as (one list per input); any model."""
+    service = _runtime(request).model(None, body.model)
     texts = _texts(body.inputs)
     service.check_batch_size(len(texts))
     return service.tokenizer.tokens(texts, body.add_special_tokens)
@@ -169,8 +163,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
 
 @router.post("/decode")
 async def decode(body: DecodeRequest, request: Request) -> list[str]:
-    """TEI's /decode: token ids (one list, or one per input) back to text."""
-    service = _any_model(request, body.model)
+    """TEI's /decode: token ids (one list, or one per input) back to text; any model."""
+    service = _runtime(request).model(None, body.model)
     ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
     service.check_batch_size(len(ids))
     return service.tokenizer.decode(ids, body.skip_special_tokens)

@@ -157,18 +157,19 @@ class Runtime:
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
                             manifest.problem_type, artifact.prompts)
 
-    def model(self, task: str, name: str | None = None) -> ModelService:
+    def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
-        classify, or rerank: a classifier with one label)."""
+        classify, or rerank: a classifier with one label; None: any, the first model given)."""
         if name is not None:
             artifact = next((artifact for artifact in self.artifacts if artifact.name == name), None)
             if artifact is None:
                 raise ModelNotFound(f"model {name!r} is not served here; GET /v1/models lists "
                                     f"{', '.join(repr(a.name) for a in self.artifacts)}")
-            if not serves(artifact.manifest, task):
+            if task is not None and not serves(artifact.manifest, task):
                 raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}")
         else:
-            artifact = next((artifact for artifact in self.artifacts if serves(artifact.manifest, task)), None)
+            artifact = next((artifact for artifact in self.artifacts
+                             if task is None or serves(artifact.manifest, task)), None)
             if artifact is None:
                 raise NotSupported(f"this server has no {KIND_OF_TASK[task]}")
         if not self.loaded:

@@ -85,6 +85,8 @@ def test_models_are_listed_and_selected_by_name(client):
     assert wrong_kind.status_code == 400 and "is a classifier" in wrong_kind.json()["error"]
     labels = [p["label"] for p in client.post("/predict", json={"inputs": "fine"}).json()]
     assert sorted(labels) == ["negative", "neutral", "positive"]  # /predict's default: the first classifier
+    tokens = client.post("/tokenize", json={"inputs": "fine", "model": "sentiment"})  # any model tokenizes
+    assert tokens.status_code == 200 and [t["text"] for t in tokens.json()[0]] == ["[CLS]", "fine", "[SEP]"]
 
 
 def test_openai_client_selects_the_model(server, client):

@@ -127,13 +127,16 @@ class QuantizationEntry(_Strict):
 
 
 class SparsityEntry(_Strict):
+    # pruned: magnitude block pruning changed the model (see cosine_vs_dense); from-checkpoint: the
+    # checkpoint's own zero blocks, the model unchanged
+    mode: Literal["pruned", "from-checkpoint"] = "pruned"
     density: float | None  # mean block density of the rewritten weights
     block: list[int]
-    layers: list[str]
+    layers: list[str]  # the layers pruned (none from a checkpoint: every linear sparse enough is rewritten)
     pruned: int  # weights pruned in the checkpoint before export
     rewritten: int  # matmuls rewritten to the BSR kernel (per strategy variant)
     kept_dense: int
-    cosine_vs_dense: float  # mean cosine similarity of pruned vs dense outputs on fixed sentences
+    cosine_vs_dense: float | None  # mean cosine of pruned vs dense outputs on fixed sentences (None: not pruned)
 
 
 class Manifest(_Strict):

@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strategy-margin", dest="strategy_margin", type=float,
                         help="auto: a library leaves the shared strategy (one more weight set in memory) only when "
                              "faster by more than this fraction (default 0.03)")
-    parser.add_argument("--sparsity", type=float, help="prune this fraction of weight blocks, e.g. 0.9")
+    parser.add_argument("--sparsity", type=_sparsity, help="prune this fraction of weight blocks, e.g. 0.9 (changes the "
+                        "model); from-checkpoint: use the blocks the checkpoint already has at zero (does not)")
     parser.add_argument("--block", help="sparse block shape ROWSxCOLS (default 16x1)")
     parser.add_argument("--sparse-layers", dest="sparse_layers",
                         help="comma-separated: ffn, attention_output, qkv (default ffn,attention_output)")
@@ -52,6 +53,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip the comparison with PyTorch")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     return parser.parse_args(argv)
+
+
+def _sparsity(value: str) -> float | str:
+    if value == "from-checkpoint":
+        return value
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is neither a fraction nor from-checkpoint") from None
 
 
 def _raise_on_sigterm(signum, _frame):
@@ -96,8 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     if manifest.sparsity is not None:
         sp = manifest.sparsity
-        print(f"sparsity: {sp.pruned} weights pruned to blocks {sp.block}, {sp.rewritten} matmuls rewritten "
-              f"(density {sp.density}), cosine vs dense {sp.cosine_vs_dense:.4f}", file=sys.stderr)
+        changed = (f"{sp.pruned} weights pruned to blocks {sp.block}, cosine vs dense {sp.cosine_vs_dense:.4f}"
+                   if sp.mode == "pruned" else f"the checkpoint's own zero blocks {sp.block} (model unchanged)")
+        print(f"sparsity: {changed}; {sp.rewritten} matmuls rewritten (density {sp.density})", file=sys.stderr)
     validated = "validated against PyTorch" if manifest.validated else "NOT validated (no device)"
     print(f"{validated}; wrote {config.out}", file=sys.stderr)
     return 0

@@ -59,7 +59,9 @@ class CompileConfig(BaseModel):
     max_batch: int = Field(64, ge=1, description="upper bound of the generic library's batch")
     pooling: Pooling = "auto"
     strategy: Literal["auto", "concat", "batched", "off"] = "concat"
-    sparsity: float | None = Field(None, ge=0, lt=1, description="fraction of weight blocks pruned; None: dense")
+    sparsity: float | Literal["from-checkpoint"] | None = Field(
+        None, description="fraction of weight blocks pruned (changes the model); from-checkpoint: no pruning, "
+        "the BSR kernel wherever the checkpoint's own zero blocks make a weight sparse enough; None: dense")
     block: str = Field("16x1", description="sparse block shape, ROWSxCOLS of the [out, in] weight")
     sparse_layers: list[Literal["ffn", "attention_output", "qkv"]] = ["ffn", "attention_output"]
     sparse_max_density: float = Field(
@@ -107,6 +109,18 @@ class CompileConfig(BaseModel):
     def block_shape(self) -> tuple[int, int]:
         rows, cols = self.block.split("x")
         return int(rows), int(cols)
+
+    @field_validator("sparsity")
+    @classmethod
+    def _sparsity_fraction(cls, value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not 0 <= value < 1:
+            raise ValueError("sparsity is a fraction in [0, 1), or from-checkpoint")
+        return value
+
+    @property
+    def prunes(self) -> bool:
+        """Whether the compile changes the model (magnitude pruning) rather than use its zeros."""
+        return isinstance(self.sparsity, float)
 
     @model_validator(mode="after")
     def _cuda_only_options(self) -> "CompileConfig":

@@ -312,7 +312,12 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
             wrapper = load_wrapper(info, config.model_task)
-            sparsity = _prune(wrapper, info, config) if config.sparsity is not None else None
+            sparsity = None
+            if config.prunes:
+                sparsity = _prune(wrapper, info, config)
+            elif config.sparsity == "from-checkpoint":  # the weights as they are: nothing to prune or drift
+                sparsity = {"mode": "from-checkpoint", "block": list(config.block_shape()), "layers": [],
+                            "pruned": 0, "cosine_vs_dense": None}
             # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
             reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -224,3 +226,32 @@ def test_sparse_block_that_does_not_divide_is_a_compile_error(tiny_bert_dir, tmp
     with pytest.raises(CompileError, match="block 5x1"):
         compile_artifact(tiny_bert_dir, tmp_path / "bad", ["2x16"], sparsity=0.5, block="5x1")
     assert not (tmp_path / "bad").exists()
+
+
+def test_from_checkpoint_uses_the_checkpoints_own_zero_blocks_without_changing_it(tiny_bert_dir, tmp_path):
+    """A checkpoint whose FFN weights are 90% zero 16x1 blocks: `--sparsity from-checkpoint` rewrites
+    exactly those linears to BSR, prunes nothing, and the artifact verifies against PyTorch on the
+    checkpoint itself (what `compile.verify` can do only for an unchanged model)."""
+    from conftest import compile_artifact
+    from safetensors.torch import load_file, save_file
+
+    from compile.verify import verify
+
+    checkpoint = tmp_path / "sparse-checkpoint"
+    shutil.copytree(tiny_bert_dir, checkpoint)
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    generator = np.random.default_rng(0)
+    for name, weight in weights.items():
+        if name.endswith(("intermediate.dense.weight", "output.dense.weight")) and "attention" not in name:
+            blocks = weight.reshape(weight.shape[0] // 16, 16, weight.shape[1])
+            keep = generator.random((blocks.shape[0], blocks.shape[2])) < 0.1
+            keep[0, 0] = True
+            weights[name] = (blocks * torch.from_numpy(keep)[:, None, :]).reshape(weight.shape).contiguous()
+    save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
+
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "artifact", ["2x16"], sparsity="from-checkpoint", block="16x1")
+    sparsity = manifest.sparsity
+    assert sparsity.mode == "from-checkpoint" and sparsity.pruned == 0 and sparsity.cosine_vs_dense is None
+    assert sparsity.rewritten == 2 * 2 and sparsity.density < 0.2  # the two FFN linears of both layers
+    assert manifest.validated and manifest.buckets[0].max_abs_diff <= 1e-4
+    assert verify(tmp_path / "artifact")["generic"]  # the unchanged checkpoint is the oracle

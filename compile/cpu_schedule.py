@@ -8,7 +8,8 @@ slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first 
 1. `schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
-2. dlight's CPU `Reduction` rule for softmax / layer-norm shaped kernels;
+2. `softmax.schedule_softmax` for attention's softmax rows (vectorised reductions), then
+   dlight's CPU `Reduction` rule for the other softmax / layer-norm shaped kernels;
 3. `schedule_fallback`: inline injective blocks, then per remaining block fuse the outer loops
    into one parallel loop and vectorise the innermost loop where that is legal.
 
@@ -29,6 +30,7 @@ from tvm.target import Target
 from tvm.target.codegen import llvm_cpu_has_features
 
 from . import int8
+from .softmax import schedule_softmax
 
 SCHEDULED_ATTR = "tirx.is_scheduled"
 log = logging.getLogger(__name__)
@@ -380,6 +382,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         int8.schedule_int8_matmul,
         int8.schedule_row_quantize,
         lambda f: schedule_matmul(f, lanes),
+        lambda f: schedule_softmax(f, lanes),
         lambda f: Reduction().apply(f, target, False),
         lambda f: schedule_fallback(f, lanes),
     )

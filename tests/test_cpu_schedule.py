@@ -193,6 +193,45 @@ def test_norm_softmax_meanpool_symbolic():
         np.testing.assert_allclose(pooled, ((ref_ln * m3).sum(1) / m3.sum(1)).numpy(), **TOL)
 
 
+@pytest.mark.parametrize("seq", [16, 40])
+def test_attention_softmax_rows_get_the_vectorised_rule(seq):
+    """Attention's scaled, masked softmax over a sequence bound: one fused kernel, rows in parallel,
+    max and sum reduced in vector lanes (`rfactor`), equal to PyTorch; symbolic batch."""
+    from compile.softmax import schedule_softmax
+
+    b = tirx.Var("b", "int64")
+    bb = relax.BlockBuilder()
+    scores = relax.Var("scores", relax.TensorType((b, 4, seq, seq), "float32"))
+    mask = relax.Var("mask", relax.TensorType((b, 1, 1, seq), "float32"))
+    with bb.function("main", [scores, mask]):
+        with bb.dataflow():
+            scaled = relax.op.add(relax.op.divide(scores, relax.const(8.0, "float32")), mask)
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(scaled, axis=-1)))
+        bb.emit_func_output(out)
+    fused = _prim_funcs(_fused(bb.get()))
+    softmax = next(f for name, f in fused.items() if "softmax" in name)
+    lanes = vector_lanes(TARGET)
+    scheduled = schedule_softmax(softmax, lanes)
+    assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
+    x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
+    msk[1, ..., seq // 2:] = -1e9
+    expected = torch.softmax(torch.from_numpy(x) / 8.0 + torch.from_numpy(msk), dim=-1).numpy()
+    np.testing.assert_allclose(_run(bb.get(), x, msk), expected, **TOL)
+
+
+def test_softmax_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
+    from compile.softmax import schedule_softmax
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 12), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.softmax(x, axis=-1)))
+        bb.emit_func_output(out)
+    softmax = next(iter(_prim_funcs(_fused(bb.get())).values()))
+    assert schedule_softmax(softmax, 8) is None
+
+
 def _walk_loop_kinds(func: tirx.PrimFunc) -> set[str]:
     kinds: set[str] = set()
     script = func.script()

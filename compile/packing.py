@@ -114,7 +114,9 @@ class _RespecializeKernels(relax.PyExprMutator):
             for name, (write, tensors) in TE_KERNELS.items():
                 if call.args[0].name_hint.startswith(name):
                     inputs = (self.visit_expr(arg) for arg in call.args[1].fields[:tensors])
-                    return self.builder_.emit_te(write, *inputs, primfunc_name_hint=name)
+                    # the call itself, not an emitted var: its binding keeps the original var, so no
+                    # `lv = lv_new` alias is left between the kernel and its epilogue (FuseOps stops at one)
+                    return self.builder_.call_te(write, *inputs, primfunc_name_hint=name)
         return super().visit_call_(call)
 
 

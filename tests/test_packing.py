@@ -172,6 +172,18 @@ def test_bucket_specialisation_rewrites_the_kernel_for_static_shapes(lanes):
 
 
 @each_lane_count
+def test_specialised_kernel_keeps_its_epilogue_fused(lanes):
+    """Re-specialising the kernel for a bucket leaves nothing between it and its bias + GELU: FuseOps
+    makes one kernel of the three (an alias binding `lv = lv_new` once stopped it, and every linear
+    wrote its output, then read it back for the bias and again for GELU)."""
+    mod, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, _packable(lanes)), lanes)
+    m = mod["main"].params[0].ty.shape[0]
+    static = specialize_te_kernels(relax.transform.BindSymbolicVars({m: 6})(mod))
+    names = [gv.name_hint for gv, _ in _fused(static, lanes).functions_items() if "packed_matmul" in gv.name_hint]
+    assert len(names) == 1 and names[0].startswith("fused_packed_matmul") and names[0].endswith("_add_gelu"), names
+
+
+@each_lane_count
 def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
     """What compile/pipeline.py does for a CPU target: pack at `vector_lanes(target)`, then build
     for that target (the AVX-512 build must succeed on an AVX2 machine, where it is not run)."""

@@ -52,5 +52,3 @@ def schedule_softmax(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
         _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
         sch.vectorize(inner)
     return sch
-def _single_reader(sch: s_tir.Schedule, block) -> bool:
-    return len(sch.get(block).reads) == 1

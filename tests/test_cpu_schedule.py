@@ -193,12 +193,14 @@ def test_norm_softmax_meanpool_symbolic():
         np.testing.assert_allclose(pooled, ((ref_ln * m3).sum(1) / m3.sum(1)).numpy(), **TOL)
 
 
-@pytest.mark.parametrize("seq", [16, 40])
-def test_attention_softmax_rows_get_the_vectorised_rule(seq):
+@pytest.mark.parametrize("lane_multiple", [2, 5])
+def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
     """Attention's scaled, masked softmax over a sequence bound: one fused kernel, rows in parallel,
-    max and sum reduced in vector lanes (`rfactor`), equal to PyTorch; symbolic batch."""
+    max and sum reduced in vector lanes (`rfactor`), equal to PyTorch; symbolic batch. The bound is
+    a multiple of this CPU's lanes (16 and 40 with AVX2, 32 and 80 with AVX-512)."""
     from compile.softmax import schedule_softmax
 
+    seq = lane_multiple * vector_lanes(TARGET)
     b = tirx.Var("b", "int64")
     bb = relax.BlockBuilder()
     scores = relax.Var("scores", relax.TensorType((b, 4, seq, seq), "float32"))
@@ -210,8 +212,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(seq):
         bb.emit_func_output(out)
     fused = _prim_funcs(_fused(bb.get()))
     softmax = next(f for name, f in fused.items() if "softmax" in name)
-    lanes = vector_lanes(TARGET)
-    scheduled = schedule_softmax(softmax, lanes)
+    scheduled = schedule_softmax(softmax, vector_lanes(TARGET))
     assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
     x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
     msk[1, ..., seq // 2:] = -1e9

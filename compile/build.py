@@ -11,9 +11,9 @@ from tvm import relax
 
 from artifact.bucketing import AnyBucket, Bucket
 
-from .cpu_schedule import cpu_pipeline
 from .importer import symbolic_dims
-from .packing import specialize_te_kernels
+from .passes.specialize import specialize_te_kernels
+from .schedule import cpu_pipeline
 
 
 def host_cpu() -> str:

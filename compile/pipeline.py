@@ -36,23 +36,24 @@ from artifact.manifest import (
     WeightsEntry,
 )
 
-from . import int8, quantize
 from .build import build_library, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
-from .cpu_schedule import vector_lanes
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
-from .lift import LiftedModel, lift_and_transform
+from .kernels import int8
+from .kernels.common import vector_lanes
 from .opcount import tracked_counts
-from .packing import pack_linear_weights
-from .precision import to_precision
+from .passes import quantize
+from .passes.lift import LiftedModel, lift_and_transform
+from .passes.packing import pack_linear_weights
+from .passes.precision import to_precision
+from .passes.quantize import quantize_linears, sentence_rows
+from .passes.sparsity import prune_model, sparsify
+from .passes.strategy import PASSES, STRATEGIES, apply_strategy
 from .progress import Progress
-from .quantize import quantize_linears, sentence_rows
 from .sentences import ACCURACY_SENTENCES
-from .sparsity import prune_model, sparsify
 from .staging import atomic_directory
-from .strategy import PASSES, STRATEGIES, apply_strategy
 from .timing import budgeted_medians_ms, fit_cost_model, interleaved_medians, use_all_cores
 from .validate import checked_diff, cosine_drift, library_inputs
 

@@ -21,7 +21,7 @@ def read_manifest(directory: Path) -> Manifest:
 
 
 def markdown_table(manifest: Manifest) -> str:
-    from compile.strategy import STRATEGIES  # imports TVM; read_manifest's users need not
+    from compile.passes.strategy import STRATEGIES  # imports TVM; read_manifest's users need not
 
     lines = ["| library | " + " | ".join(f"{s} ms" for s in STRATEGIES) + " | chosen |",
              "|---|" + "---|" * (len(STRATEGIES) + 1)]

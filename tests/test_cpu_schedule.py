@@ -1,4 +1,4 @@
-"""compile/cpu_schedule.py: numerics of the scheduled kernels on odd shapes, and that it applies.
+"""compile/schedule.py and its kernel families (compile/kernels/): numerics of the scheduled kernels on odd shapes, and that it applies.
 
 Small hand-written Relax modules go through the real CPU pipeline (legalize + fuse, then the
 schedule pass, then lowering) and are compared with numpy / torch at rtol = atol = 1e-4.
@@ -15,13 +15,9 @@ from tvm import relax, tirx, topi
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.script import tirx as T
 
-from compile.cpu_schedule import (
-    cpu_pipeline,
-    cpu_schedule_pass,
-    matmul_axes,
-    schedule_matmul,
-    vector_lanes,
-)
+from compile.kernels.common import vector_lanes
+from compile.kernels.dense import matmul_axes, schedule_matmul
+from compile.schedule import cpu_pipeline, cpu_schedule_pass
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -198,7 +194,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
     """Attention's scaled, masked softmax over a sequence bound: one fused kernel, rows in parallel,
     max and sum reduced in vector lanes (`rfactor`), equal to PyTorch; symbolic batch. The bound is
     a multiple of this CPU's lanes (16 and 40 with AVX2, 32 and 80 with AVX-512)."""
-    from compile.softmax import schedule_softmax
+    from compile.kernels.softmax import schedule_softmax
 
     seq = lane_multiple * vector_lanes(TARGET)
     b = tirx.Var("b", "int64")
@@ -221,7 +217,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
 
 
 def test_softmax_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
-    from compile.softmax import schedule_softmax
+    from compile.kernels.softmax import schedule_softmax
 
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((2, 12), "float32"))

@@ -210,7 +210,7 @@ def test_other_model_types_and_heads_are_refused(tmp_path, checkpoints):
 
 
 def test_distilbert_linears_are_pruned_by_kind(checkpoints):
-    from compile.sparsity import block_density, prune_model
+    from compile.passes.sparsity import block_density, prune_model
 
     wrapper = load_wrapper(inspect_checkpoint(checkpoints["distilbert", "embed"], "embed"), "embed")
     assert prune_model(wrapper.bert, 0.25, (16, 1), ("ffn", "attention_output")) == 2 * 3

@@ -1,4 +1,4 @@
-"""The int8 kernels (compile/int8.py) against numpy: row quantisation, and the vpmaddwd matmul
+"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and the vpmaddwd matmul
 with its epilogue, at static and symbolic row counts (ragged ones included)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 import tvm
 from tvm import te, tirx
 
-from compile import int8
 from compile.build import make_target
+from compile.kernels import int8
 
 TARGET = make_target("cpu", "sm_90", None)
 pytestmark = pytest.mark.skipif(not int8.supports(TARGET), reason="the int8 kernel needs AVX2")

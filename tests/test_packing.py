@@ -1,4 +1,4 @@
-"""compile/packing.py: linear weights packed at load into the CPU kernel's panels.
+"""compile/passes/packing.py: linear weights packed at load into the CPU kernel's panels.
 
 Counts of ops before and after the pass on the real MiniLM, the packed layout of the lifted
 weights, numerics of the packed kernel through the real CPU pipeline on odd shapes (symbolic and
@@ -21,11 +21,14 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
-from compile.cpu_schedule import cpu_pipeline, packed_panel_width, schedule_matmul, vector_lanes
-from compile.lift import lift_and_transform
+from compile.kernels.common import vector_lanes
+from compile.kernels.dense import packed_panel_width, schedule_matmul
 from compile.opcount import tracked_counts
-from compile.packing import pack_linear_weights, specialize_te_kernels
-from compile.strategy import apply_strategy
+from compile.passes.lift import lift_and_transform
+from compile.passes.packing import pack_linear_weights
+from compile.passes.specialize import specialize_te_kernels
+from compile.passes.strategy import apply_strategy
+from compile.schedule import cpu_pipeline
 
 MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
 TARGETS = {lanes: make_target("cpu", mcpu=mcpu) for lanes, mcpu in MCPU_OF_LANES.items()}

@@ -6,10 +6,10 @@ import tvm
 from tvm import relax
 from tvm.script import relax as R
 
-from compile.canonicalize import canonicalize, matmul_first_add
-from compile.combine import combine_parallel_matmuls
-from compile.lift import lift_and_transform
 from compile.opcount import count_ops, tracked_counts
+from compile.passes.canonicalize import canonicalize, matmul_first_add
+from compile.passes.combine import combine_parallel_matmuls
+from compile.passes.lift import lift_and_transform
 
 
 @tvm.script.ir_module

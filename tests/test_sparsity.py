@@ -13,8 +13,8 @@ from tvm import relax
 
 from compile.checkpoint import BertWrapper, example_inputs
 from compile.importer import export_and_import
-from compile.lift import lift_and_transform
-from compile.sparsity import (
+from compile.passes.lift import lift_and_transform
+from compile.passes.sparsity import (
     block_density,
     bsr_matmul_func,
     prune_blocks,
@@ -22,7 +22,7 @@ from compile.sparsity import (
     sparsify,
     to_bsr,
 )
-from compile.strategy import apply_strategy
+from compile.passes.strategy import apply_strategy
 
 CPU = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})

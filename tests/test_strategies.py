@@ -11,14 +11,14 @@ from tvm.script import relax as R
 from artifact.bucketing import Bucket
 from artifact.loader import LibraryRunner, load_artifact, load_weights
 from artifact.manifest import Manifest
-from compile.canonicalize import canonicalize
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
-from compile.combine import combine_parallel_matmuls
-from compile.combine_batched import batch_parallel_linears
-from compile.lift import lift_and_transform
 from compile.opcount import count_ops, tracked_counts
+from compile.passes.canonicalize import canonicalize
+from compile.passes.combine import combine_parallel_matmuls
+from compile.passes.combine_batched import batch_parallel_linears
+from compile.passes.lift import lift_and_transform
+from compile.passes.strategy import STRATEGIES, apply_strategy
 from compile.pipeline import Candidates, choose_strategies, save_weights
-from compile.strategy import STRATEGIES, apply_strategy
 from compile.validate import library_diff
 
 CPU = tvm.target.Target({"kind": "llvm"})

@@ -1,6 +1,6 @@
 """Weights packed once, at load, into the panel layout the CPU matmul kernel streams.
 
-The CPU schedule (`cpu_schedule.schedule_matmul`) computes each [M, nt] column tile of
+The CPU schedule (`kernels.dense.schedule_matmul`) computes each [M, nt] column tile of
 `x @ W^T` from a [K, nt] panel of the weight. With the weight as a plain [K, N] matrix, each
 parallel task copied its panel out of it on every call (and for small M, where the copy does not
 pay, read it with a stride of N). This pass rewrites `matmul(x, permute_dims(W))`, for weights
@@ -14,32 +14,11 @@ and residual epilogues into it and the schedule rule recognises it like any othe
 from __future__ import annotations
 
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, tirx
 
-from . import int8
-from .cpu_schedule import PANEL_VIEW, packed_panel_width
+from ..kernels import dense
+from ..kernels.dense import packed_matmul_te, packed_panel_width
 from .linears import bindings, transposed_linears
-
-KERNEL_NAME = "packed_matmul"
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
-
-
-def packed_matmul_te(x: te.Tensor, packed: te.Tensor) -> te.Tensor:
-    """y[M, N] = x[M, K] @ W^T with W given as Wp[N / nt, K, nt] (Wp[j // nt, k, j % nt] = W[j, k]).
-
-    W^T is first written as an (inlinable) view of the panels, so the matmul block itself is a
-    plain einsum the schedule can pad (symbolic M); the schedule then inlines the view.
-    """
-    panels, k_size, nt = (int(d) for d in packed.shape)
-    weight = te.compute((_i64(panels * nt), _i64(k_size)), lambda j, kk: packed[j // nt, kk, j % nt],
-                        name=PANEL_VIEW)
-    k = te.reduce_axis((0, _i64(k_size)), name="k")
-    return te.compute((x.shape[0], _i64(panels * nt)), lambda m, j: te.sum(x[m, k] * weight[j, k], axis=k),
-                      name="packed_matmul")
-
-
-def _i64(value: int) -> tirx.IntImm:
-    return tirx.IntImm("int64", value)  # Relax shapes are int64; the kernel's buffers must match them
 
 
 def linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
@@ -81,7 +60,7 @@ class _PackLinears(relax.PyExprMutator):
             relax.op.reshape(self.visit_expr(weight), (n // nt, nt, k)), [0, 2, 1]))
         # emit_te writes the kernel over the activation's own symbolic shape (batch * seq, K)
         output = self.builder_.emit_te(packed_matmul_te, self.visit_expr(binding.value.args[0]), panels,
-                                       primfunc_name_hint=KERNEL_NAME)
+                                       primfunc_name_hint=dense.KERNEL_NAME)
         if not isinstance(binding.var, relax.DataflowVar):
             output = self.builder_.emit_output(output)
         self.set_var_remap(binding.var, output)
@@ -99,34 +78,3 @@ def pack_linear_weights(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, in
     new_func = mutator.visit_expr(func)
     mutator.builder_.update_func(mod.get_global_var("main"), new_func)
     return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.packed
-
-
-# Our TE kernels, by name: the function that writes one, and how many tensor arguments it takes
-# (then come the shape vars the call passes along).
-TE_KERNELS = {KERNEL_NAME: (packed_matmul_te, 2), int8.ROW_QUANTIZE: (int8.quantize_rows_te, 1),
-              int8.MATMUL: (int8.int8_matmul_te, 4)}
-
-
-@relax.expr_functor.mutator
-class _RespecializeKernels(relax.PyExprMutator):
-    def visit_call_(self, call: relax.Call) -> relax.Expr:
-        if call.op == _CALL_TIR:
-            for name, (write, tensors) in TE_KERNELS.items():
-                if call.args[0].name_hint.startswith(name):
-                    inputs = (self.visit_expr(arg) for arg in call.args[1].fields[:tensors])
-                    # the call itself, not an emitted var: its binding keeps the original var, so no
-                    # `lv = lv_new` alias is left between the kernel and its epilogue (FuseOps stops at one)
-                    return self.builder_.call_te(write, *inputs, primfunc_name_hint=name)
-        return super().visit_call_(call)
-
-
-def specialize_te_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """Rewrite each of our TE kernels (packed and int8 matmuls) for the shapes `main` now calls it with.
-
-    The kernels are written over `main`'s symbolic shapes; after BindSymbolicVars gives a bucket
-    static shapes, FuseOps/FuseTIR refuse a symbolic kernel fed static tensors (LegalizeOps,
-    which writes the other kernels, runs after the binding and has no such problem).
-    """
-    mutator = _RespecializeKernels(mod)
-    mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(mod["main"]))
-    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get())

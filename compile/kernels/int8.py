@@ -11,7 +11,7 @@ multiply-adds per instruction where fp32 FMA does 8, exact (127 x 127 x 2 cannot
 `vpmaddubsw`'s u8 x s8 pairs, which measured slower here as well as less accurate with 7-bit
 weights). Each vpmaddwd needs a separate vpaddd, so the gain over fp32 FMA comes from the ports
 they share less and from weights 4x smaller (docs/PERFORMANCE.md, int8). The loop nest is the fp32 kernel's
-(`cpu_schedule.schedule_matmul`): parallel over panels, a `ROWS` x `PANEL` int32 accumulator in
+(`dense.schedule_matmul`): parallel over panels, a `ROWS` x `PANEL` int32 accumulator in
 registers, the dequantisation and any fused epilogue applied on write-back.
 
 AVX2 is on every x86-64-v3 CPU, AVX-512 ones included, so one kernel serves both; a VNNI
@@ -137,7 +137,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     ko, ki = sch.split(k, [None, PAIR])
     sch.reorder(jo, mo, ko, mi, jv, jl, ki)
     sch.parallel(jo)
-    acc = sch.cache_write(main, 0, "global")  # a small constant-size buffer: registers (see cpu_schedule)
+    acc = sch.cache_write(main, 0, "global")  # a small constant-size buffer: registers (see dense)
     sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
     auto_inline_consumers(sch, acc)
     _vectorize_innermost(sch, acc)

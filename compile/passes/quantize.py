@@ -1,12 +1,12 @@
 """`--quantize int8`: every linear layer over int8 weights, activations quantized per token at run time.
 
 The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parameters only (as
-compile/packing.py finds them, Q/K/V concatenations included), into
+compile/passes/packing.py finds them, Q/K/V concatenations included), into
 
     scale_w = max |W[n, :]| / 127                       (per output channel)
     panels  = int8(round(W / scale_w)) in the kernel's [N / 32, K / 2, 32, 2] layout
     xq, scale_x = quantize_rows(x)                       (per token, at run time)
-    y = int8_matmul(xq, scale_x, panels, scale_w)        (int32 accumulation, compile/int8.py)
+    y = int8_matmul(xq, scale_x, panels, scale_w)        (int32 accumulation, compile/kernels/int8.py)
 
 The weight-side ops sit in the weight-only part of `main`, so `LiftTransformParams` runs them at
 compile time and the artifact ships the int8 panels and fp32 scales instead of the fp32 weights.
@@ -22,9 +22,9 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from . import int8
+from ..kernels import int8
+from ..sentences import ACCURACY_SENTENCES
 from .packing import linears_on_weights
-from .sentences import ACCURACY_SENTENCES
 
 SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
 KERNEL = "avx2 vpmaddwd, int32 accumulation"
@@ -62,7 +62,7 @@ class _QuantizeLinears(relax.PyExprMutator):
 
 def quantize_linears(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     """`mod` with `main`'s linears on int8 weights, and how many were rewritten (run before
-    LiftTransformParams and before compile/packing.py, which then packs what is left in fp32)."""
+    LiftTransformParams and before compile/passes/packing.py, which then packs what is left in fp32)."""
     func = mod["main"]
     mutator = _QuantizeLinears(mod, linears_on_weights(func))
     mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(func))

@@ -1,0 +1,10 @@
+"""CPU kernel families: each writes its kernels (TE computes or TIR) and the schedule that makes them
+fast on the host's vector units. `compile/schedule.py` dispatches every fused PrimFunc to the first
+family that recognises it.
+
+- `dense`: fp32 linears over packed weight panels, and every matmul-shaped kernel;
+- `int8`: linears over int8 weights (`--quantize int8`);
+- `softmax`: attention's softmax rows;
+- `fallback`: whatever else, parallel and vectorised;
+- `fast_math`: vectorisable exp and erf; `common`: the host's lanes and schedule helpers.
+"""

@@ -1,0 +1,211 @@
+"""The fp32 dense kernel family for CPUs: a linear over weights packed in panels, and the
+register-blocked schedule every matmul-shaped PrimFunc (linears, attention's batch matmuls) gets.
+
+`packed_matmul_te` writes `x @ W^T` over weights packed at compile time (compile/passes/packing.py)
+in the panels `schedule_matmul` streams; `schedule_matmul` schedules any
+C[S, I, J] += A[S, I, K] * B[S, J, K] with its injective epilogue (bias, GELU, residual add).
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, te, tirx
+from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
+
+from .common import is_reduction, root_blocks, static_extent
+from .fallback import parallel_vectorize, vectorize_inner
+
+KERNEL_NAME = "packed_matmul"
+PANEL_VIEW = "panel_view"  # the block the kernel reads packed weights through (inlined by the schedule)
+
+
+def packed_matmul_te(x: te.Tensor, packed: te.Tensor) -> te.Tensor:
+    """y[M, N] = x[M, K] @ W^T with W given as Wp[N / nt, K, nt] (Wp[j // nt, k, j % nt] = W[j, k]).
+
+    W^T is first written as an (inlinable) view of the panels, so the matmul block itself is a
+    plain einsum the schedule can pad (symbolic M); the schedule then inlines the view.
+    """
+    panels, k_size, nt = (int(d) for d in packed.shape)
+    weight = te.compute((_i64(panels * nt), _i64(k_size)), lambda j, kk: packed[j // nt, kk, j % nt],
+                        name=PANEL_VIEW)
+    k = te.reduce_axis((0, _i64(k_size)), name="k")
+    return te.compute((x.shape[0], _i64(panels * nt)), lambda m, j: te.sum(x[m, k] * weight[j, k], axis=k),
+                      name=KERNEL_NAME)
+
+
+def _i64(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", value)  # Relax shapes are int64; the kernel's buffers must match them
+
+
+def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
+    """(mt, nt, pad_n): the register tile and whether N must be padded to a multiple of nt.
+
+    The mt x nt accumulator must fit the register file with room for the B vectors and one A
+    broadcast: AVX2 has 16 ymm -> 4 x 24 (12 accumulators, measured best of 4x16, 4x24, 6x16,
+    8x16 here); AVX-512 has 32 zmm -> 8 x 32 (16 accumulators, no spills in the generated asm).
+    nt is the widest candidate dividing a static N, so the N tail needs no padding; otherwise N
+    is padded to 2 vectors (1 vector when N is that small).
+    """
+    mt = 8 if lanes >= 16 else 4
+    candidates = [2 * lanes, lanes] if lanes >= 16 else [3 * lanes, 2 * lanes, lanes]
+    for nt in candidates:
+        if n is not None and n % nt == 0:
+            return mt, nt, False
+    return mt, (lanes if n is not None and n < 2 * lanes else 2 * lanes), True
+
+
+def packed_panel_width(n: int, lanes: int) -> int | None:
+    """The nt of the panels `schedule_matmul` would cut a weight of N columns into, or None when N
+    needs padding (then the weight is better left unpacked)."""
+    _, nt, pad_n = _tile_sizes(n, lanes)
+    return None if pad_n else nt
+
+
+def _panel_view(sch: s_tir.Schedule, block, nt: int):
+    """The producer of `block`'s B operand that views weights packed in panels of width `nt`
+    (W[j, k] = Wp[j // nt, k, j % nt], see compile/passes/packing.py), or None."""
+    b_buffer = sch.get(block).reads[1].source
+    for producer in sch.get_producers(block):
+        stmt = sch.get(producer)
+        if stmt.name_hint.startswith(PANEL_VIEW) and stmt.writes[0].source.same_as(b_buffer):
+            index = stmt.body.value.indices[-1]
+            if isinstance(index, tirx.FloorMod) and isinstance(index.b, tirx.IntImm) and int(index.b) == nt:
+                return producer
+    return None
+
+
+def matmul_axes(block: s_tir.SBlock) -> list[str] | None:
+    """Classify the block's iter vars for C[S, I, J] += A[S, I, K] * B[S, J, K], or None.
+
+    Returns one letter per block iter: "S" batch (in A, B and C, or an outer axis of A and C),
+    "I" (A and C), "J" (B and C), "K" (reduced, in A and B), "T" (extent 1, anywhere). Unlike dlight's `detect_iter_traits`
+    an absent I axis is allowed (M = 1 is a trivial axis), so a bucket of 1 x 1 still matches.
+    Every access index must be a single iter var or a constant (what `pad_einsum` accepts).
+    """
+    store = block.body
+    if len(block.reads) != 2 or len(block.writes) != 1 or not isinstance(store, tirx.BufferStore):
+        return None
+    if not (isinstance(store.value, tvm.ir.prim.expr.Add) and isinstance(store.value.b, tvm.ir.prim.expr.Mul)):
+        return None  # C = C + A * B; not a max or sum reduction that merely has two inputs
+    accessed = []
+    for region in (block.reads[0], block.reads[1], block.writes[0]):
+        axes = set()
+        for r in region.region:
+            if not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1):
+                return None
+            if not isinstance(r.min, tirx.IntImm):
+                if not isinstance(r.min, tirx.Var):
+                    return None
+                axes.add(r.min)
+        accessed.append(axes)
+    a, b, c = accessed
+    kinds = []
+    for iv in block.iter_vars:
+        var, reduce = iv.var, iv.iter_type == tirx.IterVar.CommReduce
+        if isinstance(iv.dom.extent, tirx.IntImm) and iv.dom.extent.value == 1:
+            kinds.append("T")
+        elif reduce and var in a and var in b and var not in c:
+            kinds.append("K")
+        elif not reduce and var in c:
+            kinds.append({(True, True): "S", (True, False): "I", (False, True): "J"}.get((var in a, var in b), "?"))
+        else:
+            return None
+    if "?" in kinds or kinds.count("J") != 1 or kinds.count("K") != 1:
+        return None
+    # x[b, s, k] @ w[k, n]: b and s are both "I"; all but the innermost act as batch axes.
+    last_i = max((p for p, kd in enumerate(kinds) if kd == "I"), default=-1)
+    return ["S" if kd == "I" and p != last_i else kd for p, kd in enumerate(kinds)]
+
+
+def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
+    """Schedule C[S, I, J] += A[S, I, K] * B[S, J, K] (any operand layout) plus its epilogue.
+
+    Loop nest produced (S = batch axes, I = M, J = N, K = reduction):
+        parallel (S, J / nt):                  # enough tasks for all cores even at M = 16
+          B_pack[K, nt] = B[S, :, J tile]      # contiguous, and stays in L1/L2 for all of M
+          for I / mt:
+            acc[mt, nt] = 0
+            for k:  unrolled ii < mt:  vectorised ji < nt:  acc[ii, ji] += A[ii, k] * B_pack[k, ji]
+            C[I tile, J tile] = epilogue(acc)  # bias, GELU, residual add, ... fused, vectorised
+    Each B vector load feeds mt FMAs and each A broadcast nt / lanes FMAs. Symbolic or ragged M
+    (and N) are padded with `pad_einsum`, so the hot loop has no bounds checks: a copy of A padded
+    to a multiple of mt costs M * K, nothing next to the M * N * K multiply-adds. M = 1 (an axis
+    of extent 1 is "trivial" to the analysis) runs the same nest with mt = 1.
+    """
+    sch = s_tir.Schedule(func)
+    reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
+    if len(reductions) != 1:
+        return None
+    main = reductions[0]
+    kinds = matmul_axes(sch.get(main))
+    if kinds is None:
+        return None
+    I, J, K = "I", "J", "K"
+    has_i = I in kinds
+
+    def axis_extent(kind):
+        return static_extent(sch, sch.get_loops(main)[kinds.index(kind)])
+
+    mt, nt, pad_n = _tile_sizes(axis_extent(J), lanes)
+    m = axis_extent(I) if has_i else 1
+    mt = mt if has_i else 1
+    pad_m = m is None or m % mt != 0
+    if pad_m or pad_n:
+        sch.pad_einsum(main, [{I: mt if pad_m else 1, J: nt if pad_n else 1}.get(kd, 1) for kd in kinds])
+    panel_view = None if pad_n else _panel_view(sch, main, nt)
+    if panel_view is not None:  # read the packed panels directly: B[j, k] becomes Wp[j // nt, k, j % nt]
+        sch.compute_inline(panel_view)
+
+    loops = sch.get_loops(main)
+    by_kind = {kind: [loop for loop, kd in zip(loops, kinds) if kd == kind] for kind in "TSIJK"}
+    batch = by_kind["T"] + by_kind["S"]
+    (j,), (k,) = by_kind[J], by_kind[K]
+    jo, ji = sch.split(j, [None, nt])
+    if has_i:
+        io, ii = sch.split(by_kind[I][0], [None, mt])
+        sch.reorder(*batch, jo, io, k, ii, ji)
+    else:
+        sch.reorder(*batch, jo, k, ji)
+    tile = sch.fuse(*batch, jo) if batch else jo
+    sch.parallel(tile)
+
+    # Pack the B panel once per task into [K, nt], whatever B's layout (dense weights are [N, K]):
+    # then the k loop streams one contiguous panel that stays in L1/L2 for every M tile. Not
+    # worth it for a few M tiles of a [K, N] weight (measured at M = 16), unless B is transposed.
+    # Weights packed at load (compile/passes/packing.py) already are such panels.
+    b_axes = [r.min for r in sch.get(main).reads[1].region]
+    j_var, k_var = (sch.get(main).iter_vars[kinds.index(kd)].var for kd in (J, K))
+    transposed = panel_view is None and b_axes.index(j_var) < b_axes.index(k_var)
+    if panel_view is None and (m is None or m >= 8 * mt or transposed):
+        b_pack = sch.cache_read(main, 1, "global")
+        sch.compute_at(b_pack, tile, preserve_unit_loops=True)
+        if transposed:
+            pj, pk = b_axes.index(j_var), b_axes.index(k_var)
+            perm = list(range(len(b_axes)))
+            perm[pj], perm[pk] = pk, pj
+            sch.transform_layout(main, ("read", 1), lambda *ax: [ax[p] for p in perm])
+        vectorize_inner(sch, b_pack, lanes)
+
+    # Accumulate in a small buffer the compiler keeps in registers. Scope "global", not "local":
+    # LowerTVMBuiltin turns a small constant-size "global" allocation into a stack alloca, while
+    # with symbolic shapes a "local" one became a heap workspace and the kernel ran 2.7x slower.
+    acc = sch.cache_write(main, 0, "global")
+    sch.reverse_compute_at(acc, io if has_i else tile, preserve_unit_loops=True)
+    auto_inline_consumers(sch, acc)  # epilogue (and the un-padding copy) into the write-back
+    vectorize_inner(sch, acc, lanes)
+
+    if has_i:
+        sch.unroll(ii)
+    jv, jl = sch.split(ji, [None, lanes])
+    sch.unroll(jv)
+    sch.vectorize(jl)
+    init = sch.decompose_reduction(main, k)
+    vectorize_inner(sch, init, lanes)
+
+    # Whatever could not be fused (the padded copy of A, an epilogue the inliner refused) still
+    # runs in parallel and vectorised.
+    for block in root_blocks(sch):
+        loops = sch.get_loops(block)
+        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
+            parallel_vectorize(sch, block, lanes)
+    return sch

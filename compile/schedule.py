@@ -1,0 +1,109 @@
+"""The CPU schedule pass: every fused PrimFunc of a Relax module scheduled by its kernel family.
+
+TVM 0.27's default CPU lowering leaves every fused PrimFunc as the serial, scalar loop nest that
+LegalizeOps wrote, and `tvm.s_tir.dlight.cpu` has no matmul rule, so a whole BERT runs ~100x
+slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first rule that applies:
+
+0. the int8 kernels of `--quantize int8` (kernels/int8.py);
+1. `dense.schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
+   epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
+   micro-kernel (see its docstring);
+2. `softmax.schedule_softmax` for attention's softmax rows (vectorised reductions), then
+   dlight's CPU `Reduction` rule for the other softmax / layer-norm shaped kernels;
+3. `fallback.schedule_fallback`: inline injective blocks, then per remaining block fuse the outer loops
+   into one parallel loop and vectorise the innermost loop where that is legal.
+
+A PrimFunc no rule recognises (or on which every rule raises) is left untouched, so the pass is
+always safe to add.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tvm
+from tvm import tirx
+from tvm.s_tir.dlight.cpu import Reduction
+from tvm.target import Target
+
+from .kernels import int8
+from .kernels.common import vector_lanes
+from .kernels.dense import schedule_matmul
+from .kernels.fallback import schedule_fallback
+from .kernels.fast_math import fast_math
+from .kernels.softmax import schedule_softmax
+
+SCHEDULED_ATTR = "tirx.is_scheduled"
+log = logging.getLogger(__name__)
+
+
+def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
+    """The scheduled `func`, or None when no rule recognises it (or every rule fails on it)."""
+    lanes = vector_lanes(target)
+    func = fast_math(func)
+    rules = (
+        int8.schedule_int8_matmul,
+        int8.schedule_row_quantize,
+        lambda f: schedule_matmul(f, lanes),
+        lambda f: schedule_softmax(f, lanes),
+        lambda f: Reduction().apply(f, target, False),
+        lambda f: schedule_fallback(f, lanes),
+    )
+    for rule in rules:
+        try:
+            sch = rule(func)
+        except Exception as error:  # noqa: BLE001 - any failing rule just hands over to the next
+            log.debug("%s: %s", getattr(rule, "__name__", rule), error)
+            sch = None
+        if sch is not None:
+            return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+    return None
+
+
+def cpu_schedule_pass(target: Target) -> tvm.ir.transform.Pass:
+    """Module pass: schedule every PrimFunc a rule recognises, leave the others untouched.
+
+    Insert it after LegalizeOps + AnnotateTIROpPattern + FoldConstant + FuseOps + FuseTIR and
+    before the dataflow-lowering passes, as `cpu_pipeline` does.
+    """
+
+    @tvm.transform.module_pass(opt_level=0, name="CPUSchedule")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        updates = {}
+        for gvar, func in mod.functions_items():
+            if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED_ATTR, False):
+                scheduled = schedule_func(func, target)
+                if scheduled is not None:
+                    updates[gvar] = scheduled
+        if not updates:
+            return mod
+        mod = mod.clone()  # the caller's module stays as it was
+        for gvar, func in updates.items():
+            mod.update_func(gvar, func)
+        return mod
+
+    return _pass
+
+
+def cpu_pipeline(target: Target) -> tvm.ir.transform.Pass:
+    """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with `cpu_schedule_pass` in it.
+
+    A drop-in for `relax.get_default_pipeline(target)` on an llvm target:
+    `tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target))`.
+    """
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    passes = (
+        cpu.library_dispatch_passes(target)
+        + cpu.legalize_passes(target)
+        + [cpu_schedule_pass(target)]
+        + cpu.dataflow_lower_passes(target)
+        + cpu.finalize_passes(target)
+    )
+
+    @tvm.transform.module_pass(opt_level=0, name="CPUPipelineWithSchedule")
+    def _pipeline(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+
+    return _pipeline

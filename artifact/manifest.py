@@ -97,6 +97,7 @@ class StrategyPasses(_Strict):
     pipeline: list[str]
     after: PassCounts
     main_after_lift: PassCounts
+    attention_fused: int | None = None  # attention cores on the fused CPU kernel, per library (None: not CPU)
 
 
 class StrategyChoice(_Strict):

@@ -10,6 +10,10 @@ pooling. Its inputs, built here from the padded `[batch, seq]` rows the tokenize
   end, masked out);
 - attention_mask `[batch, seq]`: 1 for real tokens;
 - scatter `[tokens]`: each packed token's position in the `[batch * seq]` attention output.
+
+On real tokens `gather` and `scatter` are inverse maps (scatter[gather[b, i]] = b * seq + i); the
+fused attention kernel (compile/kernels/attention.py) writes each sequence's rows through `gather`
+on that promise.
 """
 
 from __future__ import annotations

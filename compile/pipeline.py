@@ -45,6 +45,7 @@ from .kernels import int8
 from .kernels.common import vector_lanes
 from .opcount import tracked_counts
 from .passes import quantize
+from .passes.fuse_attention import fuse_attention_in
 from .passes.lift import LiftedModel, lift_and_transform
 from .passes.packing import pack_linear_weights
 from .passes.precision import to_precision
@@ -341,10 +342,15 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                     packed, _ = pack_linear_weights(packed, vector_lanes(target))
                     pipeline.insert(-1, "PackLinearWeights")
                 variants[strategy] = lift_and_transform(packed, params)
+                attention_fused = None
+                if config.target == "cpu":  # what each library's build will fuse (FuseAttention runs there)
+                    attention_fused = fuse_attention_in(variants[strategy].mod, vector_lanes(target))[1]
+                    pipeline.append("FuseAttention")
                 passes[strategy] = StrategyPasses(
                     pipeline=pipeline,
                     after=PassCounts(**tracked_counts(combined)),
                     main_after_lift=PassCounts(**tracked_counts(variants[strategy].mod)),
+                    attention_fused=attention_fused,
                 )
         with progress.step("copy tokenizer"):
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)

@@ -27,13 +27,13 @@ from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
 from .kernels import int8
-from .kernels.common import vector_lanes
+from .kernels.common import SCHEDULED_ATTR, vector_lanes
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
 from .kernels.fast_math import fast_math
 from .kernels.softmax import schedule_softmax
+from .passes.fuse_attention import fuse_attention
 
-SCHEDULED_ATTR = "tirx.is_scheduled"
 log = logging.getLogger(__name__)
 
 
@@ -85,8 +85,10 @@ def cpu_schedule_pass(target: Target) -> tvm.ir.transform.Pass:
     return _pass
 
 
-def cpu_pipeline(target: Target) -> tvm.ir.transform.Pass:
-    """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with `cpu_schedule_pass` in it.
+def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pass:
+    """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with our two passes in it:
+    `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
+    `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
 
     A drop-in for `relax.get_default_pipeline(target)` on an llvm target:
     `tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target))`.
@@ -94,7 +96,8 @@ def cpu_pipeline(target: Target) -> tvm.ir.transform.Pass:
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
     passes = (
-        cpu.library_dispatch_passes(target)
+        ([fuse_attention(vector_lanes(target))] if attention else [])
+        + cpu.library_dispatch_passes(target)
         + cpu.legalize_passes(target)
         + [cpu_schedule_pass(target)]
         + cpu.dataflow_lower_passes(target)

@@ -56,10 +56,10 @@ def _config(family: str, vocab_size: int, **extra):
     from transformers import DistilBertConfig, RobertaConfig, XLMRobertaConfig
 
     if family == "distilbert":
-        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
                                 max_position_embeddings=MAX_SEQ, pad_token_id=0, **extra)
     config_class = RobertaConfig if family == "roberta" else XLMRobertaConfig
-    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=MAX_SEQ + 2, type_vocab_size=1,
                         pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
 
@@ -164,6 +164,7 @@ def test_served_embeddings_match_sentence_transformers(checkpoints, embed_artifa
     assert manifest.passes.strategies["concat"].after.matmul == 2 * 6  # Q, K, V combined in each layer
     assert manifest.passes.strategies["concat"].after.concat > 0
     assert manifest.passes.strategies["concat"].after.permute_dims < manifest.passes.before.permute_dims
+    assert manifest.passes.strategies["concat"].attention_fused == 2  # one fused attention kernel per layer
     shipped = {path.name for path in (embed_artifacts[name] / "tokenizer").iterdir()}
     assert shipped == {"tokenizer.json", "tokenizer_config.json", "sentence_bert_config.json", *VOCAB_FILES[family]}
     texts = [*QUERIES, *SENTENCES, " ".join(SENTENCES)]  # the last one is truncated to MAX_SEQ tokens

@@ -7,6 +7,14 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 from tvm.target.codegen import llvm_cpu_has_features
 
+SCHEDULED_ATTR = "tirx.is_scheduled"  # a PrimFunc the CPU schedule pass must leave as it is
+
+
+def prescheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`func`, written already scheduled: the schedule pass leaves it, and FuseOps fuses nothing
+    into it (relax OpPatternKind::kOpaque)."""
+    return func.with_attrs({SCHEDULED_ATTR: True, "op_pattern": 8})
+
 
 def vector_lanes(target: Target) -> int:
     """fp32 lanes of one SIMD register: 16 with AVX-512, 8 with AVX2, else 4 (SSE / NEON).

@@ -19,6 +19,7 @@ import tvm
 from tvm import relax, s_tir, te, tirx
 from tvm.target import Target
 
+from ..kernels.common import prescheduled
 from .linears import bindings, transposed_linears
 
 LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
@@ -28,7 +29,6 @@ LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
             "attention.q_lin", "attention.k_lin", "attention.v_lin"),
 }
 DEFAULT_LAYERS = ("ffn", "attention_output")
-OPAQUE = 8  # relax OpPatternKind::kOpaque: FuseOps must not fuse into an already scheduled kernel
 GPU_THREADS = 128
 
 
@@ -161,7 +161,7 @@ def bsr_matmul_func(k: int, nnz: int, block: tuple[int, int], block_rows: int, d
     func = te.create_prim_func([x, data, indices, indptr, bsr_matmul_te(x, data, indices, indptr)])
     func = schedule_gpu(func) if target.kind.name == "cuda" else schedule_cpu(func)
     func = func.without_attr("global_symbol")  # private: the module's only public function is `main`
-    return func.with_attrs({"tirx.is_scheduled": True, "op_pattern": OPAQUE})
+    return prescheduled(func)
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite

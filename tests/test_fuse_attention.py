@@ -1,0 +1,206 @@
+"""compile/passes/fuse_attention.py and compile/kernels/attention.py: the attention core of both
+layouts rewritten into one kernel call (Before/Expected), left alone where the kernel does not
+apply, and numerically equal to the unfused graph at odd lengths and masks, static and symbolic
+sequence bounds, for AVX2 and AVX-512 lane counts (code for a level this CPU lacks is compiled,
+not run)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from artifact.cpu_features import missing_on_host, target_features
+from artifact.packed_batch import pack_batch
+from compile.build import make_target
+from compile.kernels import attention
+from compile.kernels.attention import AttentionShape
+from compile.kernels.common import vector_lanes
+from compile.passes.fuse_attention import fuse_attention_in
+from compile.schedule import cpu_pipeline
+
+HEADS, HEAD_SIZE = 3, 16  # a head size both AVX2 (8) and AVX-512 (16) lanes divide
+TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu="x86-64-v4")}
+each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
+MIN = float(np.finfo(np.float32).min)
+
+
+def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
+                      upper_bound: int | None = None) -> tvm.IRModule:
+    """The attention core as the importer writes it from our wrappers: Q/K/V split from one
+    concatenated projection, per-head views, scores scaled (packed: divide, as PackedBertWrapper;
+    padded: multiply, as transformers' eager attention), plus an additive mask, softmax, the
+    weighted sum, and the way back to [rows, hidden] (packed: a scatter to the packed rows)."""
+    op, hidden = relax.op, heads * head_size
+    batch = tirx.Var("b", "int64")
+    tokens = tirx.Var("t", "int64") if layout == "packed" else batch * seq
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType((tokens, 3 * hidden), "float32"))
+    bias = relax.Var("bias", relax.TensorType((batch, 1, mask_rows, seq), "float32"))
+    params = [qkv, bias]
+    if layout == "packed":
+        gather = relax.Var("gather", relax.TensorType((batch, seq), "int64"))
+        scatter = relax.Var("scatter", relax.TensorType((tokens,), "int64"))
+        params += [gather, scatter]
+    attrs = {"tir_var_upper_bound": {seq.name: upper_bound}} if upper_bound else None
+    with bb.function("main", params, attrs=attrs):
+        with bb.dataflow():
+            parts = bb.emit(op.split(qkv, [hidden, 2 * hidden], axis=1))
+            rows = bb.emit(op.reshape(gather, (batch * seq,))) if layout == "packed" else None
+
+            def per_head(index: int) -> relax.Var:
+                x = bb.emit(relax.TupleGetItem(parts, index))
+                if layout == "packed":
+                    x = bb.emit(op.take(x, rows, axis=0, mode="clip"))
+                else:
+                    x = bb.emit(op.reshape(x, (batch, seq, hidden)))
+                x = bb.emit(op.reshape(x, (batch, seq, heads, head_size)))
+                return bb.emit(op.permute_dims(x, [0, 2, 1, 3]))
+
+            q, k, v = per_head(0), per_head(1), per_head(2)
+            k_t = bb.emit(op.permute_dims(k, [0, 1, 3, 2]))
+            scores = bb.emit(op.matmul(bb.emit(op.reshape(q, (batch * heads, seq, head_size))),
+                                       bb.emit(op.reshape(k_t, (batch * heads, head_size, seq)))))
+            scores = bb.emit(op.reshape(scores, (batch, heads, seq, seq)))
+            scaled = (op.divide(scores, relax.const(math.sqrt(head_size), "float32")) if layout == "packed"
+                      else op.multiply(scores, relax.const(1 / math.sqrt(head_size), "float32")))
+            probabilities = bb.emit(op.nn.softmax(bb.emit(op.add(bb.emit(scaled), bias)), axis=-1))
+            context = bb.emit(op.matmul(bb.emit(op.reshape(probabilities, (batch * heads, seq, seq))),
+                                        bb.emit(op.reshape(v, (batch * heads, seq, head_size)))))
+            context = bb.emit(op.permute_dims(bb.emit(op.reshape(context, (batch, heads, seq, head_size))),
+                                              [0, 2, 1, 3]))
+            if layout == "packed":
+                context = bb.emit(op.reshape(context, (batch * seq, hidden)))
+                out = bb.emit_output(op.take(context, scatter, axis=0, mode="clip"))
+            else:
+                out = bb.emit_output(op.reshape(context, (batch, seq, hidden)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _expected_module(layout: str, seq: int, lanes: int) -> tvm.IRModule:
+    """What the pass makes of `_attention_module(layout, seq)`: one call of the kernel, reading
+    Q, K and V from the concatenation at their offsets (padded: a view back to [batch, seq, hidden])."""
+    hidden = HEADS * HEAD_SIZE
+    batch = tirx.Var("b", "int64")
+    tokens = tirx.Var("t", "int64") if layout == "packed" else batch * seq
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType((tokens, 3 * hidden), "float32"))
+    bias = relax.Var("bias", relax.TensorType((batch, 1, 1, seq), "float32"))
+    params = [qkv, bias]
+    if layout == "packed":
+        params += [relax.Var("gather", relax.TensorType((batch, seq), "int64")),
+                   relax.Var("scatter", relax.TensorType((tokens,), "int64"))]
+    packed = layout == "packed"
+    shape = AttentionShape(batch=tirx.Var("batch", "int64"), seq=seq, rows=tirx.Var("rows", "int64"),
+                           heads=HEADS, head_size=HEAD_SIZE, max_seq=seq, scale=1 / math.sqrt(HEAD_SIZE),
+                           packed=packed, widths=(3 * hidden,) * 3, offsets=(0, hidden, 2 * hidden))
+    with bb.function("main", params):
+        with bb.dataflow():
+            kernel = bb.add_func(attention.write_attention(shape, lanes), attention.KERNEL_NAME)
+            args = [qkv, qkv, qkv, bias] + ([params[2]] if packed else [])
+            call = relax.call_tir(kernel, args, relax.TensorType((tokens, hidden), "float32"))
+            out = bb.emit_output(call if packed else relax.op.reshape(bb.emit(call), (batch, seq, hidden)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+# ----------------------------------------------------------------------------- the rewrite
+
+
+@each_lane_count
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_attention_core_becomes_one_kernel_call(layout, lanes):
+    after, fused = fuse_attention_in(_attention_module(layout, 16), lanes)
+    assert fused == 1
+    tvm.ir.assert_structural_equal(after, _expected_module(layout, 16, lanes))
+
+
+@pytest.mark.parametrize("case", ["head size the lanes do not divide", "mask per query", "unbounded sequence"])
+def test_attention_the_kernel_cannot_run_is_left_as_it_was(case):
+    lanes = 16
+    if case == "head size the lanes do not divide":
+        before = _attention_module("packed", 16, heads=2, head_size=24)
+    elif case == "mask per query":
+        before = _attention_module("packed", 16, mask_rows=16)
+    else:
+        before = _attention_module("padded", tirx.Var("s", "int64"))
+    after, fused = fuse_attention_in(before, lanes)
+    assert fused == 0
+    tvm.ir.assert_structural_equal(after, before)
+
+
+def test_minilm_attention_fuses_once_per_layer_in_both_layouts(minilm_dir):
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.importer import export_and_import
+    from compile.passes.strategy import apply_strategy
+
+    info = inspect_checkpoint(minilm_dir, "embed")
+    wrapper = load_wrapper(info, "embed")
+    for layout in ("packed", "padded"):
+        imported = export_and_import(wrapper, 16, info.max_seq, info.config["vocab_size"], layout)
+        for strategy in ("concat", "off"):  # one Q/K/V source at three offsets, or three sources
+            after, fused = fuse_attention_in(apply_strategy(imported.mod, strategy), vector_lanes(TARGETS[16]))
+            assert fused == 6, (layout, strategy)
+            calls = [c for c in _calls(after) if c in ("relax.nn.softmax", "relax.matmul")]
+            assert calls.count("relax.nn.softmax") == 0
+
+
+def _calls(mod: tvm.IRModule) -> list[str]:
+    names = []
+    relax.analysis.post_order_visit(mod["main"].body, lambda e: names.append(e.op.name) if isinstance(
+        e, relax.Call) and isinstance(e.op, tvm.ir.Op) else None)
+    return names
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def _runs_here(target) -> bool:
+    return not missing_on_host(target_features(target))
+
+
+def _inputs(layout: str, seq: int, masks: np.ndarray, seed: int):
+    """Random Q/K/V rows and the additive mask for `masks` [batch, seq] (1: a real token)."""
+    rng = np.random.default_rng(seed)
+    bias = ((1.0 - masks[:, None, None, :]) * MIN).astype("float32")
+    if layout == "packed":
+        _, _, _, gather, _, scatter = pack_batch(np.ones_like(masks), masks)
+        qkv = rng.standard_normal((int(masks.sum()), 3 * HEADS * HEAD_SIZE)).astype("float32") * 2
+        return [qkv, bias, gather, scatter]
+    qkv = rng.standard_normal((masks.shape[0] * seq, 3 * HEADS * HEAD_SIZE)).astype("float32") * 2
+    return [qkv, bias]
+
+
+def _masks(lengths: list[int], seq: int) -> np.ndarray:
+    return (np.arange(seq)[None, :] < np.asarray(lengths)[:, None]).astype("int64")
+
+
+@each_lane_count
+@pytest.mark.parametrize("layout,seq,symbolic", [("packed", 16, False), ("packed", 40, True),
+                                                 ("padded", 16, False), ("padded", 24, True)])
+def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
+    """Sequences of 1 token to the full bound (packed: right-padded, as the loader packs them);
+    padded also with holes in a mask and a row of padding only (a bucket's unused row)."""
+    target = TARGETS[lanes]
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
+    assert fuse_attention_in(module, lanes)[1] == 1
+    built = {fused: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=fused))
+             for fused in (False, True)}
+    if not _runs_here(target):
+        pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")
+    masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
+    if layout == "padded":
+        masks[2, 1] = masks[2, 3] = 0  # holes before the last real token count like any masked key
+        masks[3, :] = 0  # padding only
+    inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq)]
+    unfused, fused = (relax.VirtualMachine(built[f], tvm.cpu())["main"](*inputs).numpy() for f in (False, True))
+    if layout == "padded":  # the kernel zeroes rows past a sequence's last real token: no output reads them
+        last = seq - np.argmax(masks[:, ::-1], axis=1)  # one past each row's last real token
+        real = (np.arange(seq)[None, :] < last[:, None]) & masks.any(1)[:, None]
+        unfused, fused = unfused[real], fused[real]
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)

@@ -180,11 +180,12 @@ def _masks(lengths: list[int], seq: int) -> np.ndarray:
 
 
 @each_lane_count
-@pytest.mark.parametrize("layout,seq,symbolic", [("packed", 16, False), ("packed", 40, True),
-                                                 ("padded", 16, False), ("padded", 24, True)])
+@pytest.mark.parametrize("layout,seq,symbolic", [("packed", 16, False), ("packed", 13, False), ("packed", 40, True),
+                                                 ("padded", 16, False), ("padded", 5, False), ("padded", 24, True)])
 def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
-    """Sequences of 1 token to the full bound (packed: right-padded, as the loader packs them);
-    padded also with holes in a mask and a row of padding only (a bucket's unused row)."""
+    """Sequences of 1 token to the full bound (packed: right-padded, as the loader packs them), bounds
+    the lanes do not divide; padded also with holes in a mask and a row of padding only (a bucket's
+    unused row)."""
     target = TARGETS[lanes]
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)

@@ -75,7 +75,8 @@ def supports(head_size: int, lanes: int) -> bool:
 def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled)."""
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
-    H, D, S_MAX = i64(shape.heads), i64(shape.head_size), i64(shape.max_seq)
+    H, D = i64(shape.heads), i64(shape.head_size)
+    S_MAX = i64(-(-shape.max_seq // lanes) * lanes)  # keys are padded to whole vectors
     LANES, ROWS = i64(lanes), i64(query_rows(lanes, shape.head_size))
     (NQ, NK, NV), (QO, KO, VO) = (i64(w) for w in shape.widths), (i64(o) for o in shape.offsets)
     B, S, R = (i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))

@@ -259,10 +259,11 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def quantization_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int) -> QuantizationEntry:
+    def quantization_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int,
+                            kernel: int8.Int8Kernel) -> QuantizationEntry:
         """The int8 generic library against the fp32 wrapper on real sentences; an embedding model
         under `min_cosine` fails the compile (what the quantization costs is unknown when not run)."""
-        entry = QuantizationEntry(scheme=quantize.SCHEME, kernel=quantize.KERNEL, linears=linears,
+        entry = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel.description, linears=linears,
                                   sentences=len(ACCURACY_SENTENCES))
         if not self.validate:
             return entry
@@ -300,7 +301,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         raise CompileError("layout packed needs absolute position embeddings; this checkpoint has "
                            f"{info.config['position_embedding_type']}")
     target = make_target(config.target, config.cuda_arch, config.mcpu)
-    if config.quantize == "int8" and not int8.supports(target):
+    int8_kernel = int8.kernel_for(target) if config.quantize == "int8" else None
+    if config.quantize == "int8" and int8_kernel is None:
         raise CompileError(f"--quantize int8 needs a CPU with AVX2; mcpu {target.attrs['mcpu']} has none")
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
@@ -336,7 +338,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 combined = to_precision(combined, config.dtype)
                 packed, pipeline = combined, list(PASSES[strategy])
                 if config.quantize == "int8":  # int8 panels; what is left (if any) stays fp32
-                    packed, quantized_linears = quantize_linears(packed)
+                    packed, quantized_linears = quantize_linears(packed, int8_kernel)
                     pipeline.insert(-1, "QuantizeLinearsInt8")
                 if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
                     packed, _ = pack_linear_weights(packed, vector_lanes(target))
@@ -377,7 +379,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         quantization = None
         if config.quantize == "int8":
             with progress.step("int8 accuracy against the fp32 model on the shipped sentences"):
-                quantization = builder.quantization_report(generic, info, quantized_linears)
+                quantization = builder.quantization_report(generic, info, quantized_linears, int8_kernel)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()

@@ -1,5 +1,7 @@
-"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and the vpmaddwd matmul
-with its epilogue, at static and symbolic row counts (ragged ones included)."""
+"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and both matmul
+micro-kernels (AVX2 vpmaddwd, AVX-512 VNNI vpdpbusd) with their epilogue, at static and symbolic row
+counts (ragged ones included). Each kernel is compiled for a CPU that has it (x86-64-v3; cascadelake,
+the first with VNNI) on any machine, and run where this CPU has its features."""
 
 from __future__ import annotations
 
@@ -8,88 +10,114 @@ import pytest
 import tvm
 from tvm import te, tirx
 
+from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.kernels import int8
 
 TARGET = make_target("cpu", "sm_90", None)
-pytestmark = pytest.mark.skipif(not int8.supports(TARGET), reason="the int8 kernel needs AVX2")
+KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.VNNI: make_target("cpu", mcpu="cascadelake")}
+each_kernel = pytest.mark.parametrize("kernel", list(KERNEL_TARGETS), ids=lambda kernel: kernel.name)
 
 
-def _build(func, schedule):
+def _build(func, schedule, target):
     sch = schedule(func)
     assert sch is not None
-    return tvm.compile(sch.mod, target=TARGET)
+    lib = tvm.compile(sch.mod, target=target)
+    missing = missing_on_host(target_features(target))
+    if missing:
+        pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks {', '.join(missing)}, so it is not run")
+    return lib
 
 
-def _quantized_weight(n: int, k: int, seed: int):
+def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel):
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
     scale = np.abs(weight).max(axis=1) / 127
     quantized = np.round(weight / scale[:, None]).astype(np.int8)
-    panels = quantized.reshape(n // int8.PANEL, int8.PANEL, k // 2, 2).transpose(0, 2, 1, 3).copy()
-    return weight, quantized, scale.astype("float32"), panels
+    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
+    compensation = kernel.offset * quantized.astype(np.int32).sum(axis=1).astype(np.int32)
+    return weight, quantized, scale.astype("float32"), panels.copy(), compensation
 
 
-@pytest.mark.parametrize("rows", [8, 13, "symbolic"])
-def test_matmul_with_bias_epilogue_matches_numpy(rows):
-    n, k = 48, 48
-    m = tirx.Var("m", "int64") if rows == "symbolic" else rows
-    xq = te.placeholder((m, k), "int16", name="xq")
+def _matmul_placeholders(m, n: int, k: int, kernel: int8.Int8Kernel):
+    xq = te.placeholder((m, k), kernel.activation, name="xq")
     scale = te.placeholder((m,), "float32", name="scale")
-    panels = te.placeholder((n // int8.PANEL, k // 2, int8.PANEL, 2), "int8", name="panels")
+    panels = te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels")
     weight_scale = te.placeholder((n,), "float32", name="weight_scale")
-    bias = te.placeholder((n,), "float32", name="bias")
-    y = int8.int8_matmul_te(xq, scale, panels, weight_scale)
-    out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
-    lib = _build(te.create_prim_func([xq, scale, panels, weight_scale, bias, out]), int8.schedule_int8_matmul)
+    compensation = [te.placeholder((n,), "int32", name="compensation")] if kernel.compensated else []
+    return [xq, scale, panels, weight_scale, *compensation]
 
-    _, quantized, w_scale, packed = _quantized_weight(n, k, seed=1)
+
+def test_the_best_kernel_the_cpu_runs_is_chosen():
+    assert int8.kernel_for(KERNEL_TARGETS[int8.VNNI]) is int8.VNNI
+    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX2]) is int8.AVX2
+    assert int8.kernel_for(make_target("cpu", mcpu="x86-64-v4")) is int8.AVX2  # AVX-512 without VNNI
+    assert int8.kernel_for(make_target("cpu", mcpu="x86-64")) is None  # no AVX2
+
+
+@each_kernel
+@pytest.mark.parametrize("rows", [8, 13, "symbolic"])
+def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
+    n, k = 2 * kernel.panel, 48
+    m = tirx.Var("m", "int64") if rows == "symbolic" else rows
+    inputs = _matmul_placeholders(m, n, k, kernel)
+    bias = te.placeholder((n,), "float32", name="bias")
+    y = int8.int8_matmul_te(*inputs)
+    out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
+    lib = _build(te.create_prim_func([*inputs, bias, out]), int8.schedule_int8_matmul, KERNEL_TARGETS[kernel])
+
+    _, quantized, w_scale, packed, compensation = _quantized_weight(n, k, 1, kernel)
     rng = np.random.default_rng(2)
     count = 21 if rows == "symbolic" else rows
-    x = rng.integers(-127, 128, (count, k)).astype(np.int16)
+    x = rng.integers(-127, 128, (count, k))
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
     result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    lib(*(tvm.runtime.tensor(a) for a in (x, x_scale, packed, w_scale, b)), result)
+    given = [(x + kernel.offset).astype(kernel.activation), x_scale, packed, w_scale,
+             *([compensation] if kernel.compensated else []), b]
+    lib(*(tvm.runtime.tensor(a) for a in given), result)
     exact = (x.astype(np.int64) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
 
 
-def test_row_quantisation_scales_each_row_to_127():
+@each_kernel
+def test_row_quantisation_scales_each_row_to_127(kernel):
     m = tirx.Var("m", "int64")
     x = te.placeholder((m, 40), "float32", name="x")
-    quantized, scale = int8.quantize_rows_te(x)
-    lib = _build(te.create_prim_func([x, quantized, scale]), int8.schedule_row_quantize)
+    quantized, scale = int8.quantize_rows_te(x, kernel)
+    lib = _build(te.create_prim_func([x, quantized, scale]), int8.schedule_row_quantize, KERNEL_TARGETS[kernel])
     values = np.random.default_rng(3).standard_normal((5, 40)).astype("float32")
     values[2] = 0.0  # an all-zero row must not divide by zero
-    out_q, out_scale = tvm.runtime.tensor(np.zeros((5, 40), "int16")), tvm.runtime.tensor(np.zeros(5, "float32"))
+    out_q = tvm.runtime.tensor(np.zeros((5, 40), kernel.activation))
+    out_scale = tvm.runtime.tensor(np.zeros(5, "float32"))
     lib(tvm.runtime.tensor(values), out_q, out_scale)
     expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
     np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
-    np.testing.assert_array_equal(out_q.numpy(), np.round(values / expected_scale[:, None]).astype(np.int16))
-    assert np.abs(out_q.numpy()).max() == 127
+    signed = out_q.numpy().astype(np.int32) - kernel.offset
+    np.testing.assert_array_equal(signed, np.round(values / expected_scale[:, None]).astype(np.int32))
+    assert np.abs(signed).max() == 127
 
 
-def test_quantized_linear_is_close_to_fp32():
+@each_kernel
+def test_quantized_linear_is_close_to_fp32(kernel):
     """End to end on random data: per-row x per-channel int8 keeps the product within ~1% of fp32."""
-    n, k, count = 96, 64, 7
-    weight, _, w_scale, packed = _quantized_weight(n, k, seed=4)
+    n, k, count = 3 * kernel.panel, 64, 7
+    weight, _, w_scale, packed, compensation = _quantized_weight(n, k, 4, kernel)
     x = np.random.default_rng(5).standard_normal((count, k)).astype("float32")
+    target = KERNEL_TARGETS[kernel]
     m = tirx.Var("m", "int64")
     xt = te.placeholder((m, k), "float32", name="x")
-    quantized, scale = int8.quantize_rows_te(xt)
-    quant = _build(te.create_prim_func([xt, quantized, scale]), int8.schedule_row_quantize)
-    xq, sq = tvm.runtime.tensor(np.zeros((count, k), "int16")), tvm.runtime.tensor(np.zeros(count, "float32"))
+    quantized, scale = int8.quantize_rows_te(xt, kernel)
+    quant = _build(te.create_prim_func([xt, quantized, scale]), int8.schedule_row_quantize, target)
+    xq = tvm.runtime.tensor(np.zeros((count, k), kernel.activation))
+    sq = tvm.runtime.tensor(np.zeros(count, "float32"))
     quant(tvm.runtime.tensor(x), xq, sq)
 
-    xqt = te.placeholder((m, k), "int16", name="xq")
-    st = te.placeholder((m,), "float32", name="scale")
-    pt = te.placeholder(packed.shape, "int8", name="panels")
-    wt = te.placeholder((n,), "float32", name="weight_scale")
-    matmul = _build(te.create_prim_func([xqt, st, pt, wt, int8.int8_matmul_te(xqt, st, pt, wt)]),
-                    int8.schedule_int8_matmul)
+    inputs = _matmul_placeholders(m, n, k, kernel)
+    matmul = _build(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), int8.schedule_int8_matmul, target)
     y = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    matmul(xq, sq, tvm.runtime.tensor(packed), tvm.runtime.tensor(w_scale), y)
+    weights = [packed, w_scale, *([compensation] if kernel.compensated else [])]
+    matmul(xq, sq, *(tvm.runtime.tensor(w) for w in weights), y)
     reference = x @ weight.T
     assert np.abs(y.numpy() - reference).max() < 0.02 * np.abs(reference).max()
 
@@ -104,11 +132,12 @@ UNSEEN = ["Where can I buy fresh bread on Sunday morning?", "The orchestra rehea
 
 @pytest.fixture(scope="module")
 def int8_checkpoint(tmp_path_factory):
-    """A tiny sentence embedder whose every linear fits the int8 panels (widths multiples of 24)."""
+    """A tiny sentence embedder whose every linear fits both kernels' panels (widths multiples of 24
+    and 32), with heads of 16 (attention fused for either lane count)."""
     from conftest import save_tiny_sentence_transformer
 
     return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-int8"), seed=7,
-                                          config={"hidden_size": 48, "intermediate_size": 96, "num_attention_heads": 4})
+                                          config={"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6})
 
 
 @pytest.fixture(scope="module", params=["packed", "padded"])
@@ -130,6 +159,7 @@ def test_int8_artifact_ships_int8_weights_and_its_accuracy(int8_artifact):
 
     manifest = Manifest.read(int8_artifact)
     assert manifest.quantization.linears == 2 * 4  # per layer: Q/K/V (concatenated), output, two FFN
+    assert manifest.quantization.kernel == int8.kernel_for(TARGET).description  # the best this CPU runs
     assert manifest.quantization.sentences > 20 and manifest.quantization.cosine_min >= 0.99
     assert "QuantizeLinearsInt8" in manifest.passes.strategies["concat"].pipeline
     weights = load_file(str(int8_artifact / manifest.weights["concat"].file))

@@ -1,24 +1,28 @@
 """The int8 kernel family for x86 CPUs: linears over int8 weights with int32 accumulation.
 
-Weights are quantized symmetrically per output channel at compile time and stored int8, in
-panels of `PANEL` columns with the reduction axis in pairs, `Wp[N / PANEL, K / 2, PANEL, 2]`, so
-that 8 output columns x 2 k of one panel are 16 contiguous bytes. Activations are quantized per
-row (token) at run time, symmetrically to [-127, 127], held as int16.
+Weights are quantized symmetrically per output channel at compile time and stored int8, in panels
+of `panel` output columns with the reduction axis in groups of `group`,
+`Wp[N / panel, K / group, panel, group]`, so that one register's worth of columns x `group` k of a
+panel are contiguous bytes. Activations are quantized per row (token) at run time, symmetrically
+to [-127, 127]. The loop nest is the fp32 kernel's (`dense.schedule_matmul`): parallel over panels,
+a `rows` x `panel` int32 accumulator in registers, the dequantisation and any fused epilogue
+(bias, GELU, residual) applied on write-back. Two micro-kernels, chosen by the target's CPU:
 
-The micro-kernel is AVX2's `vpmaddwd`: 8 columns x 2 k of the panel, sign-extended to int16
-(`vpmovsxbw`), times one broadcast pair of activations, summed pairwise into 8 int32 lanes: 16
-multiply-adds per instruction where fp32 FMA does 8, exact (127 x 127 x 2 cannot saturate, unlike
-`vpmaddubsw`'s u8 x s8 pairs, which measured slower here as well as less accurate with 7-bit
-weights). Each vpmaddwd needs a separate vpaddd, so the gain over fp32 FMA comes from the ports
-they share less and from weights 4x smaller (docs/PERFORMANCE.md, int8). The loop nest is the fp32 kernel's
-(`dense.schedule_matmul`): parallel over panels, a `ROWS` x `PANEL` int32 accumulator in
-registers, the dequantisation and any fused epilogue applied on write-back.
-
-AVX2 is on every x86-64-v3 CPU, AVX-512 ones included, so one kernel serves both; a VNNI
-(`vpdpwssd`) or 512-bit variant is a later lever.
+- `VNNI` (AVX-512 VNNI, `vpdpbusd`): 16 columns x 4 k of the panel times 4 broadcast activation
+  bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16). Its
+  activations must be unsigned, so they are stored as u8 = q + 128 and the kernel subtracts
+  128 x the weight column's sum (computed at compile time) from each accumulator: exact, since
+  vpdpbusd sums four u8 x s8 products in int32 without saturating.
+- `AVX2` (`vpmaddwd`): 8 columns x 2 k sign-extended to int16, times one broadcast pair of int16
+  activations, summed pairwise into 8 int32 lanes: 16 multiply-adds per instruction and a separate
+  `vpaddd`; exact (127 x 127 x 2 cannot saturate, unlike `vpmaddubsw`'s u8 x s8 pairs, which also
+  measured slower). Every x86-64-v3 CPU has it.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import tvm
 from tvm import s_tir, te, tirx
@@ -26,20 +30,61 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
-LANES = 8  # int32 lanes of one AVX2 register
-PAIR = 2  # reduction values one vpmaddwd lane multiplies and adds
-PANEL = 24  # output columns per panel: 4 x 3 registers of accumulators leave 4 for operands
-ROWS = 4  # activation rows per register tile (4 x 24 measured best of 8 tiles from 3 x 32 to 8 x 8)
 QMAX = 127.0
-INTRIN = "bert_dot_8x2_i16i8_avx2"
 ROW_QUANTIZE = "quantize_rows"
 MATMUL = "int8_matmul"
 PANEL_VIEW = "int8_panel_view"
 
 
+@dataclass(frozen=True)
+class Int8Kernel:
+    """One int8 micro-kernel and the layouts it reads."""
+
+    name: str
+    activation: str  # dtype of quantized activations
+    offset: int  # added to them (vpdpbusd multiplies unsigned bytes)
+    group: int  # k values one int32 lane sums per instruction
+    lanes: int  # int32 lanes of one register
+    panel: int  # output columns per weight panel
+    rows: int  # activation rows per register tile
+    intrin: str
+    description: str  # as the manifest records it
+
+    @property
+    def compensated(self) -> bool:
+        """Whether the kernel subtracts offset x the weight column's sum (an extra int32 input)."""
+        return self.offset != 0
+
+
+AVX2 = Int8Kernel("avx2", "int16", 0, 2, 8, 24, 4, "bert_dot_8x2_i16i8_avx2",
+                  "avx2 vpmaddwd (int16 activations x int8 weights), int32 accumulation")
+# 8 x 32 tile: 16 zmm accumulators of 32, as the fp32 AVX-512 kernel
+VNNI = Int8Kernel("vnni", "uint8", 128, 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
+                  "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation")
+KERNELS = (VNNI, AVX2)  # the best first
+
+
+def kernel_for(target: tvm.target.Target) -> Int8Kernel | None:
+    """The best int8 micro-kernel the target's CPU runs, or None (no AVX2)."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    if target.kind.name != "llvm":
+        return None
+    if all(llvm_cpu_has_features(feature, target) for feature in ("avx512vnni", "avx512bw")):
+        return VNNI
+    return AVX2 if llvm_cpu_has_features("avx2", target) else None
+
+
+def _by_activation(dtype: str) -> Int8Kernel | None:
+    return next((kernel for kernel in KERNELS if kernel.activation == dtype), None)
+
+
+# ----------------------------------------------------------------------------- micro-kernels
+
+
 @T.prim_func(s_tir=True)
-def _dot_desc(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "int8", offset_factor=1),
-              C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
+def _pairs_desc(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "int8", offset_factor=1),
+                C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
     with T.sblock("root"):
         T.reads(C[0:8], A[0:2], B[0:8, 0:2])
         T.writes(C[0:8])
@@ -51,8 +96,8 @@ def _dot_desc(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "
 
 
 @T.prim_func(s_tir=True)
-def _dot_avx2(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "int8", offset_factor=1),
-              C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
+def _pairs_avx2(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "int8", offset_factor=1),
+                C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
     with T.sblock("root"):
         T.reads(C[0:8], A[0:2], B[0:8, 0:2])
         T.writes(C[0:8])
@@ -64,88 +109,157 @@ def _dot_avx2(A: T.Buffer((2,), "int16", offset_factor=1), B: T.Buffer((8, 2), "
             dtype="int32x8")
 
 
-if TensorIntrin.get(INTRIN, allow_missing=True) is None:
-    TensorIntrin.register(INTRIN, _dot_desc, _dot_avx2)
+@T.prim_func(s_tir=True)
+def _quads_desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
+                C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    with T.sblock("root"):
+        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+        T.writes(C[0:16])
+        for i in T.serial(0, 16):
+            for k in T.serial(0, 4):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    C[vi] = C[vi] + T.cast(A[vk], "int32") * T.cast(B[vi, vk], "int32")
 
 
-def quantizable(n: int, k: int) -> bool:
-    """Whether a linear of N outputs and K inputs fits the panels without padding."""
-    return n % PANEL == 0 and k % PAIR == 0
+@T.prim_func(s_tir=True)
+def _quads_vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
+                C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
+    with T.sblock("root"):
+        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
+        T.writes(C[0:16])
+        quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+        C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
+            C.vload([0], dtype="int32x16"),
+            T.reinterpret(T.broadcast(quad, 16), dtype="int8x64"),
+            B.vload([0, 0], dtype="int8x64"),
+            dtype="int32x16")
 
 
-def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
-    """(xq int16 [M, K], scale float32 [M]): each row scaled so that its largest |value| is 127."""
+for _kernel, _desc, _impl in ((AVX2, _pairs_desc, _pairs_avx2), (VNNI, _quads_desc, _quads_vnni)):
+    if TensorIntrin.get(_kernel.intrin, allow_missing=True) is None:
+        TensorIntrin.register(_kernel.intrin, _desc, _impl)
+
+
+# ----------------------------------------------------------------------------- TE kernels
+
+
+def quantizable(n: int, k: int, kernel: Int8Kernel) -> bool:
+    """Whether a linear of N outputs and K inputs fits the kernel's panels without padding."""
+    return n % kernel.panel == 0 and k % kernel.group == 0
+
+
+def quantize_rows_te(x: te.Tensor, kernel: Int8Kernel = AVX2) -> list[te.Tensor]:
+    """(xq [M, K] in the kernel's activation dtype, scale float32 [M]): each row scaled so that its
+    largest |value| is 127, then shifted by the kernel's offset."""
     k = te.reduce_axis((0, x.shape[1]), name="k")
     absmax = te.compute((x.shape[0],), lambda m: te.max(te.abs(x[m, k]), axis=k), name="row_absmax")
     scale = te.compute((x.shape[0],), lambda m: te.max(absmax[m], tirx.const(1e-30, "float32")) / QMAX,
                        name="row_scale")
-    quantized = te.compute(x.shape, lambda m, kk: te.round(x[m, kk] / scale[m]).astype("int16"), name="row_quantize")
+    offset = tirx.const(float(kernel.offset), "float32")
+    quantized = te.compute(x.shape, lambda m, kk: (te.round(x[m, kk] / scale[m]) + offset).astype(kernel.activation),
+                           name="row_quantize")
     return [quantized, scale]
 
 
-def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, panels: te.Tensor, weight_scale: te.Tensor) -> te.Tensor:
-    """y[M, N] = dequantised (xq @ W^T), W given as int8 panels Wp[j // PANEL, k // 2, j % PANEL, k % 2]."""
-    count, pairs, width, _ = (int(d) for d in panels.shape)
+def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, panels: te.Tensor, weight_scale: te.Tensor,
+                   compensation: te.Tensor | None = None) -> te.Tensor:
+    """y[M, N] = dequantised (xq @ W^T), W given as panels Wp[j // panel, k // group, j % panel, k % group];
+    `compensation` [N] (int32, offset x the column's weight sum) is subtracted for shifted activations."""
+    count, groups, width, group = (int(d) for d in panels.shape)
     # W[j, k] as an (inlined) view of the panels keeps the matmul a plain einsum `pad_einsum` accepts
-    weight = te.compute((_i64(count * width), _i64(pairs * PAIR)),
-                        lambda j, kk: panels[j // width, kk // PAIR, j % width, kk % PAIR], name=PANEL_VIEW)
-    k = te.reduce_axis((0, _i64(pairs * PAIR)), name="k")
+    weight = te.compute((_i64(count * width), _i64(groups * group)),
+                        lambda j, kk: panels[j // width, kk // group, j % width, kk % group], name=PANEL_VIEW)
+    k = te.reduce_axis((0, _i64(groups * group)), name="k")
     acc = te.compute((xq.shape[0], weight.shape[0]),
                      lambda m, j: te.sum(xq[m, k].astype("int32") * weight[j, k].astype("int32"), axis=k), name=MATMUL)
-    return te.compute(acc.shape, lambda m, j: acc[m, j].astype("float32") * scale[m] * weight_scale[j],
-                      name="dequantize")
+
+    def dequantize(m, j):
+        exact = acc[m, j] if compensation is None else acc[m, j] - compensation[j]
+        return exact.astype("float32") * scale[m] * weight_scale[j]
+
+    return te.compute(acc.shape, dequantize, name="dequantize")
+
+
+def te_kernels() -> dict[str, tuple]:
+    """Our int8 TE kernels by primfunc name: the function that writes one and how many tensors it
+    takes (compile/passes/specialize.py rewrites them per bucket)."""
+    kernels = {}
+    for kernel in KERNELS:
+        kernels[row_quantize_name(kernel)] = (row_quantizer(kernel), 1)
+        kernels[matmul_name(kernel)] = (int8_matmul_te, 5 if kernel.compensated else 4)
+    return kernels
+
+
+def row_quantizer(kernel: Int8Kernel):
+    """`quantize_rows_te` for `kernel`'s activations, taking the tensor only (as `emit_te` calls it)."""
+    return functools.partial(quantize_rows_te, kernel=kernel)
+
+
+def row_quantize_name(kernel: Int8Kernel) -> str:
+    return f"{ROW_QUANTIZE}_{kernel.name}"
+
+
+def matmul_name(kernel: Int8Kernel) -> str:
+    return f"{MATMUL}_{kernel.name}"
 
 
 def _i64(value: int) -> tirx.IntImm:
     return tirx.IntImm("int64", value)
 
 
-def _int8_matmul_block(sch: s_tir.Schedule):
-    """The block accumulating int16 x int8 products in int32, with its (M, N, K) loops, or None."""
+# ----------------------------------------------------------------------------- schedules
+
+
+def _int8_matmul_block(sch: s_tir.Schedule) -> tuple[object, Int8Kernel] | None:
+    """The block accumulating quantized activations x int8 weights in int32, and its micro-kernel."""
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
+        dtypes = [r.source.dtype for r in stmt.reads]
         if (len(stmt.reads) == 2 and len(stmt.writes) == 1 and stmt.writes[0].source.dtype == "int32"
-                and [r.source.dtype for r in stmt.reads] == ["int16", "int8"] and len(stmt.iter_vars) == 3):
-            return block
+                and dtypes[1] == "int8" and len(stmt.iter_vars) == 3 and _by_activation(dtypes[0]) is not None):
+            return block, _by_activation(dtypes[0])
     return None
 
 
 def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     """Schedule the int8 matmul (and its fused epilogue) of `func`, or None when it has none.
 
-        parallel (N / PANEL):
-          for M / ROWS:
-            acc[ROWS, PANEL] = 0
-            for K / 2:  unrolled ROWS x PANEL / 8:  acc[i, 8 cols] += vpmaddwd(x pair, panel 8 x 2)
-            y[ROWS, PANEL] = epilogue(acc * row scale * column scale)
-    A symbolic or ragged M is padded to a multiple of ROWS (`pad_einsum`), as the fp32 kernel does.
+        parallel (N / panel):
+          for M / rows:
+            acc[rows, panel] = 0
+            for K / group:  unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
+            y[rows, panel] = epilogue((acc - compensation) * row scale * column scale)
+    A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), as the fp32 kernel does.
     """
     sch = s_tir.Schedule(func)
-    main = _int8_matmul_block(sch)
-    if main is None:
+    found = _int8_matmul_block(sch)
+    if found is None:
         return None
+    main, kernel = found
     m, j, k = sch.get_loops(main)
     rows = sch.get(m).extent
-    if not (isinstance(rows, tirx.IntImm) and int(rows) % ROWS == 0):
-        sch.pad_einsum(main, [ROWS, 1, 1])
+    if not (isinstance(rows, tirx.IntImm) and int(rows) % kernel.rows == 0):
+        sch.pad_einsum(main, [kernel.rows, 1, 1])
         m, j, k = sch.get_loops(main)
     for producer in sch.get_producers(main):
         if sch.get(producer).name_hint.startswith(PANEL_VIEW):
             sch.compute_inline(producer)
-    jo, jv, jl = sch.split(j, [None, PANEL // LANES, LANES])
-    mo, mi = sch.split(m, [None, ROWS])
-    ko, ki = sch.split(k, [None, PAIR])
+    jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])
+    mo, mi = sch.split(m, [None, kernel.rows])
+    ko, ki = sch.split(k, [None, kernel.group])
     sch.reorder(jo, mo, ko, mi, jv, jl, ki)
     sch.parallel(jo)
     acc = sch.cache_write(main, 0, "global")  # a small constant-size buffer: registers (see dense)
     sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
     auto_inline_consumers(sch, acc)
-    _vectorize_innermost(sch, acc)
+    _vectorize_innermost(sch, acc, kernel.lanes)
     init = sch.decompose_reduction(main, ko)
-    _vectorize_innermost(sch, init)
+    _vectorize_innermost(sch, init, kernel.lanes)
     sch.unroll(mi)
     sch.unroll(jv)
-    sch.tensorize(jl, INTRIN)
+    sch.tensorize(jl, kernel.intrin)
     for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of xq, the un-padding
         loops = sch.get_loops(block)
         if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
@@ -153,8 +267,8 @@ def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
     return sch
 
 
-def _vectorize_innermost(sch: s_tir.Schedule, block) -> None:
-    _, inner = sch.split(sch.get_loops(block)[-1], [None, LANES])
+def _vectorize_innermost(sch: s_tir.Schedule, block, lanes: int) -> None:
+    _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
     sch.vectorize(inner)
 
 
@@ -173,18 +287,12 @@ def schedule_row_quantize(func: tirx.PrimFunc) -> s_tir.Schedule | None:
             sch.compute_inline(block)
         except (RuntimeError, ValueError):
             pass
+    lanes = AVX2.lanes
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         loops = sch.get_loops(block)
         sch.parallel(loops[0])
         if len(loops) > 1 and not any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars):
             extent = sch.get(loops[-1]).extent
-            if isinstance(extent, tirx.IntImm) and int(extent) % LANES == 0:
-                _vectorize_innermost(sch, block)
+            if isinstance(extent, tirx.IntImm) and int(extent) % lanes == 0:
+                _vectorize_innermost(sch, block, lanes)
     return sch
-
-
-def supports(target: tvm.target.Target) -> bool:
-    """Whether the host CPU of `target` runs the AVX2 kernel."""
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    return target.kind.name == "llvm" and llvm_cpu_has_features("avx2", target)

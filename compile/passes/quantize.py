@@ -4,9 +4,13 @@ The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parame
 compile/passes/packing.py finds them, Q/K/V concatenations included), into
 
     scale_w = max |W[n, :]| / 127                       (per output channel)
-    panels  = int8(round(W / scale_w)) in the kernel's [N / 32, K / 2, 32, 2] layout
+    Wq      = int8(round(W / scale_w))
+    panels  = Wq in the kernel's [N / panel, K / group, panel, group] layout
+    comp    = offset * sum_k Wq[n, k]                    (VNNI's unsigned activations only)
     xq, scale_x = quantize_rows(x)                       (per token, at run time)
-    y = int8_matmul(xq, scale_x, panels, scale_w)        (int32 accumulation, compile/kernels/int8.py)
+    y = int8_matmul(xq, scale_x, panels, scale_w, comp)  (int32 accumulation, compile/kernels/int8.py)
+
+with the micro-kernel the target's CPU runs best (`int8.kernel_for`: AVX-512 VNNI, else AVX2).
 
 The weight-side ops sit in the weight-only part of `main`, so `LiftTransformParams` runs them at
 compile time and the artifact ships the int8 panels and fp32 scales instead of the fp32 weights.
@@ -27,20 +31,21 @@ from ..sentences import ACCURACY_SENTENCES
 from .packing import linears_on_weights
 
 SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
-KERNEL = "avx2 vpmaddwd, int32 accumulation"
 
 
 @relax.expr_functor.mutator
 class _QuantizeLinears(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr]):
+    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr], kernel: int8.Int8Kernel):
         super().__init__(mod)
         self.linears = linears
+        self.kernel = kernel
         self.quantized = 0
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         weight = self.linears.get(binding.var)
         n, k = (int(d) for d in weight.ty.shape) if weight is not None else (0, 0)
-        if weight is None or not int8.quantizable(n, k):
+        kernel = self.kernel
+        if weight is None or not int8.quantizable(n, k, kernel):
             super().visit_var_binding_(binding)
             return
         emit, op = self.builder_.emit, relax.op
@@ -48,23 +53,27 @@ class _QuantizeLinears(relax.PyExprMutator):
         scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
                                relax.const(int8.QMAX, "float32")))
         quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -127, 127), "int8"))
-        panels = emit(op.permute_dims(op.reshape(quantized, (n // int8.PANEL, int8.PANEL, k // int8.PAIR, int8.PAIR)),
-                                      [0, 2, 1, 3]))
-        rows = self.builder_.emit_te(int8.quantize_rows_te, self.visit_expr(binding.value.args[0]),
-                                     primfunc_name_hint=int8.ROW_QUANTIZE)
+        panels = emit(op.permute_dims(
+            op.reshape(quantized, (n // kernel.panel, kernel.panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
+        weights = [panels, scale]
+        if kernel.compensated:
+            weights.append(emit(op.multiply(op.sum(op.astype(quantized, "int32"), axis=1),
+                                            relax.const(kernel.offset, "int32"))))
+        rows = self.builder_.emit_te(int8.row_quantizer(kernel), self.visit_expr(binding.value.args[0]),
+                                     primfunc_name_hint=int8.row_quantize_name(kernel))
         output = self.builder_.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
-                                       panels, scale, primfunc_name_hint=int8.MATMUL)
+                                       *weights, primfunc_name_hint=int8.matmul_name(kernel))
         if not isinstance(binding.var, relax.DataflowVar):
             output = self.builder_.emit_output(output)
         self.set_var_remap(binding.var, output)
         self.quantized += 1
 
 
-def quantize_linears(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
-    """`mod` with `main`'s linears on int8 weights, and how many were rewritten (run before
-    LiftTransformParams and before compile/passes/packing.py, which then packs what is left in fp32)."""
+def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> tuple[tvm.IRModule, int]:
+    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were rewritten (run
+    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
     func = mod["main"]
-    mutator = _QuantizeLinears(mod, linears_on_weights(func))
+    mutator = _QuantizeLinears(mod, linears_on_weights(func), kernel)
     mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(func))
     return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.quantized
 

@@ -11,8 +11,7 @@ _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 # Our TE kernels, by name: the function that writes one, and how many tensor arguments it takes
 # (then come the shape vars the call passes along).
-TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), int8.ROW_QUANTIZE: (int8.quantize_rows_te, 1),
-              int8.MATMUL: (int8.int8_matmul_te, 4)}
+TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), **int8.te_kernels()}
 
 
 @relax.expr_functor.mutator

@@ -157,14 +157,15 @@ class BertWrapper(torch.nn.Module):
         return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
 
-def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32") -> BertWrapper:
-    """Load the checkpoint's weights into the wrapper we compile (and validate against)."""
+def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attention: str = "eager") -> BertWrapper:
+    """Load the checkpoint's weights into the wrapper we compile (and validate against); `attention`
+    "sdpa" gives PyTorch at its best (the PyTorch server and the benchmarks' PyTorch peer)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = info.family.load(info.path, task)
+        model = info.family.load(info.path, task, attention)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()

@@ -52,13 +52,15 @@ class Family:
         """The position id of a sequence's first token."""
         return 0
 
-    def load(self, path: Path, task: str) -> torch.nn.Module:
-        """The checkpoint's model with eager attention (plain matmul + softmax, which the importer handles)."""
+    def load(self, path: Path, task: str, attention: str = "eager") -> torch.nn.Module:
+        """The checkpoint's model; eager attention (plain matmul + softmax) is what we export and
+        validate against, "sdpa" (PyTorch's fused attention, transformers' default) what a PyTorch
+        server runs."""
         from transformers import AutoModel, AutoModelForSequenceClassification
 
         if task == "classify":
-            return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation="eager")
-        return AutoModel.from_pretrained(path, attn_implementation="eager", **self.base_model_options)
+            return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation=attention)
+        return AutoModel.from_pretrained(path, attn_implementation=attention, **self.base_model_options)
 
     def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
         """Embeddings, `position_ids` counted from 0 (as the server feeds them)."""

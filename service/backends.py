@@ -90,8 +90,9 @@ class TvmBackend:
 
 
 class TorchBackend:
-    """PyTorch eager on the checkpoint the artifact was compiled from: same function, same API,
-    on the artifact's device (a CUDA artifact is compared with PyTorch on the same GPU)."""
+    """PyTorch eager on the checkpoint the artifact was compiled from, with its fused attention (SDPA,
+    transformers' default): same function, same API, on the artifact's device (a CUDA artifact is
+    compared with PyTorch on the same GPU)."""
 
     name = "torch"
 
@@ -108,7 +109,7 @@ class TorchBackend:
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ArtifactError(f"{directory} targets CUDA but PyTorch sees no CUDA device")
         self._torch = torch
-        self.module = load_wrapper(info, manifest.task, manifest.dtype).to(self.device)
+        self.module = load_wrapper(info, manifest.task, manifest.dtype, attention="sdpa").to(self.device)
         self.manifest = manifest
         self.directory = directory
         self.buckets: list[AnyBucket] = []

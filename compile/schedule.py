@@ -8,8 +8,9 @@ slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first 
 1. `dense.schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
-2. `softmax.schedule_softmax` for attention's softmax rows (vectorised reductions), then
-   dlight's CPU `Reduction` rule for the other softmax / layer-norm shaped kernels;
+2. `rows.schedule_rows` for row kernels (softmax, layer norm, the int8 row quantisation): one
+   parallel loop over rows, reductions in vector lanes; then dlight's CPU `Reduction` rule for
+   row kernels of a width the lanes do not divide;
 3. `fallback.schedule_fallback`: inline injective blocks, then per remaining block fuse the outer loops
    into one parallel loop and vectorise the innermost loop where that is legal.
 
@@ -31,7 +32,7 @@ from .kernels.common import SCHEDULED_ATTR, vector_lanes
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
 from .kernels.fast_math import fast_math
-from .kernels.softmax import schedule_softmax
+from .kernels.rows import schedule_rows
 from .passes.fuse_attention import fuse_attention
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,8 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     func = fast_math(func)
     rules = (
         int8.schedule_int8_matmul,
-        int8.schedule_row_quantize,
         lambda f: schedule_matmul(f, lanes),
-        lambda f: schedule_softmax(f, lanes),
+        lambda f: schedule_rows(f, lanes),
         lambda f: Reduction().apply(f, target, False),
         lambda f: schedule_fallback(f, lanes),
     )

@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from compile.kernels.common import vector_lanes
 from compile.kernels.dense import matmul_axes, schedule_matmul
+from compile.kernels.rows import schedule_rows
 from compile.schedule import cpu_pipeline, cpu_schedule_pass
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -189,12 +190,31 @@ def test_norm_softmax_meanpool_symbolic():
         np.testing.assert_allclose(pooled, ((ref_ln * m3).sum(1) / m3.sum(1)).numpy(), **TOL)
 
 
+def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
+    """Each row's mean and variance reduced in vector lanes, all under one parallel loop over rows
+    (dlight's rule launched the pool once per block and summed each row in a scalar chain)."""
+    t = tirx.Var("t", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((t, 384), "float32"))
+    gamma, beta = relax.Var("g", relax.TensorType((384,), "float32")), relax.Var("be", relax.TensorType((384,), "float32"))
+    with bb.function("main", [x, gamma, beta]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
+        bb.emit_func_output(out)
+    (norm,) = _prim_funcs(_fused(bb.get())).values()
+    scheduled = schedule_rows(norm, vector_lanes(TARGET)).mod.script()
+    assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
+    xs, g, be = _rand(7, 384) * 3 + 1, _rand(384), _rand(384, 1)[:, 0]
+    expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
+    np.testing.assert_allclose(_run(bb.get(), xs, g, be), expected.numpy(), **TOL)
+
+
 @pytest.mark.parametrize("lane_multiple", [2, 5])
 def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
-    """Attention's scaled, masked softmax over a sequence bound: one fused kernel, rows in parallel,
-    max and sum reduced in vector lanes (`rfactor`), equal to PyTorch; symbolic batch. The bound is
-    a multiple of this CPU's lanes (16 and 40 with AVX2, 32 and 80 with AVX-512)."""
-    from compile.kernels.softmax import schedule_softmax
+    """Attention's scaled, masked softmax over a sequence bound (where attention is left unfused):
+    one fused kernel, one parallel loop over rows, max and sum reduced in vector lanes (`rfactor`),
+    equal to PyTorch; symbolic batch. The bound is a multiple of this CPU's lanes (16 and 40 with
+    AVX2, 32 and 80 with AVX-512)."""
 
     seq = lane_multiple * vector_lanes(TARGET)
     b = tirx.Var("b", "int64")
@@ -208,17 +228,16 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
         bb.emit_func_output(out)
     fused = _prim_funcs(_fused(bb.get()))
     softmax = next(f for name, f in fused.items() if "softmax" in name)
-    scheduled = schedule_softmax(softmax, vector_lanes(TARGET))
+    scheduled = schedule_rows(softmax, vector_lanes(TARGET))
     assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
+    assert scheduled.mod.script().count("T.parallel") == 1  # one launch of the thread pool
     x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
     msk[1, ..., seq // 2:] = -1e9
     expected = torch.softmax(torch.from_numpy(x) / 8.0 + torch.from_numpy(msk), dim=-1).numpy()
     np.testing.assert_allclose(_run(bb.get(), x, msk), expected, **TOL)
 
 
-def test_softmax_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
-    from compile.kernels.softmax import schedule_softmax
-
+def test_row_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
     bb = relax.BlockBuilder()
     x = relax.Var("x", relax.TensorType((2, 12), "float32"))
     with bb.function("main", [x]):
@@ -226,7 +245,7 @@ def test_softmax_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
             out = bb.emit_output(bb.emit(relax.op.nn.softmax(x, axis=-1)))
         bb.emit_func_output(out)
     softmax = next(iter(_prim_funcs(_fused(bb.get())).values()))
-    assert schedule_softmax(softmax, 8) is None
+    assert schedule_rows(softmax, 8) is None
 
 
 def _walk_loop_kinds(func: tirx.PrimFunc) -> set[str]:

@@ -13,6 +13,8 @@ from tvm import te, tirx
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.kernels import int8
+from compile.kernels.common import vector_lanes
+from compile.kernels.rows import schedule_rows
 
 TARGET = make_target("cpu", "sm_90", None)
 KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.VNNI: make_target("cpu", mcpu="cascadelake")}
@@ -82,13 +84,16 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
 
 @each_kernel
 def test_row_quantisation_scales_each_row_to_127(kernel):
+    """One parallel loop over rows (the row rule, width a multiple of the lanes: 5 vectors)."""
+    target = KERNEL_TARGETS[kernel]
+    width = 5 * vector_lanes(target)
     m = tirx.Var("m", "int64")
-    x = te.placeholder((m, 40), "float32", name="x")
+    x = te.placeholder((m, width), "float32", name="x")
     quantized, scale = int8.quantize_rows_te(x, kernel)
-    lib = _build(te.create_prim_func([x, quantized, scale]), int8.schedule_row_quantize, KERNEL_TARGETS[kernel])
-    values = np.random.default_rng(3).standard_normal((5, 40)).astype("float32")
+    lib = _build(te.create_prim_func([x, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)), target)
+    values = np.random.default_rng(3).standard_normal((5, width)).astype("float32")
     values[2] = 0.0  # an all-zero row must not divide by zero
-    out_q = tvm.runtime.tensor(np.zeros((5, 40), kernel.activation))
+    out_q = tvm.runtime.tensor(np.zeros((5, width), kernel.activation))
     out_scale = tvm.runtime.tensor(np.zeros(5, "float32"))
     lib(tvm.runtime.tensor(values), out_q, out_scale)
     expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
@@ -108,7 +113,7 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     m = tirx.Var("m", "int64")
     xt = te.placeholder((m, k), "float32", name="x")
     quantized, scale = int8.quantize_rows_te(xt, kernel)
-    quant = _build(te.create_prim_func([xt, quantized, scale]), int8.schedule_row_quantize, target)
+    quant = _build(te.create_prim_func([xt, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)), target)
     xq = tvm.runtime.tensor(np.zeros((count, k), kernel.activation))
     sq = tvm.runtime.tensor(np.zeros(count, "float32"))
     quant(tvm.runtime.tensor(x), xq, sq)

@@ -4,7 +4,8 @@ family that recognises it.
 
 - `dense`: fp32 linears over packed weight panels, and every matmul-shaped kernel;
 - `int8`: linears over int8 weights (`--quantize int8`);
-- `softmax`: attention's softmax rows;
+- `attention`: each layer's attention core in one kernel (written scheduled, see passes/fuse_attention.py);
+- `rows`: row kernels (softmax, layer norm, the int8 row quantisation);
 - `fallback`: whatever else, parallel and vectorised;
 - `fast_math`: vectorisable exp and erf; `common`: the host's lanes and schedule helpers.
 """

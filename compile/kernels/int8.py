@@ -270,29 +270,3 @@ def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
 def _vectorize_innermost(sch: s_tir.Schedule, block, lanes: int) -> None:
     _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
     sch.vectorize(inner)
-
-
-def schedule_row_quantize(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """Rows in parallel: the row's largest |value| (a serial reduction), then the quantized row,
-    vectorised. None when `func` does not end in the row quantisation."""
-    sch = s_tir.Schedule(func)
-    blocks = list(sch.get_child_blocks(sch.get_sblock("root")))
-    names = [sch.get(block).name_hint for block in blocks]
-    if not any(name.startswith("row_quantize") for name in names):
-        return None
-    for block, name in zip(blocks, names):
-        if name.startswith(("row_absmax", "row_quantize", "row_scale")):
-            continue
-        try:  # the producers FuseOps put in front (layer norm's last step): recompute per row
-            sch.compute_inline(block)
-        except (RuntimeError, ValueError):
-            pass
-    lanes = AVX2.lanes
-    for block in sch.get_child_blocks(sch.get_sblock("root")):
-        loops = sch.get_loops(block)
-        sch.parallel(loops[0])
-        if len(loops) > 1 and not any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars):
-            extent = sch.get(loops[-1]).extent
-            if isinstance(extent, tirx.IntImm) and int(extent) % lanes == 0:
-                _vectorize_innermost(sch, block, lanes)
-    return sch

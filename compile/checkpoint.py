@@ -142,11 +142,16 @@ class BertWrapper(torch.nn.Module):
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
 
+    @staticmethod
+    def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+        """[batch, 1, 1, seq] from a float [batch, seq] mask: 0 for real tokens, the dtype's min for
+        padding (what the softmax over keys adds)."""
+        return (1.0 - mask[:, None, None, :]) * torch.finfo(mask.dtype).min
+
     def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
         hidden = self.family.embed(self.bert, input_ids, token_type_ids, position_ids)
         mask = attention_mask.to(hidden.dtype)
-        additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
-        hidden = self.family.encoder(self.bert)(hidden, attention_mask=additive).last_hidden_state
+        hidden = self.family.encoder(self.bert)(hidden, attention_mask=self.additive_mask(mask)).last_hidden_state
         if self.task == "classify":
             return self.classifier(hidden)
         if self.pooling == "cls":

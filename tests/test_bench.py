@@ -24,13 +24,17 @@ def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_
     compared = f"tvm_bucket[{tiny_embed_artifact.name}]"
     assert report["dtype"] == "float32" and report["tolerance"] == 1e-3
     for row in report["results"]:
-        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "onnxruntime", compared}
+        assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "torch_sdpa", "onnxruntime",
+                                     "onnxruntime_optimized", compared}
+        assert row["peers"]["torch"] in ("torch_eager", "torch_sdpa")  # ratios are taken against the faster
+        assert row["peers"]["onnxruntime"] in ("onnxruntime", "onnxruntime_optimized")
         assert all(s["runs"] == 2 and s["median_s"] > 0 for s in row["stats"].values())
         # Every candidate but the reference itself was compared with PyTorch eager, and agrees
         # within the compile stage's own bound (the tiny model's outputs are of order 1).
         assert set(row["agreement"]) == set(row["stats"]) - {"torch_eager"}
         assert all(0 <= diff <= 1e-4 for diff in row["agreement"].values()), row["agreement"]
     assert report["machine"]["peak_gemm_gflops"] > 0
+    assert report["onnxruntime_attention_fused"] == {"onnxruntime_optimized": 2}  # ORT at its best: both layers
     assert "| 2x16 (bucket) | bucket-2x16 |" in capsys.readouterr().out
 
 

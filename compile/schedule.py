@@ -32,6 +32,7 @@ from .kernels.common import SCHEDULED_ATTR, vector_lanes
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
 from .kernels.fast_math import fast_math
+from .kernels.launch import parallel_when_it_pays
 from .kernels.rows import schedule_rows
 from .passes.fuse_attention import fuse_attention
 
@@ -56,7 +57,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
             log.debug("%s: %s", getattr(rule, "__name__", rule), error)
             sch = None
         if sch is not None:
-            return sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+            return parallel_when_it_pays(sch.mod["main"]).with_attr(SCHEDULED_ATTR, True)
     return None
 
 

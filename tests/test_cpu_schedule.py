@@ -320,3 +320,28 @@ def test_unrecognised_loop_carried_kernel_stays_correct():
     assert "T.parallel" not in script and "T.vectorized" not in script
     xs = _rand(64)
     np.testing.assert_allclose(_run(mod, xs), np.cumsum(xs), **TOL)
+
+
+@pytest.mark.parametrize("rows,launches", [(4, "serial"), (4096, "parallel"), ("symbolic", "both")])
+def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches):
+    """A layer norm of a few rows runs on the calling thread, of many rows in parallel, and of a
+    symbolic row count behind a run-time test of its iterations, each branch equal to PyTorch."""
+    from compile.kernels.launch import MIN_PARALLEL_WORK
+
+    m = tirx.Var("m", "int64") if rows == "symbolic" else rows
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, 64), "float32"))
+    gamma, beta = relax.Var("g", relax.TensorType((64,), "float32")), relax.Var("be", relax.TensorType((64,), "float32"))
+    with bb.function("main", [x, gamma, beta]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
+        bb.emit_func_output(out)
+    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(bb.get()))).values()
+    script = scheduled.script()
+    assert ("T.parallel" in script) == (launches != "serial")
+    assert (f">= T.int64({MIN_PARALLEL_WORK})" in script) == (launches == "both")
+    g, be = _rand(64), _rand(64, 1)[:, 0]
+    for count in ([4, 4096] if rows == "symbolic" else [rows]):  # both sides of the test
+        xs = _rand(count, 64) * 2
+        expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
+        np.testing.assert_allclose(_run(bb.get(), xs, g, be), expected.numpy(), **TOL)

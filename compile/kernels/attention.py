@@ -38,6 +38,7 @@ from tvm.script import tirx as T
 
 from .common import prescheduled
 from .fast_math import fast_math
+from .launch import MIN_PARALLEL_WORK
 
 KERNEL_NAME = "fused_attention"
 REAL_KEY_BIAS = -1e30  # an additive bias at or below this marks a padding key (float32 min)
@@ -82,77 +83,88 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
     SCALE = tirx.const(shape.scale, "float32")
     packed = shape.packed
     zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
+    MIN_WORK = i64(MIN_PARALLEL_WORK)
 
     def row_of(gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
         as the graph's take(mode="clip")); padded, b * seq + i."""
         return T.max(T.min(gather[b, i], rows - i64(1)), i64(0)) if packed else b * S + i
 
+    @T.macro
+    def task(q_src, k_src, v_src, bias, gather, out, bh):
+        b = bh // H
+        h = bh % H
+        length = T.alloc_buffer((i64(1),), "int64", scope="local")
+        length[0] = i64(0)
+        for j in T.serial(S):
+            if bias[b, i64(0), i64(0), j] > real_key:
+                length[0] = j + i64(1)
+        queries = T.alloc_buffer((D, V), "float32")
+        scores = T.alloc_buffer((S_MAX, V), "float32")
+        top = T.alloc_buffer((V,), "float32", scope="local")
+        total = T.alloc_buffer((V,), "float32", scope="local")
+        for tile in T.serial((length[0] + V - i64(1)) // V):
+            for d, lane in T.grid(D, V):
+                i = T.min(tile * V + lane, length[0] - i64(1))
+                queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
+            for block in T.serial((length[0] + KB - i64(1)) // KB):
+                acc = T.alloc_buffer((KB, V), "float32", scope="local")
+                for key in T.unroll(KB):
+                    for lane in T.vectorized(V):
+                        acc[key, lane] = zero
+                for d in T.serial(D):
+                    for key in T.unroll(KB):
+                        for lane in T.vectorized(V):
+                            acc[key, lane] = acc[key, lane] + k_src[row_of(
+                                gather, b, T.min(block * KB + key, length[0] - i64(1)), R),
+                                KO + h * D + d] * queries[d, lane]
+                for key in T.unroll(KB):
+                    for lane in T.vectorized(V):
+                        scores[block * KB + key, lane] = T.if_then_else(
+                            block * KB + key < length[0],
+                            acc[key, lane] + bias[b, i64(0), i64(0), T.min(block * KB + key, S - i64(1))], neg)
+            for lane in T.vectorized(V):
+                top[lane] = neg
+                total[lane] = zero
+            for j in T.serial(length[0]):
+                for lane in T.vectorized(V):
+                    top[lane] = T.max(top[lane], scores[j, lane])
+            for j in T.serial(length[0]):
+                for lane in T.vectorized(V):
+                    scores[j, lane] = T.exp(scores[j, lane] - top[lane])
+                    total[lane] = total[lane] + scores[j, lane]
+            for chunk in T.serial(D // V):
+                context = T.alloc_buffer((V, V), "float32", scope="local")
+                for d in T.unroll(V):
+                    for lane in T.vectorized(V):
+                        context[d, lane] = zero
+                for j in T.serial(length[0]):
+                    for d in T.unroll(V):
+                        for lane in T.vectorized(V):
+                            context[d, lane] = context[d, lane] + v_src[
+                                row_of(gather, b, j, R), VO + h * D + chunk * V + d] * scores[j, lane]
+                for lane in T.serial(V):
+                    if tile * V + lane < length[0]:
+                        for d in T.serial(V):
+                            out[row_of(gather, b, tile * V + lane, R_OUT), h * D + chunk * V + d] = (
+                                context[d, lane] / total[lane])
+        if not packed:
+            for i, d in T.grid(S - length[0], D):
+                out[b * S + length[0] + i, h * D + d] = zero
+
+
     @T.prim_func(s_tir=True)
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
                   v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, i64(1), i64(1), S), "float32"),
                   gather: T.Buffer((B, S), "int64"), out: T.Buffer((R_OUT, H * D), "float32")):
         T.func_attr({"tirx.noalias": True})
-        for bh in T.parallel(B * H):
-            b = bh // H
-            h = bh % H
-            length = T.alloc_buffer((i64(1),), "int64", scope="local")
-            length[0] = i64(0)
-            for j in T.serial(S):
-                if bias[b, i64(0), i64(0), j] > real_key:
-                    length[0] = j + i64(1)
-            queries = T.alloc_buffer((D, V), "float32")
-            scores = T.alloc_buffer((S_MAX, V), "float32")
-            top = T.alloc_buffer((V,), "float32", scope="local")
-            total = T.alloc_buffer((V,), "float32", scope="local")
-            for tile in T.serial((length[0] + V - i64(1)) // V):
-                for d, lane in T.grid(D, V):
-                    i = T.min(tile * V + lane, length[0] - i64(1))
-                    queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
-                for block in T.serial((length[0] + KB - i64(1)) // KB):
-                    acc = T.alloc_buffer((KB, V), "float32", scope="local")
-                    for key in T.unroll(KB):
-                        for lane in T.vectorized(V):
-                            acc[key, lane] = zero
-                    for d in T.serial(D):
-                        for key in T.unroll(KB):
-                            for lane in T.vectorized(V):
-                                acc[key, lane] = acc[key, lane] + k_src[row_of(
-                                    gather, b, T.min(block * KB + key, length[0] - i64(1)), R),
-                                    KO + h * D + d] * queries[d, lane]
-                    for key in T.unroll(KB):
-                        for lane in T.vectorized(V):
-                            scores[block * KB + key, lane] = T.if_then_else(
-                                block * KB + key < length[0],
-                                acc[key, lane] + bias[b, i64(0), i64(0), T.min(block * KB + key, S - i64(1))], neg)
-                for lane in T.vectorized(V):
-                    top[lane] = neg
-                    total[lane] = zero
-                for j in T.serial(length[0]):
-                    for lane in T.vectorized(V):
-                        top[lane] = T.max(top[lane], scores[j, lane])
-                for j in T.serial(length[0]):
-                    for lane in T.vectorized(V):
-                        scores[j, lane] = T.exp(scores[j, lane] - top[lane])
-                        total[lane] = total[lane] + scores[j, lane]
-                for chunk in T.serial(D // V):
-                    context = T.alloc_buffer((V, V), "float32", scope="local")
-                    for d in T.unroll(V):
-                        for lane in T.vectorized(V):
-                            context[d, lane] = zero
-                    for j in T.serial(length[0]):
-                        for d in T.unroll(V):
-                            for lane in T.vectorized(V):
-                                context[d, lane] = context[d, lane] + v_src[
-                                    row_of(gather, b, j, R), VO + h * D + chunk * V + d] * scores[j, lane]
-                    for lane in T.serial(V):
-                        if tile * V + lane < length[0]:
-                            for d in T.serial(V):
-                                out[row_of(gather, b, tile * V + lane, R_OUT), h * D + chunk * V + d] = (
-                                    context[d, lane] / total[lane])
-            if not packed:
-                for i, d in T.grid(S - length[0], D):
-                    out[b * S + length[0] + i, h * D + d] = zero
+        # the sequences' lengths are data: whether the pool's launch pays is judged by the bound
+        if B * H * S * S * D >= MIN_WORK:
+            for bh in T.parallel(B * H):
+                task(q_src, k_src, v_src, bias, gather, out, bh)
+        else:
+            for bh in T.serial(B * H):
+                task(q_src, k_src, v_src, bias, gather, out, bh)
 
     func = attention if packed else _without_param(attention, "gather")  # the padded row map needs none
     return prescheduled(fast_math(func))

@@ -105,9 +105,22 @@ class LibraryRunner:
         return vm
 
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:
-        args = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
+        on_host = self.device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
+        args = [_host_tensor(x) if on_host else tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device)
+                for x in inputs]
         result = self._vm()["main"](*args, *self.weights)
         return result[0].numpy().astype(np.float32, copy=False)
+
+
+def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
+    """An int64 host tensor sharing a 64-byte aligned copy of `array` (what DLPack requires): a few
+    microseconds where `tvm.runtime.tensor` allocates and copies in 15-20 (six inputs per call)."""
+    array = np.asarray(array, dtype=np.int64)
+    buffer = np.empty(array.nbytes + 64, dtype=np.uint8)
+    start = -buffer.ctypes.data % 64
+    aligned = buffer[start:start + array.nbytes].view(np.int64).reshape(array.shape)
+    aligned[...] = array
+    return tvm.runtime.from_dlpack(aligned)
 
 
 def model_inputs(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray | None):

@@ -15,9 +15,11 @@ from artifact.cores import usable_cores
 
 
 def interleaved_medians(
-    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1
+    candidates: dict[str, Callable[[], object]], repeats: int, warmup: int = 1, warm_calls: int = 0
 ) -> dict[str, dict[str, float]]:
-    """Median, min and max seconds per candidate over `repeats` interleaved rounds."""
+    """Median, min and max seconds per candidate over `repeats` interleaved rounds. With `warm_calls`,
+    each timed call follows that many untimed calls of the same candidate, so it finds its weights
+    in the caches as a server does between requests (and not the previous candidate's)."""
     names = list(candidates)
     for _ in range(warmup):
         for name in names:
@@ -26,6 +28,8 @@ def interleaved_medians(
     for round_index in range(repeats):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
+            for _ in range(warm_calls):
+                candidates[name]()
             started = time.perf_counter()
             candidates[name]()
             samples[name].append(time.perf_counter() - started)

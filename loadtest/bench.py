@@ -41,6 +41,9 @@ def parse_args(argv):
                         help="non-bucket shapes: generic library vs the bucket that would serve them padded")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warm-calls", type=int, default=1,
+                        help="untimed calls of a candidate before each timed one, so that it runs with its own "
+                             "weights in the caches, as a server between requests (0: right after another runtime)")
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
     parser.add_argument("--onnx-int8", action="store_true",
                         help="also ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain export and on "
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"bench [{index}/{len(shapes)}] {shape.name} ({kind}, served by {served_by}), "
                 f"agree within {max(diffs.values()):.1e}, {args.repeats} rounds ...")
             with torch.no_grad():
-                stats = interleaved_medians(candidates, args.repeats)
+                stats = interleaved_medians(candidates, args.repeats, warm_calls=args.warm_calls)
             flops = bert_flops(info.config, shape.batch, shape.seq)
             row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
                    "agreement": diffs, "int8_least_cosine": cosines, "stats": stats}
@@ -243,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {"cpu": platform.processor() or platform.machine(), "mcpu": manifest.target.mcpu,
                     "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
-                    "threads": args.threads, "peak_gemm_gflops": peak},
+                    "threads": args.threads, "peak_gemm_gflops": peak}, "warm_calls": args.warm_calls,
         "dtype": manifest.dtype, "tolerance": tolerance,
         "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
                      "onnxruntime": _version("onnxruntime") if sessions else None},

@@ -3,10 +3,11 @@
 Starts one compiled server per worker topology and the PyTorch server(s), all on 127.0.0.1 at
 once (an idle server costs no CPU), then measures, on this machine:
 
-1. a single short query (1 input, ~8 tokens) over a kept-alive connection: each server's p50,
-   requests interleaved across servers, against the in-process median of the library that
-   serves it (every core, as the wide worker runs it);
-2. one request of 8 inputs x ~112 tokens: p50 per server, interleaved;
+1. a single short query (1 input, ~8 tokens) over a kept-alive connection: each server's p50
+   back to back (one server at a time) and after a pause (requests interleaved across servers,
+   each after `--gap-ms` idle), against the in-process median of the library that serves it
+   (every core, as the wide worker runs it), back to back and after the same pause;
+2. one request of 8 inputs x ~112 tokens: p50 per server, interleaved after pauses;
 3. mixed traffic (the load-test workload) at a closed-loop concurrency: throughput and latency
    per server, one server at a time, in alternating order over `--rounds` rounds (medians).
 
@@ -18,12 +19,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
 import json
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -53,7 +56,7 @@ def parse_args(argv):
     parser.add_argument("--short-requests", type=int, default=200, help="single-query requests per server")
     parser.add_argument("--long-requests", type=int, default=30, help="8 x 112-token requests per server")
     parser.add_argument("--concurrency", type=int, default=16, help="closed-loop level of the mixed traffic")
-    parser.add_argument("--mixed-requests", type=int, default=300, help="requests per mixed-traffic run")
+    parser.add_argument("--mixed-requests", type=int, default=600, help="requests per mixed-traffic run")
     parser.add_argument("--rounds", type=int, default=2, help="mixed-traffic runs per server, alternating order")
     parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
                         help="another artifact of the same model, served with the default tvm topology; repeatable")
@@ -98,33 +101,62 @@ def library_median_ms(artifacts: Path, ids: list[int], gap_s: float, repeats: in
     return path, stats["library"]["median_s"] * 1e3, statistics.median(idle) * 1e3
 
 
-def interleaved_p50(urls: dict[str, str], body: dict | None, count: int, gap_s: float) -> dict[str, dict]:
-    """Send `body` to /embed `count` times to each server in turn over kept-alive connections; p50
-    per server. Without a body, GET /health instead: the HTTP round trip with no work behind it.
+class _Client:
+    """A kept-alive connection from the stdlib's http.client: far lighter than httpx, so that the
+    time measured is the server's and not the client's (both share this machine's cores)."""
 
-    Each request starts `gap_s` after the last answer, so no server's idle threads still spin
-    (TVM's pool, OpenMP under torch) when the next one is timed: each sees an idle machine."""
+    def __init__(self, url: str):
+        parts = urlsplit(url)
+        self.connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+
+    def send(self, body: dict | None) -> tuple[int, dict[str, str]]:
+        if body is None:
+            self.connection.request("GET", "/health")
+        else:
+            self.connection.request("POST", "/embed", json.dumps(body), {"Content-Type": "application/json"})
+        response = self.connection.getresponse()
+        response.read()
+        return response.status, {name.lower(): value for name, value in response.getheaders()}
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def timed_requests(urls: dict[str, str], body: dict | None, count: int, gap_s: float,
+                   interleave: bool) -> dict[str, dict]:
+    """Send `body` to /embed `count` times per server over a kept-alive connection; p50 per server and
+    the server's own timing parts. Without a body, GET /health instead: the HTTP round trip with no
+    work behind it.
+
+    `interleave`: servers take turns, each request `gap_s` after the last answer, so that no server's
+    idle threads still spin (TVM's pool, OpenMP under torch) when another is timed: each request
+    finds its server idle. Otherwise one server at a time, requests `gap_s` apart (0: back to back,
+    as a busy client sees it)."""
     samples: dict[str, list[float]] = {name: [] for name in urls}
     parts: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
     paths: dict[str, set] = {name: set() for name in urls}
-    with contextlib.ExitStack() as stack:
-        clients = {name: stack.enter_context(httpx.Client(base_url=url, timeout=120)) for name, url in urls.items()}
-        send = ((lambda client: client.post("/embed", json=body)) if body is not None
-                else (lambda client: client.get("/health")))
+    clients = {name: _Client(url) for name, url in urls.items()}
+    try:
         for client in clients.values():  # connection set up and first-call costs out of the samples
             for _ in range(3):
-                send(client).raise_for_status()
+                client.send(body)
         names = list(urls)
-        for i in range(count):
-            for name in names[i % len(names):] + names[: i % len(names)]:
+        order = ([names[i % len(names):] + names[: i % len(names)] for i in range(count)] if interleave
+                 else [[name] * count for name in names])
+        for turn in order:
+            for name in turn:
                 time.sleep(gap_s)
                 started = time.perf_counter()
-                response = send(clients[name])
+                status, headers = clients[name].send(body)
                 samples[name].append((time.perf_counter() - started) * 1e3)
-                response.raise_for_status()
-                paths[name].add(response.headers.get("x-compute-path"))
-                parts[name].append(server_timing(response.headers.get("server-timing", "")))
-    return {name: {"p50_ms": statistics.median(values), "paths": sorted(paths[name]),
+                if status != 200:
+                    raise RuntimeError(f"{name} answered {status}")
+                paths[name].add(headers.get("x-compute-path"))
+                parts[name].append(server_timing(headers.get("server-timing", "")))
+    finally:
+        for client in clients.values():
+            client.close()
+    return {name: {"p50_ms": statistics.median(values), "paths": sorted(p for p in paths[name] if p),
                    "server_p50_ms": {part: statistics.median(p[part] for p in parts[name]) for part in parts[name][0]}
                    if parts[name][0] else {}}
             for name, values in samples.items()}
@@ -167,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     served_by, library_ms, idle_library_ms = library_median_ms(args.artifacts, tokenizer.encode(short).ids,
                                                                args.gap_ms / 1e3)
     report = {"command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]), "machine": machine(),
+              "gap_ms": args.gap_ms,
               "artifacts": str(args.artifacts), "library": {"served_by": served_by, "median_ms": library_ms, "idle_median_ms": idle_library_ms},
               "short_tokens": len(tokenizer.encode(short).ids),
               "long_tokens": [len(tokenizer.encode(text).ids) for text in long_inputs]}
@@ -189,11 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         report["process"] = {name: {"ready_s": servers[name].ready_s, "rss_mb": info["memory"]["rss_bytes"] / 2**20,
                                     "weights_mb": info["memory"]["weights_bytes"] / 2**20}
                              for name, info in infos.items()}
-        log(f"{PROG}: single short query x {args.short_requests} per server ...")
-        report["short"] = interleaved_p50(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3)
-        report["http_floor"] = interleaved_p50(urls, None, args.short_requests, args.gap_ms / 1e3)
+        log(f"{PROG}: single short query x {args.short_requests} per server, back to back and after pauses ...")
+        report["short"] = timed_requests(urls, {"inputs": short}, args.short_requests, 0.0, interleave=False)
+        report["short_after_pause"] = timed_requests(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3,
+                                                     interleave=True)
+        report["http_floor"] = timed_requests(urls, None, args.short_requests, 0.0, interleave=False)
         log(f"{PROG}: 8 x ~112 tokens x {args.long_requests} per server ...")
-        report["long"] = interleaved_p50(urls, {"inputs": long_inputs, "truncate": True}, args.long_requests, args.gap_ms / 1e3)
+        report["long"] = timed_requests(urls, {"inputs": long_inputs, "truncate": True}, args.long_requests,
+                                        args.gap_ms / 1e3, interleave=True)
         runs: dict[str, list[dict]] = {name: [] for name in urls}
         for round_index in range(args.rounds):
             order = list(urls) if round_index % 2 == 0 else list(urls)[::-1]
@@ -221,18 +257,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(report: dict) -> str:
-    machine_line = report["machine"]
+    machine_line, library = report["machine"], report["library"]
     lines = [f"CPU: {machine_line['cpu']} (LLVM mcpu {machine_line['llvm_mcpu']}, {machine_line['cores']} cores, "
-             f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}); library {report['library']['served_by']} "
-             f"in process: {report['library']['median_ms']:.2f} ms for a {report['short_tokens']}-token query back to "
-             f"back, {report['library']['idle_median_ms']:.2f} ms when each call follows an idle gap.", "",
-             "| server | topology (workers x threads, wide) | 1 short query p50 ms | 8 x ~112 tokens p50 ms "
-             "| mixed traffic req/s | mixed p50 ms | mixed p99 ms | mixed padding share |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}, VNNI {'yes' if machine_line['vnni'] else 'no'}); "
+             f"library {library['served_by']} of {report['artifacts']} in process: {library['median_ms']:.2f} ms for a "
+             f"{report['short_tokens']}-token query back to back, {library['idle_median_ms']:.2f} ms when each call "
+             f"follows a {report['gap_ms']:g} ms pause.", "",
+             "| server | topology (workers x threads, wide) | 1 short query p50 ms, back to back | after a pause "
+             "| 8 x ~112 tokens p50 ms | mixed traffic req/s | mixed p50 ms | mixed p99 ms | mixed padding share |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, mixed in report["mixed"].items():
         topology = report["topology"][name]
         lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
                      f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
+                     f"{report['short_after_pause'][name]['p50_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
                      f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
     lines += ["", "| server | start to /ready s | RSS after warm-up MB | peak RSS MB | weight files MB |",
@@ -240,9 +278,9 @@ def markdown(report: dict) -> str:
     for name, process in report["process"].items():
         lines.append(f"| {name} | {process['ready_s']:.1f} | {process['rss_mb']:.0f} | {process['peak_rss_mb']:.0f} | "
                      f"{process['weights_mb']:.0f} |")
-    lines += ["", "Where the single query's time goes (medians, ms; the server's parts from its `Server-Timing` header):",
-              "", "| server | client p50 | server total | tokenize | queue | inference | outside the server (HTTP, client) "
-              "| GET /health p50 |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Where the single query's time goes, back to back (medians, ms; the server's parts from its "
+              "`Server-Timing` header):", "", "| server | client p50 | server total | tokenize | queue | inference "
+              "| outside the server (HTTP, client) | GET /health p50 |", "|---|---|---|---|---|---|---|---|"]
     for name, short in report["short"].items():
         server = short.get("server_p50_ms") or {}
         if not server:

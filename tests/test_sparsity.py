@@ -70,19 +70,29 @@ def test_to_bsr_round_trips():
 # ----------------------------------------------------------------------------- the kernel
 
 
-@pytest.mark.parametrize("block", [(16, 1), (4, 2)])
-def test_bsr_kernel_matches_dense(block):
-    """One build, symbolic M: odd M, M=1, and a weight with empty block rows."""
+@pytest.mark.parametrize("mcpu", ["x86-64-v3", "x86-64-v4"])  # 8 and 16 lanes: different row tiles
+@pytest.mark.parametrize("block", [(16, 1), (32, 1), (4, 2)])
+def test_bsr_kernel_matches_dense(block, mcpu):
+    """One build, symbolic M: M=1, M at and around the kernel's row tile, odd M, and a weight with
+    empty block rows; compiled for AVX2 and AVX-512, run where this CPU can."""
+    from artifact.cpu_features import missing_on_host, target_features
+    from compile.kernels.common import vector_lanes
+    from compile.kernels.sparse import tile_rows
+
+    target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
     rng = np.random.default_rng(2)
-    n, k = 48, 38
+    n, k = 96, 38
     weight = rng.standard_normal((n, k)).astype(np.float32)
     weight[:block[0]] = 0  # an all-zero block row: an empty row in BSR
     weight = prune_blocks(weight, 0.2, block)
     data, indices, indptr = to_bsr(weight, block)
     assert indptr[1] == 0
-    kernel = bsr_matmul_func(k, len(indices), block, n // block[0], "float32", CPU)
-    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), CPU)
-    for m in (1, 37):
+    kernel = bsr_matmul_func(k, len(indices), block, n // block[0], "float32", target)
+    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target)
+    if missing_on_host(target_features(target)):
+        pytest.skip(f"compiled for {mcpu}; this CPU lacks its features, so it is not run")
+    rows = tile_rows(vector_lanes(target), block[0])
+    for m in (1, rows, rows + 1, 37):
         x = rng.standard_normal((m, k)).astype(np.float32)
         out = np.zeros((m, n // block[0], block[0]), np.float32)
         args = [tvm.runtime.tensor(a) for a in (x, data, indices, indptr, out)]
@@ -119,7 +129,8 @@ def test_sparsify_rewrites_only_eligible_matmuls():
     params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     params[:3] = [prune_blocks(w, 0.2, (16, 1)) for w in params[:3]]  # w4 stays dense: kept_dense
     mod, new_params, report = sparsify(_three_linears(), params, (16, 1), max_density=0.5)
-    assert report == {"rewritten": 2, "kept_dense": 1, "density": pytest.approx(0.2, abs=0.01), "block": [16, 1]}
+    assert report == {"rewritten": 2, "kept_dense": 1, "density": pytest.approx(0.2, abs=0.01), "block": [16, 1],
+                      "choice": "block density <= 0.5", "choices": []}
     main = mod["main"]
     assert int(main.attrs["num_input"]) == 2
     assert [p.name for p in main.params] == [
@@ -177,7 +188,7 @@ def sparse_artifact(tiny_bert_dir, tmp_path_factory):
     from conftest import compile_artifact
 
     out = tmp_path_factory.mktemp("sparse") / "artifact"
-    compile_artifact(tiny_bert_dir, out, ["2x16"], sparsity=0.75, block="16x1")
+    compile_artifact(tiny_bert_dir, out, ["2x16"], sparsity=0.75, block="16x1", sparse_choice="density")
     return out
 
 
@@ -252,6 +263,30 @@ def test_from_checkpoint_uses_the_checkpoints_own_zero_blocks_without_changing_i
     manifest, _ = compile_artifact(checkpoint, tmp_path / "artifact", ["2x16"], sparsity="from-checkpoint", block="16x1")
     sparsity = manifest.sparsity
     assert sparsity.mode == "from-checkpoint" and sparsity.pruned == 0 and sparsity.cosine_vs_dense is None
-    assert sparsity.rewritten == 2 * 2 and sparsity.density < 0.2  # the two FFN linears of both layers
+    # the two FFN linears of both layers were timed, dense against BSR, on this CPU; the faster runs
+    assert sparsity.choice.startswith("timed here") and len(sparsity.choices) == 2 * 2
+    assert all(c.density < 0.2 and c.dense_ms > 0 and c.sparse_ms > 0 for c in sparsity.choices)
+    assert sparsity.rewritten == sum(c.bsr for c in sparsity.choices)
     assert manifest.validated and manifest.buckets[0].max_abs_diff <= 1e-4
     assert verify(tmp_path / "artifact")["generic"]  # the unchanged checkpoint is the oracle
+
+
+def test_sparse_bench_times_a_table_and_a_sparse_checkpoint(tiny_bert_dir, tmp_path, capsys):
+    """The benchmark end to end on the tiny BERT: one cell of the pruning table, and a checkpoint
+    that is sparse for real, compiled dense and from-checkpoint, both validated against PyTorch."""
+    import json
+
+    from loadtest import sparse_bench
+
+    common = ["--model", str(tiny_bert_dir), "--shape", "2x16", "--blocks", "16x1", "--repeats", "1"]
+    assert sparse_bench.main([*common, "--sparsities", "0.75", "--out", str(tmp_path / "table")]) == 0
+    table = json.loads((tmp_path / "table" / "sparse_bench.json").read_text())
+    assert [row["config"] for row in table["rows"]] == ["dense", "0.75@16x1"]
+    assert table["rows"][1]["sparsity"]["rewritten"] == 2 * 3 and table["rows"][1]["median_ms"] > 0
+    assert sparse_bench.main([*common, "--from-checkpoint", "0.25", "--out", str(tmp_path / "checkpoint")]) == 0
+    report = json.loads((tmp_path / "checkpoint" / "from_checkpoint.json").read_text())
+    dense, sparse = report["builds"]["dense"], report["builds"]["from-checkpoint"]
+    assert dense["max_abs_diff"] <= 1e-4 and sparse["max_abs_diff"] <= 1e-4  # both are the checkpoint's function
+    assert sparse["sparsity"]["mode"] == "from-checkpoint" and len(sparse["sparsity"]["choices"]) == 2 * 3
+    assert sparse["sparsity"]["rewritten"] == sum(c["bsr"] for c in sparse["sparsity"]["choices"])
+    assert "| from-checkpoint |" in capsys.readouterr().out

@@ -6,6 +6,7 @@ family that recognises it.
 - `int8`: linears over int8 weights (`--quantize int8`);
 - `attention`: each layer's attention core in one kernel (written scheduled, see passes/fuse_attention.py);
 - `rows`: row kernels (softmax, layer norm, the int8 row quantisation);
+- `sparse`: block-sparse (BSR) linears, M-tiled;
 - `fallback`: whatever else, parallel and vectorised;
 - `fast_math`: vectorisable exp and erf; `common`: the host's lanes and schedule helpers.
 """

@@ -3,8 +3,8 @@
 Relax 0.27 has no sparse-dense op (Relay's `bsr_dense` is gone), so this module brings back what
 TVM PR #5377 did for BERT: prune each chosen weight to a block density, store it as BSR
 (data, indices, indptr) and compute `y = x @ W^T` with a TIR kernel that reads only the kept
-blocks. The kernel reads W in its torch [N, K] layout, so the `permute_dims` of the dense path
-disappears instead of being done at run time.
+blocks (compile/kernels/sparse.py). The kernel reads W in its torch [N, K] layout, so the
+`permute_dims` of the dense path disappears instead of being done at run time.
 
 Order in the compile stage: `prune_model` on the torch model before export (PyTorch and TVM then
 see the same weights), import, `apply_strategy`, `sparsify` (weights must still be parameters of
@@ -16,10 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 import tvm
-from tvm import relax, s_tir, te, tirx
+from tvm import relax, te, tirx
 from tvm.target import Target
 
-from ..kernels.common import prescheduled
+from ..kernels import sparse
+from ..kernels.common import vector_lanes
 from .linears import bindings, transposed_linears
 
 LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
@@ -29,7 +30,7 @@ LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
             "attention.q_lin", "attention.k_lin", "attention.v_lin"),
 }
 DEFAULT_LAYERS = ("ffn", "attention_output")
-GPU_THREADS = 128
+TIMED_ROWS = 128  # activation rows the dense and BSR kernels of a weight are timed on
 
 
 
@@ -102,66 +103,13 @@ def to_bsr(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.n
 # ----------------------------------------------------------------------------- the kernel
 
 
-def bsr_matmul_te(x: te.Tensor, data: te.Tensor, indices: te.Tensor, indptr: te.Tensor) -> te.Tensor:
-    """y[M, N/R, R] = x[M, K] @ W^T with W [N, K] in BSR; reshape to [M, N] (free) for the dense layout.
-
-    The output keeps the block-row axis separate so the schedules can parallelise over block rows
-    and vectorise over the R rows of a block; the reduction over a block row's blocks has a
-    data-dependent extent (indptr[i + 1] - indptr[i]).
-    """
-    _, rows, cols = data.shape
-    block_rows = indptr.shape[0] - 1
-
-    def compute(m, i, r):
-        start = indptr[i]
-        nnz = te.reduce_axis((0, indptr[i + 1] - start), name="nnz")
-        c = te.reduce_axis((0, cols), name="c")
-        j = start + nnz
-        return te.sum(data[j, r, c] * x[m, indices[j] * cols + c], axis=[nnz, c])
-
-    return te.compute((x.shape[0], block_rows, rows), compute, name="bsr_matmul")
-
-
-def schedule_cpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """Parallel over block rows, the R rows of a block as one vector.
-
-    TE puts the data-dependent loop over a block row's stored blocks in a nested block, innermost;
-    vectorising `r` around it gives an R-wide accumulator that stays in a register while the loop
-    streams the row's blocks (one vector load of data, one broadcast of x per block).
-    """
-    sch = s_tir.Schedule(func)
-    m, i, r, c = sch.get_loops(sch.get_sblock("bsr_matmul_l1"))
-    sch.reorder(i, m, c, r)
-    sch.parallel(i)
-    sch.vectorize(r)
-    return sch.mod["main"]
-
-
-def schedule_gpu(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """One thread per output element; consecutive threads cover a block's R rows (coalesced data reads)."""
-    sch = s_tir.Schedule(func)
-    m, i, r, _ = sch.get_loops(sch.get_sblock("bsr_matmul_l1"))
-    bx, tx = sch.split(sch.fuse(m, i, r), [None, GPU_THREADS])
-    sch.bind(bx, "blockIdx.x")
-    sch.bind(tx, "threadIdx.x")
-    return sch.mod["main"]
-
-
 def bsr_matmul_func(k: int, nnz: int, block: tuple[int, int], block_rows: int, dtype: str,
                     target: Target) -> tirx.PrimFunc:
-    """The kernel for one weight shape as a PrimFunc generic in M, scheduled for `target`.
-
-    Marked scheduled (dlight and our CPU schedule pass leave it alone) and opaque (FuseOps must
-    not fuse other ops into an already scheduled loop nest).
-    """
-    x = te.placeholder((tirx.Var("m", "int64"), k), dtype, name="x")
-    data = te.placeholder((nnz, *block), dtype, name="data")
-    indices = te.placeholder((nnz,), "int32", name="indices")
-    indptr = te.placeholder((block_rows + 1,), "int32", name="indptr")
-    func = te.create_prim_func([x, data, indices, indptr, bsr_matmul_te(x, data, indices, indptr)])
-    func = schedule_gpu(func) if target.kind.name == "cuda" else schedule_cpu(func)
-    func = func.without_attr("global_symbol")  # private: the module's only public function is `main`
-    return prescheduled(func)
+    """The kernel for one weight shape (compile/kernels/sparse.py), generic in M, for `target`."""
+    m = tirx.Var("m", "int64")
+    if target.kind.name == "cuda":
+        return sparse.bsr_matmul_gpu(m, k, nnz, block, block_rows, dtype)
+    return sparse.bsr_matmul_cpu(m, k, nnz, block, block_rows, dtype, vector_lanes(target))
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite
@@ -230,15 +178,42 @@ class _SparsifyLinears(relax.PyExprMutator):
         self.set_var_remap(binding.var, (self.builder_.emit_output if is_output else self.builder_.emit)(output))
 
 
+def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, rows: int = TIMED_ROWS) -> dict:
+    """This weight's BSR kernel and the dense kernel, built for `target` and timed on `rows`
+    activation rows here (median ms of interleaved runs)."""
+    from ..kernels import dense
+    from ..timing import interleaved_medians
+
+    n, k = weight.shape
+    lanes = vector_lanes(target)
+    nt = dense.packed_panel_width(n, lanes) or n  # an unpackable width: one panel, as the dense path runs it
+    x = te.placeholder((rows, k), "float32", name="x")
+    panels = te.placeholder((n // nt, k, nt), "float32", name="panels")
+    dense_func = dense.schedule_matmul(te.create_prim_func([x, panels, dense.packed_matmul_te(x, panels)]), lanes)
+    data, indices, indptr = to_bsr(weight, block)
+    sparse_func = sparse.bsr_matmul_cpu(rows, k, len(indices), block, n // block[0], "float32", lanes)
+    built = {name: tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+             for name, func in (("dense", dense_func.mod["main"]), ("sparse", sparse_func))}
+    activations = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
+    packed = np.ascontiguousarray(weight.reshape(n // nt, nt, k).transpose(0, 2, 1))
+    arguments = {"dense": [activations, packed, np.zeros((rows, n), np.float32)],
+                 "sparse": [activations, data, indices, indptr, np.zeros((rows, n // block[0], block[0]), np.float32)]}
+    arguments = {name: [tvm.runtime.tensor(a) for a in args] for name, args in arguments.items()}
+    stats = interleaved_medians({name: (lambda name=name: built[name]["main"](*arguments[name])) for name in built},
+                                repeats=7, warmup=2, warm_calls=1)
+    return {f"{name}_ms": round(stats[name]["median_s"] * 1e3, 4) for name in built}
+
+
 def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_density: float = 0.5,
-             target: Target | None = None) -> tuple[tvm.IRModule, list[tvm.runtime.Tensor], dict]:
+             target: Target | None = None, timed: bool = False) -> tuple[tvm.IRModule, list[tvm.runtime.Tensor], dict]:
     """Rewrite `main`'s eligible linears to BSR kernels; weights must still be parameters of `main`.
 
-    A weight is rewritten when it feeds only `matmul(x [M, K], permute_dims(W))` and its measured
-    block density is <= `max_density` (denser ones are faster dense). Its parameter is replaced,
-    in place, by three (data, indices, indptr), in the signature and in the returned params
-    (as CPU tvm Tensors, the form `lift.lift_and_transform` takes). The kernels are scheduled for
-    `target` (host CPU by default), so build the result for that target.
+    A weight is a candidate when it feeds only `matmul(x [M, K], permute_dims(W))` and its block
+    density is <= `max_density`; with `timed` (the target runs here), a candidate is rewritten only
+    where its BSR kernel beat the dense one on this CPU (`timed_choice`), else every candidate is.
+    Its parameter is replaced, in place, by three (data, indices, indptr), in the signature and in
+    the returned params (as CPU tvm Tensors, the form `lift.lift_and_transform` takes). The kernels
+    are scheduled for `target` (host CPU by default), so build the result for that target.
     """
     target = target or _host_target()
     func = mod["main"]
@@ -247,6 +222,15 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
     linears = _eligible_linears(func, weights, block)
     densities = {w: block_density(weights[w], block) for _, w in linears.values()}
     linears = {var: (p, w) for var, (p, w) in linears.items() if densities[w] <= max_density}
+    choices = []
+    if timed:
+        for var, (_, weight) in list(linears.items()):
+            choice = {"weight": weight.name, "density": round(densities[weight], 4),
+                      **timed_choice(weights[weight], block, target)}
+            choice["bsr"] = choice["sparse_ms"] < choice["dense_ms"]
+            choices.append(choice)
+            if not choice["bsr"]:
+                del linears[var]
     bsr_values, bsr_params = {}, {}
     for _, weight in linears.values():
         bsr_values[weight] = to_bsr(weights[weight], block)
@@ -268,5 +252,7 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
         "kept_dense": len(densities) - len(rewritten),
         "density": float(np.mean(rewritten)) if rewritten else None,
         "block": list(block),
+        "choice": f"timed here at {TIMED_ROWS} rows" if timed else f"block density <= {max_density:g}",
+        "choices": choices,
     }
     return mutator.builder_.get(), [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in new_values], report

@@ -127,6 +127,16 @@ class QuantizationEntry(_Strict):
     max_probability_diff: float | None = None
 
 
+class LinearChoice(_Strict):
+    """One weight's dense and BSR kernels, timed on the compiling CPU."""
+
+    weight: str
+    density: float
+    dense_ms: float
+    sparse_ms: float
+    bsr: bool
+
+
 class SparsityEntry(_Strict):
     # pruned: magnitude block pruning changed the model (see cosine_vs_dense); from-checkpoint: the
     # checkpoint's own zero blocks, the model unchanged
@@ -138,6 +148,10 @@ class SparsityEntry(_Strict):
     rewritten: int  # matmuls rewritten to the BSR kernel (per strategy variant)
     kept_dense: int
     cosine_vs_dense: float | None  # mean cosine of pruned vs dense outputs on fixed sentences (None: not pruned)
+    choice: str | None = None  # how a sparse-enough weight was sent to the BSR kernel: timed here, or by density
+    choices: list[LinearChoice] = []  # per weight, when timed
+
+
 
 
 class Manifest(_Strict):

@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--block", help="sparse block shape ROWSxCOLS (default 16x1)")
     parser.add_argument("--sparse-layers", dest="sparse_layers",
                         help="comma-separated: ffn, attention_output, qkv (default ffn,attention_output)")
+    parser.add_argument("--sparse-choice", dest="sparse_choice", choices=["timed", "density"],
+                        help="timed (default): the BSR kernel only for weights where it beat the dense kernel on this "
+                             "CPU; density: for every weight no denser than sparse_max_density")
     parser.add_argument("--quantize", choices=["none", "int8"],
                         help="int8: linear layers on int8 weights (per channel) and activations (per token), CPU with AVX2")
     parser.add_argument("--min-cosine", dest="min_cosine", type=float,

@@ -67,6 +67,9 @@ class CompileConfig(BaseModel):
     sparse_max_density: float = Field(
         0.5, gt=0, le=1, description="weights denser than this stay dense (the dense kernel is faster)"
     )
+    sparse_choice: Literal["timed", "density"] = Field(
+        "timed", description="timed: a weight sparse enough runs through the BSR kernel only where it beat the dense "
+        "kernel on this CPU (else, and when the target cannot run here, every one does)")
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
     strategy_margin: float = Field(
         0.03, ge=0, description="auto: a library leaves the shared strategy (and adds a weight set, one more copy "

@@ -332,9 +332,12 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 combined, params = apply_strategy(imported.mod, strategy), imported.params
                 if sparsity is not None:
                     combined, params, report = sparsify(combined, params, config.block_shape(),
-                                                        config.sparse_max_density, target)
+                                                        config.sparse_max_density, target,
+                                                        timed=config.sparse_choice == "timed" and can_run
+                                                        and config.target == "cpu")
                     sparsity.update(density=report["density"], rewritten=report["rewritten"],
-                                    kept_dense=report["kept_dense"])
+                                    kept_dense=report["kept_dense"], choice=report["choice"],
+                                    choices=report["choices"])
                 combined = to_precision(combined, config.dtype)
                 packed, pipeline = combined, list(PASSES[strategy])
                 if config.quantize == "int8":  # int8 panels; what is left (if any) stays fp32

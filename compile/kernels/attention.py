@@ -153,7 +153,7 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
                 out[b * S + length[0] + i, h * D + d] = zero
 
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
                   v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, i64(1), i64(1), S), "float32"),
                   gather: T.Buffer((B, S), "int64"), out: T.Buffer((R_OUT, H * D), "float32")):

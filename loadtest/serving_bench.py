@@ -110,6 +110,13 @@ class _Client:
         self.connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
 
     def send(self, body: dict | None) -> tuple[int, dict[str, str]]:
+        try:
+            return self._send(body)
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            self.connection.close()  # the server closed the kept-alive connection (uvicorn: after 5 s idle)
+            return self._send(body)
+
+    def _send(self, body: dict | None) -> tuple[int, dict[str, str]]:
         if body is None:
             self.connection.request("GET", "/health")
         else:
@@ -137,13 +144,17 @@ def timed_requests(urls: dict[str, str], body: dict | None, count: int, gap_s: f
     paths: dict[str, set] = {name: set() for name in urls}
     clients = {name: _Client(url) for name, url in urls.items()}
     try:
-        for client in clients.values():  # connection set up and first-call costs out of the samples
-            for _ in range(3):
-                client.send(body)
         names = list(urls)
         order = ([names[i % len(names):] + names[: i % len(names)] for i in range(count)] if interleave
                  else [[name] * count for name in names])
+        for turn in ([names] if interleave else []):  # connection set up and first-call costs out of the samples
+            for name in turn:
+                for _ in range(3):
+                    clients[name].send(body)
         for turn in order:
+            if not interleave:  # each server's turn starts warm, on a fresh connection
+                for _ in range(3):
+                    clients[turn[0]].send(body)
             for name in turn:
                 time.sleep(gap_s)
                 started = time.perf_counter()

@@ -81,6 +81,7 @@ class FusableMaskWrapper(BertWrapper):
         torch.nn.Module.__init__(self)
         self.task, self.pooling, self.family = wrapper.task, wrapper.pooling, wrapper.family
         self.bert, self.classifier = wrapper.bert, wrapper.classifier
+        self.eval()
 
     @staticmethod
     def additive_mask(mask: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ of several inputs, queue and inference times are averaged over its inputs.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -75,8 +76,8 @@ class ModelService:
             tokens=sum(len(item) for item in encoded),
             characters=characters,
             tokenization_seconds=tokenized - started,
-            queue_seconds=float(np.mean([result.queue_seconds for result in results])),
-            inference_seconds=float(np.mean([result.inference_seconds for result in results])),
+            queue_seconds=statistics.fmean(result.queue_seconds for result in results),
+            inference_seconds=statistics.fmean(result.inference_seconds for result in results),
         )
 
     async def embed(self, texts: list[str], normalize: bool, truncate: bool, dimensions: int | None = None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import time
+import typing
 
 import numpy as np
 import orjson
@@ -32,6 +33,30 @@ from .schemas import (
 )
 
 router = APIRouter()
+
+
+def post(*paths: str):
+    """Register `handler(body, request)` for POST at `paths`, its body parsed and validated in one pass
+    by pydantic's JSON parser against the handler's `body` annotation (FastAPI's own path, json.loads
+    then validation of the Python objects, cost 0.1 ms more per request); invalid JSON or fields are
+    a 422, as FastAPI's. Returns the handler, which `/` calls with a body it parsed itself."""
+
+    def register(handler):
+        schema = typing.get_type_hints(handler)["body"]
+
+        async def endpoint(request: Request):
+            try:
+                body = schema.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise RequestValidationError(exc.errors()) from None
+            return await handler(body, request)
+
+        endpoint.__name__ = handler.__name__
+        for path in paths:
+            router.add_api_route(path, endpoint, methods=["POST"])
+        return handler
+
+    return register
 
 
 def _runtime(request: Request) -> Runtime:
@@ -104,7 +129,7 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.post("/embed")
+@post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     started = time.perf_counter()
     service = _runtime(request).model("embed", body.model)
@@ -115,8 +140,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     return _json(vectors, _headers(service, computed, started))
 
 
-@router.post("/predict")
-@router.post("/classify")
+@post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
     started = time.perf_counter()
@@ -140,7 +164,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     return JSONResponse(content, headers=_headers(service, computed, started))
 
 
-@router.post("/rerank")
+@post("/rerank")
 async def rerank(body: RerankRequest, request: Request) -> Response:
     """TEI's /rerank: a cross-encoder scores each (query, text) pair; best first."""
     started = time.perf_counter()
@@ -152,7 +176,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     return JSONResponse(ranks, headers=_headers(service, computed, started))
 
 
-@router.post("/tokenize")
+@post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
     """TEI's /tokenize: the tokens each input would be run as (one list per input); any model."""
     service = _runtime(request).model(None, body.model)
@@ -161,7 +185,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> list[list[dict]]:
     return service.tokenizer.tokens(texts, body.add_special_tokens)
 
 
-@router.post("/decode")
+@post("/decode")
 async def decode(body: DecodeRequest, request: Request) -> list[str]:
     """TEI's /decode: token ids (one list, or one per input) back to text; any model."""
     service = _runtime(request).model(None, body.model)
@@ -170,7 +194,7 @@ async def decode(body: DecodeRequest, request: Request) -> list[str]:
     return service.tokenizer.decode(ids, body.skip_special_tokens)
 
 
-@router.post("/similarity")
+@post("/similarity")
 async def similarity(body: SimilarityRequest, request: Request) -> Response:
     """TEI's /similarity: the cosine similarity of each sentence's embedding to the source's."""
     started = time.perf_counter()
@@ -211,7 +235,7 @@ async def list_models(request: Request) -> dict:
     return _runtime(request).list_models()
 
 
-@router.post("/v1/embeddings")
+@post("/v1/embeddings")
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()

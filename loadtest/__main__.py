@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import platform
 import sys
 from collections import Counter
@@ -18,6 +17,7 @@ from pathlib import Path
 from artifact.errors import ArtifactError
 
 from .driver import closed_loop, open_loop
+from .machine import describe as describe_machine
 from .report import saturation_verdict, summarize, write_outputs
 from .servers import LOGS, TOKEN_COUNTERS, compute_path_counts, padding_share, running_server
 from .workload import artifact_tokenizer, make_requests
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "platform": platform.platform()},
+        "machine": {**describe_machine(), "platform": platform.platform()},
         "versions": {name: version(name) for name in ("apache-tvm", "torch", "transformers", "fastapi", "uvicorn")},
         "artifacts": str(args.artifacts),
         "rows": rows,
@@ -106,16 +106,6 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(report, args.out)
     print((args.out / "report.md").read_text())
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

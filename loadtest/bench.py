@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -56,16 +55,16 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
-def bert_flops(config: dict, batch: int, seq: int) -> float:
-    """Multiply-adds x 2 of the encoder's matmuls (linear layers + attention), per call."""
+def bert_flops(config: dict, lengths: list[int]) -> float:
+    """Multiply-adds x 2 of the encoder's matmuls (linear layers + attention) over each sequence's
+    real tokens: the work every candidate must do, whatever padding it computes besides."""
     def value(*keys):  # BERT, RoBERTa and XLM-R's key, then DistilBERT's
         return next(config[key] for key in keys if key in config)
 
     hidden, inter = value("hidden_size", "dim"), value("intermediate_size", "hidden_dim")
     layers = value("num_hidden_layers", "n_layers")
-    tokens = batch * seq
-    linear = 2 * tokens * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = 2 * 2 * batch * seq * seq * hidden
+    linear = 2 * sum(lengths) * (4 * hidden * hidden + 2 * hidden * inter)
+    attention = 2 * 2 * sum(length * length for length in lengths) * hidden
     return float(layers * (linear + attention))
 
 
@@ -139,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from compile.bucketing import parse_buckets
     from compile.errors import CompileError
 
+    from .machine import describe as describe_machine
     from .strategy_table import read_manifest
 
     try:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"agree within {max(diffs.values()):.1e}, {args.repeats} rounds ...")
             with torch.no_grad():
                 stats = interleaved_medians(candidates, args.repeats, warm_calls=args.warm_calls)
-            flops = bert_flops(info.config, shape.batch, shape.seq)
+            flops = bert_flops(info.config, [int(length) for length in mask.sum(axis=1)])
             row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
                    "agreement": diffs, "int8_least_cosine": cosines, "stats": stats}
             row["peers"] = peers = best_peers(stats)
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": {"cpu": platform.processor() or platform.machine(), "mcpu": manifest.target.mcpu,
+        "machine": {**describe_machine(), "mcpu": manifest.target.mcpu,
                     "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
                     "threads": args.threads, "peak_gemm_gflops": peak}, "warm_calls": args.warm_calls,
         "dtype": manifest.dtype, "tolerance": tolerance,
@@ -273,7 +273,7 @@ def markdown_table(report: dict) -> str:
     """Medians per candidate, then each compiled candidate against the fastest peer of its precision."""
     backends = list(report["results"][0]["stats"])
     header = ("| shape | served by | " + " | ".join(f"{b} ms" for b in backends)
-              + " | bucket / best PyTorch | bucket / best ORT fp32 | generic / bucket | bucket GFLOP/s (% peak) |")
+              + " | bucket / best PyTorch | bucket / best ORT fp32 | generic / bucket | bucket GFLOP/s of real tokens (% peak) |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     peak = report["machine"]["peak_gemm_gflops"]
     for row in report["results"]:

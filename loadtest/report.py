@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from .driver import Outcome
+from .machine import line as machine_line
 
 
 def summarize(outcomes: list[Outcome], elapsed: float) -> dict:
@@ -130,7 +131,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Load test report", "",
         f"Command: `{report['command']}`", "",
-        f"Machine: {report['machine']['cpu']}, {report['machine']['cores']} cores; "
+        f"Machine: {machine_line(report['machine'])}; "
         f"versions: {', '.join(f'{k} {v}' for k, v in report['versions'].items())}", "",
         "| backend | endpoint | mode | level | sent | answered | errors | req/s | tokens/s | p50 ms | p90 ms | p99 ms | max ms | bucket share | padding share | peak RSS MB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",

@@ -22,7 +22,6 @@ import contextlib
 import http.client
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ import httpx
 from artifact.cores import usable_cores
 
 from .driver import closed_loop
+from .machine import describe as describe_machine
+from .machine import line as machine_line
 from .report import summarize
 from .servers import LOGS, compute_path_counts, padding_share, running_server
 from .strategy_table import read_manifest
@@ -178,16 +179,6 @@ def server_timing(header: str) -> dict[str, float]:
     return {name: float(dur) for name, dur in (part.split(";dur=") for part in header.split(", ") if ";dur=" in part)}
 
 
-def machine() -> dict:
-    from compile.build import host_cpu
-
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    return {"cpu": fields.get("Model name", "").strip(), "llvm_mcpu": host_cpu(), "cores": usable_cores(),
-            "avx512": "avx512f" in flags, "vnni": "avx512_vnni" in flags}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -209,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"{PROG}: in-process library median for a {len(tokenizer.encode(short).ids)}-token query ...")
     served_by, library_ms, idle_library_ms = library_median_ms(args.artifacts, tokenizer.encode(short).ids,
                                                                args.gap_ms / 1e3)
-    report = {"command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]), "machine": machine(),
+    report = {"command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]), "machine": describe_machine(),
               "gap_ms": args.gap_ms,
               "artifacts": str(args.artifacts), "library": {"served_by": served_by, "median_ms": library_ms, "idle_median_ms": idle_library_ms},
               "short_tokens": len(tokenizer.encode(short).ids),
@@ -268,10 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def markdown(report: dict) -> str:
-    machine_line, library = report["machine"], report["library"]
-    lines = [f"CPU: {machine_line['cpu']} (LLVM mcpu {machine_line['llvm_mcpu']}, {machine_line['cores']} cores, "
-             f"AVX-512 {'yes' if machine_line['avx512'] else 'no'}, VNNI {'yes' if machine_line['vnni'] else 'no'}); "
-             f"library {library['served_by']} of {report['artifacts']} in process: {library['median_ms']:.2f} ms for a "
+    library = report["library"]
+    lines = [f"CPU: {machine_line(report['machine'])}; library {library['served_by']} of {report['artifacts']} in process: {library['median_ms']:.2f} ms for a "
              f"{report['short_tokens']}-token query back to back, {library['idle_median_ms']:.2f} ms when each call "
              f"follows a {report['gap_ms']:g} ms pause.", "",
              "| server | topology (workers x threads, wide) | 1 short query p50 ms, back to back | after a pause "

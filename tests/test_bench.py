@@ -82,7 +82,10 @@ def test_a_directory_that_is_not_an_artifact_is_one_line_and_exit_2(tool, kind, 
                             f"--out {directory}\n")
 
 
-def test_flops_of_minilm_at_8x128():
+def test_flops_of_minilm_count_real_tokens():
     config = {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 6}
     # 6 layers x (linear: 2*1024*(4*384^2 + 2*384*1536) + attention: 4*8*128^2*384) = 22.95 GFLOP
-    assert abs(bert_flops(config, 8, 128) / 1e9 - 22.95) < 0.01
+    assert abs(bert_flops(config, [128] * 8) / 1e9 - 22.95) < 0.01
+    # a batch of lengths 128 and 32 is the work of its two sequences, not of 2 x 128
+    assert bert_flops(config, [128, 32]) == bert_flops(config, [128]) + bert_flops(config, [32])
+    assert bert_flops(config, [128, 32]) < bert_flops(config, [128, 128])

@@ -1,0 +1,30 @@
+"""The machine a benchmark ran on, recorded next to its figures: the CPU's name (`lscpu`), the LLVM
+CPU that TVM compiles for on it, its vector features, and the cores this process may use."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+
+from artifact.cores import usable_cores
+
+
+def describe() -> dict:
+    from compile.build import host_cpu
+
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        lscpu = ""
+    fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    return {"cpu": fields.get("Model name", "").strip() or platform.processor() or platform.machine(),
+            "llvm_mcpu": host_cpu(), "cores": usable_cores(), "avx512": "avx512f" in flags,
+            "vnni": "avx512_vnni" in flags or "avx_vnni" in flags}
+
+
+def line(machine: dict) -> str:
+    """`AMD EPYC (LLVM mcpu znver4, 2 cores, AVX-512 yes, VNNI yes)`."""
+    yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    return (f"{machine['cpu']} (LLVM mcpu {machine['llvm_mcpu']}, {machine['cores']} cores, "
+            f"AVX-512 {yes(machine['avx512'])}, VNNI {yes(machine['vnni'])})")

@@ -26,7 +26,8 @@ class Answer:
 
 
 class Connection:
-    """One kept-alive connection to `base` (http://host:port); reopened after a failure."""
+    """One kept-alive connection to `base` (http://host:port); reopened after a failure, and when the
+    server has closed it while idle."""
 
     def __init__(self, base: str):
         parts = urlsplit(base)
@@ -45,10 +46,21 @@ class Connection:
             raise
 
     async def _exchange(self, request: bytes) -> Answer:
-        if self._writer is None:
+        reused = self._writer is not None and not self._reader.at_eof()
+        if not reused:
+            await self.close()
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
-        self._writer.write(request)
-        head = (await self._reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        try:
+            self._writer.write(request)
+            raw_head = await self._reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionResetError, BrokenPipeError) as exc:
+            if not reused or getattr(exc, "partial", b""):
+                raise
+            # The server closed the idle kept-alive connection (uvicorn: after 5 s) as the request
+            # went out, and answered none of it: send it once more, on a new connection.
+            await self.close()
+            return await self._exchange(request)
+        head = raw_head.decode("latin-1").split("\r\n")
         status = int(head[0].split(" ", 2)[1])
         headers = {}
         for line in head[1:]:

@@ -121,12 +121,13 @@ def _exit_on_sigterm():
 
 
 @contextlib.contextmanager
-def running_app(app) -> Iterator[str]:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a thread; yields the base URL once it listens."""
+def running_app(app, **options) -> Iterator[str]:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a thread (`options`: more uvicorn settings);
+    yields the base URL once it listens."""
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_config=None,
-                                           access_log=False))
+                                           access_log=False, **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -40,3 +40,42 @@ def test_quick_loadtest_without_an_artifact_says_how_to_make_one(tmp_path):
                              "manifest.json); make it with: .venv/bin/bert-compile --config configs/default.yaml "
                              "--out artifacts/minilm-cpu\n")
     assert not (tmp_path / "docs").exists()  # no server log, no report
+
+
+def test_client_resends_on_a_kept_alive_connection_the_server_closed_while_idle():
+    """uvicorn closes a kept-alive connection idle past its keep-alive timeout; the load generator's
+    next request on it must be answered, not counted as lost (an open loop's idle connections)."""
+    import asyncio
+    import time
+
+    from fastapi import FastAPI
+
+    from loadtest.http_client import Connection
+    from loadtest.servers import running_app
+
+    app = FastAPI()
+    opened = []
+
+    @app.post("/echo")
+    async def echo(body: dict):
+        return body
+
+    @app.middleware("http")
+    async def count_connections(request, call_next):
+        opened.append(request.scope["client"])
+        return await call_next(request)
+
+    async def two_requests_apart(url: str):
+        connection = Connection(url)
+        try:
+            first = await connection.post("/echo", {"n": 1}, timeout=10)
+            time.sleep(0.5)  # the event loop blocked too: the server's close is still unread when we send
+            second = await connection.post("/echo", {"n": 2}, timeout=10)
+        finally:
+            await connection.close()
+        return first, second
+
+    with running_app(app, timeout_keep_alive=0.1) as url:
+        first, second = asyncio.run(two_requests_apart(url))
+    assert (first.status, first.json(), second.status, second.json()) == (200, {"n": 1}, 200, {"n": 2})
+    assert len({client[1] for client in opened}) == 2  # the second went out on a new connection

@@ -6,7 +6,8 @@ With a worker free, the oldest input waits up to `max_wait_ms` for company only 
 can pay: when the recent arrival rate predicts another input within that time (a lone request on
 an idle server runs at once). Each round sorts a window of a few batches' worth of inputs by
 length, plans the cheapest batches, dispatches the one holding the oldest input and puts the
-rest back, so nothing starves.
+rest back, so nothing starves. A batch gets the wide worker (every core) only when nothing else
+is queued and the arrival rate expects nothing while it runs; under load, one core each.
 
 Whatever raises wherever, every admitted input is answered: a result, its batch's error, 503
 when the loop itself fails, or 504 past `request_timeout`. The loop is supervised: if it dies,
@@ -34,7 +35,16 @@ from .backends import Backend
 from .errors import BackendFailure, GatewayTimeout, Overloaded, ServiceError, Unavailable
 from .lanes import Lane, Lanes
 from .metrics import Metrics
-from .planning import BatchLimits, Costs, batch_size_hint, plan_batches, shared_limits, unmeasured_costs
+from .planning import (
+    BatchLimits,
+    Costs,
+    PlannedBatch,
+    batch_size_hint,
+    plan_batches,
+    shared_limits,
+    unmeasured_costs,
+    wide_run_pays,
+)
 from .tokenization import Encoded
 
 log = logging.getLogger(__name__)
@@ -183,9 +193,10 @@ class Batcher:
             planned = self._next_batch()
             if planned is None:
                 continue
-            entries, bucket = planned
-            lane = self.lanes.take(alone=self.queue.live_count() == 0)
-            task = asyncio.create_task(self._execute(entries, bucket, lane))
+            entries, batch = planned
+            lane = self.lanes.take(alone=wide_run_pays(self.queue.live_count(), self.queue.arrival_rate(),
+                                                       batch.cost_ms))
+            task = asyncio.create_task(self._execute(entries, batch.bucket, lane))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             self._progress.set()
@@ -219,7 +230,7 @@ class Batcher:
             except TimeoutError:
                 return
 
-    def _next_batch(self) -> tuple[list[Entry], AnyBucket | None] | None:
+    def _next_batch(self) -> tuple[list[Entry], PlannedBatch] | None:
         """Sort a window of queued inputs by length; take the planned batch holding the oldest one."""
         window = self.queue.take(self.window)
         if not window:
@@ -235,7 +246,7 @@ class Batcher:
         taken = set(chosen.indices)
         self.queue.put_back([entry for i, entry in enumerate(window) if i not in taken])
         self._gauge()
-        return [window[i] for i in chosen.indices], chosen.bucket
+        return [window[i] for i in chosen.indices], chosen
 
     async def _execute(self, entries: list[Entry], bucket: AnyBucket | None, lane: Lane) -> None:
         started = time.perf_counter()

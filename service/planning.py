@@ -113,6 +113,17 @@ def unmeasured_costs(buckets: Sequence[AnyBucket]) -> Costs:
 class PlannedBatch:
     indices: list[int]
     bucket: AnyBucket | None
+    cost_ms: float | None = None  # the library's measured latency for it; None when unmeasured
+
+
+def wide_run_pays(queued: int, arrival_rate: float, cost_ms: float | None) -> bool:
+    """Whether a batch should take every core: nothing else is queued and, at the recent arrival
+    rate, no request is expected while it runs (an arrival during a wide run waits for all of it,
+    so under load batches run side by side on one core each). Unmeasured costs keep lone batches
+    wide."""
+    if queued:
+        return False
+    return cost_ms is None or arrival_rate * cost_ms / 1e3 < 1.0
 
 
 def most_inputs(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
@@ -160,7 +171,7 @@ def plan_batches(lengths: Sequence[int], costs: Costs, limits: BatchLimits) -> l
     end = n
     while end > 0:
         start, choice = cut[end]
-        batches.append(PlannedBatch(order[start:end], choice.bucket))
+        batches.append(PlannedBatch(order[start:end], choice.bucket, choice.cost if costs.measured else None))
         end = start
     return batches[::-1]
 

@@ -13,6 +13,7 @@ from service.planning import (
     plan_batches,
     shared_limits,
     unmeasured_costs,
+    wide_run_pays,
 )
 
 TINY_BUCKETS = parse_buckets("1x8,2x16,4x16")
@@ -154,3 +155,19 @@ def test_queued_inputs_are_shared_between_workers_not_planned_into_one_call():
     assert shared_limits(LIMITS, 5, workers=2).max_batch_requests == 3
     capped = BatchLimits(max_batch_tokens=16384, max_batch_requests=2, generic_max_batch=16)
     assert shared_limits(capped, 32, workers=2).max_batch_requests == 2
+
+
+def test_planned_batches_carry_their_measured_cost_only_when_measured():
+    measured = BatchCosts(list(MEASURED), MEASURED, generic_ms)
+    assert [b.cost_ms for b in plan_batches([112] * 8, measured, LIMITS)] == [MEASURED[parse_buckets("8x128")[0]]]
+    assert [b.cost_ms for b in plan_batches([5], TINY, LIMITS)] == [None]
+
+
+def test_a_batch_runs_wide_only_when_nothing_is_queued_or_expected_while_it_runs():
+    # a lone query on an idle server, or back to back from one client (a 4 ms round trip, 3 ms run)
+    assert wide_run_pays(queued=0, arrival_rate=0.0, cost_ms=3.0)
+    assert wide_run_pays(queued=0, arrival_rate=1 / 0.004, cost_ms=3.0)
+    # under load: 75 requests/s, a 30 ms batch expects two arrivals that would wait for all of it
+    assert not wide_run_pays(queued=0, arrival_rate=75.0, cost_ms=30.0)
+    assert not wide_run_pays(queued=1, arrival_rate=0.0, cost_ms=3.0)
+    assert wide_run_pays(queued=0, arrival_rate=75.0, cost_ms=None)  # unmeasured: lone batches stay wide

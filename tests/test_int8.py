@@ -193,3 +193,40 @@ def test_int8_compile_fails_under_min_cosine_and_leaves_nothing(int8_checkpoint,
         compile_artifact(int8_checkpoint, tmp_path / "out", ["packed-16"], layout="packed", quantize="int8",
                          min_cosine=1.0, generic_shapes=["3x20"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def int8_classifier(tmp_path_factory):
+    """A tiny 3-label BertForSequenceClassification whose linears fit both kernels' panels."""
+    import torch
+    from conftest import TINY_LABELS, _copy_tokenizer, _tiny_config
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(3)
+    directory = tmp_path_factory.mktemp("tiny-int8-classifier")
+    config = _tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_labels=3,
+                          id2label=TINY_LABELS, label2id={v: k for k, v in TINY_LABELS.items()},
+                          architectures=["BertForSequenceClassification"])
+    BertForSequenceClassification(config).save_pretrained(directory)
+    _copy_tokenizer(directory)
+    return directory
+
+
+def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path):
+    """The compile stage records top-1 agreement on the shipped sentences; served labels on sentences
+    it has not seen are PyTorch fp32's."""
+    import httpx
+    import torch
+    from conftest import compile_artifact
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16", "packed-64"],
+                                   task="classify", layout="packed", quantize="int8", generic_shapes=["3x20"])
+    assert manifest.quantization.top1_agreement == 1.0 and manifest.quantization.max_probability_diff < 0.05
+    model = BertForSequenceClassification.from_pretrained(int8_classifier).eval()
+    batch = AutoTokenizer.from_pretrained(int8_classifier)(UNSEEN, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = [model.config.id2label[int(i)] for i in model(**batch).logits.argmax(dim=1)]
+    with serve([tmp_path / "int8-classifier"]) as server:
+        answers = httpx.post(f"{server.url}/predict", json={"inputs": UNSEEN}, timeout=60).json()
+    assert [max(ranks, key=lambda r: r["score"])["label"] for ranks in answers] == expected

@@ -130,6 +130,10 @@ class _Client:
         self.connection.close()
 
 
+BACK_TO_BACK_TURN = 20  # requests one server gets in a row before the next server's turn
+SETTLE_S = 0.3  # before a turn: the previous server's pool threads (TVM, OpenMP) stop spinning well within it
+
+
 def timed_requests(urls: dict[str, str], body: dict | None, count: int, gap_s: float,
                    interleave: bool) -> dict[str, dict]:
     """Send `body` to /embed `count` times per server over a kept-alive connection; p50 per server and
@@ -139,21 +143,26 @@ def timed_requests(urls: dict[str, str], body: dict | None, count: int, gap_s: f
     `interleave`: servers take turns, each request `gap_s` after the last answer, so that no server's
     idle threads still spin (TVM's pool, OpenMP under torch) when another is timed: each request
     finds its server idle. Otherwise one server at a time, requests `gap_s` apart (0: back to back,
-    as a busy client sees it)."""
+    as a busy client sees it), in turns of `BACK_TO_BACK_TURN` requests that go round the servers,
+    so that a slow spell of the machine falls on every server alike; each turn starts `SETTLE_S`
+    after the last one, with the other servers idle."""
     samples: dict[str, list[float]] = {name: [] for name in urls}
     parts: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
     paths: dict[str, set] = {name: set() for name in urls}
     clients = {name: _Client(url) for name, url in urls.items()}
     try:
         names = list(urls)
+        turns = -(-count // BACK_TO_BACK_TURN)
         order = ([names[i % len(names):] + names[: i % len(names)] for i in range(count)] if interleave
-                 else [[name] * count for name in names])
+                 else [[name] * min(BACK_TO_BACK_TURN, count - turn * BACK_TO_BACK_TURN)
+                       for turn in range(turns) for name in names])
         for turn in ([names] if interleave else []):  # connection set up and first-call costs out of the samples
             for name in turn:
                 for _ in range(3):
                     clients[name].send(body)
         for turn in order:
-            if not interleave:  # each server's turn starts warm, on a fresh connection
+            if not interleave:  # each turn starts once the last server's idle threads sleep, then warm
+                time.sleep(SETTLE_S)
                 for _ in range(3):
                     clients[turn[0]].send(body)
             for name in turn:

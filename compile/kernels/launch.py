@@ -13,8 +13,8 @@ from __future__ import annotations
 import tvm_ffi
 from tvm import s_tir, tirx
 
-# Iterations of a loop nest below which it runs on the calling thread. Measured on MiniLM's packed
-# libraries, 2 threads (docs/PERFORMANCE.md): with the pool's threads asleep between kernels, 2^15
+# Iterations of a loop nest below which it runs on the calling thread. Measured while choosing it, on
+# MiniLM's packed libraries, 2 threads, znver4: with the pool's threads asleep between kernels, 2^15
 # to 2^17 take a 16-token call to 0.70-0.83x its time; with them spinning, 2^17 and more cost
 # 3-13% at 64-128 tokens while 2^15 costs nothing. 2^16 sits between.
 MIN_PARALLEL_WORK = 1 << 16

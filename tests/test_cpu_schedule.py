@@ -345,3 +345,25 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
         xs = _rand(count, 64) * 2
         expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
         np.testing.assert_allclose(_run(bb.get(), xs, g, be), expected.numpy(), **TOL)
+
+
+def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
+    """Over a symbolic row count a 384 -> 1152 matmul is >= 2^16 iterations even at one row, so it
+    stays parallel without a run-time test: a twin would share its accumulator, which lowering then
+    keeps as a [rows, N] buffer instead of one register tile per task (12% slower at 256 rows)."""
+    from tvm import s_tir
+
+    from compile.kernels.launch import MIN_PARALLEL_WORK
+
+    m = tirx.Var("m", "int64")
+    (scheduled,) = [f for name, f in _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_dense_module(m, 384, 1152)))).items()
+                    if "matmul" in name]
+    script = scheduled.script()
+    assert script.count('T.sblock("matmul_update")') == 1  # one copy of the nest: no serial twin
+    assert script.count(f">= T.int64({MIN_PARALLEL_WORK})") == 1  # only the padded copy of x has one
+    compacted = tvm.transform.Sequential([s_tir.transform.LowerInitBlock(),
+                                          s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+                                          s_tir.transform.ConvertBlocksToOpaque(),
+                                          s_tir.transform.CompactBufferAllocation()])(tvm.IRModule({"main": scheduled}))
+    sizes = [line for line in compacted.script().splitlines() if "alloc_buffer" in line and "global" in line]
+    assert sizes and all("m" not in line.split("alloc_buffer")[1] for line in sizes), sizes

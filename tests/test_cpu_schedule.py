@@ -50,6 +50,18 @@ def _rand(*shape: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype("float32")
 
 
+def _layer_norm_module(m, width: int) -> tvm.IRModule:
+    """layer_norm(x[m, width]) with its own gamma and beta."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, width), "float32"))
+    gamma, beta = (relax.Var(name, relax.TensorType((width,), "float32")) for name in ("g", "be"))
+    with bb.function("main", [x, gamma, beta]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def _dense_module(m, k: int, n: int, epilogue: str = "bias") -> tvm.IRModule:
     """x[m, k] @ w[k, n] + b, then an optional GELU or residual-add-and-scale epilogue."""
     bb = relax.BlockBuilder()
@@ -193,20 +205,13 @@ def test_norm_softmax_meanpool_symbolic():
 def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
     """Each row's mean and variance reduced in vector lanes, all under one parallel loop over rows
     (dlight's rule launched the pool once per block and summed each row in a scalar chain)."""
-    t = tirx.Var("t", "int64")
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((t, 384), "float32"))
-    gamma, beta = relax.Var("g", relax.TensorType((384,), "float32")), relax.Var("be", relax.TensorType((384,), "float32"))
-    with bb.function("main", [x, gamma, beta]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
-        bb.emit_func_output(out)
-    (norm,) = _prim_funcs(_fused(bb.get())).values()
+    module = _layer_norm_module(tirx.Var("t", "int64"), 384)
+    (norm,) = _prim_funcs(_fused(module)).values()
     scheduled = schedule_rows(norm, vector_lanes(TARGET)).mod.script()
     assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
     xs, g, be = _rand(7, 384) * 3 + 1, _rand(384), _rand(384, 1)[:, 0]
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
-    np.testing.assert_allclose(_run(bb.get(), xs, g, be), expected.numpy(), **TOL)
+    np.testing.assert_allclose(_run(module, xs, g, be), expected.numpy(), **TOL)
 
 
 @pytest.mark.parametrize("lane_multiple", [2, 5])
@@ -328,15 +333,8 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
     symbolic row count behind a run-time test of its iterations, each branch equal to PyTorch."""
     from compile.kernels.launch import MIN_PARALLEL_WORK
 
-    m = tirx.Var("m", "int64") if rows == "symbolic" else rows
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((m, 64), "float32"))
-    gamma, beta = relax.Var("g", relax.TensorType((64,), "float32")), relax.Var("be", relax.TensorType((64,), "float32"))
-    with bb.function("main", [x, gamma, beta]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
-        bb.emit_func_output(out)
-    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(bb.get()))).values()
+    module = _layer_norm_module(tirx.Var("m", "int64") if rows == "symbolic" else rows, 64)
+    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(module))).values()
     script = scheduled.script()
     assert ("T.parallel" in script) == (launches != "serial")
     assert (f">= T.int64({MIN_PARALLEL_WORK})" in script) == (launches == "both")
@@ -344,7 +342,7 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
     for count in ([4, 4096] if rows == "symbolic" else [rows]):  # both sides of the test
         xs = _rand(count, 64) * 2
         expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
-        np.testing.assert_allclose(_run(bb.get(), xs, g, be), expected.numpy(), **TOL)
+        np.testing.assert_allclose(_run(module, xs, g, be), expected.numpy(), **TOL)
 
 
 def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():

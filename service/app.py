@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .backends import load_backend
 from .errors import ServiceError, TooLarge, Unauthorized
 from .metrics import Metrics
-from .routes import router
+from .routes import router, with_body_schemas
 from .runtime import BackendLoader, Runtime
 from .settings import Settings
 
@@ -140,6 +140,7 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     app = FastAPI(title="bert-tvm-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings, app.state.metrics, app.state.runtime = settings, metrics, runtime
     app.include_router(router)
+    app.openapi = with_body_schemas(app.openapi)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:

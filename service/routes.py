@@ -34,6 +34,22 @@ from .schemas import (
 
 router = APIRouter()
 
+SCHEMA_REF = "#/components/schemas/{model}"
+# JSON schemas of the POST bodies (and the models they use), by component name: `post` bypasses
+# FastAPI's body handling, so `with_body_schemas` adds them to the OpenAPI document itself.
+BODY_SCHEMAS: dict[str, dict] = {}
+
+
+def with_body_schemas(openapi):
+    """`app.openapi` whose document also holds the POST bodies' schemas."""
+
+    def document() -> dict:
+        schema = openapi()
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(BODY_SCHEMAS)
+        return schema
+
+    return document
+
 
 def post(*paths: str):
     """Register `handler(body, request)` for POST at `paths`, its body parsed and validated in one pass
@@ -43,6 +59,11 @@ def post(*paths: str):
 
     def register(handler):
         schema = typing.get_type_hints(handler)["body"]
+        json_schema = schema.model_json_schema(ref_template=SCHEMA_REF)
+        BODY_SCHEMAS.update(json_schema.pop("$defs", {}))
+        BODY_SCHEMAS[schema.__name__] = json_schema
+        body_doc = {"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": SCHEMA_REF.format(model=schema.__name__)}}}}}
 
         async def endpoint(request: Request):
             try:
@@ -53,7 +74,7 @@ def post(*paths: str):
 
         endpoint.__name__ = handler.__name__
         for path in paths:
-            router.add_api_route(path, endpoint, methods=["POST"])
+            router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=body_doc)
         return handler
 
     return register

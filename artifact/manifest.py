@@ -152,8 +152,6 @@ class SparsityEntry(_Strict):
     choices: list[LinearChoice] = []  # per weight, when timed
 
 
-
-
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     task: Literal["embed", "classify"]

@@ -74,9 +74,10 @@ async def open_loop(base: str, endpoint: str, requests: list[Request], tokens: l
     everyone: list[Connection] = []
 
     async def send(request: Request, count: int) -> Outcome:
-        connection = idle.pop() if idle else Connection(base)
-        if connection not in everyone:
-            everyone.append(connection)
+        if not idle:
+            everyone.append(Connection(base))
+            idle.append(everyone[-1])
+        connection = idle.pop()
         outcome = await _send(connection, endpoint, request, count, timeout)
         idle.append(connection)
         return outcome

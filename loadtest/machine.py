@@ -1,5 +1,6 @@
 """The machine a benchmark ran on, recorded next to its figures: the CPU's name (`lscpu`), the LLVM
-CPU that TVM compiles for on it, its vector features, and the cores this process may use."""
+CPU that TVM compiles for on it, its vector features (the loader's own reading of /proc/cpuinfo),
+and the cores this process may use."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import platform
 import subprocess
 
 from artifact.cores import usable_cores
+from artifact.cpu_features import host_flags
 
 
 def describe() -> dict:
@@ -17,10 +19,10 @@ def describe() -> dict:
     except (OSError, subprocess.SubprocessError):
         lscpu = ""
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
+    flags = host_flags() or set()
     return {"cpu": fields.get("Model name", "").strip() or platform.processor() or platform.machine(),
             "llvm_mcpu": host_cpu(), "cores": usable_cores(), "avx512": "avx512f" in flags,
-            "vnni": "avx512_vnni" in flags or "avx_vnni" in flags}
+            "vnni": "avx512_vnni" in flags}
 
 
 def line(machine: dict) -> str:

@@ -6,6 +6,8 @@ schedule pass, then lowering) and are compared with numpy / torch at rtol = atol
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -125,6 +127,34 @@ def test_symbolic_m_dense_with_bias_gelu():
         x = _rand(m, 64)
         out = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b)]).numpy()
         np.testing.assert_allclose(out, _gelu(x @ w + b), **TOL)
+
+
+@pytest.mark.parametrize("m", [tirx.Var("m", "int64"), 37])
+def test_a_padded_matmul_reads_its_rows_in_place(m):
+    """Rows padded to the register tile are read from x itself, clamped to its last row, not from a
+    zero-padded copy of x made every call (numerics at these row counts: the tests above)."""
+    (func,) = (f for name, f in _prim_funcs(_fused(_dense_module(m, 64, 96))).items() if "matmul" in name)
+    script = schedule_matmul(func, vector_lanes(TARGET)).mod["main"].script()
+    last_row = "m - T.int64(1)" if isinstance(m, tirx.Var) else f"T.int64({m - 1})"
+    assert "x_pad" not in script
+    assert re.search(rf"x\[T\.min\(v_\w+, {re.escape(last_row)}\), v_k\]", script), script
+
+
+@T.prim_func(private=True, s_tir=True)
+def _reads_below_the_diagonal(a: T.Buffer((T.int64(16), T.int64(16)), "float32"),
+                              c: T.Buffer((T.int64(16), T.int64(16)), "float32")):
+    for i, j in T.grid(T.int64(16), T.int64(16)):
+        with T.sblock("tril"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            c[vi, vj] = T.if_then_else(vj < vi, a[vi, vj], T.float32(0.0))
+
+
+def test_only_reads_past_an_axis_end_are_clamped():
+    """A condition that is not 'index < the axis' extent' (a lower-triangular mask) is semantics,
+    not padding: it stays."""
+    from compile.kernels.dense import _clamp_padded_reads
+
+    assert tvm_ffi.structural_equal(_clamp_padded_reads(_reads_below_the_diagonal), _reads_below_the_diagonal)
 
 
 def _attention_module(heads: int, d: int, static_seq: int | None = None) -> tvm.IRModule:
@@ -347,10 +377,8 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
 
 def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
     """Over a symbolic row count a 384 -> 1152 matmul is >= 2^16 iterations even at one row, so it
-    stays parallel without a run-time test: a twin would share its accumulator, which lowering then
-    keeps as a [rows, N] buffer instead of one register tile per task (12% slower at 256 rows)."""
-    from tvm import s_tir
-
+    stays parallel without a run-time test or a twin, and its accumulator shrinks to one register tile
+    per task."""
     from compile.kernels.launch import MIN_PARALLEL_WORK
 
     m = tirx.Var("m", "int64")
@@ -358,10 +386,29 @@ def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
                     if "matmul" in name]
     script = scheduled.script()
     assert script.count('T.sblock("matmul_update")') == 1  # one copy of the nest: no serial twin
-    assert script.count(f">= T.int64({MIN_PARALLEL_WORK})") == 1  # only the padded copy of x has one
+    assert f">= T.int64({MIN_PARALLEL_WORK})" not in script
+    accumulators = [line for line in _compacted_allocations(scheduled) if "global" in line]
+    assert accumulators and all("m" not in line.split("alloc_buffer")[1] for line in accumulators), accumulators
+
+
+def _compacted_allocations(func: tirx.PrimFunc) -> list[str]:
+    """The allocations of `func` (lines of its script) once lowering has shrunk each to the region its
+    users touch."""
+    from tvm import s_tir
+
     compacted = tvm.transform.Sequential([s_tir.transform.LowerInitBlock(),
                                           s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
                                           s_tir.transform.ConvertBlocksToOpaque(),
-                                          s_tir.transform.CompactBufferAllocation()])(tvm.IRModule({"main": scheduled}))
-    sizes = [line for line in compacted.script().splitlines() if "alloc_buffer" in line and "global" in line]
-    assert sizes and all("m" not in line.split("alloc_buffer")[1] for line in sizes), sizes
+                                          s_tir.transform.CompactBufferAllocation()])(tvm.IRModule({"main": func}))
+    return [line for line in compacted.script().splitlines() if "alloc_buffer" in line]
+
+
+def test_a_serial_twin_has_its_own_copies_of_the_loops_buffers():
+    """A layer norm over a symbolic row count has a parallel loop and a serial twin; each keeps its
+    per-row mean and partial sums in buffers of its own, so both shrink to one row (shared, they
+    stayed [rows] arrays in memory, the lanes' partial sums `rows` floats apart)."""
+    m = tirx.Var("m", "int64")
+    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_layer_norm_module(m, 384)))).values()
+    allocations = _compacted_allocations(scheduled)
+    assert len(allocations) == 2 * 5, allocations  # sum, mean, variance and two partials, twice
+    assert all("m" not in line.split("alloc_buffer")[1] for line in allocations), allocations

@@ -10,6 +10,8 @@ extents, known only at run time for a symbolic token count) is under `MIN_PARALL
 
 from __future__ import annotations
 
+import collections
+
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer, ConstIntBound
@@ -58,10 +60,12 @@ def _reads_buffers(expr) -> bool:
     return any(type(var.ty).__name__ == "BufferType" for var in tirx.analysis.undefined_vars(expr))
 
 
-def _fresh(stmt):
-    """`stmt` with new loop, block and let variables (a second copy beside the first must not share
-    them), or None when it defines buffers of its own (those would need copies too)."""
-    renamed, buffers = {}, []
+def _fresh(stmt, copies: dict):
+    """`stmt` with new loop, block, let and buffer variables: a second copy beside the first must not
+    share them. Buffers it allocates get new ones, and those outside it get theirs from `copies`.
+    None when a block matches a buffer region (a tensorized intrinsic's view, whose offsets name the
+    loop variables inside its type)."""
+    renamed, matched = dict(copies), []
 
     def define(var):
         renamed.setdefault(var, tirx.Var(var.name, var.ty))
@@ -73,7 +77,9 @@ def _fresh(stmt):
     def block(node):
         for iter_var in node.iter_vars:
             define(iter_var.var)
-        buffers.extend(node.alloc_buffers)
+        for buffer in node.alloc_buffers:
+            define(buffer)
+        matched.extend(node.match_buffers)
         return node
 
     def let(node):
@@ -81,14 +87,27 @@ def _fresh(stmt):
         return node
 
     def allocation(node):
-        buffers.append(node)
+        define(node.buffer)
         return node
 
     tvm_ffi.structural_map(stmt, [(tirx.For, loop), (s_tir.SBlock, block), (tirx.LetStmt, let),
                                   (tirx.AllocBuffer, allocation), (tirx.DeclBuffer, allocation)])
-    if buffers:
+    if matched:
         return None
     return tvm_ffi.structural_map(stmt, [(tirx.Var, lambda var: renamed.get(var, var))])
+
+
+def _uses(stmt, buffers) -> collections.Counter:
+    """How often each of `buffers` is named in `stmt`."""
+    counts = collections.Counter()
+
+    def count(var):
+        if var in buffers:
+            counts[var] += 1
+        return var
+
+    tvm_ffi.structural_map(stmt, [(tirx.Var, count)])
+    return counts
 
 
 def _always_big_enough(work: tirx.PrimExpr) -> bool:
@@ -99,19 +118,23 @@ def _always_big_enough(work: tirx.PrimExpr) -> bool:
     return analyzer.can_prove(work >= MIN_PARALLEL_WORK)
 
 
-def _version(loop):
-    """`loop` as it is, or its serial twin, or both behind a run-time test of its iterations."""
+def _version(loop, root_buffers, root_uses, copied):
+    """`loop` as it is, or its serial twin, or both behind a run-time test of its iterations. The
+    twin's copies of root-level buffers used only in `loop` are appended to `copied`."""
     if loop.kind != tirx.ForKind.PARALLEL:
         return loop
     work = _work(loop)
     if work is None or _always_big_enough(work):
-        # Data-dependent, or big enough at any size. No twin then: two copies of a loop nest share
-        # its root-level buffers, which lowering can then no longer shrink to what one task uses
-        # (a matmul's register tile stayed a [tokens, N] buffer in memory).
-        return loop
-    twin = _fresh(loop)
+        return loop  # data-dependent, or big enough at any size: nothing to test at run time
+    # a root-level buffer used only in this loop gets a copy for the twin: one buffer behind both
+    # would be compacted to what both touch, not to one task's share (a layer norm's per-row mean and
+    # partial sums would stay [tokens] arrays in memory, its partials strided by the token count)
+    copies = {buffer: tirx.Var(buffer.name, buffer.ty) for buffer, count in _uses(loop, root_buffers).items()
+              if count == root_uses[buffer]}
+    twin = _fresh(loop, copies)
     if twin is None:
         return loop
+    copied.extend(copies.values())
     serial = tirx.For(twin.loop_var, twin.min, twin.extent, tirx.ForKind.SERIAL, twin.body)
     if isinstance(work, tirx.IntImm):
         return serial  # always too small
@@ -121,5 +144,14 @@ def _version(loop):
 def parallel_when_it_pays(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """`func` with each parallel loop run on the calling thread when its work is small (a kernel
     whose loops' extents are data, like attention's, tests its own bound)."""
-    return tvm_ffi.structural_map(func, [(tirx.For, _version)])
-
+    realize = func.body
+    if not isinstance(realize, s_tir.SBlockRealize):
+        return tvm_ffi.structural_map(func, [(tirx.For, lambda loop: _version(loop, set(), {}, []))])
+    root = realize.block
+    root_buffers = set(root.alloc_buffers)
+    root_uses = _uses(root.body, root_buffers)
+    copied = []
+    body = tvm_ffi.structural_map(root.body, [(tirx.For, lambda loop: _version(loop, root_buffers, root_uses, copied))])
+    root = s_tir.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body, root.init,
+                        list(root.alloc_buffers) + copied, root.match_buffers, root.annotations)
+    return func.with_body(s_tir.SBlockRealize(realize.iter_values, realize.predicate, root))

@@ -104,6 +104,11 @@ class LibraryRunner:
             vm = self._local.vm = VirtualMachine(self.module, self.device)
         return vm
 
+    def set_instrument(self, instrument) -> None:
+        """Have this thread's VM call `instrument` around every function it runs (profiling), or
+        stop with None."""
+        self._vm().set_instrument(instrument)
+
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:
         on_host = self.device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
         args = [_host_tensor(x) if on_host else tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device)

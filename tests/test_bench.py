@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from artifact.hashing import file_sha256
-from loadtest import strategy_table
+from loadtest import kernel_profile, strategy_table
 from loadtest.bench import bert_flops, main
 
 
@@ -66,14 +66,30 @@ def test_bench_refuses_a_candidate_that_disagrees_with_pytorch(tiny_embed_artifa
     assert not out.exists()  # nothing timed, nothing written
 
 
-@pytest.mark.parametrize("tool", ["bench", "strategy_table"])
+@pytest.mark.parametrize("generic", [False, True])
+def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(tiny_embed_artifact, generic, capsys):
+    argv = ["--artifacts", str(tiny_embed_artifact), "--shape", "1x8", "--calls", "2"] + (["--generic"] if generic else [])
+    assert kernel_profile.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"tiny-embed, 1x8 on {'generic' if generic else 'bucket-1x8'}, ")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    matmuls = [row for row in rows if "matmul" in row[0]]
+    assert matmuls and all(int(row[1]) >= 1 and float(row[2]) > 0 for row in matmuls), out
+
+
+def test_kernel_profile_refuses_a_packed_bound_for_a_shape(tiny_embed_artifact, capsys):
+    assert kernel_profile.main(["--artifacts", str(tiny_embed_artifact), "--shape", "packed-8"]) == 2
+    assert capsys.readouterr().err == "python -m loadtest.kernel_profile: error: --shape packed-8: expected BATCHxSEQ (e.g. 1x128)\n"
+
+
+@pytest.mark.parametrize("tool", ["bench", "strategy_table", "kernel_profile"])
 @pytest.mark.parametrize("kind", ["missing", "not an artifact"])
 def test_a_directory_that_is_not_an_artifact_is_one_line_and_exit_2(tool, kind, tmp_path, capsys):
     directory = tmp_path / "minilm-cpu"
     if kind == "not an artifact":
         directory.mkdir()
         (directory / "notes.txt").write_text("not a manifest")
-    run = main if tool == "bench" else strategy_table.main
+    run = {"bench": main, "strategy_table": strategy_table.main, "kernel_profile": kernel_profile.main}[tool]
     assert run(["--artifacts", str(directory)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from artifact.bucketing import PackedBucket
+from artifact.cores import usable_cores
 from artifact.errors import ArtifactError
 from compile.bucketing import parse_bucket
 from compile.errors import CompileError
@@ -27,13 +28,21 @@ from .strategy_table import read_manifest
 PROG = "python -m loadtest.kernel_profile"
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=Path, required=True)
     parser.add_argument("--shape", default="1x128", help="batch x sequence length (default 1x128)")
     parser.add_argument("--generic", action="store_true", help="profile the generic library, not the bucket")
-    parser.add_argument("--calls", type=int, default=20, help="calls timed (default 20)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--calls", type=_at_least_one, default=20, help="calls timed (default 20)")
+    parser.add_argument("--threads", type=_at_least_one, default=usable_cores(),
+                        help="TVM threads (default: the cores this process may use)")
     return parser.parse_args(argv)
 
 
@@ -41,9 +50,9 @@ def profile(model, ids, mask, generic: bool, calls: int) -> tuple[list[tuple[str
     """(kernel, calls per model call, ms per model call) by time, the instrumented and the plain
     median ms of a call, and the library that ran it."""
     run = model.run_generic if generic else model.run
-    runner = model.generic if generic else model.runners[model.select(*ids.shape)]
     for _ in range(3):
-        served = run(ids, mask).path
+        result = run(ids, mask)
+    runner = model.generic if result.bucket is None else model.runners[result.bucket]  # the loader's choice
     seconds, counts, started = collections.defaultdict(float), collections.Counter(), {}
 
     def instrument(_func, name, before_run, _ret, *_args):
@@ -70,7 +79,7 @@ def profile(model, ids, mask, generic: bool, calls: int) -> tuple[list[tuple[str
     for _ in range(calls):
         timed(plain)
     rows = sorted(((k, counts[k] // calls, seconds[k] / calls * 1e3) for k in seconds), key=lambda row: -row[2])
-    return rows, statistics.median(instrumented) * 1e3, statistics.median(plain) * 1e3, served
+    return rows, statistics.median(instrumented) * 1e3, statistics.median(plain) * 1e3, result.path
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,12 +66,14 @@ def test_bench_refuses_a_candidate_that_disagrees_with_pytorch(tiny_embed_artifa
     assert not out.exists()  # nothing timed, nothing written
 
 
-@pytest.mark.parametrize("generic", [False, True])
-def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(tiny_embed_artifact, generic, capsys):
-    argv = ["--artifacts", str(tiny_embed_artifact), "--shape", "1x8", "--calls", "2"] + (["--generic"] if generic else [])
+@pytest.mark.parametrize("shape,generic,library", [("1x8", False, "bucket-1x8"), ("1x8", True, "generic"),
+                                                    ("5x20", False, "generic")])  # no bucket holds 5x20
+def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(tiny_embed_artifact, shape, generic,
+                                                                               library, capsys):
+    argv = ["--artifacts", str(tiny_embed_artifact), "--shape", shape, "--calls", "2"] + (["--generic"] if generic else [])
     assert kernel_profile.main(argv) == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"tiny-embed, 1x8 on {'generic' if generic else 'bucket-1x8'}, ")
+    assert out.startswith(f"tiny-embed, {shape} on {library}, ")
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     matmuls = [row for row in rows if "matmul" in row[0]]
     assert matmuls and all(int(row[1]) >= 1 and float(row[2]) > 0 for row in matmuls), out

@@ -13,7 +13,7 @@ import pytest
 import torch
 import tvm
 import tvm_ffi
-from tvm import relax, tirx, topi
+from tvm import relax, s_tir, tirx, topi
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.script import tirx as T
 
@@ -394,8 +394,6 @@ def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
 def _compacted_allocations(func: tirx.PrimFunc) -> list[str]:
     """The allocations of `func` (lines of its script) once lowering has shrunk each to the region its
     users touch."""
-    from tvm import s_tir
-
     compacted = tvm.transform.Sequential([s_tir.transform.LowerInitBlock(),
                                           s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
                                           s_tir.transform.ConvertBlocksToOpaque(),

@@ -12,10 +12,12 @@
 #              image is NOT validated at build time) and adds the CUDA user-space libraries
 #              to the serving environment.
 #   CUDA_ARCH  passed to `bert-compile --cuda-arch` (default sm_90, H100).
-#   MCPU       LLVM CPU the host code is compiled for. bert-compile's own default is the build
-#              machine's CPU, which could SIGILL on a different node; x86-64-v3 (AVX2 + FMA)
-#              runs on any x86 server from the last ten years. Set it to the nodes' CPU
-#              (e.g. sapphirerapids, znver4) for AVX-512 kernels.
+#   MCPU       LLVM CPU(s) the host code is compiled for. bert-compile's own default is the build
+#              machine's CPU, which could SIGILL on a different node. The cpu image's default,
+#              x86-64-v3,x86-64-v4, builds every library for both levels, and the server loads
+#              the AVX-512 one where the node has AVX-512, else the AVX2 one (any x86 server of
+#              the last ten years). A level the build machine cannot run is built but neither
+#              validated nor timed there. The cuda image's default is x86-64-v3 (one level).
 #
 # Base images are pinned by tag to the OS (Debian 12 bookworm, glibc 2.36, gcc 12) and Python
 # (3.11) the project is tested on. For fully reproducible builds pin them by digest too
@@ -29,7 +31,7 @@ ARG TARGET=cpu
 FROM python:3.11-slim-bookworm AS build
 ARG TARGET
 ARG CUDA_ARCH=sm_90
-ARG MCPU=x86-64-v3
+ARG MCPU
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # TVM's export_library links every library with the system C++ compiler. g++ is Debian's
@@ -72,11 +74,11 @@ COPY loadtest/ loadtest/
 RUN pip install --no-deps /src
 
 RUN case "$TARGET" in \
-        cpu) set -- --config configs/default.yaml ;; \
-        cuda) set -- --config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" ;; \
+        cpu) set -- --config configs/default.yaml --mcpu "${MCPU:-x86-64-v3,x86-64-v4}" ;; \
+        cuda) set -- --config configs/cuda.yaml --cuda-arch "$CUDA_ARCH" --mcpu "${MCPU:-x86-64-v3}" ;; \
         *) echo "TARGET must be cpu or cuda, not '$TARGET'" >&2; exit 2 ;; \
     esac \
-    && bert-compile "$@" --mcpu "$MCPU" --out /opt/bert/artifacts --quiet
+    && bert-compile "$@" --out /opt/bert/artifacts --quiet
 
 # ---------------------------------------------------------------------------------------------
 # serve-env: what serving needs and nothing else (scripts/serve_env.sh): TVM's runtime library,

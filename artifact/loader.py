@@ -25,6 +25,7 @@ from .bucketing import AnyBucket, Bucket, smallest_fitting
 from .cpu_features import missing_on_host
 from .errors import ArtifactError
 from .hashing import file_sha256
+from .levels import resolve
 from .manifest import Manifest, TargetEntry
 from .packed_batch import pack_batch
 
@@ -270,7 +271,7 @@ def check_cpu_features(directory: Path, target: TargetEntry) -> None:
 
 def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = None) -> CompiledModel:
     """Load an artifact directory; a bucket whose library fails verification is refused, not used."""
-    directory = Path(directory)
+    directory = resolve(directory)  # a multi-level artifact: the level this CPU runs best
     manifest = Manifest.read(directory)
     check_cpu_features(directory, manifest.target)
     device = device or device_for(manifest.target.kind)

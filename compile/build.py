@@ -11,6 +11,7 @@ from tvm import relax
 
 from artifact.bucketing import AnyBucket, Bucket
 
+from .errors import CompileError
 from .importer import symbolic_dims
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
@@ -19,6 +20,13 @@ from .schedule import cpu_pipeline
 def host_cpu() -> str:
     """LLVM's name for this machine's CPU (e.g. znver3, sapphirerapids)."""
     return str(tvm.target.codegen.llvm_get_system_cpu())
+
+
+def check_mcpu(mcpu: str | None) -> None:
+    """Refuse a CPU name LLVM does not know: it would silently build for a generic x86 instead."""
+    if mcpu is not None and mcpu not in tvm.target.codegen.llvm_get_cpu_archlist(tvm.target.Target("llvm")):
+        raise CompileError(f"--mcpu {mcpu} is not a CPU LLVM knows; e.g. x86-64-v3 (AVX2), x86-64-v4 (AVX-512), "
+                           "znver4, sapphirerapids")
 
 
 def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) -> tvm.target.Target:

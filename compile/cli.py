@@ -27,7 +27,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=["float32", "float16"], help="float16: CUDA only")
     parser.add_argument("--cuda-graph", dest="cuda_graph", action="store_true", default=None,
                         help="capture CUDA bucket libraries as CUDA graphs")
-    parser.add_argument("--mcpu", help="LLVM CPU name (default: this machine's)")
+    parser.add_argument("--mcpu", help="LLVM CPU name (default: this machine's); several, comma-separated (e.g. "
+                        "x86-64-v3,x86-64-v4), build one artifact whose loader picks the best level the CPU has")
     parser.add_argument("--layout", choices=["padded", "packed"],
                         help="packed: run on the real tokens only, no padding (cpu)")
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128 (packed: packed-SEQ, "
@@ -87,10 +88,26 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, overrides)
         from .pipeline import compile_model  # heavy imports (torch, tvm) only once input is sane
 
-        manifest, records = compile_model(config, Progress(0, quiet=args.quiet))
+        progress = Progress(0, quiet=args.quiet)
+        if len(config.cpu_levels) > 1:
+            from .levels import compile_levels
+
+            results = compile_levels(config, progress)
+        else:
+            results = [compile_model(config, progress)]
     except CompileError as exc:
         print(f"bert-compile: error: {exc}", file=sys.stderr)
         return 2
+    for manifest, records in results:
+        if len(results) > 1:
+            print(f"level {manifest.target.mcpu} ({config.out / manifest.target.mcpu}):", file=sys.stderr)
+        _report(manifest, records)
+    print(f"wrote {config.out}" + (f" (levels {config.mcpu})" if len(results) > 1 else ""), file=sys.stderr)
+    return 0
+
+
+def _report(manifest, records) -> None:
+    """What one compile built: per library its build time, strategy and difference to PyTorch."""
     rows = [
         (r.name, r.library, f"{r.seconds:.1f}", r.strategy,
          ", ".join(f"{s} {ms:.1f}" for s, ms in r.strategy_ms.items()) if r.strategy_ms else "-",
@@ -112,6 +129,4 @@ def main(argv: list[str] | None = None) -> int:
         changed = (f"{sp.pruned} weights pruned to blocks {sp.block}, cosine vs dense {sp.cosine_vs_dense:.4f}"
                    if sp.mode == "pruned" else f"the checkpoint's own zero blocks {sp.block} (model unchanged)")
         print(f"sparsity: {changed}; {sp.rewritten} matmuls rewritten (density {sp.density})", file=sys.stderr)
-    validated = "validated against PyTorch" if manifest.validated else "NOT validated (no device)"
-    print(f"{validated}; wrote {config.out}", file=sys.stderr)
-    return 0
+    print("validated against PyTorch" if manifest.validated else "NOT validated (no device)", file=sys.stderr)

@@ -52,7 +52,9 @@ class CompileConfig(BaseModel):
         "none", description="int8: linear layers on int8 weights (per channel) and activations (per token)")
     min_cosine: float = Field(0.99, gt=0, le=1, description="int8: the least cosine similarity to the fp32 model's "
                               "embeddings on the shipped sentences, else the compile fails")
-    mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's")
+    mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's. Several, comma-separated "
+                             "(e.g. x86-64-v3,x86-64-v4): one artifact with libraries for each, the loader picks "
+                             "the most demanding level the CPU it runs on has")
     layout: Literal["padded", "packed"] = Field(
         "padded", description="packed: libraries run on the real tokens only (buckets are packed-SEQ bounds)")
     buckets: list[str] | None = Field(None, description="default: 1x16, 1x128, 8x128 padded; packed-16 .. -512 packed")
@@ -101,6 +103,24 @@ class CompileConfig(BaseModel):
             raise ValueError("generic validation shapes are BATCHxSEQ")
         return value
 
+    @field_validator("mcpu", mode="before")
+    @classmethod
+    def _mcpu_levels(cls, value: str | list | None) -> str | None:
+        if value is None:
+            return None
+        names = [str(name).strip() for name in (value if isinstance(value, list) else str(value).split(","))]
+        if "" in names:
+            raise ValueError(f"empty CPU name in {value!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a CPU is named twice in {value!r}")
+        return ",".join(names)
+
+    @property
+    def cpu_levels(self) -> list[str | None]:
+        """The LLVM CPUs to build for: several make a multi-level artifact (artifact/levels.py);
+        [None] is this machine's."""
+        return self.mcpu.split(",") if self.mcpu else [None]
+
     @field_validator("block")
     @classmethod
     def _block_shape(cls, value: str) -> str:
@@ -131,6 +151,8 @@ class CompileConfig(BaseModel):
             raise ValueError("dtype float16 is supported for target cuda only")
         if self.target != "cuda" and self.cuda_graph:
             raise ValueError("cuda_graph needs target cuda")
+        if self.target != "cpu" and len(self.cpu_levels) > 1:
+            raise ValueError("several CPU levels (mcpu) are built for target cpu only")
         if self.buckets is not None:
             kinds = {isinstance(bucket, PackedBucket) for bucket in parse_buckets(self.buckets)}  # refuses a mix
             if kinds != {self.layout == "packed"}:

@@ -36,7 +36,7 @@ from artifact.manifest import (
     WeightsEntry,
 )
 
-from .build import build_library, make_target, specialize
+from .build import build_library, check_mcpu, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .errors import CompileError, ValidationError
@@ -300,6 +300,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     if config.layout == "packed" and info.config.get("position_embedding_type", "absolute") != "absolute":
         raise CompileError("layout packed needs absolute position embeddings; this checkpoint has "
                            f"{info.config['position_embedding_type']}")
+    check_mcpu(config.mcpu)
     target = make_target(config.target, config.cuda_arch, config.mcpu)
     int8_kernel = int8.kernel_for(target) if config.quantize == "int8" else None
     if config.quantize == "int8" and int8_kernel is None:

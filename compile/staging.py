@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
+from artifact.levels import is_multi_level
 from artifact.manifest import MANIFEST_FILE
 
 from .errors import CompileError
@@ -16,7 +17,7 @@ from .errors import CompileError
 def _check_destination(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise CompileError(f"--out {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file() and not is_multi_level(out):
         raise CompileError(f"--out {out} is a non-empty directory that is not an artifact; refusing to replace it")
 
 

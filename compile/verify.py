@@ -67,7 +67,7 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
         manifest.generic.max_abs_diff = generic
         manifest.validated = True
         manifest.validated_on = device_name(model.device)
-        manifest.write(Path(directory))
+        manifest.write(model.directory)  # of a multi-level artifact, the level this CPU ran
     return diffs
 
 

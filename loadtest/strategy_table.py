@@ -8,12 +8,15 @@ import sys
 from pathlib import Path
 
 from artifact.errors import ArtifactError
+from artifact.levels import resolve
 from artifact.manifest import MANIFEST_FILE, Manifest
 
 
 def read_manifest(directory: Path) -> Manifest:
-    """The manifest of an artifact directory; ArtifactError, in one line that says how to make
-    one, where `directory` is missing or holds no manifest."""
+    """The manifest of an artifact directory (of the level this CPU runs, for a multi-level one);
+    ArtifactError, in one line that says how to make one, where `directory` is missing or holds no
+    manifest."""
+    directory = resolve(directory)
     if not (directory / MANIFEST_FILE).is_file():
         raise ArtifactError(f"{directory} is not a compiled artifact (no {MANIFEST_FILE}); make it with: "
                             f".venv/bin/bert-compile --config configs/default.yaml --out {directory}")

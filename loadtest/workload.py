@@ -49,9 +49,11 @@ def artifact_tokenizer(artifacts):
 
     from tokenizers import Tokenizer
 
+    from artifact.levels import resolve
+
     from .strategy_table import read_manifest
 
-    artifacts = Path(artifacts)
+    artifacts = resolve(Path(artifacts))
     tokenizer = Tokenizer.from_file(str(artifacts / read_manifest(artifacts).tokenizer / "tokenizer.json"))
     tokenizer.no_padding()
     tokenizer.no_truncation()

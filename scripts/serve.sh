@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 ARTIFACTS=${ARTIFACTS:-artifacts/minilm-cpu}
-if [ ! -f "$ARTIFACTS/manifest.json" ]; then
+if [ ! -f "$ARTIFACTS/manifest.json" ] && [ ! -f "$ARTIFACTS/levels.json" ]; then
   .venv/bin/bert-compile --config configs/default.yaml --out "$ARTIFACTS"
 fi
 exec .venv/bin/bert-serve --artifacts "$ARTIFACTS" "$@"

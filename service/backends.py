@@ -16,6 +16,7 @@ import tvm
 
 from artifact.bucketing import AnyBucket
 from artifact.errors import ArtifactError
+from artifact.levels import resolve
 from artifact.loader import CompiledModel, RunResult, load_artifact
 from artifact.manifest import Manifest
 
@@ -140,5 +141,6 @@ class TorchBackend:
 def load_backend(directory: Path, kind: str, threads: int | None = None) -> Backend:
     """Load one artifact directory as the chosen backend (`threads`: PyTorch's intra-op threads)."""
     if kind == "torch":
-        return TorchBackend(Path(directory), Manifest.read(Path(directory)), threads)
+        directory = resolve(directory)  # a multi-level artifact: its levels share checkpoint and tokenizer
+        return TorchBackend(directory, Manifest.read(directory), threads)
     return TvmBackend(load_artifact(directory))

@@ -24,6 +24,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from artifact.errors import ArtifactError
+from artifact.levels import resolve
 from artifact.manifest import Manifest
 from compile.config import read_yaml_mapping, validation_problems
 
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.load({"cores": flags.pop("cores"), **config.server,
                                   **{k: v for k, v in flags.items() if v is not None}})
         for directory in settings.artifacts:  # a wrong directory fails here, before Ray starts N replicas
-            Manifest.read(directory)
+            Manifest.read(resolve(directory))
     except (ConfigError, ArtifactError) as exc:
         print(f"ray_serve: error: {exc}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from artifact.cores import usable_cores
+from artifact.levels import resolve
 from artifact.loader import check_cpu_features
 from artifact.manifest import Manifest
 
@@ -56,19 +57,19 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
     if len(names) > len(settings.artifacts):
         raise ArtifactSetError(f"{len(names)} --served-name for {len(settings.artifacts)} --artifacts")
     served = []
-    for i, directory in enumerate(settings.artifacts):
+    for i, given in enumerate(settings.artifacts):
+        directory = resolve(given)  # a multi-level artifact: the level this CPU runs best
         manifest = Manifest.read(directory)
         if settings.backend == "tvm":
-            check_cpu_features(Path(directory), manifest.target)  # before listening: exit 2, not SIGILL later
+            check_cpu_features(directory, manifest.target)  # before listening: exit 2, not SIGILL later
         prompts = Prompts({}, "")
         if manifest.task == "embed":
             try:
-                prompts = Prompts.of_checkpoint(Path(directory) / manifest.tokenizer, settings.default_prompt_name,
+                prompts = Prompts.of_checkpoint(directory / manifest.tokenizer, settings.default_prompt_name,
                                                 settings.default_prompt)
             except ValueError as exc:
-                raise ArtifactSetError(f"{directory}: {exc}") from None
-        served.append(ServedArtifact(names[i] if i < len(names) else Path(directory).name, Path(directory), manifest,
-                                     prompts))
+                raise ArtifactSetError(f"{given}: {exc}") from None
+        served.append(ServedArtifact(names[i] if i < len(names) else Path(given).name, directory, manifest, prompts))
     taken = [artifact.name for artifact in served]
     twice = sorted({name for name in taken if taken.count(name) > 1})
     if twice:

@@ -229,9 +229,14 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
 
 DEFAULT_ROUTES = {"embed": (EmbedRequest, embed), "classify": (ClassifyRequest, classify),
                   "rerank": (RerankRequest, rerank)}
+# `/` parses its body itself (its schema depends on the model and the body): the document lists
+# every body it accepts.
+DEFAULT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
+    {"$ref": SCHEMA_REF.format(model=schema.__name__)}
+    for schema in [schema for schema, _ in DEFAULT_ROUTES.values()] + [SimilarityRequest]]}}}}}
 
 
-@router.post("/")
+@router.post("/", openapi_extra=DEFAULT_BODY_DOC)
 async def default_task(request: Request) -> Response:
     """TEI's `/`: the body of the first model's task (/embed, /predict or /rerank), or /similarity's
     when `inputs` holds a source sentence; what `huggingface_hub.InferenceClient(base_url=...)`

@@ -16,10 +16,11 @@ import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.sym import Analyzer, ConstIntBound
 
-# Iterations of a loop nest below which it runs on the calling thread. Measured while choosing it, on
-# MiniLM's packed libraries, 2 threads, znver4: with the pool's threads asleep between kernels, 2^15
-# to 2^17 take a 16-token call to 0.70-0.83x its time; with them spinning, 2^17 and more cost
-# 3-13% at 64-128 tokens while 2^15 costs nothing. 2^16 sits between.
+# Iterations of a loop nest below which it runs on the calling thread. A power of two between the
+# two ways it can be wrong, on MiniLM's packed libraries at 16-128 tokens on 2 threads: lower, the
+# pool is woken for kernels that take less than the wake-up (a 16-token call has ~60 of them);
+# higher, the second core idles through kernels worth splitting (the layer norms and row
+# quantisations of 64-128 tokens). 2^15 to 2^17 were timed when it was chosen; 2^16 sits between.
 MIN_PARALLEL_WORK = 1 << 16
 
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
@@ -205,3 +206,27 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
         real = (np.arange(seq)[None, :] < last[:, None]) & masks.any(1)[:, None]
         unfused, fused = unfused[real], fused[real]
     np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_each_task_reads_its_keys_and_values_once_not_per_query_tile(layout):
+    """K and V are staged per (sequence, head) into contiguous buffers, which the products of every
+    query tile read at fixed strides: no load of the source tensors is left in the loop over tiles
+    (there each key cost a clamped row gather per tile)."""
+    packed, hidden, batch = layout == "packed", HEADS * HEAD_SIZE, tirx.Var("b", "int64")
+    rows = tirx.Var("t", "int64") if packed else batch * 24
+    shape = AttentionShape(batch, 24, rows, HEADS, HEAD_SIZE, 24, 0.25, packed, (3 * hidden,) * 3,
+                           (0, hidden, 2 * hidden))
+    func = attention.write_attention(shape, 16)
+
+    def loaded(stmt) -> set[str]:
+        names = set()
+        tvm_ffi.structural_map(stmt, [(tvm.ir.expr.TensorLoad, lambda load: names.add(str(load.source.name)) or load)])
+        return names
+
+    tiles = []
+    tvm_ffi.structural_map(func.body, [(tirx.For, lambda loop: tiles.append(loop) or loop)])
+    tiles = [loop for loop in tiles if loop.loop_var.name == "tile"]
+    assert tiles and {"k_src", "v_src"} <= loaded(func.body)
+    for tile in tiles:
+        assert {"keys", "values"} <= loaded(tile) and not {"k_src", "v_src"} & loaded(tile)

@@ -16,7 +16,7 @@ with queries in the vector lanes (`lanes` of them per tile):
 Keys and values are broadcast from Kh and Vh, this head's columns of the sequence's K and V rows
 staged once per task (not transposed): every query tile's products read them at fixed strides from
 one pointer per key tile, where reading the source rows cost a clamped row gather per key and tile
-(7% of the kernel at 128 and 512 tokens). With queries in the lanes the softmax over keys is plain
+(2-3% of the kernel's time in a 512-token call, docs/PERFORMANCE.md). With queries in the lanes the softmax over keys is plain
 vector max / exp / add down the keys, no horizontal reductions. Q, K and V are read from the
 linear layers' outputs (the Q/K/V
 concatenation included: one source tensor, three column offsets), through `row`: a token's row in

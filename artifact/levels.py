@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cpu_features import host_flags, missing_on_host
 from .errors import ArtifactError
+from .manifest import write_json_atomically
 
 LEVELS_FILE = "levels.json"
 SCHEMA_VERSION = 1
@@ -40,10 +41,7 @@ class LevelIndex(BaseModel):
     levels: list[Level]  # the most demanding first: the first one this CPU can run is the fastest
 
     def write(self, directory: Path) -> None:
-        path = Path(directory) / LEVELS_FILE
-        partial = path.with_name(f".{LEVELS_FILE}.partial")
-        partial.write_text(self.model_dump_json(indent=2) + "\n")
-        partial.replace(path)
+        write_json_atomically(self, Path(directory) / LEVELS_FILE)
 
     @classmethod
     def read(cls, directory: Path) -> "LevelIndex":

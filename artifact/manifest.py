@@ -15,6 +15,13 @@ SCHEMA_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 
 
+def write_json_atomically(model: BaseModel, path: Path) -> None:
+    """Write `model` as JSON through a temporary file and a rename, so a reader never sees half a file."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(model.model_dump_json(indent=2) + "\n")
+    partial.replace(path)
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -199,11 +206,7 @@ class Manifest(_Strict):
         return cost.predicted_ms(batch, seq, tokens if packed else None) if cost is not None else None
 
     def write(self, directory: Path) -> None:
-        """Write through a temporary file and a rename, so a reader never sees half a manifest."""
-        path = Path(directory) / MANIFEST_FILE
-        partial = path.with_name(f".{MANIFEST_FILE}.partial")
-        partial.write_text(self.model_dump_json(indent=2) + "\n")
-        partial.replace(path)
+        write_json_atomically(self, Path(directory) / MANIFEST_FILE)
 
     @classmethod
     def read(cls, directory: Path) -> "Manifest":

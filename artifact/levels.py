@@ -48,8 +48,12 @@ class LevelIndex(BaseModel):
         path = Path(directory) / LEVELS_FILE
         try:
             index = cls.model_validate(json.loads(path.read_text()))
-        except (json.JSONDecodeError, ValidationError) as exc:
-            raise ArtifactError(f"{path} is not a valid level index: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = ".".join(str(part) for part in error["loc"])
+            raise ArtifactError(f"{path} is not a valid level index: {where}: {error['msg']}") from None
         if index.schema_version != SCHEMA_VERSION or not index.levels:
             raise ArtifactError(f"{path} lists no levels this build reads (schema_version {index.schema_version})")
         for level in index.levels:

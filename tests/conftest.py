@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +103,15 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     config = CompileConfig(model=model, out=out, buckets=buckets, task=task, max_batch=16,
                            generic_shapes=settings.pop("generic_shapes", ["3x5", "2x11", "5x20"]), **settings)
     return compile_model(config)
+
+
+def server_refusal(artifacts: Path) -> list[str]:
+    """Start `python -m service` on `artifacts`, which it must refuse before listening (exit 2):
+    the lines it wrote to stderr."""
+    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(artifacts), "--port", "0"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    return result.stderr.strip().splitlines()
 
 
 @pytest.fixture(scope="session")

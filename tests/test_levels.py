@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import httpx
 import pytest
+from conftest import server_refusal
 from test_cli import run_cli
 
 from artifact import levels
@@ -155,9 +154,13 @@ def test_the_server_refuses_a_cpu_below_every_level_before_listening(multi_level
     index.write(copy)
     if missing_on_host(["amx-tile"]) != ["amx-tile"]:
         pytest.skip("this CPU has AMX tiles (or its features cannot be read)")
-    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(copy), "--port", "0"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert result.stderr.strip().splitlines() == [
+    assert server_refusal(copy) == [
         f"bert-serve: error: {copy} holds libraries for {V4}, {V3}; this CPU lacks amx-tile even for {V3}: "
         "recompile it here"]
+
+
+def test_a_malformed_level_index_is_refused_in_one_line(tmp_path):
+    (tmp_path / LEVELS_FILE).write_text(json.dumps({"levels": [{"mcpu": 1}]}))
+    assert server_refusal(tmp_path) == [
+        f"bert-serve: error: {tmp_path / LEVELS_FILE} is not a valid level index: levels.0.mcpu: "
+        "Input should be a valid string"]

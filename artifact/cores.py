@@ -1,7 +1,7 @@
 """How many cores a process running an artifact may keep busy: its CPU affinity, capped by a
 container's CFS quota (cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), as Go's automaxprocs and the
 JVM count them. The compile stage times libraries with that many threads; the server sizes its
-workers from it."""
+workers from it; and how long their idle thread-pool workers spin."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+# sched_yield calls (~0.5 us each on the 2-core EPYC of docs/PERFORMANCE.md) an idle TVM pool worker
+# makes before it sleeps: ~1 ms bridges the gaps between one call's kernels (without it a 1x16 call
+# took 12% longer), and the pool is asleep ~1 ms after the call. TVM's default, 300000 (~150 ms),
+# kept a core busy in a server answering one query every 50 ms.
+POOL_SPIN_YIELDS = 2000
 
 
 def cgroup_cpu_limit(root: Path = CGROUP_ROOT) -> float | None:
@@ -37,3 +43,9 @@ def usable_cores(root: Path = CGROUP_ROOT) -> int:
     if limit is not None:
         cores = min(cores, max(1, math.floor(limit)))
     return max(1, cores)
+
+
+def limit_pool_spinning() -> None:
+    """Give TVM's thread pools `POOL_SPIN_YIELDS` (unless the environment sets its own); call before
+    the first pool exists."""
+    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", str(POOL_SPIN_YIELDS))

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from artifact.cores import usable_cores
+from artifact.cores import limit_pool_spinning, usable_cores
 
 
 def interleaved_medians(
@@ -48,6 +48,7 @@ def use_all_cores() -> int:
     # A thread's pool is created with TVM_NUM_THREADS workers (default: half the cores) and can
     # only use fewer later, so the variable must be set before the first pool exists.
     threads = int(os.environ.setdefault("TVM_NUM_THREADS", str(usable_cores())))
+    limit_pool_spinning()  # as the server's pools spin
     tvm.get_global_func("runtime.config_threadpool")(1, threads)  # 1: kBig, every core on x86
     return threads
 

@@ -22,6 +22,9 @@ import numpy as np
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
 PROG = "python -m loadtest.bench"
+# libgomp spins under torch between a call's parallel regions: 10000 bridges them (1x16 took 8.1
+# ms against 10.1 with no spinning and 8.8 with 4000) and its worker sleeps ~2 ms after the call.
+TORCH_SPIN_COUNT = 10000
 # Max |candidate - PyTorch eager| per dtype: looser than the compile stage's validation bounds
 # (1e-4, 2e-2) since ONNX Runtime and torch.compile reorder reductions too, and far below what a
 # wrong model or wrong weights give (differences of the order of the outputs themselves).
@@ -134,6 +137,7 @@ def _fail(message: str, code: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from artifact.cores import limit_pool_spinning
     from artifact.errors import ArtifactError
     from compile.bucketing import parse_buckets
     from compile.errors import CompileError
@@ -149,11 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ArtifactError, CompileError) as exc:
         return _fail(str(exc), 2)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
-    # Every runtime's idle workers busy-wait after a call (TVM's pool, OpenMP under torch, ORT's
-    # pool); interleaved in one process, that spinning steals the cores the next backend runs
-    # on (torch at 1x16 went from 15 to 570 ms), so none of them spins here.
-    os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Every runtime's idle workers spin between the parallel sections of a call (without it, a
+    # call waits for sleeping workers to wake at each one: 10-20% slower at 1x16 for each runtime),
+    # and by default go on spinning long after it, which, interleaved in one process, steals the
+    # cores the next backend runs on (torch at 1x16 went from 15 to 570 ms). So each spins within
+    # a call and sleeps within ~2 ms of its end: TVM's pools as the server's
+    # (`limit_pool_spinning`), libgomp under torch after `TORCH_SPIN_COUNT` spins, ORT's pool stops
+    # at the end of each run (`onnx_peer`). The warm call before each timed one absorbs the rest.
+    limit_pool_spinning()
+    os.environ.setdefault("GOMP_SPINCOUNT", str(TORCH_SPIN_COUNT))
     import torch
 
     from artifact.loader import load_artifact

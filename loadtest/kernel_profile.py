@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from artifact.bucketing import PackedBucket
-from artifact.cores import usable_cores
+from artifact.cores import limit_pool_spinning, usable_cores
 from artifact.errors import ArtifactError
 from compile.bucketing import parse_bucket
 from compile.errors import CompileError
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
+    limit_pool_spinning()
     import numpy as np
 
     from artifact.loader import load_artifact

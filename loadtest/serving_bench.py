@@ -1,12 +1,13 @@
 """`python -m loadtest.serving_bench`: the server against its own libraries and the PyTorch server.
 
 Starts one compiled server per worker topology and the PyTorch server(s), all on 127.0.0.1 at
-once (an idle server costs no CPU), then measures, on this machine:
+once (an idle server's threads sleep), then measures, on this machine:
 
 1. a single short query (1 input, ~8 tokens) over a kept-alive connection: each server's p50
    back to back (one server at a time) and after a pause (requests interleaved across servers,
    each after `--gap-ms` idle), against the in-process median of the library that serves it
-   (every core, as the wide worker runs it), back to back and after the same pause;
+   (every core, as the wide worker runs it), back to back and after the same pause; and the
+   server process's CPU time per query after a pause (what a nearly idle server costs);
 2. one request of 8 inputs x ~112 tokens: p50 per server, interleaved after pauses;
 3. mixed traffic (the load-test workload) at a closed-loop concurrency: throughput and latency
    per server, one server at a time, in alternating order over `--rounds` rounds (medians).
@@ -183,6 +184,14 @@ def timed_requests(urls: dict[str, str], body: dict | None, count: int, gap_s: f
             for name, values in samples.items()}
 
 
+def _cpu_s(server) -> float:
+    """CPU seconds the server process has used so far (user + system, every thread)."""
+    import psutil
+
+    times = psutil.Process(server.process.pid).cpu_times()
+    return times.user + times.system
+
+
 def server_timing(header: str) -> dict[str, float]:
     """`Server-Timing: tokenize;dur=0.041, ...` as {"tokenize": 0.041, ...} (ms)."""
     return {name: float(dur) for name, dur in (part.split(";dur=") for part in header.split(", ") if ";dur=" in part)}
@@ -235,8 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                              for name, info in infos.items()}
         log(f"{PROG}: single short query x {args.short_requests} per server, back to back and after pauses ...")
         report["short"] = timed_requests(urls, {"inputs": short}, args.short_requests, 0.0, interleave=False)
+        cpu_before = {name: _cpu_s(server) for name, server in servers.items()}
         report["short_after_pause"] = timed_requests(urls, {"inputs": short}, args.short_requests, args.gap_ms / 1e3,
                                                      interleave=True)
+        for name, server in servers.items():  # what each query costs the machine, idle threads' spinning included
+            report["short_after_pause"][name]["server_cpu_ms"] = (
+                (_cpu_s(server) - cpu_before[name]) * 1e3 / args.short_requests)
         report["http_floor"] = timed_requests(urls, None, args.short_requests, 0.0, interleave=False)
         log(f"{PROG}: 8 x ~112 tokens x {args.long_requests} per server ...")
         report["long"] = timed_requests(urls, {"inputs": long_inputs, "truncate": True}, args.long_requests,
@@ -273,13 +286,15 @@ def markdown(report: dict) -> str:
              f"{report['short_tokens']}-token query back to back, {library['idle_median_ms']:.2f} ms when each call "
              f"follows a {report['gap_ms']:g} ms pause.", "",
              "| server | topology (workers x threads, wide) | 1 short query p50 ms, back to back | after a pause "
-             "| 8 x ~112 tokens p50 ms | mixed traffic req/s | mixed p50 ms | mixed p99 ms | mixed padding share |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| server CPU ms per query after a pause | 8 x ~112 tokens p50 ms | mixed traffic req/s | mixed p50 ms "
+             "| mixed p99 ms | mixed padding share |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, mixed in report["mixed"].items():
         topology = report["topology"][name]
         lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
                      f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
                      f"{report['short_after_pause'][name]['p50_ms']:.1f} | "
+                     f"{report['short_after_pause'][name]['server_cpu_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
                      f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
     lines += ["", "| server | start to /ready s | RSS after warm-up MB | peak RSS MB | weight files MB |",

@@ -4,9 +4,14 @@ sentences: untuned CPU kernels are slow."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import numpy as np
+import psutil
 import pytest
+
+from artifact.cores import usable_cores
 
 SENTENCES = [
     "The striker scored twice and the team won the championship final.",
@@ -44,6 +49,24 @@ def test_packed_artifact_embeds_match_sentence_transformers(serve, minilm_packed
         with httpx.Client(base_url=server.url, timeout=120) as client:
             _assert_matches_sentence_transformers(client, minilm_dir)
             assert client.get("/info").json()["models"][0]["layout"] == "packed"
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="a lone batch runs on a multi-threaded pool only with 2+ cores")
+def test_a_server_answering_a_query_every_50_ms_does_not_keep_a_core_busy(serve, minilm_packed_artifact):
+    """Each lone query runs on the wide worker's multi-threaded TVM pool, whose idle threads spin
+    before they sleep: with TVM's default spin (~150 ms) this server burned ~110% of a core."""
+    with serve([minilm_packed_artifact]) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for _ in range(3):
+            assert client.post("/embed", json={"inputs": SENTENCES[0]}).status_code == 200
+        process = psutil.Process(server.process.pid)
+        before, started = process.cpu_times(), time.perf_counter()
+        for _ in range(20):
+            assert client.post("/embed", json={"inputs": SENTENCES[0]}).status_code == 200
+            time.sleep(0.05)
+        after, elapsed = process.cpu_times(), time.perf_counter() - started
+        assert client.get("/info").json()["topology"]["wide"]
+    busy = (after.user - before.user + after.system - before.system) / elapsed
+    assert busy < 0.5, f"the server kept {busy:.0%} of a core busy"
 
 
 def test_int8_artifact_embeds_stay_within_0_99_of_fp32_sentence_transformers(serve, minilm_dir, tmp_path):

@@ -24,6 +24,7 @@ def test_serving_bench_compares_topologies_and_backends(tiny_embed_artifact, tmp
     assert all(run["throughput_rps"] > 0 and run["errors"] == [{}] for run in report["mixed"].values())
     assert report["machine"]["llvm_mcpu"] and report["machine"]["cores"] >= 1
     assert set(report["short_after_pause"]) == set(report["short"]) == set(names)  # both regimes, every server
+    assert all(r["server_cpu_ms"] > 0 for r in report["short_after_pause"].values())
     breakdown = report["short"][names[0]]["server_p50_ms"]
     assert 0 < breakdown["inference"] <= breakdown["total"] <= report["short"][names[0]]["p50_ms"]
     assert all(0 <= run["padding_share"] < 1 for run in report["mixed"].values())

@@ -12,9 +12,9 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 # sched_yield calls (~0.5 us each on the 2-core EPYC of docs/PERFORMANCE.md) an idle TVM pool worker
-# makes before it sleeps: ~1 ms bridges the gaps between one call's kernels (without it a 1x16 call
-# took 12% longer), and the pool is asleep ~1 ms after the call. TVM's default, 300000 (~150 ms),
-# kept a core busy in a server answering one query every 50 ms.
+# makes before it sleeps: ~1 ms bridges the gaps between one call's kernels, so they do not wait
+# for a sleeping worker, and the pool is asleep ~1 ms after the call. TVM's default, 300000
+# (~150 ms), kept a core busy in a server answering one query every 50 ms (tests/test_service_minilm.py).
 POOL_SPIN_YIELDS = 2000
 
 

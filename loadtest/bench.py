@@ -22,8 +22,8 @@ import numpy as np
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
 PROG = "python -m loadtest.bench"
-# libgomp spins under torch between a call's parallel regions: 10000 bridges them (1x16 took 8.1
-# ms against 10.1 with no spinning and 8.8 with 4000) and its worker sleeps ~2 ms after the call.
+# libgomp spins under torch between a call's parallel regions: 10000 bridges them, and its
+# worker sleeps ~2 ms after the call (fewer spins left part of the gaps unbridged).
 TORCH_SPIN_COUNT = 10000
 # Max |candidate - PyTorch eager| per dtype: looser than the compile stage's validation bounds
 # (1e-4, 2e-2) since ONNX Runtime and torch.compile reorder reductions too, and far below what a
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(str(exc), 2)
     os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
     # Every runtime's idle workers spin between the parallel sections of a call (without it, a
-    # call waits for sleeping workers to wake at each one: 10-20% slower at 1x16 for each runtime),
+    # call waits for sleeping workers to wake at each one; docs/PERFORMANCE.md compares the two),
     # and by default go on spinning long after it, which, interleaved in one process, steals the
     # cores the next backend runs on (torch at 1x16 went from 15 to 570 ms). So each spins within
     # a call and sleeps within ~2 ms of its end: TVM's pools as the server's

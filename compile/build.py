@@ -13,6 +13,7 @@ from artifact.bucketing import AnyBucket, Bucket
 
 from .errors import CompileError
 from .importer import symbolic_dims
+from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
 
@@ -81,5 +82,5 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
     if target.kind.name == "cuda":
         import_cuda_tensor_intrinsics()
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
-        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target))
+        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target), tir_pipeline=tir_pipeline(target))
     executable.export_library(str(path))

@@ -91,8 +91,10 @@ def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pas
     `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
     `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
 
-    A drop-in for `relax.get_default_pipeline(target)` on an llvm target:
-    `tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target))`.
+    A drop-in for `relax.get_default_pipeline(target)` on an llvm target, lowered as the libraries
+    are with compile/lowering.py's TIR pipeline (the dense kernel relies on it to keep its
+    accumulator in registers): `tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target),
+    tir_pipeline=tir_pipeline(target))`.
     """
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 

@@ -20,6 +20,7 @@ from tvm.script import tirx as T
 from compile.kernels.common import vector_lanes
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
+from compile.lowering import tir_pipeline
 from compile.schedule import cpu_pipeline, cpu_schedule_pass
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -43,7 +44,7 @@ def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
 
 
 def _run(mod: tvm.IRModule, *arrays: np.ndarray):
-    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
     out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
     return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
 
@@ -121,7 +122,7 @@ def test_dense_residual_and_scale_epilogue():
 
 def test_symbolic_m_dense_with_bias_gelu():
     mod = _dense_module(tirx.Var("m", "int64"), 64, 96, "gelu")
-    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
     w, b = _rand(64, 96), _rand(96)
     for m in (1, 5, 40):
         x = _rand(m, 64)
@@ -216,7 +217,7 @@ def test_norm_softmax_meanpool_symbolic():
             pooled = relax.op.divide(relax.op.sum(relax.op.multiply(ln, m3), axis=[1]), relax.op.sum(m3, axis=[1]))
             out = bb.emit_output(relax.Tuple([ln, sm, bb.emit(pooled)]))
         bb.emit_func_output(out)
-    vm = relax.VirtualMachine(tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET)), tvm.cpu())
+    vm = relax.VirtualMachine(tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
     g, be = _rand(64), _rand(64, 1)[:, 0]
     for shape in [(1, 1), (3, 17)]:
         x = _rand(*shape, 64)

@@ -20,6 +20,7 @@ from compile.build import make_target
 from compile.kernels import attention
 from compile.kernels.attention import AttentionShape
 from compile.kernels.common import vector_lanes
+from compile.lowering import tir_pipeline
 from compile.passes.fuse_attention import fuse_attention_in
 from compile.schedule import cpu_pipeline
 
@@ -191,7 +192,8 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
     assert fuse_attention_in(module, lanes)[1] == 1
-    built = {fused: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=fused))
+    built = {fused: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=fused),
+                                     tir_pipeline=tir_pipeline(target))
              for fused in (False, True)}
     if not _runs_here(target):
         pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")

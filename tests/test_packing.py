@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
+import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
@@ -23,6 +24,7 @@ from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.kernels.common import vector_lanes
 from compile.kernels.dense import packed_panel_width, schedule_matmul
+from compile.lowering import tir_pipeline
 from compile.opcount import tracked_counts
 from compile.passes.lift import lift_and_transform
 from compile.passes.packing import pack_linear_weights
@@ -132,7 +134,7 @@ def test_packed_kernel_matches_torch(m, lanes):
     nt = packed_panel_width(n, lanes)
     assert lifted.weights[-1].shape == (n // nt, k, nt)
     np.testing.assert_array_equal(lifted.weights[-1], w.reshape(n // nt, nt, k).transpose(0, 2, 1))
-    executable = tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target))
+    executable = tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))
     if not _runs_here(target):
         pytest.skip(f"compiled for {MCPU_OF_LANES[lanes]}; this CPU lacks its features, so it is not run")
     vm = relax.VirtualMachine(executable, tvm.cpu())
@@ -156,6 +158,30 @@ def test_schedule_reads_the_panels_without_repacking(lanes):
         assert not any(name.startswith("panel_view") for name in names)  # the panels' view is inlined
         text = sch.mod["main"].script()
         assert "T.parallel" in text and "T.vectorized" in text
+
+
+@each_lane_count
+@pytest.mark.parametrize("m", [16, "symbolic"])
+def test_the_kernel_prefetches_the_next_panel_and_accumulates_on_the_stack(m, lanes):
+    """Each k step prefetches row k of panel tile + 1 (every 64-byte line of it), and with the CPU
+    TIR pipeline no buffer of the kernel is a heap workspace: the accumulator (1 KB with AVX-512,
+    TVM's own threshold) stays an alloca LLVM keeps in registers despite the prefetch calls."""
+    target, n = TARGETS[lanes], 1536
+    packed, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64") if m == "symbolic" else m, 384, n), lanes)
+    lifted = lift_and_transform(packed, [tvm.runtime.tensor(w) for w in _weights(384, n)])
+    func = schedule_matmul(_fused_packed_kernel(lifted.mod, lanes), lanes).mod["main"]
+    prefetch = tvm.ir.Op.get("tirx.prefetch")
+    rows = []  # (panel index, column) of every prefetched address
+    tvm_ffi.structural_walk(func, [(tvm.ir.expr.Call, lambda call: rows.append(
+        call.args[0].args[0].indices) if call.op.same_as(prefetch) else None)])
+    nt = packed_panel_width(n, lanes)
+    assert sorted(int(columns) for _, _, columns in rows) == list(range(0, nt, 16))  # each cache line once
+    for panel, _, _ in rows:  # (tile + 1) % panels
+        assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // nt and int(panel.a.b) == 1
+    module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    lower, finalize_host, _ = tvm.tirx.get_tir_pipeline(tir_pipeline(target))
+    host = finalize_host()(lower(tvm.tirx.transform.BindTarget(target.with_host(target))(module))).script()
+    assert "TVMBackendAllocWorkspace" not in host
 
 
 @each_lane_count
@@ -196,4 +222,4 @@ def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
     assert count == 1
     lifted = lift_and_transform(mod, [tvm.runtime.tensor(x) for x in _weights(48, n)])
     assert lifted.weights[-1].shape == (n // _panel(lanes), 48, _panel(lanes))
-    tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target))
+    tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))

@@ -182,6 +182,7 @@ def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, row
     """This weight's BSR kernel and the dense kernel, built for `target` and timed on `rows`
     activation rows here (median ms of interleaved runs)."""
     from ..kernels import dense
+    from ..lowering import tir_pipeline
     from ..timing import interleaved_medians
 
     n, k = weight.shape
@@ -192,7 +193,8 @@ def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, row
     dense_func = dense.schedule_matmul(te.create_prim_func([x, panels, dense.packed_matmul_te(x, panels)]), lanes)
     data, indices, indptr = to_bsr(weight, block)
     sparse_func = sparse.bsr_matmul_cpu(rows, k, len(indices), block, n // block[0], "float32", lanes)
-    built = {name: tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target)
+    built = {name: tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target,
+                               tir_pipeline=tir_pipeline(target))  # as the library will be lowered
              for name, func in (("dense", dense_func.mod["main"]), ("sparse", sparse_func))}
     activations = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
     packed = np.ascontiguousarray(weight.reshape(n // nt, nt, k).transpose(0, 2, 1))

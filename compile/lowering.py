@@ -3,8 +3,8 @@
 TVM's LowerTVMBuiltin gives every constant-size allocation of 1 KB or more a heap workspace
 (`TVMBackendAllocWorkspace`). The matmul's register accumulator is 8 x 32 fp32 on AVX-512, exactly
 1 KB: as a heap pointer LLVM must assume it may alias other memory, and once the k loop holds any
-call (the weight prefetch, kernels/dense.py) it stores the accumulators to memory on every step,
-2.6x slower. As a stack alloca they are promoted to registers. `StackAllocateSmallBuffers` marks
+call (the weight prefetch, kernels/dense.py) it stores every accumulator register back to memory
+on every step. As a stack alloca they are promoted to registers. `StackAllocateSmallBuffers` marks
 such allocations (up to `STACK_BUFFER_BYTES`) to stay allocas, which LowerTVMBuiltin then leaves.
 """
 

@@ -1,7 +1,7 @@
 """The TIR lowering of CPU libraries: TVM's default pipeline, plus small scratch buffers on the stack.
 
-TVM's LowerTVMBuiltin gives every constant-size allocation of 1 KB or more a heap workspace
-(`TVMBackendAllocWorkspace`). The matmul's register accumulator is 8 x 32 fp32 on AVX-512, exactly
+TVM's LowerTVMBuiltin gives every constant-size "global" allocation of 1 KB or more, and every
+"local" one of any size, a heap workspace (`TVMBackendAllocWorkspace`). The matmul's register accumulator is 8 x 32 fp32 on AVX-512, exactly
 1 KB: as a heap pointer LLVM must assume it may alias other memory, and once the k loop holds any
 call (the weight prefetch, kernels/dense.py) it stores every accumulator register back to memory
 on every step. As a stack alloca they are promoted to registers. `StackAllocateSmallBuffers` marks
@@ -34,7 +34,8 @@ def _constant_bytes(buffer: tirx.Buffer) -> int | None:
 
 @tirx.transform.prim_func_pass(opt_level=0, name="StackAllocateSmallBuffers")
 def stack_allocate_small_buffers(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
-    """Mark each constant-size "global" allocation of at most `STACK_BUFFER_BYTES` to stay a stack alloca."""
+    """Mark each constant-size "global" or "local" allocation of at most `STACK_BUFFER_BYTES` to stay
+    a stack alloca."""
 
     def mark(node: tirx.AllocBuffer):
         nbytes = _constant_bytes(node.buffer)

@@ -139,7 +139,9 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
 
     app = FastAPI(title="bert-tvm-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings, app.state.metrics, app.state.runtime = settings, metrics, runtime
-    app.include_router(router)
+    # The routes join the app's own router: FastAPI 0.165's include_router wraps each included route
+    # in layers that cost ~0.15 ms per request (measured with a backend that returns at once).
+    app.router.routes.extend(router.routes)
     app.openapi = with_body_schemas(app.openapi)
 
     @app.exception_handler(ServiceError)

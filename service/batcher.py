@@ -22,7 +22,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from concurrent.futures import FIRST_EXCEPTION, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Callable
 
@@ -196,7 +196,9 @@ class Batcher:
             entries, batch = planned
             lane = self.lanes.take(alone=wide_run_pays(self.queue.live_count(), self.queue.arrival_rate(),
                                                        batch.cost_ms))
-            task = asyncio.create_task(self._execute(entries, batch.bucket, lane))
+            started = time.perf_counter()
+            work = self._submit(lane, entries, batch.bucket)
+            task = asyncio.create_task(self._execute(entries, work, lane, started))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             self._progress.set()
@@ -248,11 +250,21 @@ class Batcher:
         self._gauge()
         return [window[i] for i in chosen.indices], chosen
 
-    async def _execute(self, entries: list[Entry], bucket: AnyBucket | None, lane: Lane) -> None:
-        started = time.perf_counter()
+    def _submit(self, lane: Lane, entries: list[Entry], bucket: AnyBucket | None) -> Future:
+        """Start the batch on `lane` now, not a loop turn later in `_execute`; a refusal (the lane's
+        executor shut down) becomes the batch's error, so its inputs are answered and the lane freed."""
+        try:
+            return lane.submit(self._run, entries, bucket)
+        except Exception as exc:  # noqa: BLE001 - reported to the batch's requests by _execute
+            refused: Future = Future()
+            refused.set_exception(exc)
+            return refused
+
+    async def _execute(self, entries: list[Entry], work: Future, lane: Lane, started: float) -> None:
+        """Await the batch running on `lane`, answer its inputs, record it."""
         try:
             try:
-                result = await asyncio.wrap_future(lane.submit(self._run, entries, bucket))
+                result = await asyncio.wrap_future(work)
                 output = np.asarray(result.output)
                 if output.ndim != 2 or output.shape[0] < len(entries):
                     raise BackendFailure(f"the backend returned an output of shape {output.shape} "

@@ -16,6 +16,7 @@ import pytest
 from tokenizers import Tokenizer
 
 import service.batcher
+import service.lanes
 from loadtest.faults import FaultyBackend
 from loadtest.servers import metric_value, running_app, wait_until
 from service.app import create_app
@@ -155,6 +156,27 @@ def test_a_dead_batching_loop_answers_503_and_restarts(faulty, monkeypatch):
         assert httpx.post(f"{url}/embed", json={"inputs": "after the restart"}, timeout=60).status_code == 200
         assert httpx.get(f"{url}/ready").status_code == 200
         assert metric_value(url, "bert_serve_batcher_crashes_total", model="tiny-embed") == 1
+        assert admitted(url) == 0
+
+
+def test_a_worker_refusing_a_batch_fails_that_batch_and_frees_the_worker(faulty, monkeypatch):
+    """The batch starts on its worker from the batching loop; a refusal there (the worker's executor
+    shut down) is the batch's error: its request gets a JSON 500, the loop and the worker go on."""
+    real_submit = service.lanes.Lane.submit
+    calls = {"n": 0}
+
+    def refuse_once(lane, fn, *args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+        return real_submit(lane, fn, *args)
+
+    with faulty() as (url, _):
+        monkeypatch.setattr(service.lanes.Lane, "submit", refuse_once)
+        refused = httpx.post(f"{url}/embed", json={"inputs": "refused"}, timeout=60)
+        assert refused.status_code == 500 and "after shutdown" in refused.json()["error"]
+        assert httpx.post(f"{url}/embed", json={"inputs": "served"}, timeout=60).status_code == 200
+        assert metric_value(url, "bert_serve_batcher_crashes_total", model="tiny-embed") == 0
         assert admitted(url) == 0
 
 

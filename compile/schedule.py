@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 import tvm
-from tvm import tirx
+from tvm import relax, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
@@ -90,6 +90,8 @@ def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pas
     """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with our two passes in it:
     `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
     `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
+    Reshape kernels become `vm.builtin.reshape` views before the schedule pass: once scheduled,
+    TVM's own rewrite (later in the pipeline) no longer recognises them, and each stayed a copy.
 
     A drop-in for `relax.get_default_pipeline(target)` on an llvm target, lowered as the libraries
     are with compile/lowering.py's TIR pipeline (the dense kernel relies on it to keep its
@@ -102,7 +104,7 @@ def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pas
         ([fuse_attention(vector_lanes(target))] if attention else [])
         + cpu.library_dispatch_passes(target)
         + cpu.legalize_passes(target)
-        + [cpu_schedule_pass(target)]
+        + [relax.transform.RewriteDataflowReshape(), cpu_schedule_pass(target)]
         + cpu.dataflow_lower_passes(target)
         + cpu.finalize_passes(target)
     )

@@ -411,3 +411,31 @@ def test_a_serial_twin_has_its_own_copies_of_the_loops_buffers():
     allocations = _compacted_allocations(scheduled)
     assert len(allocations) == 2 * 5, allocations  # sum, mean, variance and two partials, twice
     assert all("m" not in line.split("alloc_buffer")[1] for line in allocations), allocations
+
+
+def test_a_reshape_kernel_becomes_a_view_before_it_is_scheduled():
+    """The packed embedding reshapes its ids and each gathered block of table rows to [1, tokens,
+    hidden]: LegalizeOps makes those copy kernels, and once the schedule pass has parallelised them
+    TVM no longer recognises them as reshapes; the pipeline turns them into `vm.builtin.reshape`
+    views first."""
+    tokens = tirx.Var("tokens", "int64")
+    bb = relax.BlockBuilder()
+    ids = relax.Var("ids", relax.TensorType((tokens,), "int64"))
+    table = relax.Var("table", relax.TensorType((50, 64), "float32"))
+    with bb.function("main", [ids, table]):
+        with bb.dataflow():
+            batched = bb.emit(relax.op.expand_dims(ids, [0]))
+            rows = bb.emit(relax.op.reshape(batched, relax.ShapeExpr([tokens])))
+            gathered = bb.emit(relax.op.take(table, rows, axis=0))
+            embedded = bb.emit(relax.op.reshape(gathered, relax.ShapeExpr([1, tokens, 64])))
+            out = bb.emit_output(relax.op.multiply(embedded, relax.const(2.0, "float32")))
+        bb.emit_func_output(out)
+    built = tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET))
+    calls = re.findall(r"call\s+(\S+)", relax.VMExecutable(built).as_text())
+    assert "vm.builtin.reshape" in calls
+    assert not [name for name in calls if name.startswith("reshape")]
+    vm = relax.VirtualMachine(built, tvm.cpu())
+    weights = _rand(50, 64)
+    chosen = np.array([3, 0, 49, 3, 17], dtype="int64")
+    got = vm["main"](tvm.runtime.tensor(chosen), tvm.runtime.tensor(weights)).numpy()
+    np.testing.assert_array_equal(got, 2 * weights[chosen][None])

@@ -49,6 +49,7 @@ class InputQueue:
         self.admitted = 0  # inputs queued or running, of requests still waiting
         self._last_arrival: float | None = None
         self._mean_gap = math.inf
+        self._company_share = 0.0  # of recent arrivals, those that found other requests in the server
         self.arrived = asyncio.Event()
 
     def admit(self, encoded: list[Encoded]) -> list[Entry]:
@@ -57,7 +58,7 @@ class InputQueue:
                            f"(--max-concurrent-requests); send at most {self.capacity} per request")
         if self.admitted + len(encoded) > self.capacity:
             raise Overloaded()
-        self._note_arrival()
+        self._note_arrival(found_company=self.admitted > 0)
         loop = asyncio.get_running_loop()
         entries = [Entry(item, loop.create_future()) for item in encoded]
         for entry in entries:
@@ -95,16 +96,20 @@ class InputQueue:
             self.entries.popleft()
 
     def arrival_rate(self, now: float | None = None) -> float:
-        """Requests per second, from the recent gaps, decayed by the silence since the last one."""
+        """Requests per second that arrive while others are in the server: the recent rate (decayed
+        by the silence since the last arrival) times the share of recent arrivals that found
+        company. A client sending back to back waits for each answer before its next request: at
+        any rate its requests find the server empty, and waiting for a next one only delays it."""
         if self._last_arrival is None:
             return 0.0
         silence = (now or time.perf_counter()) - self._last_arrival
-        return 1.0 / max(self._mean_gap, silence, 1e-6)
+        return self._company_share / max(self._mean_gap, silence, 1e-6)
 
-    def _note_arrival(self) -> None:
+    def _note_arrival(self, found_company: bool) -> None:
         now = time.perf_counter()
         if self._last_arrival is not None:
             gap = now - self._last_arrival
             self._mean_gap = gap if math.isinf(self._mean_gap) else (
                 ARRIVAL_SMOOTHING * gap + (1 - ARRIVAL_SMOOTHING) * self._mean_gap)
+        self._company_share = ARRIVAL_SMOOTHING * found_company + (1 - ARRIVAL_SMOOTHING) * self._company_share
         self._last_arrival = now

@@ -3,8 +3,9 @@
 
 A batch is formed only when a worker is free, so inputs keep collecting while all are busy.
 With a worker free, the oldest input waits up to `max_wait_ms` for company only when waiting
-can pay: when the recent arrival rate predicts another input within that time (a lone request on
-an idle server runs at once). Each round sorts a window of a few batches' worth of inputs by
+can pay: when the recent rate of arrivals that find the server busy predicts another input within
+that time (a lone request on an idle server, or a client's next request sent back to back, runs at
+once). Each round sorts a window of a few batches' worth of inputs by
 length, plans the cheapest batches, dispatches the one holding the oldest input and puts the
 rest back, so nothing starves. A batch gets the wide worker (every core) only when nothing else
 is queued and the arrival rate expects nothing while it runs; under load, one core each.
@@ -212,7 +213,8 @@ class Batcher:
             await self.queue.arrived.wait()
 
     def _lingering_pays(self) -> bool:
-        """Another input is expected within the wait: the recent arrival rate says so."""
+        """Another input is expected within the wait: the recent rate of arrivals that found
+        company says so (`InputQueue.arrival_rate`)."""
         return self.queue.arrival_rate() * self.max_wait >= 1.0
 
     async def _linger(self) -> None:

@@ -235,3 +235,12 @@ def test_a_lone_request_on_an_idle_server_does_not_wait_for_company(faulty):
     with faulty(settings={"max_wait_ms": 30000}) as (url, _):
         response = httpx.post(f"{url}/embed", json={"inputs": "alone"}, timeout=60)
         assert response.status_code == 200 and int(response.headers["x-queue-time"]) < 1000  # not 30 s
+
+
+def test_a_client_sending_back_to_back_does_not_wait_for_company(faulty):
+    """Its requests arrive at a high rate, but each only after the last is answered: none finds
+    company, so none lingers for a next one that cannot come before it is answered."""
+    with faulty(settings={"max_wait_ms": 5000}) as (url, _), httpx.Client(base_url=url, timeout=60) as client:
+        for i in range(12):
+            response = client.post("/embed", json={"inputs": f"query {i}"})
+            assert response.status_code == 200 and int(response.headers["x-queue-time"]) < 1000  # not 5 s

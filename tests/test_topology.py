@@ -114,15 +114,33 @@ def test_each_lane_sizes_its_own_threads_on_its_own_thread():
     assert sorted(seen.values()) == [2, 2, 4] and len(seen) == 3
 
 
+ITEM = Encoded(ids=np.ones(3, dtype=np.int64), type_ids=np.zeros(3, dtype=np.int64))
+
+
 def test_the_arrival_rate_rises_with_arrivals_and_decays_in_silence():
     async def scenario():
         queue = InputQueue(capacity=100)
         assert queue.arrival_rate() == 0.0  # nothing seen: never worth waiting for
-        item = Encoded(ids=np.ones(3, dtype=np.int64), type_ids=np.zeros(3, dtype=np.int64))
         for _ in range(5):
-            queue.admit([item])
+            queue.admit([ITEM])
         now = time.perf_counter()
         assert queue.arrival_rate(now) > 100  # five arrivals within microseconds
-        assert queue.arrival_rate(now + 10) == pytest.approx(0.1)  # ten silent seconds later
+        assert queue.arrival_rate(now + 10) == pytest.approx(queue.arrival_rate(now + 20) * 2)  # as 1 / silence
+
+    asyncio.run(scenario())
+
+
+def test_requests_that_each_find_the_server_empty_predict_no_company():
+    """A client sending back to back: each request arrives once the last one is answered, at a
+    high rate, and never finds company; lingering for the next one would only delay it."""
+    async def scenario():
+        queue = InputQueue(capacity=100)
+        for _ in range(20):
+            queue.release(queue.admit([ITEM]))
+        assert queue.arrival_rate() == 0.0
+        waiting = queue.admit([ITEM])
+        queue.admit([ITEM])  # arrives while the first is still in the server
+        assert queue.arrival_rate() > 0.0
+        queue.release(waiting)
 
     asyncio.run(scenario())

@@ -79,3 +79,21 @@ def test_client_resends_on_a_kept_alive_connection_the_server_closed_while_idle(
         first, second = asyncio.run(two_requests_apart(url))
     assert (first.status, first.json(), second.status, second.json()) == (200, {"n": 1}, 200, {"n": 2})
     assert len({client[1] for client in opened}) == 2  # the second went out on a new connection
+
+
+def test_peak_memory_is_the_high_water_mark_not_the_current_size():
+    """A child that touched 200 MB and gave it back: its peak stays, though its RSS fell, and no
+    thread had to be sampling at the right moment."""
+    import psutil
+
+    from loadtest.servers import PeakMemory
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nx = b'x' * (200 * 2**20)\ndel x\n"
+                              "print('freed', flush=True)\ntime.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "freed"
+        assert PeakMemory(child.pid).peak_bytes >= 200 * 2**20
+        assert psutil.Process(child.pid).memory_info().rss < 100 * 2**20
+    finally:
+        child.kill()
+        child.wait()

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -102,8 +103,13 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
         def send(i: int) -> None:
             statuses.append(httpx.post(f"{server.url}/embed", json={"inputs": f"in flight {i}"}, timeout=30).status_code)
 
-        send(-1)  # an answered request: the next ones arrive soon after it, so the batcher expects
-        # company and lets them linger (up to 60 s) instead of running them at once
+        # Concurrent full batches (4 inputs, the largest bucket's: never held back) find each other
+        # in the server, so the batcher expects company for the next arrivals and lets the three
+        # single inputs below linger (up to 60 s) instead of running them at once.
+        full = {"inputs": [f"full batch {i}" for i in range(4)]}
+        with ThreadPoolExecutor(8) as pool:
+            answered = pool.map(lambda _: httpx.post(f"{server.url}/embed", json=full, timeout=30).status_code, range(32))
+            assert set(answered) == {200}
         threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
         for thread in threads:
             thread.start()
@@ -112,7 +118,7 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
         server.process.send_signal(signal.SIGTERM)
         for thread in threads:
             thread.join(timeout=30)
-        assert statuses == [200, 200, 200, 200]
+        assert statuses == [200, 200, 200]
         assert server.process.wait(timeout=30) == 0
 
 

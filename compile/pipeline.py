@@ -55,7 +55,14 @@ from .passes.strategy import PASSES, STRATEGIES, apply_strategy
 from .progress import Progress
 from .sentences import ACCURACY_SENTENCES
 from .staging import atomic_directory
-from .timing import budgeted_medians_ms, fit_cost_model, interleaved_medians, use_all_cores
+from .timing import (
+    OTHER_LOAD_WARNING_CORES,
+    OtherLoad,
+    budgeted_medians_ms,
+    fit_cost_model,
+    interleaved_medians,
+    use_all_cores,
+)
 from .validate import checked_diff, cosine_drift, library_inputs
 
 TOKENIZER_DIR = "tokenizer"
@@ -363,22 +370,27 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
         builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size, can_run)
-        pending = []
-        for bucket in buckets:
-            with progress.step(f"build bucket {bucket.name}"):
-                pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
-                                             bucket_workloads(bucket), [bucket]))
-        with progress.step("build generic library"):
-            generic_workloads = cost_model_workloads(config.max_batch, info.max_seq)
-            first = Workload.full(generic_shapes[0].batch, generic_shapes[0].seq)  # `auto` chooses on it
-            pending.append(builder.build("generic", lambda m: m, [first] + [w for w in generic_workloads if w != first],
-                                         generic_shapes, static=False))
-        chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
-        records = []
-        for candidates in pending:
-            shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
-            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
-                records.append(builder.finish(candidates, chosen[candidates.name]))
+        with OtherLoad() as timing:  # the libraries are timed in here (strategies, then each finish)
+            pending = []
+            for bucket in buckets:
+                with progress.step(f"build bucket {bucket.name}"):
+                    pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
+                                                 bucket_workloads(bucket), [bucket]))
+            with progress.step("build generic library"):
+                generic_workloads = cost_model_workloads(config.max_batch, info.max_seq)
+                first = Workload.full(generic_shapes[0].batch, generic_shapes[0].seq)  # `auto` chooses on it
+                workloads = [first] + [w for w in generic_workloads if w != first]
+                pending.append(builder.build("generic", lambda m: m, workloads, generic_shapes, static=False))
+            chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
+            records = []
+            for candidates in pending:
+                shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
+                with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
+                    records.append(builder.finish(candidates, chosen[candidates.name]))
+        if timing.cores > OTHER_LOAD_WARNING_CORES:
+            log.warning("other processes kept %.1f cores busy while the libraries were timed: the manifest's "
+                        "latencies and cost models, which the server's batch planner uses, are too high; "
+                        "compile on an otherwise idle machine", timing.cores)
         generic = records[-1]
         quantization = None
         if config.quantize == "int8":

@@ -39,6 +39,48 @@ def interleaved_medians(
     }
 
 
+# Cores' worth of CPU that other processes may take while libraries are timed before the compile
+# stage warns that its latencies are inflated (the test suite beside a compile put 150 ms into a
+# 1 ms fixed cost).
+OTHER_LOAD_WARNING_CORES = 0.25
+
+
+class OtherLoad:
+    """The CPU time other processes took during a `with` block, in cores (`cores`, set on exit):
+    the machine's busy time (/proc/stat) less this process's own, its threads and waited-for
+    children included. Stays 0 where /proc/stat cannot be read."""
+
+    cores = 0.0
+
+    def __enter__(self) -> "OtherLoad":
+        self._started = (time.monotonic(), _machine_busy_s(), _own_busy_s())
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        started, machine, own = self._started
+        now = _machine_busy_s()
+        elapsed = time.monotonic() - started
+        if machine is not None and now is not None and elapsed > 0:
+            self.cores = max(0.0, (now - machine) - (_own_busy_s() - own)) / elapsed
+
+
+def _machine_busy_s() -> float | None:
+    """Seconds every CPU has spent busy since boot (all but idle and iowait; guest time is already
+    inside user time, so the guest columns are left out)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields[:8]) - fields[3] - fields[4]  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _own_busy_s() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
 def use_all_cores() -> int:
     """Size the calling thread's TVM thread pool to `TVM_NUM_THREADS`, else to every core of the
     process, and return that count. Without it TVM's pool takes half the cores on x86 (it

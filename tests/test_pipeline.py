@@ -1,6 +1,10 @@
 """End-to-end compiles of tiny random-weight BERTs: manifest, numerics, loader, atomicity."""
 
 import json
+import logging
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +19,7 @@ from compile import pipeline
 from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.errors import ValidationError
-from compile.timing import fit_cost_model
+from compile.timing import OtherLoad, fit_cost_model
 
 
 def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
@@ -76,6 +80,36 @@ def test_cost_model_fit_never_goes_negative():
     assert min(fixed, per_token, per_attention) >= 0 and fixed > 0
     with pytest.raises(ValueError):
         fit_cost_model({})
+
+
+def test_other_load_counts_other_processes_and_not_this_one():
+    """What the compile stage's busy-machine warning measures: another process spinning on a core
+    counts; this process's own work (the compile itself) does not."""
+    with OtherLoad() as own:
+        started = time.perf_counter()
+        while time.perf_counter() - started < 0.5:
+            pass
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with OtherLoad() as other:
+            time.sleep(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert own.cores < 0.5 < other.cores
+
+
+def test_compiling_beside_a_busy_process_warns_that_the_latencies_are_off(tiny_bert_dir, tmp_path, caplog):
+    """A process spinning while the libraries are timed: the manifest's latencies (what the server's
+    planner costs batches with) are inflated, and the compile says so."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="compile.pipeline"):
+            compile_artifact(tiny_bert_dir, tmp_path / "out", ["1x8"])
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert any("cores busy while the libraries were timed" in record.message for record in caplog.records)
 
 
 def test_manifest_without_latencies_still_reads(tiny_embed_artifact, tmp_path):

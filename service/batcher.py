@@ -5,9 +5,8 @@ A batch is formed only when a worker is free, so inputs keep collecting while al
 With a worker free, the oldest input waits up to `max_wait_ms` for company only when waiting
 can pay: when the recent rate of arrivals that find the server busy predicts another input within
 that time (a lone request on an idle server, or a client's next request sent back to back, runs at
-once). Each round sorts a window of a few batches' worth of inputs by
-length, plans the cheapest batches, dispatches the one holding the oldest input and puts the
-rest back, so nothing starves. A batch gets the wide worker (every core) only when nothing else
+once). Each round sorts a window of a few batches' worth of inputs by length, plans the cheapest
+batches, dispatches the one holding the oldest input and puts the rest back, so nothing starves. A batch gets the wide worker (every core) only when nothing else
 is queued and the arrival rate expects nothing while it runs; under load, one core each.
 
 Whatever raises wherever, every admitted input is answered: a result, its batch's error, 503

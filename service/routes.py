@@ -61,10 +61,11 @@ class _RequestRoute(APIRoute):
 
 
 def post(*paths: str):
-    """Register `handler(body, request) -> Response` for POST at `paths`, its body parsed and validated in one pass
-    by pydantic's JSON parser against the handler's `body` annotation (FastAPI's own path, json.loads
-    then validation of the Python objects, cost 0.1 ms more per request); invalid JSON or fields are
-    a 422, as FastAPI's. Returns the handler, which `/` calls with a body it parsed itself."""
+    """Register `handler(body, request) -> Response` for POST at `paths`, its body parsed and
+    validated in one pass by pydantic's JSON parser against the handler's `body` annotation
+    (FastAPI's own path, json.loads then validation of the Python objects, cost 0.1 ms more per
+    request); invalid JSON or fields are a 422, as FastAPI's. Returns the handler, which `/` calls
+    with a body it parsed itself."""
 
     def register(handler):
         schema = typing.get_type_hints(handler)["body"]
@@ -83,7 +84,8 @@ def post(*paths: str):
 
         endpoint.__name__ = handler.__name__
         for path in paths:
-            router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=body_doc, route_class_override=_RequestRoute)
+            router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=body_doc,
+                                 route_class_override=_RequestRoute)
         return handler
 
     return register

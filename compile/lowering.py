@@ -1,8 +1,8 @@
 """The TIR lowering of CPU libraries: TVM's default pipeline, plus small scratch buffers on the stack.
 
 TVM's LowerTVMBuiltin gives every constant-size "global" allocation of 1 KB or more, and every
-"local" one of any size, a heap workspace (`TVMBackendAllocWorkspace`). The matmul's register accumulator is 8 x 32 fp32 on AVX-512, exactly
-1 KB: as a heap pointer LLVM must assume it may alias other memory, and once the k loop holds any
+"local" one of any size, a heap workspace (`TVMBackendAllocWorkspace`). The matmul's register
+accumulator is 8 x 32 fp32 on AVX-512, exactly 1 KB: as a heap pointer LLVM must assume it may alias other memory, and once the k loop holds any
 call (the weight prefetch, kernels/dense.py) it stores every accumulator register back to memory
 on every step. As a stack alloca they are promoted to registers. `StackAllocateSmallBuffers` marks
 such allocations (up to `STACK_BUFFER_BYTES`) to stay allocas, which LowerTVMBuiltin then leaves.

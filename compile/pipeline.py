@@ -388,7 +388,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
                     records.append(builder.finish(candidates, chosen[candidates.name]))
         if timing.cores > OTHER_LOAD_WARNING_CORES:
-            log.warning("other processes kept %.1f cores busy while the libraries were timed: the manifest's "
+            log.warning("other work kept %.1f cores busy while the libraries were timed: the manifest's "
                         "latencies and cost models, which the server's batch planner uses, are too high; "
                         "compile on an otherwise idle machine", timing.cores)
         generic = records[-1]

@@ -39,9 +39,8 @@ def interleaved_medians(
     }
 
 
-# Cores' worth of CPU that other processes may take while libraries are timed before the compile
-# stage warns that its latencies are inflated (the test suite beside a compile put 150 ms into a
-# 1 ms fixed cost).
+# Cores' worth of CPU that others may take while libraries are timed before the compile stage
+# warns that its latencies (and the cost models fitted to them) are inflated.
 OTHER_LOAD_WARNING_CORES = 0.25
 
 
@@ -65,8 +64,9 @@ class OtherLoad:
 
 
 def _machine_busy_s() -> float | None:
-    """Seconds every CPU has spent busy since boot (all but idle and iowait; guest time is already
-    inside user time, so the guest columns are left out)."""
+    """Seconds every CPU has spent busy since boot: all but idle and iowait, steal included (time
+    the hypervisor gave other guests slows the timings as much); guest time is already inside
+    user time, so the guest columns are left out."""
     try:
         with open("/proc/stat") as stat:
             fields = [int(value) for value in stat.readline().split()[1:]]

@@ -48,12 +48,14 @@ class PeakMemory:
         try:
             process = psutil.Process(self.pid)
             return sum(_high_water_mark(p) for p in [process, *process.children(recursive=True)])
-        except psutil.Error:
+        except psutil.Error:  # the server itself is gone
             return 0
 
 
 def _high_water_mark(process) -> int:
-    """VmHWM in bytes (Linux), else the current RSS."""
+    """VmHWM in bytes (Linux), else the current RSS; 0 for a child that has exited meanwhile."""
+    import psutil
+
     try:
         with open(f"/proc/{process.pid}/status") as status:
             for line in status:
@@ -61,7 +63,10 @@ def _high_water_mark(process) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return process.memory_info().rss
+    try:
+        return process.memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 @dataclass

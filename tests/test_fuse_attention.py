@@ -232,3 +232,31 @@ def test_each_task_reads_its_keys_and_values_once_not_per_query_tile(layout):
     assert tiles and {"k_src", "v_src"} <= loaded(func.body)
     for tile in tiles:
         assert {"keys", "values"} <= loaded(tile) and not {"k_src", "v_src"} & loaded(tile)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+@each_lane_count
+def test_each_output_row_is_written_as_whole_vectors(layout, lanes):
+    """softmax x V accumulates a few queries' rows with the head's dims in the lanes, so every
+    output element is stored by a vectorised loop over consecutive columns (not one lane of a
+    query vector at a time, a transposed scalar write of each row)."""
+    packed, hidden, batch = layout == "packed", HEADS * HEAD_SIZE, tirx.Var("b", "int64")
+    rows = tirx.Var("t", "int64") if packed else batch * 24
+    shape = AttentionShape(batch, 24, rows, HEADS, HEAD_SIZE, 24, 0.25, packed, (3 * hidden,) * 3,
+                           (0, hidden, 2 * hidden))
+    func = attention.write_attention(shape, lanes)
+
+    def output_stores(stmt) -> list:
+        stores = []
+        tvm_ffi.structural_map(stmt, [(tirx.BufferStore, lambda store: (
+            stores.append(store) if store.buffer.name == "out" and not isinstance(store.value, tirx.FloatImm)
+            else None) or store)])
+        return stores
+
+    loops = []
+    tvm_ffi.structural_map(func.body, [(tirx.For, lambda loop: loops.append(loop) or loop)])
+    vector_written = [store for loop in loops if loop.kind == tirx.ForKind.VECTORIZED
+                      for store in output_stores(loop.body)
+                      if any(v.same_as(loop.loop_var) for v in tirx.analysis.undefined_vars(store.indices[-1]))]
+    stores = output_stores(func.body)
+    assert stores and all(any(store.same_as(v) for v in vector_written) for store in stores)

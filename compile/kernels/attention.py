@@ -11,22 +11,26 @@ with queries in the vector lanes (`lanes` of them per tile):
         Qt[d, i] = Q[row(i), q_off + h * D + d] * scale            (a [D, lanes] transposed copy)
         sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j]             KEYS keys x 1 vector of queries
         sT[j, i] = exp(sT[j, i] - max_j sT[j, i]); sum_i = sum_j sT[j, i]   per query, lane by lane
-        out[row(i), h * D + d] = sum_j Vh[j, d] * sT[j, i] / sum_i  lanes dims x 1 vector
+        out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i  QP queries x D dims in vectors
 
-Keys and values are broadcast from Kh and Vh, this head's columns of the sequence's K and V rows
-staged once per task (not transposed): every query tile's products read them at fixed strides from
-one pointer per key tile, where reading the source rows cost a clamped row gather per key and tile
-(2-3% of the kernel's time in a 512-token call, docs/PERFORMANCE.md). With queries in the lanes the softmax over keys is plain
-vector max / exp / add down the keys, no horizontal reductions. Q, K and V are read from the
-linear layers' outputs (the Q/K/V
-concatenation included: one source tensor, three column offsets), through `row`: a token's row in
-the packed layout's [tokens, hidden] (the `gather` input) or `b * seq + i` in the padded layout's
-[batch * seq, hidden]. Scores live in a per-task buffer of `max_seq` x `lanes` floats (32 KB at
-512 x 16; Kh and Vh are 64 KB each at 512 x 32), so nothing of size seq^2 reaches memory; with every key of a tile at hand the softmax is
-the exact two-pass one (online softmax over key tiles pays only when that buffer outgrows the
-caches, beyond the 512 positions of BERT-family models). Work scales with each sequence's own
-length, not the bound: keys and queries past a sequence's last real token are skipped (padded
-layout: its padding rows are written as zeros, which no output reads).
+The second product turns the layout around: a few queries' scores are broadcast against whole
+vectors of Vh's dims, so each output row is written as D / lanes vector stores, not lane by lane
+as a transposed scalar write of every query's row (docs/PERFORMANCE.md). Keys are broadcast
+from Kh, values read from Vh: this head's columns of the sequence's K and V rows, staged once per
+task (not transposed). Every query tile's products read them at fixed strides from one pointer
+per key tile, where reading the source rows cost a clamped row gather per key and tile (2-3% of
+the kernel's time in a 512-token call, docs/PERFORMANCE.md). With queries in the lanes the
+softmax over keys is plain vector max / exp / add down the keys, no horizontal reductions.
+
+Q, K and V are read from the linear layers' outputs (the Q/K/V concatenation included: one source
+tensor, three column offsets), through `row`: a token's row in the packed layout's [tokens,
+hidden] (the `gather` input) or `b * seq + i` in the padded layout's [batch * seq, hidden].
+Scores live in a per-task buffer of `max_seq` x `lanes` floats (32 KB at 512 x 16; Kh and Vh are
+64 KB each at 512 x 32), so nothing of size seq^2 reaches memory; with every key of a tile at
+hand the softmax is the exact two-pass one (online softmax over key tiles pays only when that
+buffer outgrows the caches, beyond the 512 positions of BERT-family models). Work scales with
+each sequence's own length, not the bound: keys and queries past a sequence's last real token
+are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
@@ -76,6 +80,15 @@ def supports(head_size: int, lanes: int) -> bool:
     return head_size % lanes == 0
 
 
+def _context_tile(head_size: int, lanes: int) -> tuple[int, int]:
+    """(vectors per head, queries per pass) of the softmax x V accumulator: QP queries' whole
+    head rows, half the register file (16 zmm with AVX-512, 8 ymm with AVX2), the rest for the
+    value vectors and score broadcasts. QP divides the lanes, so passes tile a query tile."""
+    vectors = head_size // lanes
+    queries = max(1, (16 if lanes >= 16 else 8) // vectors)
+    return vectors, min(lanes, 1 << (queries.bit_length() - 1))
+
+
 def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled)."""
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
@@ -88,6 +101,7 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
     packed = shape.packed
     zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
     MIN_WORK = i64(MIN_PARALLEL_WORK)
+    DV, QP = (i64(x) for x in _context_tile(shape.head_size, lanes))
 
     def row_of(gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
@@ -146,20 +160,27 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
                 for lane in T.vectorized(V):
                     scores[j, lane] = T.exp(scores[j, lane] - top[lane])
                     total[lane] = total[lane] + scores[j, lane]
-            for chunk in T.serial(D // V):
-                context = T.alloc_buffer((V, V), "float32", scope="local")
-                for d in T.unroll(V):
+            inverse = T.alloc_buffer((V,), "float32", scope="local")
+            for lane in T.vectorized(V):
+                inverse[lane] = T.float32(1) / total[lane]
+            for part in T.serial(V // QP):
+                context = T.alloc_buffer((QP, D), "float32", scope="local")
+                for q, dv in T.grid(QP, DV):
                     for lane in T.vectorized(V):
-                        context[d, lane] = zero
+                        context[q, dv * V + lane] = zero
                 for j in T.serial(length[0]):
-                    for d in T.unroll(V):
-                        for lane in T.vectorized(V):
-                            context[d, lane] = context[d, lane] + values[j, chunk * V + d] * scores[j, lane]
-                for lane in T.serial(V):
-                    if tile * V + lane < length[0]:
-                        for d in T.serial(V):
-                            out[row_of(gather, b, tile * V + lane, R_OUT), h * D + chunk * V + d] = (
-                                context[d, lane] / total[lane])
+                    for q in T.unroll(QP):
+                        for dv in T.unroll(DV):
+                            for lane in T.vectorized(V):
+                                context[q, dv * V + lane] = (
+                                    context[q, dv * V + lane] + scores[j, part * QP + q] * values[j, dv * V + lane])
+                for q in T.serial(QP):
+                    i = tile * V + part * QP + q
+                    if i < length[0]:
+                        for dv in T.unroll(DV):
+                            for lane in T.vectorized(V):
+                                out[row_of(gather, b, i, R_OUT), h * D + dv * V + lane] = (
+                                    context[q, dv * V + lane] * inverse[part * QP + q])
         if not packed:
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero

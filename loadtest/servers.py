@@ -177,12 +177,14 @@ def metric_value(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding"}
+TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding",
+                  "bert_serve_inference_duration_seconds_sum": "inference_s"}
 
 
 def compute_path_counts(base: str) -> Counter:
-    """Batches per compute path so far, and real and padding tokens computed (keys `tokens`,
-    `padding`), summed over the server's models, from its Prometheus metrics."""
+    """Batches per compute path so far, real and padding tokens computed (keys `tokens`, `padding`)
+    and seconds spent running batches (`inference_s`), summed over the server's models, from its
+    Prometheus metrics."""
     counts: Counter = Counter()
     for sample in metric_samples(base):
         if sample.name == "bert_serve_batches_total":

@@ -259,17 +259,22 @@ def main(argv: list[str] | None = None) -> int:
             order = list(urls) if round_index % 2 == 0 else list(urls)[::-1]
             for name in order:
                 log(f"{PROG}: mixed traffic, concurrency {args.concurrency}, round {round_index + 1}: {name} ...")
-                before = compute_path_counts(urls[name])
+                before, cpu_s = compute_path_counts(urls[name]), _cpu_s(servers[name])
                 outcomes, elapsed = asyncio.run(closed_loop(urls[name], "/embed", requests, tokens,
                                                             args.concurrency, time_limit=120))
-                runs[name].append({**summarize(outcomes, elapsed),
-                                   "padding_share": padding_share(before, compute_path_counts(urls[name]))})
+                after = compute_path_counts(urls[name])
+                # how much of the machine the server used, and how much of that ran batches
+                runs[name].append({**summarize(outcomes, elapsed), "padding_share": padding_share(before, after),
+                                   "server_cores": (_cpu_s(servers[name]) - cpu_s) / elapsed,
+                                   "batch_cores": (after["inference_s"] - before["inference_s"]) / elapsed})
         for name, server in servers.items():
             report["process"][name]["peak_rss_mb"] = server.memory.peak_bytes / 2**20
         report["mixed"] = {name: {"throughput_rps": statistics.median(r["throughput_rps"] for r in rs),
                                   "p50_ms": statistics.median(r["latency_ms"]["p50"] for r in rs),
                                   "p99_ms": statistics.median(r["latency_ms"]["p99"] for r in rs),
                                   "padding_share": statistics.median(r["padding_share"] or 0.0 for r in rs),
+                                  "server_cores": statistics.median(r["server_cores"] for r in rs),
+                                  "batch_cores": statistics.median(r["batch_cores"] for r in rs),
                                   "errors": [r["errors"] for r in rs]}
                            for name, rs in runs.items()}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -287,8 +292,8 @@ def markdown(report: dict) -> str:
              f"follows a {report['gap_ms']:g} ms pause.", "",
              "| server | topology (workers x threads, wide) | 1 short query p50 ms, back to back | after a pause "
              "| server CPU ms per query after a pause | 8 x ~112 tokens p50 ms | mixed traffic req/s | mixed p50 ms "
-             "| mixed p99 ms | mixed padding share |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mixed p99 ms | mixed padding share | mixed: server CPU, cores | mixed: batches running, workers |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, mixed in report["mixed"].items():
         topology = report["topology"][name]
         lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
@@ -296,7 +301,8 @@ def markdown(report: dict) -> str:
                      f"{report['short_after_pause'][name]['p50_ms']:.1f} | "
                      f"{report['short_after_pause'][name]['server_cpu_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "
-                     f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% |")
+                     f"{mixed['p99_ms']:.0f} | {100 * mixed['padding_share']:.0f}% | {mixed['server_cores']:.2f} | "
+                     f"{mixed['batch_cores']:.2f} |")
     lines += ["", "| server | start to /ready s | RSS after warm-up MB | peak RSS MB | weight files MB |",
               "|---|---|---|---|---|"]
     for name, process in report["process"].items():

@@ -28,6 +28,9 @@ def test_serving_bench_compares_topologies_and_backends(tiny_embed_artifact, tmp
     breakdown = report["short"][names[0]]["server_p50_ms"]
     assert 0 < breakdown["inference"] <= breakdown["total"] <= report["short"][names[0]]["p50_ms"]
     assert all(0 <= run["padding_share"] < 1 for run in report["mixed"].values())
+    for name, run in report["mixed"].items():  # batches run on the workers: never more at once than there are
+        topology = report["topology"][name]
+        assert run["server_cores"] > 0 and 0 < run["batch_cores"] <= topology["workers"] + topology["wide"]
     assert all(p["ready_s"] > 0 and p["rss_mb"] > p["weights_mb"] > 0 for p in report["process"].values())
     assert "| tvm default (narrow x1 thread + wide) |" in capsys.readouterr().out
 

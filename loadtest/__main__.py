@@ -19,7 +19,7 @@ from artifact.errors import ArtifactError
 from .driver import closed_loop, open_loop
 from .machine import describe as describe_machine
 from .report import saturation_verdict, summarize, write_outputs
-from .servers import LOGS, TOKEN_COUNTERS, compute_path_counts, padding_share, running_server
+from .servers import LOGS, SUMMED_METRICS, compute_path_counts, padding_share, running_server
 from .workload import artifact_tokenizer, make_requests
 
 PROG = "python -m loadtest"
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                         run = open_loop(base, endpoint, requests, tokens, level, args.time_limit, seed=args.seed)
                     outcomes, elapsed = asyncio.run(run)
                     counts = compute_path_counts(base)
-                    batches = Counter({k: v for k, v in (counts - before).items() if k not in TOKEN_COUNTERS.values()})
+                    batches = Counter({k: v for k, v in (counts - before).items() if k not in SUMMED_METRICS.values()})
                     row = {"backend": backend, "endpoint": endpoint, "mode": mode, "level": level,
                            **summarize(outcomes, elapsed), "batches_by_path": dict(batches),
                            "padding_share": padding_share(before, counts),

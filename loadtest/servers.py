@@ -177,7 +177,8 @@ def metric_value(base: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-TOKEN_COUNTERS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding",
+# Metrics `compute_path_counts` sums besides the batches per path, and the keys it gives them.
+SUMMED_METRICS = {"bert_serve_tokens_total": "tokens", "bert_serve_padding_tokens_total": "padding",
                   "bert_serve_inference_duration_seconds_sum": "inference_s"}
 
 
@@ -189,8 +190,8 @@ def compute_path_counts(base: str) -> Counter:
     for sample in metric_samples(base):
         if sample.name == "bert_serve_batches_total":
             counts[sample.labels["path"]] += sample.value
-        elif sample.name in TOKEN_COUNTERS:
-            counts[TOKEN_COUNTERS[sample.name]] += sample.value
+        elif sample.name in SUMMED_METRICS:
+            counts[SUMMED_METRICS[sample.name]] += sample.value
     return counts
 
 

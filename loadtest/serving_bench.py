@@ -47,6 +47,7 @@ TOPOLOGIES = {
     "tvm default (narrow x1 thread + wide)": ("tvm", []),
     "tvm narrow only (1 thread each)": ("tvm", ["--no-wide-worker"]),
     "tvm 1 worker x all cores": ("tvm", ["--workers", "1", "--threads-per-worker", "0"]),
+    "tvm default, no batch queued ahead": ("tvm", ["--no-queue-ahead"]),
     "torch default (1 worker x all cores)": ("torch", []),
     "torch 1 thread per worker": ("torch", ["--threads-per-worker", "1", "--workers", "0"]),
 }
@@ -296,8 +297,9 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, mixed in report["mixed"].items():
         topology = report["topology"][name]
-        lines.append(f"| {name} | {topology['workers']} x {topology['threads_per_worker']}"
-                     f"{', wide' if topology['wide'] else ''} | {report['short'][name]['p50_ms']:.1f} | "
+        shape = (f"{topology['workers']} x {topology['threads_per_worker']}{', wide' if topology['wide'] else ''}"
+                 f"{'' if topology['queue_ahead'] else ', no queue-ahead'}")
+        lines.append(f"| {name} | {shape} | {report['short'][name]['p50_ms']:.1f} | "
                      f"{report['short_after_pause'][name]['p50_ms']:.1f} | "
                      f"{report['short_after_pause'][name]['server_cpu_ms']:.1f} | "
                      f"{report['long'][name]['p50_ms']:.0f} | {mixed['throughput_rps']:.1f} | {mixed['p50_ms']:.0f} | "

@@ -1,13 +1,16 @@
 """The dynamic batcher: admitted inputs (`service.admission`), cut into batches
 (`service.planning`), run on workers within the cores (`service.lanes`), answered, measured.
 
-A batch is formed only when a worker is free, so inputs keep collecting while all are busy.
-With a worker free, the oldest input waits up to `max_wait_ms` for company only when waiting
-can pay: when the recent rate of arrivals that find the server busy predicts another input within
-that time (a lone request on an idle server, or a client's next request sent back to back, runs at
-once). Each round sorts a window of a few batches' worth of inputs by length, plans the cheapest
-batches, dispatches the one holding the oldest input and puts the rest back, so nothing starves. A batch gets the wide worker (every core) only when nothing else
-is queued and the arrival rate expects nothing while it runs; under load, one core each.
+A batch is formed only when a worker can take it, so inputs keep collecting while all are busy:
+a worker is free, or (`Topology.queue_ahead`) runs a batch with none queued behind it yet, so
+that the next one starts without waiting on this loop. Then the oldest input waits up to
+`max_wait_ms` for company only when waiting can pay: when the recent rate of arrivals that find
+the server busy predicts another input within that time (a lone request on an idle server, or a
+client's next request sent back to back, runs at once). Each round sorts a window of a few
+batches' worth of inputs by length, plans the cheapest batches, dispatches the one holding the
+oldest input and puts the rest back, so nothing starves. A batch gets the wide worker (every
+core) only when nothing else is queued and the arrival rate expects nothing while it runs; under
+load, one core each.
 
 Whatever raises wherever, every admitted input is answered: a result, its batch's error, 503
 when the loop itself fails, or 504 past `request_timeout`. The loop is supervised: if it dies,
@@ -195,10 +198,9 @@ class Batcher:
                 continue
             entries, batch = planned
             lane = self.lanes.take(alone=wide_run_pays(self.queue.live_count(), self.queue.arrival_rate(),
-                                                       batch.cost_ms))
-            started = time.perf_counter()
+                                                       batch.cost_ms), cost_ms=batch.cost_ms or 0.0)
             work = self._submit(lane, entries, batch.bucket)
-            task = asyncio.create_task(self._execute(entries, work, lane, started))
+            task = asyncio.create_task(self._execute(entries, work, lane))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
             self._progress.set()
@@ -261,11 +263,13 @@ class Batcher:
             refused.set_exception(exc)
             return refused
 
-    async def _execute(self, entries: list[Entry], work: Future, lane: Lane, started: float) -> None:
+    async def _execute(self, entries: list[Entry], work: Future, lane: Lane) -> None:
         """Await the batch running on `lane`, answer its inputs, record it."""
         try:
             try:
-                result = await asyncio.wrap_future(work)
+                started, finished, result = await asyncio.wrap_future(work)
+                if result is None:
+                    return  # every request of the batch gave up while it waited behind another
                 output = np.asarray(result.output)
                 if output.ndim != 2 or output.shape[0] < len(entries):
                     raise BackendFailure(f"the backend returned an output of shape {output.shape} "
@@ -273,10 +277,16 @@ class Batcher:
             finally:
                 self.lanes.release(lane)
                 self._progress.set()
-            elapsed = time.perf_counter() - started
+            elapsed = finished - started
             for row, entry in enumerate(entries):
                 if entry.live:
                     entry.future.set_result(ItemResult(output[row], result.path, started - entry.enqueued_at, elapsed))
+        except asyncio.CancelledError:
+            if not work.cancelled():
+                raise
+            for entry in entries:  # queued behind another batch when the workers shut down
+                entry.fail_request(Unavailable("server is shutting down"))
+            return
         except Exception as exc:  # noqa: BLE001 - one bad batch fails its own requests only
             log.exception("batch of %d failed on %s", len(entries), self.name)
             error = exc if isinstance(exc, ServiceError) else BackendFailure(f"inference failed: {exc}")
@@ -290,7 +300,12 @@ class Batcher:
             log.exception("recording metrics of a batch failed on %s", self.name)
 
     def _run(self, entries: list[Entry], bucket: AnyBucket | None):
-        """Worker thread: right-pad the batch to its longest input and run it."""
+        """Worker thread: right-pad the batch to its longest input and run it; (start, end, result),
+        the times on the worker so that a batch queued behind another counts only its own run, the
+        result None when no input is live any more (their requests timed out or left)."""
+        started = time.perf_counter()
+        if not any(entry.live for entry in entries):
+            return started, started, None
         seq = max(len(entry.encoded) for entry in entries)
         input_ids = np.zeros((len(entries), seq), dtype=np.int64)
         attention_mask = np.zeros_like(input_ids)
@@ -300,7 +315,8 @@ class Batcher:
             input_ids[row, :length] = entry.encoded.ids
             attention_mask[row, :length] = 1
             token_type_ids[row, :length] = entry.encoded.type_ids
-        return self.backend.run(input_ids, attention_mask, token_type_ids, bucket)
+        result = self.backend.run(input_ids, attention_mask, token_type_ids, bucket)
+        return started, time.perf_counter(), result
 
     def _gauge(self) -> None:
         self.metrics.queue_depth.labels(self.name).set(self.queue.live_count())

@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--threads-per-worker", type=int, help="intra-op threads of each worker (default: tvm 1, torch every core)")
     add("--wide-worker", action=argparse.BooleanOptionalAction, default=None,
         help="tvm: run a lone batch on every core while nothing else runs (default on)")
+    add("--queue-ahead", action=argparse.BooleanOptionalAction, default=None,
+        help="a busy worker holds the next batch and starts it as soon as it is done (default on)")
     add("--request-timeout", type=float, help="seconds a request may wait for its answer; beyond: 504 (default 60)")
     add("--max-batch-tokens", type=int, help="padded tokens per batch, bucket batch x seq (default 16384)")
     add("--max-batch-requests", type=int, help="inputs per batch (default: bucket bounds)")

@@ -5,11 +5,16 @@ thread, by the backend's `configure_thread`; each thread also gets its own TVM V
 lanes run side by side; the wide lane (every core) runs only when nothing else does. One set of
 lanes serves every model of the server, so several models never oversubscribe the cores. All
 bookkeeping happens on the event loop, so it needs no locks.
+
+With `queue_ahead` a busy narrow lane also takes one batch queued behind its running one: the
+worker starts it the moment it is done, instead of idling its core until the event loop has
+woken up, answered the finished batch and planned the next (docs/PERFORMANCE.md measures both).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,7 +27,12 @@ class Lane:
     name: str
     threads: int
     executor: ThreadPoolExecutor = field(repr=False)
-    busy: bool = False
+    batches: int = 0  # submitted and not yet released: the running one and any queued behind it
+    free_at: float = 0.0  # when those are expected to be done (perf_counter seconds, from their costs)
+
+    @property
+    def busy(self) -> bool:
+        return self.batches > 0
 
     def submit(self, fn: Callable, *args) -> Future:
         return self.executor.submit(fn, *args)
@@ -38,6 +48,7 @@ class Lanes:
         self.topology = topology
         self.narrow = [lane(str(i), topology.threads_per_worker) for i in range(topology.workers)]
         self.wide = lane("wide", topology.cores) if topology.wide else None
+        self.slots = 2 if topology.queue_ahead else 1  # batches a narrow lane may hold at once
         self._released = asyncio.Event()
 
     @property
@@ -48,24 +59,27 @@ class Lanes:
         return not any(lane.busy for lane in self.all)
 
     def has_free(self) -> bool:
-        return not (self.wide and self.wide.busy) and any(not lane.busy for lane in self.narrow)
+        return not (self.wide and self.wide.busy) and any(lane.batches < self.slots for lane in self.narrow)
 
     async def wait_free(self) -> None:
         while not self.has_free():
             self._released.clear()
             await self._released.wait()
 
-    def take(self, alone: bool) -> Lane:
-        """A free lane: the wide one when this batch is the only work, else a narrow one."""
+    def take(self, alone: bool, cost_ms: float = 0.0) -> Lane:
+        """A lane for a batch expected to run `cost_ms`: the wide one when this batch is the only
+        work, else an idle narrow one, else the narrow one expected to be free first."""
         if alone and self.wide is not None and self.idle():
             chosen = self.wide
         else:
-            chosen = next(lane for lane in self.narrow if not lane.busy)
-        chosen.busy = True
+            chosen = min((lane for lane in self.narrow if lane.batches < self.slots),
+                         key=lambda lane: (lane.batches, lane.free_at))
+        chosen.free_at = max(chosen.free_at, time.perf_counter()) + cost_ms / 1000
+        chosen.batches += 1
         return chosen
 
     def release(self, lane: Lane) -> None:
-        lane.busy = False
+        lane.batches -= 1
         self._released.set()
 
     def shutdown(self, wait: bool = True) -> None:

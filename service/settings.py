@@ -33,6 +33,7 @@ class Settings(BaseModel):
     workers: int | None = Field(None, ge=1, description="batches run side by side per model; default: see service.topology")
     threads_per_worker: int | None = Field(None, ge=1, description="intra-op threads of each worker")
     wide_worker: bool | None = Field(None, description="run a lone batch on every core when idle (tvm; default on)")
+    queue_ahead: bool = Field(True, description="a busy worker holds the next batch and starts it as soon as it is done")
     request_timeout: float = Field(60.0, gt=0, description="seconds a request may wait for its answer; beyond: 504")
     max_batch_tokens: int = Field(16384, ge=1, description="padded tokens (bucket batch x seq) per batch")
     max_batch_requests: int | None = Field(None, ge=1, description="inputs per batch; default: bucket bounds")

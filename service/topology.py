@@ -23,13 +23,14 @@ class Topology:
     workers: int  # batches that run side by side under load
     threads_per_worker: int  # intra-op threads of each of those
     wide: bool  # a lone batch on an idle server runs on every core
+    queue_ahead: bool = True  # a busy worker holds the next batch, to start it without the event loop
 
     def describe(self) -> dict:
         return asdict(self)
 
 
 def plan_topology(cores: int, backend: str, workers: int | None = None, threads_per_worker: int | None = None,
-                  wide: bool | None = None) -> Topology:
+                  wide: bool | None = None, queue_ahead: bool = True) -> Topology:
     """The default, or the flags' choice checked against the cores.
 
     TVM: one single-threaded worker per core (independent batches scale perfectly, while a
@@ -52,4 +53,4 @@ def plan_topology(cores: int, backend: str, workers: int | None = None, threads_
             f"{workers} workers x {threads_per_worker} threads would oversubscribe the {cores} cores this process "
             f"may use (affinity and cgroup quota); lower --workers or --threads-per-worker"
         )
-    return Topology(cores, workers, threads_per_worker, wide and cores > threads_per_worker)
+    return Topology(cores, workers, threads_per_worker, wide and cores > threads_per_worker, queue_ahead)

@@ -71,7 +71,7 @@ def test_probes_info_and_metrics(client):
 
 def test_info_reports_the_topology_and_how_batches_are_costed(client):
     info = client.get("/info").json()
-    assert info["topology"] == {"cores": 2, "workers": 2, "threads_per_worker": 1, "wide": True}
+    assert info["topology"] == {"cores": 2, "workers": 2, "threads_per_worker": 1, "wide": True, "queue_ahead": True}
     assert {model["batch_costs"] for model in info["models"]} == {"measured latency"}
 
 

@@ -87,17 +87,21 @@ def test_a_backend_returning_too_few_rows_answers_500_not_a_hang(faulty):
         assert admitted(url) == 0
 
 
-def test_one_failing_input_drops_the_requests_other_queued_inputs(faulty, tiny_embed_artifact):
-    """Batches of one input; the first call blocks while a 3-input request queues behind it; its
-    first input fails, so the other two are dropped, never run."""
+@pytest.mark.parametrize("queue_ahead", [True, False])
+def test_one_failing_input_drops_the_requests_other_queued_inputs(faulty, tiny_embed_artifact, queue_ahead):
+    """Batches of one input; the first call blocks while a 3-input request queues behind it (its
+    first input held by the worker, with queue-ahead); that input fails, so the other two are
+    dropped, never run."""
     poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
-    with faulty(block_calls=[1], poison_id=poison, settings={"max_batch_requests": 1}) as (url, backend):
+    with faulty(block_calls=[1], poison_id=poison,
+                settings={"max_batch_requests": 1, "queue_ahead": queue_ahead}) as (url, backend):
         first: list = []
         blocker = post_in_thread(url, {"inputs": "holds the only worker"}, first)
         assert backend.blocked.wait(60)
         second: list = []
         request = post_in_thread(url, {"inputs": ["poison", "never runs", "never runs either"]}, second)
-        wait_until(lambda: queued(url) == 3, what="three queued inputs")
+        in_queue = 2 if queue_ahead else 3
+        wait_until(lambda: queued(url) == in_queue and admitted(url) == 4, what=f"{in_queue} queued inputs")
         backend.release.set()
         blocker.join(60)
         request.join(60)
@@ -107,8 +111,11 @@ def test_one_failing_input_drops_the_requests_other_queued_inputs(faulty, tiny_e
         assert backend.calls == 2  # the blocked call and the poisoned one; the other two were dropped
 
 
-def test_a_request_past_its_deadline_gets_504_and_its_inputs_are_dropped(faulty):
-    with faulty(block_calls=[1], settings={"request_timeout": 1.0}) as (url, backend):
+@pytest.mark.parametrize("queue_ahead", [True, False])
+def test_a_request_past_its_deadline_gets_504_and_its_inputs_are_dropped(faulty, queue_ahead):
+    """The late request waits in the queue, or (queue-ahead) as a batch held by the blocked worker,
+    which skips it once its request is gone."""
+    with faulty(block_calls=[1], settings={"request_timeout": 1.0, "queue_ahead": queue_ahead}) as (url, backend):
         first: list = []
         blocker = post_in_thread(url, {"inputs": "stuck"}, first)
         assert backend.blocked.wait(60)

@@ -76,7 +76,7 @@ def test_the_cli_refuses_an_oversubscribing_topology_with_one_line(tiny_embed_ar
 
 def test_a_lone_batch_takes_the_wide_lane_and_shuts_out_the_narrow_ones():
     async def scenario():
-        lanes = Lanes(Topology(2, 2, 1, True), configure_thread=lambda threads: None)
+        lanes = Lanes(Topology(2, 2, 1, True, queue_ahead=False), configure_thread=lambda threads: None)
         try:
             wide = lanes.take(alone=True)
             assert wide is lanes.wide and not lanes.has_free()  # every core is taken
@@ -94,6 +94,20 @@ def test_a_lone_batch_takes_the_wide_lane_and_shuts_out_the_narrow_ones():
             lanes.shutdown()
 
     asyncio.run(scenario())
+
+
+def test_queue_ahead_puts_a_batch_behind_the_lane_expected_to_be_free_first():
+    lanes = Lanes(Topology(2, 2, 1, True), configure_thread=lambda threads: None)
+    try:
+        slow, fast = lanes.take(alone=False, cost_ms=50_000), lanes.take(alone=False, cost_ms=10)
+        assert {slow, fast} == set(lanes.narrow)  # idle lanes first
+        assert lanes.take(alone=False, cost_ms=10) is fast  # behind the batch that ends first
+        assert lanes.has_free() and lanes.take(alone=False) is slow  # one batch queued per lane at most
+        assert not lanes.has_free()
+        lanes.release(fast)
+        assert lanes.has_free() and lanes.take(alone=True) is fast  # not alone: the wide lane waits for idle
+    finally:
+        lanes.shutdown()
 
 
 def test_each_lane_sizes_its_own_threads_on_its_own_thread():

@@ -9,6 +9,9 @@ bookkeeping happens on the event loop, so it needs no locks.
 With `queue_ahead` a busy narrow lane also takes one batch queued behind its running one: the
 worker starts it the moment it is done, instead of idling its core until the event loop has
 woken up, answered the finished batch and planned the next (docs/PERFORMANCE.md measures both).
+A batch only ever goes to the narrow lane expected to be free first (from the measured costs of
+what it holds); when that one is full the batch waits, rather than queue behind a long batch on
+another lane.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Lanes:
         return not any(lane.busy for lane in self.all)
 
     def has_free(self) -> bool:
-        return not (self.wide and self.wide.busy) and any(lane.batches < self.slots for lane in self.narrow)
+        return not (self.wide and self.wide.busy) and self._first_free().batches < self.slots
 
     async def wait_free(self) -> None:
         while not self.has_free():
@@ -67,16 +70,15 @@ class Lanes:
             await self._released.wait()
 
     def take(self, alone: bool, cost_ms: float = 0.0) -> Lane:
-        """A lane for a batch expected to run `cost_ms`: the wide one when this batch is the only
-        work, else an idle narrow one, else the narrow one expected to be free first."""
-        if alone and self.wide is not None and self.idle():
-            chosen = self.wide
-        else:
-            chosen = min((lane for lane in self.narrow if lane.batches < self.slots),
-                         key=lambda lane: (lane.batches, lane.free_at))
+        """A lane for a batch expected to run `cost_ms` (call when `has_free`): the wide one when
+        this batch is the only work, else the narrow one expected to be free first."""
+        chosen = self.wide if alone and self.wide is not None and self.idle() else self._first_free()
         chosen.free_at = max(chosen.free_at, time.perf_counter()) + cost_ms / 1000
         chosen.batches += 1
         return chosen
+
+    def _first_free(self) -> Lane:
+        return min(self.narrow, key=lambda lane: lane.free_at if lane.busy else -1.0)
 
     def release(self, lane: Lane) -> None:
         lane.batches -= 1

@@ -96,16 +96,18 @@ def test_a_lone_batch_takes_the_wide_lane_and_shuts_out_the_narrow_ones():
     asyncio.run(scenario())
 
 
-def test_queue_ahead_puts_a_batch_behind_the_lane_expected_to_be_free_first():
+def test_queue_ahead_puts_a_batch_only_behind_the_lane_expected_to_be_free_first():
     lanes = Lanes(Topology(2, 2, 1, True), configure_thread=lambda threads: None)
     try:
         slow, fast = lanes.take(alone=False, cost_ms=50_000), lanes.take(alone=False, cost_ms=10)
         assert {slow, fast} == set(lanes.narrow)  # idle lanes first
-        assert lanes.take(alone=False, cost_ms=10) is fast  # behind the batch that ends first
-        assert lanes.has_free() and lanes.take(alone=False) is slow  # one batch queued per lane at most
-        assert not lanes.has_free()
+        assert lanes.has_free() and lanes.take(alone=False, cost_ms=10) is fast  # behind the batch that ends first
+        assert not lanes.has_free()  # one batch queued per lane, and none behind the long batch
         lanes.release(fast)
         assert lanes.has_free() and lanes.take(alone=True) is fast  # not alone: the wide lane waits for idle
+        lanes.release(fast)
+        lanes.release(fast)
+        assert lanes.take(alone=True) is fast  # idle, but the slow lane is not: still a narrow lane
     finally:
         lanes.shutdown()
 

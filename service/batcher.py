@@ -4,7 +4,8 @@
 A batch is formed only when a worker can take it, so inputs keep collecting while all are busy:
 a worker is free, or (`Topology.queue_ahead`) runs a batch with none queued behind it yet, so
 that the next one starts without waiting on this loop. Then the oldest input waits up to
-`max_wait_ms` for company only when waiting can pay: when the recent rate of arrivals that find
+`max_wait_ms` for company only when waiting can pay: when the batch is not yet as full as the
+planner would make it (`full_batch_size`), and the recent rate of arrivals that find
 the server busy predicts another input within that time (a lone request on an idle server, or a
 client's next request sent back to back, runs at once). Each round sorts a window of a few
 batches' worth of inputs by length, plans the cheapest batches, dispatches the one holding the
@@ -43,6 +44,7 @@ from .planning import (
     Costs,
     PlannedBatch,
     batch_size_hint,
+    full_batch_size,
     plan_batches,
     shared_limits,
     unmeasured_costs,
@@ -79,6 +81,7 @@ class Batcher:
         metrics.register_model(name)
         self.batch_size = batch_size_hint(backend.buckets, limits)
         self.window = sort_window * self.batch_size
+        self._full_sizes: dict[int, int] = {}  # input length -> inputs that make a full batch
         self.queue = InputQueue(capacity)
         self.lanes = lanes  # shared by every model's batcher: one set of workers within the cores
         self.failure: str | None = None  # why the loop gave up, once it has
@@ -222,7 +225,7 @@ class Batcher:
         """With a worker free, let the oldest input wait up to max_wait for a fuller batch."""
         while self.queue.entries and not self._closing:
             live = [entry for entry in self.queue.entries if entry.live]
-            if not live or len(live) >= self.batch_size:
+            if not live or len(live) >= self._full_size(max(len(entry.encoded) for entry in live)):
                 return
             if sum(len(entry.encoded) for entry in live) >= self.limits.max_batch_tokens:
                 return
@@ -234,6 +237,11 @@ class Batcher:
                 await asyncio.wait_for(self.queue.arrived.wait(), remaining)
             except TimeoutError:
                 return
+
+    def _full_size(self, length: int) -> int:
+        if length not in self._full_sizes:
+            self._full_sizes[length] = full_batch_size(length, self.costs, self.limits)
+        return self._full_sizes[length]
 
     def _next_batch(self) -> tuple[list[Entry], PlannedBatch] | None:
         """Sort a window of queued inputs by length; take the planned batch holding the oldest one."""

@@ -186,6 +186,14 @@ def shared_limits(limits: BatchLimits, queued: int, workers: int) -> BatchLimits
     return replace(limits, max_batch_requests=min(limits.max_batch_requests or share, share))
 
 
+def full_batch_size(length: int, costs: Costs, limits: BatchLimits) -> int:
+    """How many inputs of `length` tokens the planner puts in one batch when it has plenty: a
+    batch this full gains nothing from waiting for company (with measured costs, two 2-row calls
+    may beat one 4-row call, and then two inputs are a full batch)."""
+    most = batch_size_hint(costs.buckets, limits)
+    return max(len(batch.indices) for batch in plan_batches([length] * most, costs, limits))
+
+
 def batch_size_hint(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
     """How many inputs make a full batch: used to size the sort window and to stop waiting."""
     padded = [bucket.batch for bucket in buckets if isinstance(bucket, Bucket)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -17,10 +18,12 @@ from tokenizers import Tokenizer
 
 import service.batcher
 import service.lanes
+from compile.bucketing import parse_buckets
 from loadtest.faults import FaultyBackend
 from loadtest.servers import metric_value, running_app, wait_until
 from service.app import create_app
 from service.backends import load_backend
+from service.planning import BatchCosts
 from service.settings import Settings
 
 
@@ -32,15 +35,18 @@ def settings(artifact, **overrides) -> Settings:
 
 @pytest.fixture
 def faulty(tiny_embed_artifact):
-    """Serve the tiny artifact through a FaultyBackend built from the keyword arguments."""
+    """Serve the tiny artifact through a FaultyBackend built from the keyword arguments (`costs`:
+    batch costs to plan with; `settings`: overrides of `settings`)."""
 
     @contextlib.contextmanager
-    def start(*, on_fatal=None, **faults):
+    def start(*, on_fatal=None, costs=None, **faults):
         backends: list[FaultyBackend] = []
         overrides = faults.pop("settings", {})
 
         def loader(directory, kind, threads):
             backends.append(FaultyBackend(load_backend(directory, kind, threads), **faults))
+            if costs is not None:  # the batch costs the planner sees, instead of the measured ones
+                backends[-1].costs = lambda: costs
             return backends[-1]
 
         app = create_app(settings(tiny_embed_artifact, **overrides), loader=loader, on_fatal=on_fatal)
@@ -242,6 +248,20 @@ def test_a_lone_request_on_an_idle_server_does_not_wait_for_company(faulty):
     with faulty(settings={"max_wait_ms": 30000}) as (url, _):
         response = httpx.post(f"{url}/embed", json={"inputs": "alone"}, timeout=60)
         assert response.status_code == 200 and int(response.headers["x-queue-time"]) < 1000  # not 30 s
+
+
+def test_inputs_the_planner_would_not_batch_further_do_not_wait_for_company(faulty):
+    """Costs under which two 2-row calls beat one 4-row call: 4-input requests run as 2 + 2, and
+    the second pair is a full batch. Concurrent clients make company expected, but no pair waits
+    the 30 s for more (the last request's second pair used to, with nothing left to come)."""
+    buckets = parse_buckets("1x8,2x16,4x16")
+    two_rows_pay = BatchCosts(buckets, dict(zip(buckets, (0.06, 0.087, 0.215))), lambda size, seq: 1.0)
+    with faulty(costs=two_rows_pay, settings={"max_wait_ms": 30000}) as (url, _):
+        body = {"inputs": [f"text {i}" for i in range(4)]}
+        with ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda _: httpx.post(f"{url}/embed", json=body, timeout=60), range(16)))
+        assert {response.status_code for response in responses} == {200}
+        assert max(int(response.headers["x-queue-time"]) for response in responses) < 10000  # not 30 s
 
 
 def test_a_client_sending_back_to_back_does_not_wait_for_company(faulty):

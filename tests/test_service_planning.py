@@ -3,6 +3,8 @@ costs from measured library latencies where the artifact has them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from compile.bucketing import parse_buckets
 from service.planning import (
     CALL_TOKENS,
@@ -10,6 +12,7 @@ from service.planning import (
     BatchLimits,
     PackedCosts,
     batch_size_hint,
+    full_batch_size,
     plan_batches,
     shared_limits,
     unmeasured_costs,
@@ -61,6 +64,17 @@ def test_budget_counts_padded_bucket_capacity_and_request_bound():
     bounded = BatchLimits(max_batch_tokens=16384, max_batch_requests=3, generic_max_batch=16)
     assert [len(b.indices) for b in plan_batches([12] * 4, TINY, bounded)] == [2, 2]  # not 3 (on 4x16) + 1
     assert sorted(len(b.indices) for b in plan_batches([12] * 8, TINY, bounded)) == [2, 3, 3]  # ties: fewer calls
+
+
+def test_a_full_batch_is_as_many_inputs_as_the_planner_puts_together():
+    """The batcher stops waiting for company once a batch holds this many: with measured costs
+    under which two 2-row calls beat one 4-row call, two inputs are already full."""
+    assert full_batch_size(6, TINY, LIMITS) == 4  # padded tokens: the 4-row bucket pays
+    two_rows_pay = BatchCosts(TINY_BUCKETS, {b: ms for b, ms in zip(TINY_BUCKETS, (0.06, 0.087, 0.215))},
+                              lambda size, seq: 1.0)
+    assert full_batch_size(6, two_rows_pay, LIMITS) == 2
+    assert [len(b.indices) for b in plan_batches([6] * 4, two_rows_pay, LIMITS)] == [2, 2]
+    assert full_batch_size(12, TINY, replace(LIMITS, max_batch_tokens=32)) == 2  # the token budget caps it
 
 
 def test_shape_free_backend_batches_by_padded_tokens():

@@ -159,6 +159,24 @@ class SparsityEntry(_Strict):
     choices: list[LinearChoice] = []  # per weight, when timed
 
 
+class KernelTuning(_Strict):
+    """One kernel of one bucket library under `--tune`: the hand schedule's time and MetaSchedule's
+    best, timed interleaved on the compiling CPU; `kept` ones ship (tuned_ms None: none agreed)."""
+
+    library: str
+    kernel: str
+    trials: int
+    hand_ms: float
+    tuned_ms: float | None
+    kept: bool
+
+
+class TuningEntry(_Strict):
+    seconds_per_bucket: float
+    database: str | None  # MetaSchedule JSON database of the kept schedules (None: none kept)
+    kernels: list[KernelTuning]
+
+
 class Manifest(_Strict):
     schema_version: int = SCHEMA_VERSION
     task: Literal["embed", "classify"]
@@ -183,6 +201,7 @@ class Manifest(_Strict):
     strategy_choice: StrategyChoice | None = None  # None: one strategy was built
     sparsity: SparsityEntry | None = None
     quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
+    tuning: TuningEntry | None = None  # None: hand schedules only (no --tune)
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float

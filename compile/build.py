@@ -46,13 +46,14 @@ def specialize(mod: tvm.IRModule, bucket: AnyBucket) -> tvm.IRModule:
     return specialize_te_kernels(relax.transform.BindSymbolicVars(bound)(mod))
 
 
-def relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
-    """CPU: the default fusing pipeline plus our CPU schedules; CUDA: the default (dlight) one.
+def relax_pipeline(target: tvm.target.Target, tuned=None) -> tvm.transform.Pass:
+    """CPU: the default fusing pipeline plus our CPU schedules (and `tuned`'s kept ones, a
+    MetaSchedule database); CUDA: the default (dlight) one.
 
     `tvm.compile` alone neither fuses nor schedules on CPU, so we always pass the pipeline.
     """
     if target.kind.name == "llvm":
-        return cpu_pipeline(target)
+        return cpu_pipeline(target, tuned=tuned)
     return relax.get_default_pipeline(target)
 
 
@@ -77,10 +78,13 @@ def import_cuda_tensor_intrinsics() -> None:
             inspect.modulesbyfile.pop(name, None)
 
 
-def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False) -> None:
-    """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph."""
+def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False,
+                  tuned=None) -> None:
+    """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph;
+    `tuned` (CPU) replaces hand schedules with the tuned ones it holds."""
     if target.kind.name == "cuda":
         import_cuda_tensor_intrinsics()
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
-        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target), tir_pipeline=tir_pipeline(target))
+        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned),
+                                 tir_pipeline=tir_pipeline(target))
     executable.export_library(str(path))

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="int8: linear layers on int8 weights (per channel) and activations (per token), CPU with AVX2")
     parser.add_argument("--min-cosine", dest="min_cosine", type=float,
                         help="int8: fail when embeddings fall under this cosine to the fp32 model's (default 0.99)")
+    parser.add_argument("--tune", type=float, metavar="SECONDS",
+                        help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
+                             "only where it was faster in a timed run; the kept schedules ship in tuning/")
     parser.add_argument("--out", type=Path, help="artifact directory to write")
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
@@ -79,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
-                    "strategy", "strategy_margin", "sparsity", "block", "quantize", "min_cosine", "out", "validate")
+                    "strategy", "strategy_margin", "sparsity", "block", "quantize", "min_cosine", "tune", "out",
+                    "validate")
     }
     for key in ("buckets", "sparse_layers"):
         if getattr(args, key) is not None:

@@ -72,6 +72,8 @@ class CompileConfig(BaseModel):
     sparse_choice: Literal["timed", "density"] = Field(
         "timed", description="timed: a weight sparse enough runs through the BSR kernel only where it beat the dense "
         "kernel on this CPU (else, and when the target cannot run here, every one does)")
+    tune: float = Field(0, ge=0, description="seconds of MetaSchedule search per padded bucket (cpu; 0: none): a "
+                        "tuned kernel ships only where it beat the hand schedule in a timed run")
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
     strategy_margin: float = Field(
         0.03, ge=0, description="auto: a library leaves the shared strategy (and adds a weight set, one more copy "
@@ -164,6 +166,8 @@ class CompileConfig(BaseModel):
             raise ValueError("layout packed does not combine with sparsity")
         if self.quantize == "int8" and (self.target != "cpu" or self.sparsity is not None):
             raise ValueError("quantize int8 is built for target cpu, without sparsity")
+        if self.tune and (self.target != "cpu" or self.layout != "padded"):
+            raise ValueError("tune searches the constant shapes of padded buckets: target cpu, layout padded only")
         return self
 
     @property

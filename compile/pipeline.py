@@ -63,6 +63,7 @@ from .timing import (
     interleaved_medians,
     use_all_cores,
 )
+from .tuning import Tuner
 from .validate import checked_diff, cosine_drift, library_inputs
 
 TOKENIZER_DIR = "tokenizer"
@@ -204,6 +205,11 @@ class LibraryBuilder:
         # Libraries are timed (for the server's batch planner) when validated, with every core:
         # as a server runs them. `validate: false` skips both.
         self.timed = self.validate
+        # --tune times kernels, so it runs only where the libraries can run
+        self.tuner = Tuner(target) if config.tune and self.can_run else None
+        if config.tune and not self.can_run:
+            log.warning("--tune skipped: the libraries for mcpu %s cannot run on this machine to be timed",
+                        (target.host or target).attrs["mcpu"])
         if self.can_run:
             use_all_cores()
         # Validate what ships: the weights as read back from the artifact's files.
@@ -219,8 +225,11 @@ class LibraryBuilder:
         libraries = {}
         for strategy, variant in self.variants.items():
             library = f"lib/{name}.{strategy}.so"
-            build_library(shape_module(variant.mod), self.target, self.staging / library,
-                          cuda_graph=self.config.cuda_graph and static)
+            module = shape_module(variant.mod)
+            if self.tuner is not None and static:
+                self.tuner.tune(name, module, self.config.tune / len(self.variants))
+            build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
+                          tuned=self.tuner.database if self.tuner is not None else None)
             libraries[strategy] = library
         strategy_ms = self._time_strategies(libraries, workloads[0])
         return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
@@ -448,6 +457,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                              if len(strategies) > 1 else None),
             sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
             quantization=quantization,
+            tuning=builder.tuner.save(staging, config.tune) if builder.tuner is not None else None,
             validated=builder.validate,
             validated_on=device_name(builder.device) if builder.validate else None,
             tolerance=config.effective_tolerance,

@@ -21,6 +21,7 @@ always safe to add.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import tvm
 from tvm import relax, tirx
@@ -70,28 +71,45 @@ def cpu_schedule_pass(target: Target) -> tvm.ir.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="CPUSchedule")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        updates = {}
-        for gvar, func in mod.functions_items():
-            if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED_ATTR, False):
-                scheduled = schedule_func(func, target)
-                if scheduled is not None:
-                    updates[gvar] = scheduled
-        if not updates:
-            return mod
-        mod = mod.clone()  # the caller's module stays as it was
-        for gvar, func in updates.items():
-            mod.update_func(gvar, func)
-        return mod
+        return schedule_unscheduled(mod, lambda func: schedule_func(func, target))
 
     return _pass
 
 
-def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pass:
+def schedule_unscheduled(mod: tvm.IRModule, schedule: Callable[[tirx.PrimFunc], tirx.PrimFunc | None]) -> tvm.IRModule:
+    """`mod` with every PrimFunc not yet scheduled replaced by `schedule(func)`, where that is not
+    None; the caller's module stays as it was."""
+    updates = {}
+    for gvar, func in mod.functions_items():
+        if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED_ATTR, False):
+            scheduled = schedule(func)
+            if scheduled is not None:
+                updates[gvar] = scheduled
+    if not updates:
+        return mod
+    mod = mod.clone()
+    for gvar, func in updates.items():
+        mod.update_func(gvar, func)
+    return mod
+
+
+def fusion_passes(target: Target, attention: bool = True) -> list[tvm.ir.transform.Pass]:
+    """`cpu_pipeline` up to the schedule pass: its fused PrimFuncs are what is scheduled (and tuned)."""
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    return (([fuse_attention(vector_lanes(target))] if attention else [])
+            + cpu.library_dispatch_passes(target)
+            + cpu.legalize_passes(target)
+            + [relax.transform.RewriteDataflowReshape()])
+
+
+def cpu_pipeline(target: Target, attention: bool = True, tuned=None) -> tvm.ir.transform.Pass:
     """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with our two passes in it:
     `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
     `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
     Reshape kernels become `vm.builtin.reshape` views before the schedule pass: once scheduled,
     TVM's own rewrite (later in the pipeline) no longer recognises them, and each stayed a copy.
+    `tuned` (a MetaSchedule database, compile/tuning.py) schedules the kernels it holds records for.
 
     A drop-in for `relax.get_default_pipeline(target)` on an llvm target, lowered as the libraries
     are with compile/lowering.py's TIR pipeline (the dense kernel relies on it to keep its
@@ -100,11 +118,12 @@ def cpu_pipeline(target: Target, attention: bool = True) -> tvm.ir.transform.Pas
     """
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
+    from .tuning import apply_tuned
+
     passes = (
-        ([fuse_attention(vector_lanes(target))] if attention else [])
-        + cpu.library_dispatch_passes(target)
-        + cpu.legalize_passes(target)
-        + [relax.transform.RewriteDataflowReshape(), cpu_schedule_pass(target)]
+        fusion_passes(target, attention)
+        + ([apply_tuned(tuned, target)] if tuned is not None else [])
+        + [cpu_schedule_pass(target)]
         + cpu.dataflow_lower_passes(target)
         + cpu.finalize_passes(target)
     )

@@ -90,7 +90,7 @@ def test_models_are_listed_and_selected_by_name(client):
 
 
 def test_openai_client_selects_the_model(server, client):
-    openai = pytest.importorskip("openai")
+    import openai
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
     expected = client.post("/embed", json={"inputs": TEXTS[:2], "model": "e5ish"}).json()
     result = api.embeddings.create(input=TEXTS[:2], model="e5ish", encoding_format="float")
@@ -133,7 +133,7 @@ def test_rerank_task_needs_one_label(tiny_classifier_dir, tmp_path):
 
 
 def test_prompts_match_sentence_transformers(client, prompted_dir):
-    sentence_transformers = pytest.importorskip("sentence_transformers")
+    import sentence_transformers
     model = sentence_transformers.SentenceTransformer(str(prompted_dir), device="cpu")
     for prompt_name in ("query", "passage"):
         expected = model.encode(TEXTS, prompt_name=prompt_name, normalize_embeddings=True)

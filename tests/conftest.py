@@ -147,7 +147,7 @@ def minilm_packed_artifact(minilm_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def serve(tmp_path_factory):
-    """Start `python -m service` on a free loopback port: a context manager yielding, once /ready
+    """Start `python -m service` (or `module`) on a free loopback port: a context manager yielding, once /ready
     says 200, a namespace with `url`, `process` and `log` (the server's output file)."""
     import itertools
 
@@ -156,8 +156,8 @@ def serve(tmp_path_factory):
     logs = tmp_path_factory.mktemp("server-logs")
     counter = itertools.count()
 
-    def start(artifacts, *args, env=None, ready_headers=None, timeout=180.0):
+    def start(artifacts, *args, env=None, ready_headers=None, timeout=180.0, module="service"):
         return running_server(artifacts, "--log-level", "warning", *args, log_path=logs / f"server-{next(counter)}.log",
-                              env=env, ready_headers=ready_headers, timeout=timeout)
+                              env=env, ready_headers=ready_headers, timeout=timeout, module=module)
 
     return start

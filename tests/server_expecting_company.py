@@ -1,0 +1,20 @@
+"""`python -m server_expecting_company ARGS` (with tests/ on PYTHONPATH): the real server
+(`service.cli.main`: its signals, drain and exit status) with the two inputs of lingering that
+depend on the machine fixed, so a test knows which inputs linger without relying on its speed:
+the arrival predictor always expects another input within the wait, and batches are planned by
+padded tokens instead of the latencies measured when the artifact was compiled."""
+
+from __future__ import annotations
+
+import math
+
+from service.admission import InputQueue
+from service.backends import TvmBackend
+from service.cli import main
+from service.planning import unmeasured_costs
+
+InputQueue.arrival_rate = lambda self, now=None: math.inf
+TvmBackend.costs = lambda self: unmeasured_costs(self.buckets)
+
+if __name__ == "__main__":
+    raise SystemExit(main())

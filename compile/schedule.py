@@ -108,7 +108,7 @@ def cpu_pipeline(target: Target, attention: bool = True, tuned=None) -> tvm.ir.t
     `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
     `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
     Reshape kernels become `vm.builtin.reshape` views before the schedule pass: once scheduled,
-    TVM's own rewrite (later in the pipeline) no longer recognises them, and each stayed a copy.
+    TVM's own rewrite (later in the pipeline) no longer recognises them, and each would stay a copy.
     `tuned` (a MetaSchedule database, compile/tuning.py) schedules the kernels it holds records for.
 
     A drop-in for `relax.get_default_pipeline(target)` on an llvm target, lowered as the libraries

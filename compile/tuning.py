@@ -1,6 +1,6 @@
 """`--tune SECONDS`: MetaSchedule per bucket, kept only where it beats the hand schedule.
 
-The seed's AutoTVM idea on TVM 0.27: each padded bucket's kernels have constant shapes, so each
+AutoTVM's per-shape tuning on TVM 0.27: each padded bucket's kernels have constant shapes, so each
 can be searched on its own. For every kernel of a bucket (its fused PrimFuncs, before the CPU
 schedule pass) MetaSchedule samples schedules from its default CPU design space (multi-level
 tiling, parallel / vectorise / unroll) and measures them; the best one is then timed against our

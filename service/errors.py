@@ -1,7 +1,7 @@
 """The error contract: every failure is `{"error": str, "error_type": str}` with a fixed status.
 
-The error types are text-embeddings-inference's; the statuses follow the issue where it departs
-from TEI (empty input is 422 here, a failed batch 500, a request past its deadline 504).
+The error types are text-embeddings-inference's, and so are the statuses except three: empty
+input is 422 here, a failed batch 500, a request past its deadline 504.
 """
 
 from __future__ import annotations

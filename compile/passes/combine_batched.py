@@ -2,7 +2,7 @@
 
 Branches `y_i = x @ W_i^T + b_i` sharing `x [M, K]`, with equal `W_i [N, K]`, become
 `Y = matmul(x, stack(W_i^T)) + stack(b_i)[:, None, :]` (`[B, M, N]`, `x` broadcast over B)
-and `y_i = Y[i]`. This is the seed thread's CombineParallelDense; unlike the concat strategy
+and `y_i = Y[i]`. This is Relay's CombineParallelDense on Relax; unlike the concat strategy
 it needs equal widths, so groups of unequal widths are refused and left alone.
 """
 

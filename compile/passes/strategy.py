@@ -1,7 +1,7 @@
 """How parallel matmuls are combined: concat (one wide matmul), batched (one batch matmul) or off.
 
-Which is faster depends on shapes and backend (the seed thread saw one concatenated cuBLAS
-GEMM beat a strided batched one for B=3), so `auto` builds every bucket each way, times the
+Which is faster depends on shapes and backend (on CUDA, one concatenated cuBLAS GEMM has been
+seen to beat a strided batched one for B=3), so `auto` builds every bucket each way, times the
 libraries on the target device and keeps the fastest.
 """
 

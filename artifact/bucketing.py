@@ -1,5 +1,5 @@
-"""Shape buckets as artifacts hold them: the static shape each library is built for, its order, and
-the choice of the smallest one that fits a batch (parsing them from user input is the compile
+"""Shape buckets as artifacts hold them: the static shape each library is built for and its order
+(which one runs a batch is `artifact.costs`'s choice; parsing them from user input is the compile
 stage's).
 
 A padded artifact's bucket is a (batch, seq) shape every batch is padded to. A packed artifact's
@@ -10,7 +10,7 @@ token count (both symbolic), so no token is padded; attention pads each sequence
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Union
 
 
 @dataclass(frozen=True, order=True)
@@ -62,8 +62,3 @@ class PackedBucket:
 
 AnyBucket = Union[Bucket, PackedBucket]
 
-
-def smallest_fitting(buckets: Sequence[AnyBucket], batch: int, seq: int) -> AnyBucket | None:
-    """The bucket with the least padded work that holds (batch, seq), or None."""
-    fitting = [bucket for bucket in buckets if bucket.fits(batch, seq)]
-    return min(fitting, default=None)

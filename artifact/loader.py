@@ -1,9 +1,10 @@
 """The one reader of artifact directories, shared by validation, the service and the benchmarks.
 
 It verifies every library against the manifest's sha256, keeps one set of weights on the
-device, and runs a batch through the smallest bucket that fits (padding batch and sequence; a
-packed artifact's libraries take the real tokens only, see `artifact.packed_batch`) or through
-the generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
+device, and runs a batch through the bucket the service's planner would choose for it
+(`artifact.costs`: the cheapest measured that fits; padding batch and sequence, where a packed
+artifact's libraries take the real tokens only, see `artifact.packed_batch`) or through the
+generic dynamic-shape library. TVM's VirtualMachine is not thread-safe, so
 each calling thread gets its own VM over the shared module and weights.
 
 It needs only TVM's runtime: with the compiler library absent (or `TVM_USE_RUNTIME_LIB=1`)
@@ -15,13 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine
 
-from .bucketing import AnyBucket, Bucket, smallest_fitting
+from .bucketing import AnyBucket
+from .costs import Costs, measured_costs
 from .cpu_features import missing_on_host
 from .errors import ArtifactError
 from .hashing import file_sha256
@@ -179,15 +182,19 @@ class CompiledModel:
         return self.directory / self.manifest.tokenizer
 
     @property
-    def max_batch(self) -> int:
-        return max([self.manifest.generic.max_batch] + [b.batch for b in self.runners if isinstance(b, Bucket)])
-
-    @property
     def max_seq(self) -> int:
         return self.manifest.generic.max_seq
 
-    def select(self, batch: int, seq: int) -> AnyBucket | None:
-        return smallest_fitting(self.buckets, batch, seq)
+    @cached_property
+    def costs(self) -> Costs:
+        """What a batch costs on each loaded library (refused ones left out): the planner's measure."""
+        return measured_costs(self.manifest, self.buckets)
+
+    def select(self, batch: int, seq: int, tokens: int | None = None) -> AnyBucket | None:
+        """The bucket the service's planner runs `batch` sequences padded to `seq` on (`tokens` of
+        them real, default all); None: no bucket holds them, the generic library runs them."""
+        choice = self.costs.choose(batch, seq, tokens)
+        return None if choice is None else choice.bucket
 
     def run(
         self,
@@ -196,12 +203,14 @@ class CompiledModel:
         token_type_ids: np.ndarray | None = None,
         bucket: AnyBucket | None = None,
     ) -> RunResult:
-        """Run one batch of right-padded rows on `bucket` (a caller's choice, e.g. the planner's
-        cheapest) or the smallest fitting bucket, else on the generic library."""
+        """Run one batch of right-padded rows on `bucket` (the planner's choice for it) or, given
+        none, on the one the planner would choose (`select`), else on the generic library."""
         batch, seq = input_ids.shape
         if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
             raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
-        return self._run_on(bucket or self.select(batch, seq), input_ids, attention_mask, token_type_ids)
+        if bucket is None:
+            bucket = self.select(batch, seq, int(np.asarray(attention_mask).sum()))
+        return self._run_on(bucket, input_ids, attention_mask, token_type_ids)
 
     def run_generic(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                     token_type_ids: np.ndarray | None = None) -> RunResult:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bucketing import AnyBucket, Bucket, PackedBucket, smallest_fitting
+from .bucketing import AnyBucket, Bucket, PackedBucket
 from .errors import ArtifactError
 
 SCHEMA_VERSION = 1
@@ -206,23 +206,6 @@ class Manifest(_Strict):
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float
     created_at: str
-
-    def predicted_ms(self, batch: int, seq: int, buckets: Iterable[AnyBucket] | None = None,
-                     tokens: int | None = None) -> float | None:
-        """Measured ms of the library that would run `batch` sequences padded to `seq` (`tokens` of
-        them real, default all): the smallest fitting bucket's `latency_ms` (a packed one's cost
-        model) among `buckets` (default all; pass a loaded model's to skip refused ones), else the
-        generic cost model's prediction; None where that library was not timed."""
-        entries = {entry.bucket: entry for entry in self.buckets}
-        bucket = smallest_fitting(sorted(entries if buckets is None else buckets), batch, seq)
-        packed = self.layout == "packed"
-        if bucket is not None:
-            entry = entries[bucket]
-            if not packed:
-                return entry.latency_ms
-            return entry.cost_model.predicted_ms(batch, bucket.seq, tokens) if entry.cost_model else None
-        cost = self.generic.cost_model
-        return cost.predicted_ms(batch, seq, tokens if packed else None) if cost is not None else None
 
     def write(self, directory: Path) -> None:
         write_json_atomically(self, Path(directory) / MANIFEST_FILE)

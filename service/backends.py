@@ -15,12 +15,12 @@ import numpy as np
 import tvm
 
 from artifact.bucketing import AnyBucket
+from artifact.costs import BatchCosts, Costs
 from artifact.errors import ArtifactError
 from artifact.levels import resolve
 from artifact.loader import CompiledModel, RunResult, load_artifact
 from artifact.manifest import Manifest
 
-from .planning import BatchCosts, Costs, PackedCosts
 
 # TVM's ThreadGroup::AffinityMode kBig: use the pool's first N threads (whether they are pinned to
 # cores is TVM_BIND_THREADS's choice; the server leaves them unpinned, see service.topology).
@@ -49,18 +49,6 @@ class Backend(Protocol):
     def costs(self) -> Costs: ...
 
 
-def measured_costs(manifest: Manifest, buckets: list[AnyBucket]) -> Costs:
-    """Batch costs from the latencies the compile stage measured (padded tokens where it did not)."""
-    model = manifest.generic.cost_model
-    generic = model.predicted_ms if model is not None else None
-    if manifest.layout == "packed":
-        models = {entry.bucket: entry.cost_model.predicted_ms for entry in manifest.buckets
-                  if entry.cost_model is not None}
-        return PackedCosts(buckets, models, generic)
-    bucket_ms = {entry.bucket: entry.latency_ms for entry in manifest.buckets if entry.latency_ms is not None}
-    return BatchCosts(buckets, bucket_ms, generic)
-
-
 class TvmBackend:
     """The compiled libraries; `CompiledModel.run` already keeps one VM per thread."""
 
@@ -87,7 +75,7 @@ class TvmBackend:
         tvm.get_global_func("runtime.config_threadpool")(TVM_AFFINITY_BIG, threads)
 
     def costs(self) -> Costs:
-        return measured_costs(self.manifest, self.buckets)
+        return self.model.costs
 
 
 class TorchBackend:

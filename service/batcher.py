@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from artifact.bucketing import AnyBucket
+from artifact.costs import Costs, unmeasured_costs
 
 from .admission import Entry, InputQueue
 from .backends import Backend
@@ -41,13 +42,11 @@ from .lanes import Lane, Lanes
 from .metrics import Metrics
 from .planning import (
     BatchLimits,
-    Costs,
     PlannedBatch,
-    batch_size_hint,
     full_batch_size,
+    most_inputs,
     plan_batches,
     shared_limits,
-    unmeasured_costs,
     wide_run_pays,
 )
 from .tokenization import Encoded
@@ -79,8 +78,7 @@ class Batcher:
         self.costs = costs or unmeasured_costs(backend.buckets)
         self.on_fatal = on_fatal
         metrics.register_model(name)
-        self.batch_size = batch_size_hint(backend.buckets, limits)
-        self.window = sort_window * self.batch_size
+        self.window = sort_window * most_inputs(backend.buckets, limits)
         self._full_sizes: dict[int, int] = {}  # input length -> inputs that make a full batch
         self.queue = InputQueue(capacity)
         self.lanes = lanes  # shared by every model's batcher: one set of workers within the cores

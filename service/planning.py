@@ -1,12 +1,8 @@
 """Turning queued inputs into batches that cost little: pure functions, no I/O.
 
-A batch's cost is what running it will take: the measured latency of the library that would run
-it (each bucket's median, recorded at compile time; the generic library by the cost model fitted
-over shapes), so that fixed per-call overhead, small-batch inefficiency and quadratic attention
-all count. Artifacts without measurements fall back to padded tokens (batch x seq of the bucket,
-as TEI counts the budget of padded backends). A packed artifact's libraries compute only the real
-tokens: a batch costs its library's cost model at its token count, attention padded to the
-library's sequence bound (`PackedCosts`).
+What a batch costs on each library, and so which library runs it, is `artifact.costs` (the
+libraries' latencies measured at compile time, or padded tokens without them): the loader asks
+the same function when a benchmark runs a batch, so it times the library the server runs.
 
 Inputs are sorted by token count, then cut into the batches of least total cost. Among the
 buckets that hold a batch, the cheapest runs it; inputs longer than every bucket go to the
@@ -20,13 +16,10 @@ bucket-sized ones, never sent to the generic path wholesale).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
-from artifact.bucketing import AnyBucket, Bucket, PackedBucket
-
-# Without measurements, a call's fixed cost (dispatch, per-op launches, copies) in tokens' worth of
-# compute: MiniLM's 1x16 bucket takes ~5 ms where 1x128 takes ~18.5, about 30 tokens of overhead.
-CALL_TOKENS = 32
+from artifact.bucketing import AnyBucket, Bucket
+from artifact.costs import Choice, Costs
 
 
 @dataclass(frozen=True)
@@ -34,79 +27,6 @@ class BatchLimits:
     max_batch_tokens: int
     max_batch_requests: int | None
     generic_max_batch: int
-
-
-@dataclass(frozen=True)
-class Choice:
-    bucket: AnyBucket | None  # None: the generic library at the batch's own shape
-    cost: float
-    computed_tokens: int
-
-
-# (batch, seq, tokens) -> ms: a library's latency for `batch` sequences padded to `seq` for
-# attention, `tokens` rows through the linear layers (`CostModel.predicted_ms`)
-LatencyModel = Callable[[int, int, int], float]
-
-
-class BatchCosts:
-    """What a batch of `size` inputs padded to `seq` tokens costs on each library that can run it."""
-
-    def __init__(self, buckets: Sequence[Bucket], bucket_ms: dict[Bucket, float] | None = None,
-                 generic_ms: Callable[[int, int], float] | None = None):
-        self.buckets = sorted(buckets)
-        measured = bucket_ms is not None and generic_ms is not None and all(b in bucket_ms for b in self.buckets)
-        self.measured = measured
-        self._bucket_cost = (lambda b: bucket_ms[b]) if measured else (lambda b: float(CALL_TOKENS + b.capacity))
-        self._generic_cost = generic_ms if measured else (lambda size, seq: float(CALL_TOKENS + size * seq))
-        self._chosen: dict[tuple[int, int], Choice | None] = {}  # the planner asks for the same shapes often
-
-    def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
-        """The cheapest bucket that holds the batch, or None when none does."""
-        key = (size, seq)
-        if key not in self._chosen:
-            fitting = [bucket for bucket in self.buckets if bucket.fits(size, seq)]
-            best = min(fitting, key=lambda bucket: (self._bucket_cost(bucket), bucket), default=None)
-            self._chosen[key] = None if best is None else Choice(best, self._bucket_cost(best), best.capacity)
-        return self._chosen[key]
-
-    def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
-        return Choice(None, self._generic_cost(size, seq), size * seq)
-
-
-class PackedCosts:
-    """What a batch costs on a packed artifact: its real tokens through the linear layers, its
-    sequences padded to the library's bound for attention. Without measurements: tokens, plus
-    the call overhead, plus attention's padded tokens (to prefer the tightest bound)."""
-
-    def __init__(self, buckets: Sequence[PackedBucket], bucket_models: dict[PackedBucket, LatencyModel] | None = None,
-                 generic_model: LatencyModel | None = None):
-        self.buckets = sorted(buckets)
-        self.measured = (bucket_models is not None and generic_model is not None
-                         and all(b in bucket_models for b in self.buckets))
-        unmeasured = lambda size, seq, tokens: float(CALL_TOKENS + tokens + size * seq)  # noqa: E731
-        self._bucket_models = bucket_models if self.measured else {b: unmeasured for b in self.buckets}
-        self._generic_model = generic_model if self.measured else unmeasured
-
-    def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
-        """The tightest bound that holds the batch: the same tokens, the least attention padding
-        (the libraries' fits differ by noise, not by kernels, so they do not pick here)."""
-        tokens = size * seq if tokens is None else tokens
-        best = next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
-        return None if best is None else Choice(best, self._bucket_models[best](size, best.seq, tokens), tokens)
-
-    def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
-        tokens = size * seq if tokens is None else tokens
-        return Choice(None, self._generic_model(size, seq, tokens), tokens)
-
-
-Costs = BatchCosts | PackedCosts
-
-
-def unmeasured_costs(buckets: Sequence[AnyBucket]) -> Costs:
-    """Costs in tokens, for a backend whose libraries were not timed."""
-    if any(isinstance(bucket, PackedBucket) for bucket in buckets):
-        return PackedCosts(buckets)
-    return BatchCosts(buckets)
 
 
 @dataclass(frozen=True)
@@ -128,7 +48,8 @@ def wide_run_pays(queued: int, arrival_rate: float, cost_ms: float | None) -> bo
 
 def most_inputs(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
     """The most inputs one batch may hold: the largest padded bucket's rows or the generic bound
-    (a packed library takes any number), within the request limit."""
+    (a packed library takes any number), within the request limit. The batcher sorts a few such
+    batches' worth of inputs at a time."""
     largest = max([bucket.batch for bucket in buckets if isinstance(bucket, Bucket)] + [limits.generic_max_batch])
     return min(largest, limits.max_batch_requests or largest)
 
@@ -190,12 +111,5 @@ def full_batch_size(length: int, costs: Costs, limits: BatchLimits) -> int:
     """How many inputs of `length` tokens the planner puts in one batch when it has plenty: a
     batch this full gains nothing from waiting for company (with measured costs, two 2-row calls
     may beat one 4-row call, and then two inputs are a full batch)."""
-    most = batch_size_hint(costs.buckets, limits)
+    most = most_inputs(costs.buckets, limits)
     return max(len(batch.indices) for batch in plan_batches([length] * most, costs, limits))
-
-
-def batch_size_hint(buckets: Sequence[AnyBucket], limits: BatchLimits) -> int:
-    """How many inputs make a full batch: used to size the sort window and to stop waiting."""
-    padded = [bucket.batch for bucket in buckets if isinstance(bucket, Bucket)]
-    largest = max(padded) if padded else limits.generic_max_batch
-    return min(largest, limits.max_batch_requests or largest)

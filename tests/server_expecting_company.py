@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import math
 
+from artifact.costs import unmeasured_costs
 from service.admission import InputQueue
 from service.backends import TvmBackend
 from service.cli import main
-from service.planning import unmeasured_costs
 
 InputQueue.arrival_rate = lambda self, now=None: math.inf
 TvmBackend.costs = lambda self: unmeasured_costs(self.buckets)

@@ -1,6 +1,7 @@
 import pytest
 
-from artifact.bucketing import Bucket, smallest_fitting
+from artifact.bucketing import Bucket
+from artifact.costs import BatchCosts
 from compile.bucketing import parse_bucket, parse_buckets
 from compile.errors import CompileError
 
@@ -22,10 +23,10 @@ def test_zero_sized_bucket_is_refused(text):
         parse_bucket(text)
 
 
-def test_smallest_fitting_minimises_padded_work():
-    buckets = parse_buckets("1x128,4x32,8x128")
-    assert smallest_fitting(buckets, 1, 20) == Bucket.of(4, 32)  # 128 tokens either way; fewer rows first
-    assert smallest_fitting(buckets, 1, 100) == Bucket.of(1, 128)
-    assert smallest_fitting(buckets, 5, 10) == Bucket.of(8, 128)
-    assert smallest_fitting(buckets, 9, 10) is None
-    assert smallest_fitting(buckets, 1, 129) is None
+def test_unmeasured_costs_choose_the_least_padded_work():
+    costs = BatchCosts(parse_buckets("1x128,4x32,8x128"))  # no latencies: padded tokens decide
+    assert costs.choose(1, 20).bucket == Bucket.of(4, 32)  # 128 tokens either way; the shorter attention
+    assert costs.choose(1, 100).bucket == Bucket.of(1, 128)
+    assert costs.choose(5, 10).bucket == Bucket.of(8, 128)
+    assert costs.choose(9, 10) is None
+    assert costs.choose(1, 129) is None

@@ -72,8 +72,11 @@ def test_packed_artifact_is_validated_and_timed_per_sequence_bound(packed_artifa
         assert entry.batch is None and entry.max_abs_diff <= 1e-4
         assert entry.latency_ms > 0 and entry.cost_model is not None
     assert manifest.generic.cost_model is not None
-    # a packed bucket's predicted cost grows with the tokens it runs, its attention padded to its bound
-    assert manifest.predicted_ms(4, 8, tokens=30) >= manifest.predicted_ms(4, 8, tokens=10)
+    # what the planner (and the loader) charge a batch: the tightest bound's cost model at the
+    # batch's real tokens, attention padded to that bound
+    choice = model.costs.choose(4, 5, tokens=17)
+    assert choice.bucket == PackedBucket(8) and choice.computed_tokens == 17
+    assert choice.cost == manifest.buckets[0].cost_model.predicted_ms(4, 8, 17)
     assert verify(packed_artifact)["bucket_packed-16"]["packed-16"] <= 1e-4
 
 

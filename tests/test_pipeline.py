@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import TINY_LABELS, compile_artifact
 
+from artifact.bucketing import Bucket
+from artifact.costs import CALL_TOKENS, measured_costs
 from artifact.cpu_features import target_features
 from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
@@ -20,6 +22,8 @@ from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.errors import ValidationError
 from compile.timing import OtherLoad, fit_cost_model
+from service.backends import TvmBackend
+from service.planning import BatchLimits, plan_batches
 
 
 def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):
@@ -48,17 +52,41 @@ def test_manifest_has_measured_latencies(tiny_embed_artifact):
     manifest = Manifest.read(tiny_embed_artifact)
     assert all(b.latency_ms is not None and b.latency_ms > 0 for b in manifest.buckets)
     cost = manifest.generic.cost_model
-    assert cost is not None and min(cost.fixed_ms, cost.per_token_ms, cost.per_attention_ms) >= 0
+    assert cost is not None
     grid = [[cost.predicted_ms(batch, seq) for seq in (1, 8, 16, 32, 64)] for batch in (1, 2, 4, 8, 16)]
     assert min(map(min, grid)) > 0
     assert all(row == sorted(row) for row in grid)  # grows with seq
     assert all(list(column) == sorted(column) for column in zip(*grid))  # grows with batch
     assert cost.predicted_ms(16, 64) > cost.predicted_ms(1, 1)
-    # what the batch planner reads: the chosen bucket's latency, else the generic prediction
-    assert manifest.predicted_ms(1, 5) == manifest.buckets[0].latency_ms
-    assert manifest.predicted_ms(3, 12) == manifest.buckets[2].latency_ms  # 4x16
-    assert manifest.predicted_ms(6, 30) == cost.predicted_ms(6, 30)
-    assert manifest.predicted_ms(3, 12, buckets=[]) == cost.predicted_ms(3, 12)
+    # what the batch planner reads: the cheapest fitting bucket's latency, else the generic prediction
+    costs = measured_costs(manifest, [entry.bucket for entry in manifest.buckets])
+    assert costs.measured
+    for size, seq in [(1, 5), (2, 12), (3, 12)]:
+        fitting = [entry.latency_ms for entry in manifest.buckets if entry.bucket.fits(size, seq)]
+        assert costs.choose(size, seq).cost == min(fitting)
+    assert costs.choose(3, 30) is None and costs.generic(3, 30).cost == cost.predicted_ms(3, 30)
+    assert measured_costs(manifest, []).generic(3, 12).cost == cost.predicted_ms(3, 12)  # every bucket refused
+
+
+def test_the_loader_runs_a_batch_on_the_library_the_planner_chooses(tiny_embed_artifact, tmp_path):
+    """Benchmarks call `run` without a bucket, so it must time the library the server runs: under
+    latencies where the 4x16 bucket beats 2x16 (the smallest that holds two short inputs) and two
+    1x8 calls, the planner and the loader both take 4x16."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_embed_artifact, copy)
+    data = json.loads((copy / "manifest.json").read_text())
+    latencies = {(1, 8): 3.0, (2, 16): 9.0, (4, 16): 4.0}
+    for bucket in data["buckets"]:
+        bucket["latency_ms"] = latencies[bucket["batch"], bucket["seq"]]
+    (copy / "manifest.json").write_text(json.dumps(data))
+    model = load_artifact(copy)
+    planned = plan_batches([5, 5], TvmBackend(model).costs(), BatchLimits(16384, None, 16))
+    assert [(batch.indices, batch.bucket) for batch in planned] == [([0, 1], Bucket.of(4, 16))]
+    ids = np.ones((2, 5), dtype=np.int64)
+    assert model.run(ids, np.ones_like(ids)).bucket == Bucket.of(4, 16)
+    assert model.run(ids[:1], np.ones_like(ids[:1])).bucket == Bucket.of(1, 8)  # 3 ms beats 4
 
 
 def test_cost_model_fit_recovers_known_coefficients():
@@ -124,7 +152,9 @@ def test_manifest_without_latencies_still_reads(tiny_embed_artifact, tmp_path):
     (copy / "manifest.json").write_text(json.dumps(data))
     manifest = Manifest.read(copy)
     assert manifest.generic.cost_model is None and all(b.latency_ms is None for b in manifest.buckets)
-    assert manifest.predicted_ms(1, 5) is None and manifest.predicted_ms(6, 30) is None
+    costs = measured_costs(manifest, [entry.bucket for entry in manifest.buckets])
+    assert not costs.measured  # the planner falls back to padded tokens
+    assert costs.choose(1, 5).cost == CALL_TOKENS + 8 and costs.generic(6, 30).cost == CALL_TOKENS + 6 * 30
 
 
 def _torch_reference(model_dir, task, input_ids, attention_mask):

@@ -18,12 +18,12 @@ from tokenizers import Tokenizer
 
 import service.batcher
 import service.lanes
+from artifact.costs import BatchCosts
 from compile.bucketing import parse_buckets
 from loadtest.faults import FaultyBackend
 from loadtest.servers import metric_value, running_app, wait_until
 from service.app import create_app
 from service.backends import load_backend
-from service.planning import BatchCosts
 from service.settings import Settings
 
 

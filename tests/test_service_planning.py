@@ -5,17 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from artifact.costs import CALL_TOKENS, BatchCosts, PackedCosts, unmeasured_costs
 from compile.bucketing import parse_buckets
 from service.planning import (
-    CALL_TOKENS,
-    BatchCosts,
     BatchLimits,
-    PackedCosts,
-    batch_size_hint,
     full_batch_size,
+    most_inputs,
     plan_batches,
     shared_limits,
-    unmeasured_costs,
     wide_run_pays,
 )
 
@@ -75,12 +72,15 @@ def test_a_full_batch_is_as_many_inputs_as_the_planner_puts_together():
     assert full_batch_size(6, two_rows_pay, LIMITS) == 2
     assert [len(b.indices) for b in plan_batches([6] * 4, two_rows_pay, LIMITS)] == [2, 2]
     assert full_batch_size(12, TINY, replace(LIMITS, max_batch_tokens=32)) == 2  # the token budget caps it
+    # inputs longer than every bucket: the generic library takes 16 at once, not the largest bucket's 4
+    assert max(len(b.indices) for b in plan_batches([40] * 32, TINY, LIMITS)) == 16
+    assert full_batch_size(40, TINY, LIMITS) == 16
 
 
 def test_shape_free_backend_batches_by_padded_tokens():
     limits = BatchLimits(max_batch_tokens=40, max_batch_requests=None, generic_max_batch=16)
     assert [len(b.indices) for b in plan_batches([10] * 8, BatchCosts([]), limits)] == [4, 4]
-    assert batch_size_hint([], limits) == 16 and batch_size_hint(TINY_BUCKETS, LIMITS) == 4
+    assert most_inputs([], limits) == 16 and most_inputs(TINY_BUCKETS, replace(LIMITS, max_batch_requests=3)) == 3
 
 
 # Measured on a 2-core znver4 (MiniLM): 1x128 18.5 ms, 8x128 137 ms; the generic library's fit.
@@ -148,7 +148,7 @@ def test_packed_plans_fill_the_generic_bound_and_keep_long_inputs_apart():
     than padding the short ones' attention to 128."""
     lengths = [8] * 40 + [120]
     planned = plan_batches(lengths, PACKED, LIMITS)
-    assert batch_size_hint(PACKED_BUCKETS, LIMITS) == LIMITS.generic_max_batch == 16
+    assert most_inputs(PACKED_BUCKETS, LIMITS) == LIMITS.generic_max_batch == 16
     assert len(planned) == 4 and max(len(b.indices) for b in planned) == 16
     assert [(b.indices, b.bucket.name) for b in planned if 40 in b.indices] == [([40], "packed-128")]
     assert {b.bucket.name for b in planned if 40 not in b.indices} == {"packed-16"}

@@ -30,7 +30,7 @@ from .errors import ArtifactError
 from .hashing import file_sha256
 from .levels import resolve
 from .manifest import Manifest, TargetEntry
-from .packed_batch import pack_batch
+from .packed_batch import PACKED_INPUT_NAMES, pack_batch, per_sequence_rows
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def pad_to(array: np.ndarray, batch: int, seq: int, value: int = 0) -> np.ndarra
 
 @dataclass(frozen=True)
 class RunResult:
-    output: np.ndarray  # [batch, dim]: pooled embeddings or logits
+    output: np.ndarray  # [batch, dim]: pooled embeddings or logits; [batch, seq, hidden]: token states
     path: str  # "bucket-8x128", "bucket-packed-128" or "generic"
     bucket: AnyBucket | None
     computed_tokens: int  # token rows the linear layers ran, padding included
@@ -239,9 +239,12 @@ class CompiledModel:
             inputs, computed = model_inputs(*padded), bucket.capacity
         else:
             inputs, computed = model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
+        output = (self.generic if bucket is None else self.runners[bucket])(*inputs)
+        if self.packed and self.manifest.token_outputs:
+            output = per_sequence_rows(output, inputs[PACKED_INPUT_NAMES.index("gather")])
         if bucket is None:
-            return RunResult(self.generic(*inputs), "generic", None, computed, real_tokens)
-        return RunResult(self.runners[bucket](*inputs)[:batch], f"bucket-{bucket.name}", bucket, computed, real_tokens)
+            return RunResult(output, "generic", None, computed, real_tokens)
+        return RunResult(output[:batch], f"bucket-{bucket.name}", bucket, computed, real_tokens)
 
     def warmup(self) -> None:
         """Run every library once, so first requests do not pay for lazy initialisation."""

@@ -207,6 +207,12 @@ class Manifest(_Strict):
     tolerance: float
     created_at: str
 
+    @property
+    def token_outputs(self) -> bool:
+        """Whether the libraries return every token's final hidden state (pooling none) rather
+        than one row per sequence: padded `[batch, seq, hidden]`, packed `[tokens, hidden]`."""
+        return self.task == "embed" and self.pooling == "none"
+
     def write(self, directory: Path) -> None:
         write_json_atomically(self, Path(directory) / MANIFEST_FILE)
 

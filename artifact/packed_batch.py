@@ -59,3 +59,9 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
     sequence_mask[rows, columns] = 1
     return (packed(input_ids[rows, columns]), packed(type_ids[rows, columns]), packed(columns),
             gather, sequence_mask, packed(rows * seq + columns))
+
+
+def per_sequence_rows(token_rows: np.ndarray, gather: np.ndarray) -> np.ndarray:
+    """A packed library's per-token output `[tokens, dim]` as `[batch, seq, dim]` through `gather`
+    (rows past a sequence's end repeat packed row 0: whatever reads them masks them out)."""
+    return token_rows[gather]

@@ -154,6 +154,8 @@ class BertWrapper(torch.nn.Module):
         hidden = self.family.encoder(self.bert)(hidden, attention_mask=self.additive_mask(mask)).last_hidden_state
         if self.task == "classify":
             return self.classifier(hidden)
+        if self.pooling == "none":
+            return hidden
         if self.pooling == "cls":
             return hidden[:, 0]
         token_mask = mask.unsqueeze(-1)

@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128 (packed: packed-SEQ, "
                         "e.g. packed-64,packed-512)")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
-    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max"])
+    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max", "none"],
+                        help="none: the libraries return every token's final hidden state (served on /embed_all)")
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
                         help="how parallel matmuls are combined; auto times all three per bucket")
     parser.add_argument("--strategy-margin", dest="strategy_margin", type=float,

@@ -16,7 +16,7 @@ from .errors import CompileError
 
 Task = Literal["embed", "classify", "rerank"]  # rerank: a classifier with one label (a cross-encoder)
 TargetKind = Literal["cpu", "cuda"]
-Pooling = Literal["auto", "mean", "cls", "max"]
+Pooling = Literal["auto", "mean", "cls", "max", "none"]  # none: every token's final hidden state
 FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1)
 # int8 is checked per output row, relative to its norm: MiniLM on random tokens measured up to 0.14
@@ -166,6 +166,8 @@ class CompileConfig(BaseModel):
             raise ValueError("layout packed does not combine with sparsity")
         if self.quantize == "int8" and (self.target != "cpu" or self.sparsity is not None):
             raise ValueError("quantize int8 is built for target cpu, without sparsity")
+        if self.pooling == "none" and (self.task != "embed" or self.quantize == "int8"):
+            raise ValueError("pooling none (token embeddings) is built for task embed, without int8")
         if self.tune and (self.target != "cpu" or self.layout != "padded"):
             raise ValueError("tune searches the constant shapes of padded buckets: target cpu, layout padded only")
         return self

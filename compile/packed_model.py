@@ -44,6 +44,8 @@ class PackedBertWrapper(torch.nn.Module):
             hidden = layer.feed_forward(attended)
         if self.task == "classify":  # the head reads token 0 of [batch, seq, hidden]: give it [batch, 1, hidden]
             return self.classifier(torch.index_select(hidden, 0, gather[:, 0])[:, None])
+        if self.pooling == "none":  # [tokens, hidden]: every real token's state, in packed order
+            return hidden
         if self.pooling == "cls":
             return torch.index_select(hidden, 0, gather[:, 0])
         padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)

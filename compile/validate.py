@@ -7,7 +7,7 @@ import torch
 
 from artifact.bucketing import AnyBucket
 from artifact.loader import LibraryRunner
-from artifact.packed_batch import pack_batch
+from artifact.packed_batch import PACKED_INPUT_NAMES, pack_batch, per_sequence_rows
 
 from .checkpoint import CheckpointInfo, example_inputs
 from .errors import ValidationError
@@ -31,7 +31,13 @@ def library_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBuck
     device = next(wrapper.parameters()).device
     with torch.no_grad():
         expected = wrapper(*(x.to(device) for x in inputs)).float().cpu().numpy()
-    actual = runner(*library_inputs(layout, tuple(x.numpy() for x in inputs), shape.seq))
+    library_args = library_inputs(layout, tuple(x.numpy() for x in inputs), shape.seq)
+    actual = runner(*library_args)
+    if expected.ndim == 3:  # token states: compared on the real tokens only, one row per token
+        if layout == "packed":
+            actual = per_sequence_rows(actual, library_args[PACKED_INPUT_NAMES.index("gather")])
+        real = inputs[1].numpy().astype(bool)
+        actual, expected = (actual[real] if actual.shape == expected.shape else actual), expected[real]
     if actual.shape != expected.shape:
         return float("inf"), float("inf")
     rows = np.linalg.norm(actual - expected, axis=1) / np.maximum(np.linalg.norm(expected, axis=1), 1e-12)

@@ -59,7 +59,7 @@ CRASH_WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class ItemResult:
-    output: np.ndarray  # [dim]: pooled embedding or logits
+    output: np.ndarray  # [dim]: pooled embedding or logits; [seq, hidden]: token states (padding rows too)
     path: str
     queue_seconds: float
     inference_seconds: float
@@ -277,7 +277,7 @@ class Batcher:
                 if result is None:
                     return  # every request of the batch gave up while it waited behind another
                 output = np.asarray(result.output)
-                if output.ndim != 2 or output.shape[0] < len(entries):
+                if output.ndim < 2 or output.shape[0] < len(entries):  # [batch, dim] or [batch, seq, hidden]
                     raise BackendFailure(f"the backend returned an output of shape {output.shape} "
                                          f"for a batch of {len(entries)}")
             finally:

@@ -29,13 +29,23 @@ INLINE_TOKENIZE_CHARS = 2048
 
 @dataclass(frozen=True)
 class Computed:
-    outputs: np.ndarray  # [n, dim]
+    rows: list[np.ndarray]  # per input: [dim], or [seq, hidden] token states (padding rows past `lengths`)
+    lengths: list[int]  # per input: its tokens
     paths: list[str]  # distinct compute paths that served the request, in order of first use
     tokens: int
     characters: int
     tokenization_seconds: float
     queue_seconds: float
     inference_seconds: float
+
+    @property
+    def outputs(self) -> np.ndarray:
+        """[n, dim]: one pooled row per input."""
+        return np.stack(self.rows)
+
+    def token_states(self) -> list[np.ndarray]:
+        """Per input, [tokens, hidden]: the states of its own tokens."""
+        return [row[:length] for row, length in zip(self.rows, self.lengths)]
 
 
 class ModelService:
@@ -71,7 +81,8 @@ class ModelService:
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         return Computed(
-            outputs=np.stack([result.output for result in results]),
+            rows=[result.output for result in results],
+            lengths=[len(item) for item in encoded],
             paths=list(dict.fromkeys(result.path for result in results)),
             tokens=sum(len(item) for item in encoded),
             characters=characters,
@@ -89,6 +100,20 @@ class ModelService:
         computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
+
+    async def embed_all(self, texts: list[str], truncate: bool,
+                        prompt_name: str | None = None) -> tuple[list[np.ndarray], Computed]:
+        """Per input, every token's final hidden state (special tokens included, as
+        transformers' `last_hidden_state`): a model compiled with `--pooling none`."""
+        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
+        return computed.token_states(), computed
+
+    async def embed_sparse(self, texts: list[str], truncate: bool,
+                           prompt_name: str | None = None) -> tuple[list[list[dict]], Computed]:
+        """Per input, its SPLADE weights as TEI gives them: the non-zero `{"index", "value"}` pairs,
+        by vocabulary index (a model compiled with `--task sparse`)."""
+        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
+        return [sparse_pairs(row) for row in computed.rows], computed
 
     async def classify(self, texts: list[str], scoring: str, truncate: bool) -> tuple[list[list[dict]], Computed]:
         """Labels ranked by score; `scoring` is "auto" (as the head was trained), or "none" (raw
@@ -113,6 +138,11 @@ class ModelService:
         similarity = vectors[: len(texts)] @ vectors[len(texts):].T
         scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
         return [ranked(labels, row) for row in scores], computed
+
+
+def sparse_pairs(weights: np.ndarray) -> list[dict]:
+    indices = np.flatnonzero(weights)
+    return [{"index": int(i), "value": float(v)} for i, v in zip(indices, weights[indices])]
 
 
 def l2_normalize(vectors: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ from .runtime import Runtime
 from .schemas import (
     ClassifyRequest,
     DecodeRequest,
+    EmbedAllRequest,
     EmbedRequest,
     OpenAIEmbedding,
     OpenAIEmbeddingRequest,
@@ -172,6 +173,28 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     return _json(vectors, _headers(service, computed, started))
 
 
+@post("/embed_all")
+async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
+    """TEI's /embed_all: per input, every token's final hidden state (a `--pooling none` model)."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed_all", body.model)
+    texts = _texts(body.inputs)
+    service.check_batch_size(len(texts))
+    states, computed = await service.embed_all(texts, _truncate(request, body.truncate), body.prompt_name)
+    return _json(states, _headers(service, computed, started))
+
+
+@post("/embed_sparse")
+async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
+    """TEI's /embed_sparse: per input, the non-zero SPLADE weights as `{"index", "value"}` pairs."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed_sparse", body.model)
+    texts = _texts(body.inputs)
+    service.check_batch_size(len(texts))
+    pairs, computed = await service.embed_sparse(texts, _truncate(request, body.truncate), body.prompt_name)
+    return _json(pairs, _headers(service, computed, started))
+
+
 @post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
@@ -239,12 +262,13 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
 
 
 DEFAULT_ROUTES = {"embed": (EmbedRequest, embed), "classify": (ClassifyRequest, classify),
-                  "rerank": (RerankRequest, rerank)}
+                  "rerank": (RerankRequest, rerank), "embed_all": (EmbedAllRequest, embed_all),
+                  "embed_sparse": (EmbedAllRequest, embed_sparse)}
 # `/` parses its body itself (its schema depends on the model and the body): the document lists
 # every body it accepts.
 DEFAULT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [
     {"$ref": SCHEMA_REF.format(model=schema.__name__)}
-    for schema in [schema for schema, _ in DEFAULT_ROUTES.values()] + [SimilarityRequest]]}}}}}
+    for schema in dict.fromkeys([schema for schema, _ in DEFAULT_ROUTES.values()] + [SimilarityRequest])]}}}}}
 
 
 @router.post("/", openapi_extra=DEFAULT_BODY_DOC)

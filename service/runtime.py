@@ -169,20 +169,21 @@ class Runtime:
                 raise ModelNotFound(f"model {name!r} is not served here; GET /v1/models lists "
                                     f"{', '.join(repr(a.name) for a in self.artifacts)}")
             if task is not None and not serves(artifact.manifest, task):
-                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}")
+                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}"
+                                   f"{route_hint(artifact.manifest)}")
         else:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
             if artifact is None:
-                raise NotSupported(f"this server has no {KIND_OF_TASK[task]}")
+                raise NotSupported(f"this server has no {KIND_OF_TASK[task]}{route_hint(self.primary.manifest)}")
         if not self.loaded:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
         return self.models[artifact.name]
 
     def default_task(self) -> str:
-        """TEI's `/`: the first model's task (embed, predict, or rerank for a one-label classifier)."""
-        manifest = self.primary.manifest
-        return "rerank" if serves(manifest, "rerank") else manifest.task
+        """TEI's `/`: the first model's task (embed, embed_all, embed_sparse, predict, or rerank for
+        a one-label classifier)."""
+        return model_kind(self.primary.manifest)
 
     def drain(self) -> None:
         """Shutdown has begun: refuse new inputs, dispatch queued ones without waiting for company."""
@@ -226,7 +227,7 @@ class Runtime:
             manifest = artifact.manifest
             return {"id": artifact.name, "object": "model", "owned_by": "bert-tvm-serve",
                     "created": int(datetime.fromisoformat(manifest.created_at).timestamp()),
-                    "task": "rerank" if serves(manifest, "rerank") else manifest.task}
+                    "task": model_kind(manifest)}
 
         return {"object": "list", "data": [entry(artifact) for artifact in self.artifacts]}
 
@@ -263,18 +264,38 @@ class Runtime:
 
 
 KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
-                "rerank": "a reranker (a one-label classifier)"}
+                "rerank": "a reranker (a one-label classifier)",
+                "embed_all": "a token-embedding model (compiled with --pooling none)",
+                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
+ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
+                 "embed_sparse": "/embed_sparse"}
+SPARSE_POOLINGS = ("splade", "splade-sum")  # an embedding model whose libraries return SPLADE weights
+
+
+def model_kind(manifest: Manifest) -> str:
+    """The one task (route family) a model answers."""
+    if manifest.task == "classify":
+        return "rerank" if len(manifest.labels) == 1 else "classify"
+    if manifest.token_outputs:
+        return "embed_all"
+    return "embed_sparse" if manifest.pooling in SPARSE_POOLINGS else "embed"
 
 
 def serves(manifest: Manifest, task: str) -> bool:
-    """Which routes a model answers: a reranker is a classifier with one label, as in TEI."""
-    if task == "rerank":
-        return manifest.task == "classify" and len(manifest.labels) == 1
-    return manifest.task == task
+    """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
+    still answers /predict); an embedding model's pooling decides between /embed, /embed_all and
+    /embed_sparse."""
+    kind = model_kind(manifest)
+    return kind == task or (task == "classify" and kind == "rerank")
 
 
 def describe_kind(manifest: Manifest) -> str:
-    return KIND_OF_TASK["rerank" if serves(manifest, "rerank") else manifest.task]
+    return KIND_OF_TASK[model_kind(manifest)]
+
+
+def route_hint(manifest: Manifest) -> str:
+    """Where a model of this kind is served: the refusal of a route names the one to use."""
+    return f"; {describe_kind(manifest)} is served on POST {ROUTE_OF_TASK[model_kind(manifest)]}"
 
 
 def model_dtype(manifest: Manifest) -> str:
@@ -285,7 +306,7 @@ def model_dtype(manifest: Manifest) -> str:
 def tei_model_type(manifest: Manifest) -> dict:
     """TEI's /info `model_type`: embedding (with pooling), classifier or reranker (with labels)."""
     if manifest.task == "embed":
-        return {"embedding": {"pooling": manifest.pooling}}
+        return {"embedding": {"pooling": "splade" if manifest.pooling in SPARSE_POOLINGS else manifest.pooling}}
     labels = {"id2label": dict(enumerate(manifest.labels)),
               "label2id": {label: i for i, label in enumerate(manifest.labels)}}
     return {"reranker" if serves(manifest, "rerank") else "classifier": labels}

@@ -42,6 +42,16 @@ class EmbedRequest(_Request):
     _check_inputs = field_validator("inputs")(_non_empty)
 
 
+class EmbedAllRequest(_Request):
+    """TEI's /embed_all (every token's vector) and /embed_sparse (SPLADE weights) bodies."""
+
+    inputs: Inputs
+    truncate: bool | None = None
+    prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
+
+    _check_inputs = field_validator("inputs")(_non_empty)
+
+
 class PipelineParameters(_Strict):
     """The Hugging Face Inference API's text-classification `parameters` (what
     `huggingface_hub.InferenceClient.text_classification` sends)."""

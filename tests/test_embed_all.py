@@ -1,0 +1,67 @@
+"""POST /embed_all: every token's final hidden state from a `--pooling none` artifact (padded and
+packed), equal to transformers' `last_hidden_state`, through a real server on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import compile_artifact
+
+TEXTS = ["hello", "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j k l m n o p q r s t"]
+
+
+@pytest.fixture(scope="module")
+def token_artifacts(tiny_bert_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("token-artifacts")
+    compile_artifact(tiny_bert_dir, root / "tokens-padded", ["1x8", "4x16"], pooling="none")
+    compile_artifact(tiny_bert_dir, root / "tokens-packed", ["packed-16"], pooling="none", layout="packed")
+    return root / "tokens-padded", root / "tokens-packed"
+
+
+@pytest.fixture(scope="module")
+def client(serve, token_artifacts, tiny_embed_artifact):
+    with serve([*token_artifacts, tiny_embed_artifact], "--max-wait-ms", "20") as running, \
+            httpx.Client(base_url=running.url, timeout=60) as client:
+        yield client
+
+
+def last_hidden_states(model_dir, texts: list[str]) -> list[np.ndarray]:
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = BertModel.from_pretrained(model_dir, add_pooling_layer=False).eval()
+    states = []
+    with torch.no_grad():
+        for text in texts:
+            encoded = tokenizer(text, return_tensors="pt")
+            states.append(model(**encoded).last_hidden_state[0].numpy())
+    return states
+
+
+@pytest.mark.parametrize("model", ["tokens-padded", "tokens-packed"])
+def test_embed_all_equals_transformers_last_hidden_state(client, tiny_bert_dir, model):
+    response = client.post("/embed_all", json={"inputs": TEXTS, "model": model})
+    assert response.status_code == 200, response.text
+    expected = last_hidden_states(tiny_bert_dir, TEXTS)
+    answer = response.json()
+    assert len(answer) == len(TEXTS)
+    for states, reference in zip(answer, expected):
+        states = np.asarray(states)
+        assert states.shape == reference.shape  # one vector per token, [CLS] and [SEP] included
+        np.testing.assert_allclose(states, reference, atol=1e-4)
+    one = client.post("/embed_all", json={"inputs": TEXTS[1], "model": model}).json()
+    np.testing.assert_allclose(np.asarray(one[0]), expected[1], atol=1e-4)  # alone: same answer
+
+
+def test_each_route_refuses_the_other_kind_and_names_its_route(client):
+    refused = client.post("/embed", json={"inputs": "hello", "model": "tokens-padded"})
+    assert refused.status_code == 400 and "/embed_all" in refused.json()["error"]
+    refused = client.post("/embed_all", json={"inputs": "hello", "model": "tiny-embed"})
+    assert refused.status_code == 400 and "--pooling none" in refused.json()["error"]
+    assert client.post("/embed_all", json={"inputs": []}).status_code == 422
+    info = client.get("/info").json()
+    assert info["models"][0]["pooling"] == "none"
+    assert client.post("/embed", json={"inputs": "hello"}).status_code == 200  # the dense model, by task

@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .backends import load_backend
 from .errors import ServiceError, TooLarge, Unauthorized
+from .grpc_api.server import start_grpc
 from .metrics import Metrics
 from .routes import router, with_body_schemas
 from .runtime import BackendLoader, Runtime
@@ -130,7 +131,10 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         loading = asyncio.create_task(runtime.start(), name="load-artifacts")
+        grpc_server = await start_grpc(settings, runtime, metrics) if settings.grpc_port is not None else None
         yield
+        if grpc_server is not None:  # in-flight calls finish (up to the request timeout), new ones are refused
+            await grpc_server.stop(settings.request_timeout)
         if not loading.done():
             loading.cancel()
             await asyncio.gather(loading, return_exceptions=True)

@@ -1,0 +1,374 @@
+"""TEI's gRPC API (`tei.v1`, tei.proto) beside the HTTP server: the same models, batchers, limits,
+API key and metrics, on the same event loop.
+
+Each RPC is one input (the streaming RPCs: one per message, run concurrently so that they batch
+together, answered in order). Errors carry TEI's status codes for its error types; with an API key
+every tei.v1 method wants `authorization: Bearer KEY` metadata (reflection stays open, so clients
+can discover the API). A client that cancels a call cancels the handler's task, so its queued
+input leaves the batcher's queue like an HTTP request whose client went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import logging
+import time
+from importlib import metadata as package_metadata
+
+import grpc
+import numpy as np
+from grpc_reflection.v1alpha import reflection
+
+from ..errors import InvalidInput, ServiceError, Unauthorized
+from ..inference import Computed, ModelService
+from ..metrics import Metrics
+from ..runtime import Runtime, model_kind
+from ..settings import Settings
+from . import tei_pb2 as pb
+from . import tei_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# TEI's mapping of its error types to gRPC status codes (ours add Timeout, Unauthorized, NotFound)
+STATUS_OF_ERROR_TYPE = {
+    "Validation": grpc.StatusCode.INVALID_ARGUMENT,
+    "Empty": grpc.StatusCode.INVALID_ARGUMENT,
+    "Tokenizer": grpc.StatusCode.FAILED_PRECONDITION,
+    "Overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "Unhealthy": grpc.StatusCode.UNAVAILABLE,
+    "Backend": grpc.StatusCode.INTERNAL,
+    "Timeout": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "Unauthorized": grpc.StatusCode.UNAUTHENTICATED,
+    "NotFound": grpc.StatusCode.NOT_FOUND,
+}
+MODEL_TYPES = {"classify": pb.MODEL_TYPE_CLASSIFIER, "rerank": pb.MODEL_TYPE_RERANKER}
+SERVICES = ("Info", "Embed", "Predict", "Rerank", "Tokenize")
+SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES)
+
+
+def _recorded(handler):
+    """Count the RPC in the HTTP request metrics (endpoint: the gRPC method) and turn a
+    ServiceError into its status code; a unary handler returns its answer, a streaming one yields."""
+    endpoint = f"grpc {handler.__name__}"
+
+    async def record(servicer: "TeiServicer", started: float, code: grpc.StatusCode) -> None:
+        servicer.metrics.requests.labels(endpoint, code.name).inc()
+        servicer.metrics.request_seconds.labels(endpoint, code.name).observe(time.perf_counter() - started)
+
+    def status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        if isinstance(exc, ServiceError):
+            return STATUS_OF_ERROR_TYPE.get(exc.error_type, grpc.StatusCode.INTERNAL), exc.message
+        log.exception("gRPC %s failed", handler.__name__, exc_info=exc)
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+    if getattr(handler, "streams", False):
+        @functools.wraps(handler)
+        async def streaming(self, requests, context):
+            started, code = time.perf_counter(), grpc.StatusCode.OK
+            try:
+                async for answer in handler(self, requests, context):
+                    yield answer
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                code, message = status(exc)
+                await context.abort(code, message)
+            finally:
+                await record(self, started, code)
+        return streaming
+
+    @functools.wraps(handler)
+    async def unary(self, request, context):
+        started, code = time.perf_counter(), grpc.StatusCode.OK
+        try:
+            return await handler(self, request, context)
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            code, message = status(exc)
+            await context.abort(code, message)
+        finally:
+            await record(self, started, code)
+    return unary
+
+
+def _streaming(handler):
+    handler.streams = True
+    return handler
+
+
+async def _in_order(requests, answer):
+    """Answer a stream's messages concurrently (they join the same batches), yielding in order."""
+    pending: asyncio.Queue = asyncio.Queue()
+
+    async def read() -> None:
+        async for request in requests:
+            await pending.put(asyncio.ensure_future(answer(request)))
+        await pending.put(None)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            getting = asyncio.ensure_future(pending.get())
+            await asyncio.wait({getting, reader}, return_when=asyncio.FIRST_COMPLETED)
+            if not getting.done():  # the reader failed (or ended) before queuing anything more
+                getting.cancel()
+                reader.result()
+                getting = asyncio.ensure_future(pending.get())
+            task = await getting
+            if task is None:
+                return
+            yield await task
+    finally:
+        reader.cancel()
+        while not pending.empty():
+            task = pending.get_nowait()
+            if task is not None:
+                task.cancel()
+
+
+def _metadata(computed: Computed, started: float) -> pb.Metadata:
+    return pb.Metadata(compute_chars=computed.characters, compute_tokens=computed.tokens,
+                       total_time_ns=int((time.perf_counter() - started) * 1e9),
+                       tokenization_time_ns=int(computed.tokenization_seconds * 1e9),
+                       queue_time_ns=int(computed.queue_seconds * 1e9),
+                       inference_time_ns=int(computed.inference_seconds * 1e9))
+
+
+def _text(value: str, field: str = "inputs") -> str:
+    if not value:
+        raise InvalidInput(f"`{field}` cannot be empty")
+    return value
+
+
+def _prompt(request) -> str | None:
+    return request.prompt_name if request.HasField("prompt_name") else None
+
+
+class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictServicer, pb_grpc.RerankServicer,
+                  pb_grpc.TokenizeServicer):
+    """Every tei.v1 RPC (their names are unique across the five services), over the HTTP routes' runtime."""
+
+    def __init__(self, runtime: Runtime, settings: Settings, metrics: Metrics):
+        self.runtime, self.settings, self.metrics = runtime, settings, metrics
+
+    def _truncate(self, asked: bool) -> bool:
+        return asked or self.settings.auto_truncate  # proto3 cannot tell false from unset
+
+    @_recorded
+    async def Info(self, request, context):
+        described = self.runtime.describe()
+        max_batch_requests = described["max_batch_requests"]
+        return pb.InfoResponse(
+            version=package_metadata.version("bert-tvm-serve"), model_id=described["model_id"],
+            model_sha=described["model_sha"], model_dtype=described["model_dtype"],
+            model_type=MODEL_TYPES.get(model_kind(self.runtime.primary.manifest), pb.MODEL_TYPE_EMBEDDING),
+            max_concurrent_requests=described["max_concurrent_requests"],
+            max_input_length=described["max_input_length"] or 0, max_batch_tokens=described["max_batch_tokens"],
+            max_client_batch_size=described["max_client_batch_size"], tokenization_workers=1,
+            **({"max_batch_requests": max_batch_requests} if max_batch_requests is not None else {}))
+
+    async def _embed(self, request) -> pb.EmbedResponse:
+        started = time.perf_counter()
+        service = self.runtime.model("embed")
+        vectors, computed = await service.embed([_text(request.inputs)], request.normalize,
+                                                self._truncate(request.truncate), prompt_name=_prompt(request))
+        return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started))
+
+    async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
+        started = time.perf_counter()
+        service = self.runtime.model("embed_sparse")
+        pairs, computed = await service.embed_sparse([_text(request.inputs)], self._truncate(request.truncate),
+                                                     _prompt(request))
+        return pb.EmbedSparseResponse(sparse_embeddings=[pb.SparseValue(**pair) for pair in pairs[0]],
+                                      metadata=_metadata(computed, started))
+
+    async def _embed_all(self, request) -> pb.EmbedAllResponse:
+        started = time.perf_counter()
+        service = self.runtime.model("embed_all")
+        states, computed = await service.embed_all([_text(request.inputs)], self._truncate(request.truncate),
+                                                   _prompt(request))
+        return pb.EmbedAllResponse(token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in states[0]],
+                                   metadata=_metadata(computed, started))
+
+    async def _predict(self, request) -> pb.PredictResponse:
+        started = time.perf_counter()
+        if isinstance(request, pb.PredictPairRequest):
+            if len(request.inputs) not in (1, 2):
+                raise InvalidInput(f"`inputs` must hold one text or a pair, not {len(request.inputs)}")
+            text = tuple(_text(value) for value in request.inputs)
+            text = text[0] if len(text) == 1 else text
+        else:
+            text = _text(request.inputs)
+        service = self.runtime.model("classify")
+        predictions, computed = await service.classify([text], "none" if request.raw_scores else "auto",
+                                                       self._truncate(request.truncate))
+        return pb.PredictResponse(predictions=[pb.Prediction(**prediction) for prediction in predictions[0]],
+                                  metadata=_metadata(computed, started))
+
+    async def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
+                      return_text: bool) -> pb.RerankResponse:
+        started = time.perf_counter()
+        service = self.runtime.model("rerank")
+        service.check_batch_size(len(texts))
+        scores, computed = await service.rerank(_text(query, "query"), [_text(text, "texts") for text in texts],
+                                                raw_scores, self._truncate(truncate))
+        ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if return_text else {}))
+                 for i in np.argsort(-scores, kind="stable")]
+        return pb.RerankResponse(ranks=ranks, metadata=_metadata(computed, started))
+
+    async def _tokenize(self, request) -> pb.EncodeResponse:
+        service = self.runtime.model(None)
+        text = service.prompts.apply([_text(request.inputs)], _prompt(request))[0]
+        tokens = service.tokenizer.tokens([text], request.add_special_tokens)[0]
+        return pb.EncodeResponse(tokens=[pb.SimpleToken(**{k: v for k, v in token.items() if v is not None})
+                                         for token in tokens])
+
+    async def _decode(self, request) -> pb.DecodeResponse:
+        if not request.ids:
+            raise InvalidInput("`ids` cannot be empty")
+        service = self.runtime.model(None)
+        return pb.DecodeResponse(text=service.tokenizer.decode([list(request.ids)], request.skip_special_tokens)[0])
+
+    @_recorded
+    async def Embed(self, request, context):
+        return await self._embed(request)
+
+    @_recorded
+    async def EmbedSparse(self, request, context):
+        return await self._embed_sparse(request)
+
+    @_recorded
+    async def EmbedAll(self, request, context):
+        return await self._embed_all(request)
+
+    @_recorded
+    async def Predict(self, request, context):
+        return await self._predict(request)
+
+    @_recorded
+    async def PredictPair(self, request, context):
+        return await self._predict(request)
+
+    @_recorded
+    async def Rerank(self, request, context):
+        return await self._rerank(request.query, list(request.texts), request.truncate, request.raw_scores,
+                                  request.return_text)
+
+    @_recorded
+    async def RerankStream(self, requests, context):
+        """One (query, text) pair per message, ranked together; options from the first message."""
+        pairs = [request async for request in requests]
+        if not pairs:
+            raise InvalidInput("the stream held no (query, text) pair")
+        first = pairs[0]
+        if any(pair.query != first.query for pair in pairs):
+            raise InvalidInput("every message of a RerankStream must carry the same query")
+        return await self._rerank(first.query, [pair.text for pair in pairs], first.truncate, first.raw_scores,
+                                  first.return_text)
+
+    @_recorded
+    async def Tokenize(self, request, context):
+        return await self._tokenize(request)
+
+    @_recorded
+    async def Decode(self, request, context):
+        return await self._decode(request)
+
+    @_recorded
+    @_streaming
+    async def EmbedStream(self, requests, context):
+        async for answer in _in_order(requests, self._embed):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def EmbedSparseStream(self, requests, context):
+        async for answer in _in_order(requests, self._embed_sparse):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def EmbedAllStream(self, requests, context):
+        async for answer in _in_order(requests, self._embed_all):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def PredictStream(self, requests, context):
+        async for answer in _in_order(requests, self._predict):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def PredictPairStream(self, requests, context):
+        async for answer in _in_order(requests, self._predict):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def TokenizeStream(self, requests, context):
+        async for answer in _in_order(requests, self._tokenize):
+            yield answer
+
+    @_recorded
+    @_streaming
+    async def DecodeStream(self, requests, context):
+        async for answer in _in_order(requests, self._decode):
+            yield answer
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """`authorization: Bearer KEY` metadata on every tei.v1 method (UNAUTHENTICATED otherwise)."""
+
+    def __init__(self, api_key: str, metrics: Metrics):
+        self.expected = f"Bearer {api_key}".encode()
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.startswith("/tei.v1."):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(given.encode(), self.expected):
+            return await continuation(details)
+        self.metrics.requests.labels(f"grpc {details.method.rsplit('/', 1)[-1]}",
+                                     grpc.StatusCode.UNAUTHENTICATED.name).inc()
+        handler = await continuation(details)
+        refusal = Unauthorized("missing or wrong API key")
+
+        async def refuse(_request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal.message)
+
+        if handler is None:
+            return None
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+async def start_grpc(settings: Settings, runtime: Runtime, metrics: Metrics) -> grpc.aio.Server:
+    """Serve tei.v1 (and server reflection) on `settings.host:settings.grpc_port`; messages over
+    --payload-limit are refused with RESOURCE_EXHAUSTED, as HTTP bodies over it are with 413."""
+    interceptors = [ApiKeyInterceptor(settings.api_key, metrics)] if settings.api_key else []
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", settings.payload_limit)])
+    servicer = TeiServicer(runtime, settings, metrics)
+    for name in SERVICES:
+        getattr(pb_grpc, f"add_{name}Servicer_to_server")(servicer, server)
+    reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
+    address = f"{settings.host}:{settings.grpc_port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
+    await server.start()
+    log.info("gRPC (tei.v1) listening on %s:%d", settings.host, port)
+    return server

@@ -1,0 +1,185 @@
+"""TEI's gRPC API (tei.v1) through a real grpcio client against a real server on loopback, beside
+HTTP: every method and its stream variant answers what the HTTP route answers, reflection lists
+the services, and bad calls get TEI's status codes while the server keeps serving."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from google.protobuf.descriptor_pool import DescriptorPool
+
+from loadtest.servers import free_port
+from service.grpc_api import tei_pb2 as pb
+from service.grpc_api import tei_pb2_grpc as pb_grpc
+from tests.conftest import _copy_tokenizer, _tiny_config, compile_artifact
+
+KEY = "grpc-secret"
+AUTH = (("authorization", f"Bearer {KEY}"),)
+TEXTS = ["seven wizards quietly judge boxing matches", "the quick brown fox", "a lazy dog sleeps"]
+PAYLOAD_LIMIT = 20_000
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_bert_dir, tiny_embed_artifact, tiny_classify_artifact, tmp_path_factory):
+    import torch
+    from transformers import BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("grpc-artifacts")
+    torch.manual_seed(3)
+    BertForSequenceClassification(_tiny_config(num_labels=1, architectures=["BertForSequenceClassification"])
+                                  ).save_pretrained(root / "reranker-checkpoint")
+    _copy_tokenizer(root / "reranker-checkpoint")
+    compile_artifact(root / "reranker-checkpoint", root / "reranker", ["2x16"], task="rerank", generic_shapes=["3x20"])
+    compile_artifact(tiny_bert_dir, root / "tokens", ["2x16"], pooling="none", generic_shapes=["3x20"])
+    return [tiny_embed_artifact, tiny_classify_artifact, root / "reranker", root / "tokens"]
+
+
+@pytest.fixture(scope="module")
+def server(serve, artifacts):
+    port = free_port()
+    with serve(artifacts, "--grpc-port", str(port), "--api-key", KEY, "--payload-limit", str(PAYLOAD_LIMIT),
+               "--max-wait-ms", "20", ready_headers=dict(AUTH)) as running:
+        running.grpc = f"127.0.0.1:{port}"
+        yield running
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60, headers=dict(AUTH)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.grpc) as channel:
+        yield channel
+
+
+def stubs(channel):
+    return (pb_grpc.InfoStub(channel), pb_grpc.EmbedStub(channel), pb_grpc.PredictStub(channel),
+            pb_grpc.RerankStub(channel), pb_grpc.TokenizeStub(channel))
+
+
+def test_unary_methods_answer_what_http_answers(channel, http):
+    info, embed, predict, rerank, tokenize = stubs(channel)
+    described = info.Info(pb.InfoRequest(), metadata=AUTH)
+    assert described.model_id == "tiny-embed" and described.model_type == pb.MODEL_TYPE_EMBEDDING
+    assert described.max_input_length == 64 and described.max_client_batch_size == 32
+
+    answer = embed.Embed(pb.EmbedRequest(inputs=TEXTS[0], normalize=True), metadata=AUTH)
+    response = http.post("/embed", json={"inputs": TEXTS[0], "model": "tiny-embed"})
+    np.testing.assert_allclose(answer.embeddings, response.json()[0], atol=1e-6)
+    assert answer.metadata.compute_tokens == int(response.headers["x-compute-tokens"])
+    assert answer.metadata.compute_chars == len(TEXTS[0]) and answer.metadata.inference_time_ns > 0
+
+    states = embed.EmbedAll(pb.EmbedAllRequest(inputs=TEXTS[1]), metadata=AUTH)
+    expected = http.post("/embed_all", json={"inputs": TEXTS[1]}).json()[0]
+    np.testing.assert_allclose([token.embeddings for token in states.token_embeddings], expected, atol=1e-6)
+
+    predicted = predict.Predict(pb.PredictRequest(inputs=TEXTS[2]), metadata=AUTH)
+    expected = http.post("/predict", json={"inputs": TEXTS[2], "model": "tiny-classify"}).json()
+    assert [p.label for p in predicted.predictions] == [p["label"] for p in expected]
+    np.testing.assert_allclose([p.score for p in predicted.predictions], [p["score"] for p in expected], atol=1e-6)
+    pair = predict.PredictPair(pb.PredictPairRequest(inputs=TEXTS[:2], raw_scores=True), metadata=AUTH)
+    assert len(pair.predictions) == 3
+
+    ranked = rerank.Rerank(pb.RerankRequest(query=TEXTS[0], texts=TEXTS, return_text=True), metadata=AUTH)
+    expected = http.post("/rerank", json={"query": TEXTS[0], "texts": TEXTS}).json()
+    assert [r.index for r in ranked.ranks] == [r["index"] for r in expected]
+    np.testing.assert_allclose([r.score for r in ranked.ranks], [r["score"] for r in expected], atol=1e-6)
+    assert [r.text for r in ranked.ranks] == [TEXTS[r["index"]] for r in expected]
+
+    tokens = tokenize.Tokenize(pb.EncodeRequest(inputs=TEXTS[1], add_special_tokens=True), metadata=AUTH)
+    expected = http.post("/tokenize", json={"inputs": TEXTS[1]}).json()[0]
+    assert [(t.id, t.text, t.special) for t in tokens.tokens] == [(t["id"], t["text"], t["special"]) for t in expected]
+    assert [t.start if t.HasField("start") else None for t in tokens.tokens] == [t["start"] for t in expected]
+    ids = [t.id for t in tokens.tokens]
+    decoded = tokenize.Decode(pb.DecodeRequest(ids=ids, skip_special_tokens=True), metadata=AUTH)
+    assert decoded.text == http.post("/decode", json={"ids": ids}).json()[0] == TEXTS[1]
+
+
+def test_streams_answer_each_message_in_order(channel):
+    info, embed, predict, rerank, tokenize = stubs(channel)
+    singles = [embed.Embed(pb.EmbedRequest(inputs=text), metadata=AUTH).embeddings for text in TEXTS]
+    streamed = list(embed.EmbedStream(iter([pb.EmbedRequest(inputs=text) for text in TEXTS]), metadata=AUTH))
+    for answer, single in zip(streamed, singles, strict=True):
+        np.testing.assert_allclose(answer.embeddings, single, atol=1e-6)
+    lengths = [len(tokenize.Tokenize(pb.EncodeRequest(inputs=text, add_special_tokens=True), metadata=AUTH).tokens)
+               for text in TEXTS]
+    streamed = list(embed.EmbedAllStream(iter([pb.EmbedAllRequest(inputs=text) for text in TEXTS]), metadata=AUTH))
+    assert [len(answer.token_embeddings) for answer in streamed] == lengths
+    streamed = list(predict.PredictStream(iter([pb.PredictRequest(inputs=text) for text in TEXTS]), metadata=AUTH))
+    single = predict.Predict(pb.PredictRequest(inputs=TEXTS[1]), metadata=AUTH)
+    assert streamed[1].predictions == single.predictions and len(streamed) == 3
+    pairs = list(predict.PredictPairStream(iter([pb.PredictPairRequest(inputs=TEXTS[:2])] * 2), metadata=AUTH))
+    assert len(pairs) == 2 and pairs[0].predictions == pairs[1].predictions
+    ranked = rerank.RerankStream(iter([pb.RerankStreamRequest(query=TEXTS[0], text=text) for text in TEXTS]),
+                                 metadata=AUTH)
+    whole = rerank.Rerank(pb.RerankRequest(query=TEXTS[0], texts=TEXTS), metadata=AUTH)
+    assert [(r.index, r.score) for r in ranked.ranks] == [(r.index, r.score) for r in whole.ranks]
+    tokens = list(tokenize.TokenizeStream(iter([pb.EncodeRequest(inputs=text) for text in TEXTS]), metadata=AUTH))
+    assert [len(answer.tokens) for answer in tokens] == [n - 2 for n in lengths]  # add_special_tokens false
+    texts = list(tokenize.DecodeStream(iter([pb.DecodeRequest(ids=[t.id for t in answer.tokens]) for answer in tokens]),
+                                       metadata=AUTH))
+    assert [answer.text for answer in texts] == TEXTS
+
+
+def test_reflection_lists_and_describes_the_services(channel):
+    database = ProtoReflectionDescriptorDatabase(channel)
+    assert {"tei.v1.Info", "tei.v1.Embed", "tei.v1.Predict", "tei.v1.Rerank", "tei.v1.Tokenize"} <= set(
+        database.get_services())
+    pool = DescriptorPool(database)
+    embed = pool.FindServiceByName("tei.v1.Embed")
+    assert {m.name for m in embed.methods} == {"Embed", "EmbedStream", "EmbedSparse", "EmbedSparseStream",
+                                               "EmbedAll", "EmbedAllStream"}
+    assert pool.FindMessageTypeByName("tei.v1.EmbedRequest").fields_by_name["inputs"].number == 1
+
+
+def status_of(call, *args, **kwargs) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as failure:
+        result = call(*args, **kwargs)
+        if isinstance(result, grpc.Call):  # a response stream fails as it is read
+            list(result)
+    return failure.value
+
+
+def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, server, http):
+    info, embed, predict, rerank, tokenize = stubs(channel)
+    refused = status_of(embed.Embed, pb.EmbedRequest(inputs="hello"))
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    refused = status_of(embed.Embed, pb.EmbedRequest(inputs="hello"), metadata=(("authorization", "Bearer wrong"),))
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert status_of(embed.Embed, pb.EmbedRequest(inputs=""), metadata=AUTH).code() == grpc.StatusCode.INVALID_ARGUMENT
+    sparse = status_of(embed.EmbedSparse, pb.EmbedSparseRequest(inputs="hello"), metadata=AUTH)
+    assert sparse.code() == grpc.StatusCode.INVALID_ARGUMENT and "sparse" in sparse.details()
+    too_long = status_of(embed.Embed, pb.EmbedRequest(inputs="word " * 200), metadata=AUTH)
+    assert too_long.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in too_long.details()
+    too_many = status_of(rerank.Rerank, pb.RerankRequest(query="q", texts=["t"] * 33), metadata=AUTH)
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
+    oversize = status_of(embed.Embed, pb.EmbedRequest(inputs="x" * (PAYLOAD_LIMIT + 1)), metadata=AUTH)
+    assert oversize.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    unknown = status_of(channel.unary_unary("/tei.v1.Embed/Nope"), b"", metadata=AUTH)
+    assert unknown.code() == grpc.StatusCode.UNIMPLEMENTED
+    stream_error = status_of(embed.EmbedStream, iter([pb.EmbedRequest(inputs="ok"), pb.EmbedRequest(inputs="")]),
+                             metadata=AUTH)
+    assert stream_error.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    cancelled = embed.Embed.future(pb.EmbedRequest(inputs=" ".join(TEXTS)), metadata=AUTH)
+    cancelled.cancel()
+    assert len(embed.Embed(pb.EmbedRequest(inputs="still serving"), metadata=AUTH).embeddings) == 32
+    assert server.process.poll() is None
+
+    metrics = http.get("/metrics").text
+    assert _count(metrics, 'endpoint="grpc Embed",status="OK"') >= 1
+    assert _count(metrics, 'endpoint="grpc Embed",status="UNAUTHENTICATED"') == 2
+    assert _count(metrics, 'endpoint="grpc Embed",status="INVALID_ARGUMENT"') >= 2
+
+
+def _count(metrics: str, labels: str) -> float:
+    found = re.search(r"^bert_serve_requests_total\{" + re.escape(labels) + r"\} (\S+)$", metrics, re.M)
+    return float(found.group(1)) if found else 0.0

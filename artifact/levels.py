@@ -6,6 +6,8 @@ level's vectors) and lists the levels in `levels.json`, the most demanding first
 an artifact directory goes through `resolve`, which returns the artifact to use on this CPU: the
 directory itself for a single-level artifact, else the first level whose CPU features it has all
 of. A CPU that has none of them is refused with one line naming what it lacks.
+`artifact_for_this_cpu` adds the manifest and, for a reader that runs the compiled code, the
+check that this CPU has every feature that code may use: the one way readers open an artifact.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .cpu_features import host_flags, missing_on_host
 from .errors import ArtifactError
-from .manifest import write_json_atomically
+from .manifest import Manifest, TargetEntry, write_json_atomically
 
 LEVELS_FILE = "levels.json"
 SCHEMA_VERSION = 1
@@ -87,3 +89,30 @@ def resolve(directory: Path | str, flags: set[str] | None = None) -> Path:
         f"{directory} holds libraries for {', '.join(level.mcpu for level in levels)}; this CPU lacks "
         f"{', '.join(missing_on_host(least.cpu_features, flags))} even for {least.mcpu}: recompile it here"
     )
+
+
+def check_cpu_features(directory: Path, target: TargetEntry) -> None:
+    """Refuse (ArtifactError) an artifact whose CPU code needs features this CPU lacks: loading and
+    running it would die with SIGILL. Where this CPU's features cannot be read, warn and go on."""
+    if not target.cpu_features:
+        return  # an older manifest, or code for no x86 CPU
+    missing = missing_on_host(target.cpu_features)
+    if missing is None:
+        log.warning("cannot read this CPU's features (no /proc/cpuinfo flags); not checking that it has %s, "
+                    "which %s was compiled for (%s)", ", ".join(target.cpu_features), directory, target.mcpu)
+    elif missing:
+        raise ArtifactError(
+            f"{directory} was compiled for {target.mcpu} and needs CPU features {', '.join(missing)} this CPU "
+            "lacks; recompile it here (bert-compile without --mcpu)"
+        )
+
+
+def artifact_for_this_cpu(directory: Path | str, *, runs_code: bool = True) -> tuple[Path, Manifest]:
+    """The artifact directory to load on this CPU (`resolve`) and its manifest; with `runs_code`,
+    refused (ArtifactError) where its code needs CPU features this CPU lacks. A reader of the
+    checkpoint or tokenizer only (the PyTorch backend) passes False."""
+    directory = resolve(directory)
+    manifest = Manifest.read(directory)
+    if runs_code:
+        check_cpu_features(directory, manifest.target)
+    return directory, manifest

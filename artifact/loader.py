@@ -25,11 +25,10 @@ from tvm.runtime.vm import VirtualMachine
 
 from .bucketing import AnyBucket
 from .costs import Costs, measured_costs
-from .cpu_features import missing_on_host
 from .errors import ArtifactError
 from .hashing import file_sha256
-from .levels import resolve
-from .manifest import Manifest, TargetEntry
+from .levels import artifact_for_this_cpu
+from .manifest import Manifest
 from .packed_batch import PACKED_INPUT_NAMES, pack_batch, per_sequence_rows
 
 log = logging.getLogger(__name__)
@@ -265,27 +264,9 @@ def _verified(directory: Path, library: str, sha256: str) -> Path:
     return path
 
 
-def check_cpu_features(directory: Path, target: TargetEntry) -> None:
-    """Refuse (ArtifactError) an artifact whose CPU code needs features this CPU lacks: loading and
-    running it would die with SIGILL. Where this CPU's features cannot be read, warn and go on."""
-    if not target.cpu_features:
-        return  # an older manifest, or code for no x86 CPU
-    missing = missing_on_host(target.cpu_features)
-    if missing is None:
-        log.warning("cannot read this CPU's features (no /proc/cpuinfo flags); not checking that it has %s, "
-                    "which %s was compiled for (%s)", ", ".join(target.cpu_features), directory, target.mcpu)
-    elif missing:
-        raise ArtifactError(
-            f"{directory} was compiled for {target.mcpu} and needs CPU features {', '.join(missing)} this CPU "
-            "lacks; recompile it here (bert-compile without --mcpu)"
-        )
-
-
 def load_artifact(directory: Path | str, device: tvm.runtime.Device | None = None) -> CompiledModel:
     """Load an artifact directory; a bucket whose library fails verification is refused, not used."""
-    directory = resolve(directory)  # a multi-level artifact: the level this CPU runs best
-    manifest = Manifest.read(directory)
-    check_cpu_features(directory, manifest.target)
+    directory, manifest = artifact_for_this_cpu(directory)  # a multi-level artifact: the level this CPU runs best
     device = device or device_for(manifest.target.kind)
     if manifest.target.kind == "cuda" and not device.exist:
         raise ArtifactError(f"{directory} holds CUDA libraries but no CUDA device is present")

@@ -17,7 +17,7 @@ import tvm
 from artifact.bucketing import AnyBucket
 from artifact.costs import BatchCosts, Costs
 from artifact.errors import ArtifactError
-from artifact.levels import resolve
+from artifact.levels import artifact_for_this_cpu
 from artifact.loader import CompiledModel, RunResult, load_artifact
 from artifact.manifest import Manifest
 
@@ -129,6 +129,6 @@ class TorchBackend:
 def load_backend(directory: Path, kind: str, threads: int | None = None) -> Backend:
     """Load one artifact directory as the chosen backend (`threads`: PyTorch's intra-op threads)."""
     if kind == "torch":
-        directory = resolve(directory)  # a multi-level artifact: its levels share checkpoint and tokenizer
-        return TorchBackend(directory, Manifest.read(directory), threads)
+        # a multi-level artifact: its levels share checkpoint and tokenizer
+        return TorchBackend(*artifact_for_this_cpu(directory, runs_code=False), threads)
     return TvmBackend(load_artifact(directory))

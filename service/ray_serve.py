@@ -24,8 +24,7 @@ from ray import serve
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from artifact.errors import ArtifactError
-from artifact.levels import resolve
-from artifact.manifest import Manifest
+from artifact.levels import artifact_for_this_cpu
 from compile.config import read_yaml_mapping, validation_problems
 
 from .settings import Settings
@@ -198,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                  "cores": max(1, math.floor(config.ray_actor_options.num_cpus))}
         settings = Settings.load({"cores": flags.pop("cores"), **config.server,
                                   **{k: v for k, v in flags.items() if v is not None}})
-        for directory in settings.artifacts:  # a wrong directory fails here, before Ray starts N replicas
-            Manifest.read(resolve(directory))
+        for directory in settings.artifacts:  # a wrong directory or CPU fails here, before Ray starts N replicas
+            artifact_for_this_cpu(directory, runs_code=settings.backend == "tvm")
     except (ConfigError, ArtifactError) as exc:
         print(f"ray_serve: error: {exc}", file=sys.stderr)
         return 2

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from artifact.cores import limit_pool_spinning, usable_cores
-from artifact.levels import resolve
-from artifact.loader import check_cpu_features
+from artifact.levels import artifact_for_this_cpu
 from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
@@ -58,10 +57,8 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
         raise ArtifactSetError(f"{len(names)} --served-name for {len(settings.artifacts)} --artifacts")
     served = []
     for i, given in enumerate(settings.artifacts):
-        directory = resolve(given)  # a multi-level artifact: the level this CPU runs best
-        manifest = Manifest.read(directory)
-        if settings.backend == "tvm":
-            check_cpu_features(directory, manifest.target)  # before listening: exit 2, not SIGILL later
+        # a multi-level artifact: the level this CPU runs best; refused before listening (exit 2, not SIGILL later)
+        directory, manifest = artifact_for_this_cpu(given, runs_code=settings.backend == "tvm")
         prompts = Prompts({}, "")
         if manifest.task == "embed":
             try:

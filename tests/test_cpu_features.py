@@ -84,7 +84,7 @@ def test_loader_refuses_when_this_cpu_lacks_a_recorded_feature(tiny_embed_artifa
 
 def test_loader_warns_and_loads_where_cpu_features_are_unknown(tiny_embed_artifact, monkeypatch, caplog):
     monkeypatch.setattr(cpu_features, "host_flags", lambda *args: None)
-    with caplog.at_level(logging.WARNING, logger="artifact.loader"):
+    with caplog.at_level(logging.WARNING, logger="artifact.levels"):
         assert load_artifact(tiny_embed_artifact).buckets
     assert "cannot read this CPU's features" in caplog.text
 
@@ -148,3 +148,15 @@ def test_the_server_refuses_an_artifact_for_another_cpu_before_listening(foreign
     assert server_refusal(out) == [
         f"bert-serve: error: {out} was compiled for {mcpu} and needs CPU features {', '.join(missing)} this CPU "
         "lacks; recompile it here (bert-compile without --mcpu)"]
+
+
+def test_ray_serve_refuses_an_artifact_for_another_cpu_before_starting_ray(foreign_artifact, monkeypatch, capsys):
+    """The same check as the server's, before Ray starts replicas that would each die on it."""
+    from service import ray_serve
+
+    out, mcpu, missing = foreign_artifact
+    monkeypatch.setattr(ray_serve.ray, "init", lambda **_: pytest.fail("Ray started for an artifact this CPU cannot run"))
+    assert ray_serve.main(["--artifacts", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"ray_serve: error: {out} was compiled for {mcpu} and needs CPU features {', '.join(missing)} this CPU "
+        "lacks; recompile it here (bert-compile without --mcpu)")

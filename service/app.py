@@ -16,9 +16,12 @@ from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import HTMLResponse, JSONResponse
+from starlette.staticfiles import StaticFiles
+from swagger_ui_bundle import swagger_ui_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .backends import load_backend
@@ -31,7 +34,8 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})  # the probes: an orchestrator sends no API key
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's scripts and styles, served from the installed package
 
 
 def error_response(error: ServiceError) -> JSONResponse:
@@ -66,7 +70,7 @@ class MetricsMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but /health, when a key is configured."""
+    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS), when a key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
@@ -122,6 +126,19 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"{where}: {message}" if where else message
 
 
+def _serve_docs(app: FastAPI) -> None:
+    """Interactive API docs at /docs (Swagger UI), its assets from the package (no CDN: servers
+    often have no internet)."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_path), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url, title=f"{app.title} API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
 def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
                on_fatal: Callable[[], None] | None = None) -> FastAPI:
     """Build the app; the artifacts load in the background once the server runs."""
@@ -147,6 +164,7 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     # in layers (route contexts, body limits) that run on every request.
     app.router.routes.extend(router.routes)
     app.openapi = with_body_schemas(app.openapi)
+    _serve_docs(app)
 
     @app.exception_handler(ServiceError)
     async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:

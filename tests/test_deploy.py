@@ -324,11 +324,31 @@ def test_server_settings_are_ones_bert_serve_reads():
         assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], source
 
 
-def test_probes_need_no_api_key():
-    """Probes carry no Authorization header: the ConfigMap must not turn the key on
-    (bert-serve exempts only /health from it, so /ready would answer 401)."""
+def test_probes_stay_open_with_the_api_key_from_a_secret():
+    """Probes carry no Authorization header: every probed path is one bert-serve leaves open when
+    an API key is set (tests/test_service_limits.py checks it over HTTP), so a pod with a key
+    turns Ready; the key comes from an optional Secret, never from the ConfigMap or the image."""
+    from service.app import OPEN_PATHS
+
+    for deployment in _deployments():
+        container = _container(deployment)
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            if probe in container:
+                assert container[probe]["httpGet"]["path"] in OPEN_PATHS, probe
+        (key,) = [e for e in container["env"] if e["name"] == "BERT_SERVE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"]["optional"] is True
     for source, env in _env_settings().items():
-        assert "BERT_SERVE_API_KEY" not in env, f"{source}: put the API key in a Secret and exempt /ready first"
+        assert "BERT_SERVE_API_KEY" not in env, f"{source}: the API key belongs in a Secret"
+
+
+def test_termination_grace_outlasts_the_drain():
+    """On SIGTERM bert-serve answers every request it holds within its request timeout (one
+    deadline for every model): Kubernetes must not kill it sooner."""
+    from service.settings import Settings
+
+    for deployment in _deployments():
+        timeout = Settings.load({}, environ=_container_env(deployment)).request_timeout
+        assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > timeout
 
 
 # Each setting is a thread count per inference worker: TVM keeps one thread pool per calling

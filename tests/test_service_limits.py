@@ -54,14 +54,17 @@ def test_full_queue_answers_429_at_once(serve, tiny_embed_artifact):
         assert 'bert_serve_requests_total{endpoint="/embed",status="429"}' in metrics
 
 
-def test_api_key_guards_every_route_but_health(serve, tiny_embed_artifact):
+def test_api_key_guards_every_route_but_the_probes(serve, tiny_embed_artifact):
+    """/health and /ready answer without the key (Kubernetes probes send none); the rest need it."""
     env = {"BERT_SERVE_API_KEY": "s3cret", "BERT_SERVE_MAX_CLIENT_BATCH_SIZE": "2"}
     good = {"authorization": "Bearer s3cret"}
-    with serve([tiny_embed_artifact], env=env, ready_headers=good) as server:
+    with serve([tiny_embed_artifact], env=env) as server:
         with httpx.Client(base_url=server.url, timeout=30) as client:
-            assert client.get("/health").status_code == 200
+            assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+            guarded = (("POST", "/embed"), ("POST", "/"), ("POST", "/v1/embeddings"), ("GET", "/metrics"),
+                       ("GET", "/info"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/v1/models"))
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
-                for method, path in (("POST", "/embed"), ("GET", "/metrics"), ("GET", "/info"), ("GET", "/ready")):
+                for method, path in guarded:
                     response = client.request(method, path, json={"inputs": "hi"}, headers=headers)
                     assert response.status_code == 401, (path, headers)
                     assert response.json()["error_type"] == "Unauthorized"

@@ -3,8 +3,8 @@
 Admission is counted in inputs (queued or running), like TEI's `max_concurrent_requests`
 permits: a request that does not fit now is refused at once (429), one that could never fit is
 413, so memory stays bounded. Every admitted input belongs to a request; when any input of a
-request fails, times out or is abandoned, the request's other inputs are dropped from the queue
-(their futures are cancelled and the batcher skips them), and the count always comes back.
+request fails, times out or is abandoned (its client left: the request's task is cancelled), its
+inputs still queued leave the queue at once, before they run, and the count always comes back.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ class Entry:
     future: asyncio.Future
     enqueued_at: float = field(default_factory=time.perf_counter)
     request: list[Entry] = field(default_factory=list, repr=False)  # every input of its request, itself included
+    queued: bool = False  # in the queue (not yet taken into a batch)
 
     @property
     def live(self) -> bool:
@@ -64,36 +65,54 @@ class InputQueue:
         for entry in entries:
             entry.request = entries
         self.admitted += len(entries)
+        self._enqueue(entries)
         self.entries.extend(entries)
         self.arrived.set()
         return entries
 
-    def release(self, entries: list[Entry]) -> None:
-        """The request is over (answered, failed or abandoned): its inputs stop counting."""
+    def release(self, entries: list[Entry]) -> int:
+        """The request is over (answered, failed, timed out or abandoned): its inputs stop counting
+        and those still queued leave the queue now, so none of them runs; how many left it."""
         for entry in entries:
             if not entry.future.done():
                 entry.future.cancel()
         self.admitted -= len(entries)
+        dropped = [entry for entry in entries if entry.queued]
+        if dropped:
+            for entry in dropped:
+                entry.queued = False
+            kept = [entry for entry in self.entries if entry.queued]
+            self.entries.clear()
+            self.entries.extend(kept)
+        return len(dropped)
 
     def take(self, count: int) -> list[Entry]:
         """Up to `count` live inputs, oldest first (dropped ones are discarded on the way)."""
         taken: list[Entry] = []
         while self.entries and len(taken) < count:
             entry = self.entries.popleft()
+            entry.queued = False
             if entry.live:
                 taken.append(entry)
         return taken
 
     def put_back(self, entries: list[Entry]) -> None:
         """Return inputs to the head of the queue, in their order."""
+        self._enqueue(entries)
         self.entries.extendleft(reversed(entries))
 
-    def live_count(self) -> int:
-        return sum(entry.live for entry in self.entries)
+    def __len__(self) -> int:
+        """Inputs queued: a request's inputs leave the queue when it ends, so this needs no recount."""
+        return len(self.entries)
 
     def drop_dead_head(self) -> None:
         while self.entries and not self.entries[0].live:
-            self.entries.popleft()
+            self.entries.popleft().queued = False
+
+    @staticmethod
+    def _enqueue(entries: list[Entry]) -> None:
+        for entry in entries:
+            entry.queued = True
 
     def arrival_rate(self, now: float | None = None) -> float:
         """Requests per second that arrive while others are in the server: the recent rate (decayed

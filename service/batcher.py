@@ -14,10 +14,12 @@ core) only when nothing else is queued and the arrival rate expects nothing whil
 load, one core each.
 
 Whatever raises wherever, every admitted input is answered: a result, its batch's error, 503
-when the loop itself fails, or 504 past `request_timeout`. The loop is supervised: if it dies,
-queued inputs get 503 at once and it restarts; after `MAX_LOOP_CRASHES` deaths within
-`CRASH_WINDOW_S` it stays down, `/ready` answers 503 and the server exits non-zero so that the
-orchestrator replaces the process.
+when the loop itself fails, or 504 past `request_timeout`; a request that ends otherwise (its
+client left, so its task was cancelled) takes its queued inputs out of the queue before they run.
+The loop is supervised: if it dies, queued inputs get 503 at once and it restarts after
+`RESTART_BACKOFF_S` per recent death, answering 503 (and `/ready` 503) meanwhile; after
+`MAX_LOOP_CRASHES` deaths within `CRASH_WINDOW_S` it stays down, `/ready` answers 503 and the
+server exits non-zero so that the orchestrator replaces the process.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_LOOP_CRASHES = 3
 CRASH_WINDOW_S = 60.0
+RESTART_BACKOFF_S = 0.5  # the loop restarts after this times its recent deaths: a passing fault can clear
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,8 @@ class Batcher:
         except TimeoutError:
             self.metrics.timeouts.labels(self.name).inc()
             raise GatewayTimeout(f"no answer within the request timeout of {self.request_timeout:g} s") from None
-        finally:
-            self.queue.release(entries)
+        finally:  # answered, failed, timed out or cancelled (the client left): queued inputs leave now
+            self._dropped(self.queue.release(entries))
             self._gauge()
         return list(results)
 
@@ -136,13 +139,13 @@ class Batcher:
         self._closing = True
         self.queue.arrived.set()
 
-    async def close(self) -> bool:
-        """Refuse new work, finish what is queued and running (up to the request timeout), stop;
-        whether every batch finished (the lanes' owner then waits for their threads)."""
+    async def close(self, deadline: float) -> bool:
+        """Refuse new work, finish what is queued and running until `deadline` (loop time, shared
+        by every model's batcher), stop; whether every batch finished (the lanes' owner then waits
+        for their threads)."""
         self.drain()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.request_timeout
-        while self._loop_alive() and (self.queue.live_count() or self._running) and loop.time() < deadline:
+        while self._loop_alive() and (len(self.queue) or self._running) and loop.time() < deadline:
             self._progress.clear()
             try:
                 await asyncio.wait_for(self._progress.wait(), deadline - loop.time())
@@ -180,6 +183,7 @@ class Batcher:
                     if self.on_fatal is not None:
                         self.on_fatal()
                     return
+                await asyncio.sleep(RESTART_BACKOFF_S * len(crashes))  # requests and /ready see 503 meanwhile
                 self._healthy = True
 
     def _fail_queued(self, error: ServiceError) -> None:
@@ -198,7 +202,7 @@ class Batcher:
             if planned is None:
                 continue
             entries, batch = planned
-            lane = self.lanes.take(alone=wide_run_pays(self.queue.live_count(), self.queue.arrival_rate(),
+            lane = self.lanes.take(alone=wide_run_pays(len(self.queue), self.queue.arrival_rate(),
                                                        batch.cost_ms), cost_ms=batch.cost_ms or 0.0)
             work = self._submit(lane, entries, batch.bucket)
             task = asyncio.create_task(self._execute(entries, work, lane))
@@ -274,8 +278,9 @@ class Batcher:
         try:
             try:
                 started, finished, result = await asyncio.wrap_future(work)
-                if result is None:
-                    return  # every request of the batch gave up while it waited behind another
+                if result is None:  # every request of the batch gave up while it waited behind another
+                    self._dropped(len(entries))
+                    return
                 output = np.asarray(result.output)
                 if output.ndim < 2 or output.shape[0] < len(entries):  # [batch, dim] or [batch, seq, hidden]
                     raise BackendFailure(f"the backend returned an output of shape {output.shape} "
@@ -325,8 +330,12 @@ class Batcher:
         return started, time.perf_counter(), result
 
     def _gauge(self) -> None:
-        self.metrics.queue_depth.labels(self.name).set(self.queue.live_count())
+        self.metrics.queue_depth.labels(self.name).set(len(self.queue))
         self.metrics.admitted.labels(self.name).set(self.queue.admitted)
+
+    def _dropped(self, inputs: int) -> None:
+        if inputs:
+            self.metrics.dropped.labels(self.name).inc(inputs)
 
     def _record(self, entries: list[Entry], result, started: float, elapsed: float) -> None:
         metrics, name = self.metrics, self.name

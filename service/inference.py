@@ -72,12 +72,7 @@ class ModelService:
     async def compute(self, texts: list[TextInput], truncate: bool) -> Computed:
         started = time.perf_counter()
         characters = sum(len(text) if isinstance(text, str) else len(text[0]) + len(text[1]) for text in texts)
-        if characters <= INLINE_TOKENIZE_CHARS:
-            encoded = self.tokenizer.encode(texts, truncate)  # tens of microseconds: cheaper than a thread hop
-        else:
-            encoded = await asyncio.get_running_loop().run_in_executor(
-                self._tokenizer_pool, self.tokenizer.encode, texts, truncate
-            )
+        encoded = await self._tokenizing(characters, self.tokenizer.encode, texts, truncate)
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         return Computed(
@@ -90,6 +85,21 @@ class ModelService:
             queue_seconds=statistics.fmean(result.queue_seconds for result in results),
             inference_seconds=statistics.fmean(result.inference_seconds for result in results),
         )
+
+    async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
+        """TEI's /tokenize (`TextTokenizer.tokens`)."""
+        return await self._tokenizing(sum(map(len, texts)), self.tokenizer.tokens, texts, add_special_tokens)
+
+    async def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        """TEI's /decode (`TextTokenizer.decode`)."""
+        return await self._tokenizing(sum(map(len, ids)), self.tokenizer.decode, ids, skip_special_tokens)
+
+    async def _tokenizing(self, size: int, work, *args):
+        """`work(*args)` on the event loop for up to INLINE_TOKENIZE_CHARS characters (or ids), on the
+        tokenizer thread beyond, so that a large request never stalls every other answer."""
+        if size <= INLINE_TOKENIZE_CHARS:
+            return work(*args)  # tens of microseconds: cheaper than a thread hop
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
 
     async def embed(self, texts: list[str], normalize: bool, truncate: bool, dimensions: int | None = None,
                     prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:

@@ -37,11 +37,13 @@ class Metrics:
                                     ["model"], registry=registry)
         self.rejected = Counter("bert_serve_rejected_inputs", "inputs refused because the queue was full",
                                 ["model"], registry=registry)
+        self.dropped = Counter("bert_serve_dropped_inputs", "queued inputs dropped before they ran: their request "
+                               "ended first (client gone, timed out or failed)", ["model"], registry=registry)
 
     def register_model(self, model: str) -> None:
         """Create a model's series at zero, so dashboards and tests see them before the first batch."""
         for family in (self.queue_depth, self.queue_seconds, self.batch_size, self.fallbacks, self.batch_failures,
-                       self.tokens, self.padding_tokens, self.rejected,
+                       self.tokens, self.padding_tokens, self.rejected, self.dropped,
                        self.admitted, self.timeouts, self.loop_crashes):
             family.labels(model)
 

@@ -152,10 +152,11 @@ class BertServer:
     async def check_health(self) -> None:
         """Serve's probe. Its first call, before the replica takes traffic, waits for loading and
         warm-up (the app's lifespan runs them in the background), so no request sees a 503
-        "loading"; a failed load makes the replica unhealthy, and Serve replaces it."""
+        "loading"; a failed load, or a batcher that gave up, makes the replica unhealthy, and
+        Serve replaces it."""
         while not self.runtime.ready:
-            if self.runtime.error:
-                raise RuntimeError(f"loading failed: {self.runtime.error}")
+            if self.runtime.failure:
+                raise RuntimeError(f"cannot serve: {self.runtime.failure}")
             await asyncio.sleep(0.05)
 
 

@@ -4,9 +4,11 @@ it), and probes. A request's `model` picks one of several models by name."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 import typing
+from typing import Annotated, Any, Awaitable, Callable
 
 import numpy as np
 import orjson
@@ -14,10 +16,10 @@ from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import InvalidInput, Unavailable
+from .errors import Unavailable
 from .inference import Computed, ModelService
 from .runtime import Runtime
 from .schemas import (
@@ -61,12 +63,61 @@ class _RequestRoute(APIRoute):
         return self.endpoint
 
 
-def post(*paths: str):
-    """Register `handler(body, request) -> Response` for POST at `paths`, its body parsed and
-    validated in one pass by pydantic's JSON parser against the handler's `body` annotation
+# What a request whose client disconnected before its answer ends with (nginx's code; nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+# The tags of `/`'s body union (ROOT_BODIES), left out of where an error points.
+ROOT_TAGS = ("similarity", "task")
+
+
+def parse_body(validate: Callable[[bytes], Any], raw: bytes) -> Any:
+    """Every POST body is parsed this one way: by pydantic's JSON parser, validating as it parses
     (FastAPI's own path, json.loads then validation of the Python objects, cost 0.1 ms more per
-    request); invalid JSON or fields are a 422, as FastAPI's. Returns the handler, which `/` calls
-    with a body it parsed itself."""
+    request), within its limits (a deeply nested body is refused, never a RecursionError). Invalid
+    JSON, binary, an empty body, wrong types or missing fields: a 422, as FastAPI's."""
+    try:
+        return validate(raw)
+    except ValidationError as exc:
+        errors = [{**error, "loc": tuple(part for part in error["loc"] if part not in ROOT_TAGS)}
+                  for error in exc.errors()]
+        raise RequestValidationError(errors) from None
+
+
+async def answer_unless_abandoned(request: Request, answer: Awaitable[Response]) -> Response:
+    """`answer`, unless the client disconnects first: then the request's task is cancelled, so its
+    inputs still queued leave the queue before they run (as TEI drops them), and it ends with 499."""
+    task = asyncio.current_task()
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        try:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a transport that cannot tell: the request just runs
+            return
+        left = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await answer
+    except asyncio.CancelledError:
+        if not left:
+            raise
+        task.uncancel()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        watcher.cancel()
+
+
+def _add_post(path: str, endpoint, body_doc: dict) -> None:
+    router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=body_doc, route_class_override=_RequestRoute)
+
+
+def post(*paths: str):
+    """Register `handler(body, request) -> Response` for POST at `paths`, its body parsed
+    (`parse_body`) against the handler's `body` annotation and answered unless the client leaves
+    first (`answer_unless_abandoned`). Returns the handler, which `/` calls with a body it parsed."""
 
     def register(handler):
         schema = typing.get_type_hints(handler)["body"]
@@ -77,16 +128,12 @@ def post(*paths: str):
             "application/json": {"schema": {"$ref": SCHEMA_REF.format(model=schema.__name__)}}}}}
 
         async def endpoint(request: Request):
-            try:
-                body = schema.model_validate_json(await request.body())
-            except ValidationError as exc:
-                raise RequestValidationError(exc.errors()) from None
-            return await handler(body, request)
+            body = parse_body(schema.model_validate_json, await request.body())
+            return await answer_unless_abandoned(request, handler(body, request))
 
         endpoint.__name__ = handler.__name__
         for path in paths:
-            router.add_api_route(path, endpoint, methods=["POST"], openapi_extra=body_doc,
-                                 route_class_override=_RequestRoute)
+            _add_post(path, endpoint, body_doc)
         return handler
 
     return register
@@ -237,7 +284,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     service = _runtime(request).model(None, body.model)
     texts = _texts(body.inputs)
     service.check_batch_size(len(texts))
-    return JSONResponse(service.tokenizer.tokens(texts, body.add_special_tokens))
+    return JSONResponse(await service.tokens(texts, body.add_special_tokens))
 
 
 @post("/decode")
@@ -246,7 +293,7 @@ async def decode(body: DecodeRequest, request: Request) -> Response:
     service = _runtime(request).model(None, body.model)
     ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
     service.check_batch_size(len(ids))
-    return JSONResponse(service.tokenizer.decode(ids, body.skip_special_tokens))
+    return JSONResponse(await service.decode(ids, body.skip_special_tokens))
 
 
 @post("/similarity")
@@ -271,23 +318,28 @@ DEFAULT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/j
     for schema in dict.fromkeys([schema for schema, _ in DEFAULT_ROUTES.values()] + [SimilarityRequest])]}}}}}
 
 
-@router.post("/", openapi_extra=DEFAULT_BODY_DOC)
+def _root_kind(payload: Any) -> str:
+    return "similarity" if isinstance(payload, dict) and isinstance(payload.get("inputs"), dict) else "task"
+
+
+# `/`'s body by the first model's task: /similarity's when `inputs` holds a source sentence, else
+# the task's, told apart while pydantic parses it, so that `/` parses like every other route.
+ROOT_BODIES = {task: TypeAdapter(Annotated[Annotated[SimilarityRequest, Tag("similarity")]
+                                           | Annotated[schema, Tag("task")], Discriminator(_root_kind)]).validate_json
+               for task, (schema, _) in DEFAULT_ROUTES.items()}
+
+
 async def default_task(request: Request) -> Response:
     """TEI's `/`: the body of the first model's task (/embed, /predict or /rerank), or /similarity's
     when `inputs` holds a source sentence; what `huggingface_hub.InferenceClient(base_url=...)`
     posts to for feature_extraction, text_classification and sentence_similarity."""
-    try:
-        payload = await request.json()
-    except ValueError:
-        raise InvalidInput("the body is not valid JSON") from None
-    is_similarity = isinstance(payload, dict) and isinstance(payload.get("inputs"), dict)
-    schema, route = (SimilarityRequest, similarity) if is_similarity else \
-        DEFAULT_ROUTES[_runtime(request).default_task()]
-    try:
-        body = schema.model_validate(payload)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
-    return await route(body, request)
+    task = _runtime(request).default_task()
+    body = parse_body(ROOT_BODIES[task], await request.body())
+    route = similarity if isinstance(body, SimilarityRequest) else DEFAULT_ROUTES[task][1]
+    return await answer_unless_abandoned(request, route(body, request))
+
+
+_add_post("/", default_task, DEFAULT_BODY_DOC)
 
 
 @router.get("/v1/models")
@@ -300,7 +352,7 @@ async def list_models(request: Request) -> dict:
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()
-    service = _runtime(request).model("embed", body.model)
+    service = _runtime(request).openai_model(body.model)
     texts = _texts(body.input)
     service.check_batch_size(len(texts))
     vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate,

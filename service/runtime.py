@@ -113,6 +113,13 @@ class Runtime:
         return "; ".join(down) if down and self.loaded else "warming up"
 
     @property
+    def failure(self) -> str | None:
+        """Why this server can no longer serve (loading failed, or a batcher gave up), else None."""
+        given_up = [f"{name}: {service.batcher.failure}" for name, service in self.models.items()
+                    if service.batcher.failure]
+        return self.error or "; ".join(given_up) or None
+
+    @property
     def primary(self) -> ServedArtifact:
         """The first model given: what `/` serves and /info's TEI fields describe."""
         return self.artifacts[0]
@@ -177,6 +184,12 @@ class Runtime:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
         return self.models[artifact.name]
 
+    def openai_model(self, name: str | None) -> ModelService:
+        """OpenAI's `model`: with one model served, any name is that one (clients send their own
+        default, LangChain's `text-embedding-ada-002`; the answer's `model` says which answered);
+        with several, the name selects one as everywhere else."""
+        return self.model("embed", name if len(self.artifacts) > 1 else None)
+
     def default_task(self) -> str:
         """TEI's `/`: the first model's task (embed, embed_all, embed_sparse, predict, or rerank for
         a one-label classifier)."""
@@ -188,7 +201,10 @@ class Runtime:
             service.batcher.drain()
 
     async def close(self) -> None:
-        finished = [await service.batcher.close() for service in self.models.values()]
+        """Drain every model at once against one deadline, the request timeout: no admitted request
+        waits longer for its answer anyway (deploy/k8s gives the pod more than that to stop)."""
+        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout
+        finished = await asyncio.gather(*(service.batcher.close(deadline) for service in self.models.values()))
         if self.lanes is not None:
             self.lanes.shutdown(wait=all(finished))  # a stuck batch is left behind rather than hang shutdown
         self._tokenizer_pool.shutdown(wait=True)

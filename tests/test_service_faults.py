@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import types
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -166,6 +167,7 @@ def test_a_dead_batching_loop_answers_503_and_restarts(faulty, monkeypatch):
     with faulty() as (url, _):
         response = httpx.post(f"{url}/embed", json={"inputs": ["a", "b"]}, timeout=60)
         assert response.status_code == 503 and "planner bug" in response.json()["error"]
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the loop restarted")
         assert httpx.post(f"{url}/embed", json={"inputs": "after the restart"}, timeout=60).status_code == 200
         assert httpx.get(f"{url}/ready").status_code == 200
         assert metric_value(url, "bert_serve_batcher_crashes_total", model="tiny-embed") == 1
@@ -200,10 +202,13 @@ def test_a_loop_that_keeps_dying_turns_ready_503_and_stops_the_server(faulty, mo
     monkeypatch.setattr(service.batcher, "plan_batches", broken)
     stopped = threading.Event()
     with faulty(on_fatal=stopped.set) as (url, _):
-        statuses = [httpx.post(f"{url}/embed", json={"inputs": f"try {i}"}, timeout=60).status_code
-                    for i in range(service.batcher.MAX_LOOP_CRASHES + 1)]
+        statuses = []
+        for i in range(service.batcher.MAX_LOOP_CRASHES):
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the loop restarted")
+            statuses.append(httpx.post(f"{url}/embed", json={"inputs": f"try {i}"}, timeout=60).status_code)
         assert statuses == [503] * len(statuses)
         assert stopped.wait(30)
+        assert httpx.post(f"{url}/embed", json={"inputs": "after"}, timeout=60).status_code == 503
         ready = httpx.get(f"{url}/ready")
         assert ready.status_code == 503 and "failed 3 times" in ready.json()["error"]
 
@@ -271,3 +276,80 @@ def test_a_client_sending_back_to_back_does_not_wait_for_company(faulty):
         for i in range(12):
             response = client.post("/embed", json={"inputs": f"query {i}"})
             assert response.status_code == 200 and int(response.headers["x-queue-time"]) < 1000  # not 5 s
+
+
+def test_while_the_loop_restarts_requests_and_ready_get_503(faulty, monkeypatch):
+    """Between a death of the batching loop and its restart, new requests and /ready answer 503
+    (the restart waits RESTART_BACKOFF_S; here longer than the test)."""
+    real_plan = service.batcher.plan_batches
+    calls = {"n": 0}
+
+    def plan_once_broken(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("planner bug")
+        return real_plan(*args)
+
+    monkeypatch.setattr(service.batcher, "plan_batches", plan_once_broken)
+    monkeypatch.setattr(service.batcher, "RESTART_BACKOFF_S", 3600.0)
+    with faulty() as (url, _):
+        assert httpx.post(f"{url}/embed", json={"inputs": "crashes the loop"}, timeout=60).status_code == 503
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and "restarting" in ready.json()["error"]
+        meanwhile = httpx.post(f"{url}/embed", json={"inputs": "while it restarts"}, timeout=60)
+        assert meanwhile.status_code == 503 and "restarting" in meanwhile.json()["error"]
+        assert metric_value(url, "bert_serve_batcher_crashes_total", model="tiny-embed") == 1
+        assert admitted(url) == 0
+
+
+def test_the_ray_health_check_fails_once_a_batcher_has_given_up(tiny_embed_artifact, monkeypatch):
+    """Serve replaces a replica whose check_health raises: it must raise once the loop gave up,
+    not wait for a readiness that cannot come."""
+    from service.ray_serve import BertServer
+
+    def broken(*args):
+        raise RuntimeError("planner bug")
+
+    monkeypatch.setattr(service.batcher, "plan_batches", broken)
+    stopped = threading.Event()
+    app = create_app(settings(tiny_embed_artifact), on_fatal=stopped.set)
+    replica = types.SimpleNamespace(runtime=app.state.runtime)  # check_health reads only the runtime
+    check_health = BertServer.func_or_class.check_health
+    with running_app(app) as url:
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="/ready 200")
+        asyncio.run(asyncio.wait_for(check_health(replica), 30))  # healthy: returns
+        for i in range(service.batcher.MAX_LOOP_CRASHES):
+            wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="the loop restarted")
+            assert httpx.post(f"{url}/embed", json={"inputs": f"try {i}"}, timeout=60).status_code == 503
+        assert stopped.wait(30)
+        with pytest.raises(RuntimeError, match="failed 3 times"):
+            asyncio.run(asyncio.wait_for(check_health(replica), 30))
+
+
+@pytest.mark.parametrize("queue_ahead", [True, False])
+def test_a_disconnected_clients_queued_inputs_never_run(faulty, tiny_embed_artifact, queue_ahead):
+    """A client whose 2-input request waits behind a blocked call disconnects: its inputs leave
+    the queue (or the batch the busy worker holds, with queue-ahead) before they run, counted in
+    bert_serve_dropped_inputs_total, and the clients that wait are served. Its inputs are
+    poisoned: had either run, its batch would have failed."""
+    poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
+    with faulty(block_calls=[1], poison_id=poison, settings={"queue_ahead": queue_ahead}) as (url, backend):
+        first: list = []
+        blocker = post_in_thread(url, {"inputs": "holds the only worker"}, first)
+        assert backend.blocked.wait(60)
+
+        async def impatient():
+            async with httpx.AsyncClient(base_url=url) as client:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/embed", json={"inputs": ["poison", "poison again"]}, timeout=0.5)
+
+        asyncio.run(impatient())
+        wait_until(lambda: admitted(url) == 1 and queued(url) == 0, what="the abandoned request dropped")
+        backend.release.set()
+        blocker.join(60)
+        assert first[0].status_code == 200
+        assert httpx.post(f"{url}/embed", json={"inputs": "a client that waits"}, timeout=60).status_code == 200
+        wait_until(lambda: metric_value(url, "bert_serve_dropped_inputs_total", model="tiny-embed") == 2,
+                   what="two dropped inputs counted")
+        assert backend.calls == 2  # the blocked call and the waiting client's; the abandoned inputs never ran
+        assert metric_value(url, "bert_serve_batch_failures_total", model="tiny-embed") == 0

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -30,25 +29,21 @@ def test_settings_come_from_env_and_flags_override(tmp_path):
 
 
 def test_full_queue_answers_429_at_once(serve, tiny_embed_artifact):
-    """Room for 2 queued inputs, lingering 400 ms: of a 40-request burst most are refused, fast."""
+    """Room for 2 queued inputs, lingering 400 ms: of a 40-request burst some are refused with TEI's
+    body, the rest served (that refusals do not queue: test_service_faults, with a blocked worker)."""
     args = ("--max-concurrent-requests", "2", "--max-wait-ms", "400", "--workers", "1")
     with serve([tiny_embed_artifact], *args) as server:
 
-        async def timed(client: httpx.AsyncClient, text: str):
-            started = time.perf_counter()
-            response = await client.post("/embed", json={"inputs": text})
-            return response, time.perf_counter() - started
-
         async def burst():
             async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:
-                return await asyncio.gather(*(timed(client, f"request number {i}") for i in range(40)))
+                return await asyncio.gather(*(client.post("/embed", json={"inputs": f"request number {i}"})
+                                              for i in range(40)))
 
         results = asyncio.run(asyncio.wait_for(burst(), 60))
-        refused = [(r, t) for r, t in results if r.status_code == 429]
-        served = [(r, t) for r, t in results if r.status_code == 200]
+        refused = [r for r in results if r.status_code == 429]
+        served = [r for r in results if r.status_code == 200]
         assert len(refused) + len(served) == 40 and refused and served
-        assert all(r.json() == {"error": "Model is overloaded", "error_type": "Overloaded"} for r, _ in refused)
-        assert np.median([t for _, t in refused]) < min(t for _, t in served)  # refused without queueing
+        assert all(r.json() == {"error": "Model is overloaded", "error_type": "Overloaded"} for r in refused)
         assert httpx.post(f"{server.url}/embed", json={"inputs": "after the burst"}, timeout=30).status_code == 200
         metrics = httpx.get(f"{server.url}/metrics").text
         assert 'bert_serve_requests_total{endpoint="/embed",status="429"}' in metrics

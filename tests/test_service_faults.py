@@ -72,6 +72,20 @@ def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
     return thread
 
 
+def break_the_planner_once(monkeypatch) -> None:
+    """The batch planner raises on its first call only: the batching loop dies once."""
+    real_plan = service.batcher.plan_batches
+    calls = {"n": 0}
+
+    def plan_once_broken(*args):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("planner bug")
+        return real_plan(*args)
+
+    monkeypatch.setattr(service.batcher, "plan_batches", plan_once_broken)
+
+
 def test_a_failing_batch_fails_only_its_requests(faulty, tiny_embed_artifact):
     poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
     with faulty(poison_id=poison) as (url, backend):
@@ -173,16 +187,7 @@ def test_zero_shot_counts_texts_and_labels_against_the_client_batch_size(faulty)
 
 
 def test_a_dead_batching_loop_answers_503_and_restarts(faulty, monkeypatch):
-    real_plan = service.batcher.plan_batches
-    calls = {"n": 0}
-
-    def plan_once_broken(*args):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("planner bug")
-        return real_plan(*args)
-
-    monkeypatch.setattr(service.batcher, "plan_batches", plan_once_broken)
+    break_the_planner_once(monkeypatch)
     with faulty() as (url, _):
         response = httpx.post(f"{url}/embed", json={"inputs": ["a", "b"]}, timeout=60)
         assert response.status_code == 503 and "planner bug" in response.json()["error"]
@@ -300,16 +305,7 @@ def test_a_client_sending_back_to_back_does_not_wait_for_company(faulty):
 def test_while_the_loop_restarts_requests_and_ready_get_503(faulty, monkeypatch):
     """Between a death of the batching loop and its restart, new requests and /ready answer 503
     (the restart waits RESTART_BACKOFF_S; here longer than the test)."""
-    real_plan = service.batcher.plan_batches
-    calls = {"n": 0}
-
-    def plan_once_broken(*args):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("planner bug")
-        return real_plan(*args)
-
-    monkeypatch.setattr(service.batcher, "plan_batches", plan_once_broken)
+    break_the_planner_once(monkeypatch)
     monkeypatch.setattr(service.batcher, "RESTART_BACKOFF_S", 3600.0)
     with faulty() as (url, _):
         assert httpx.post(f"{url}/embed", json={"inputs": "crashes the loop"}, timeout=60).status_code == 503

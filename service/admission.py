@@ -14,6 +14,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .errors import Overloaded, TooLarge
 from .tokenization import Encoded
@@ -44,8 +45,9 @@ class Entry:
 
 
 class InputQueue:
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, clock: Callable[[], float] = time.perf_counter):
         self.capacity = capacity
+        self._clock = clock  # seconds; arrivals are timed by it (tests pass their own)
         self.entries: deque[Entry] = deque()
         self.admitted = 0  # inputs queued or running, of requests still waiting
         self._last_arrival: float | None = None
@@ -114,18 +116,18 @@ class InputQueue:
         for entry in entries:
             entry.queued = True
 
-    def arrival_rate(self, now: float | None = None) -> float:
+    def arrival_rate(self) -> float:
         """Requests per second that arrive while others are in the server: the recent rate (decayed
         by the silence since the last arrival) times the share of recent arrivals that found
         company. A client sending back to back waits for each answer before its next request: at
         any rate its requests find the server empty, and waiting for a next one only delays it."""
         if self._last_arrival is None:
             return 0.0
-        silence = (now or time.perf_counter()) - self._last_arrival
+        silence = self._clock() - self._last_arrival
         return self._company_share / max(self._mean_gap, silence, 1e-6)
 
     def _note_arrival(self, found_company: bool) -> None:
-        now = time.perf_counter()
+        now = self._clock()
         if self._last_arrival is not None:
             gap = now - self._last_arrival
             self._mean_gap = gap if math.isinf(self._mean_gap) else (

@@ -7,13 +7,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from artifact.cores import cgroup_cpu_limit, usable_cores
-from service.admission import InputQueue
+from service.admission import ARRIVAL_SMOOTHING, InputQueue
 from service.lanes import Lanes
 from service.tokenization import Encoded
 from service.topology import Topology, TopologyError, plan_topology
@@ -134,14 +133,22 @@ ITEM = Encoded(ids=np.ones(3, dtype=np.int64), type_ids=np.zeros(3, dtype=np.int
 
 
 def test_the_arrival_rate_rises_with_arrivals_and_decays_in_silence():
+    """Arrivals 1 ms apart on an injected clock: the rate is the share that found company over
+    the mean gap, then falls as 1 / silence."""
     async def scenario():
-        queue = InputQueue(capacity=100)
+        clock = [100.0]
+        queue = InputQueue(capacity=100, clock=lambda: clock[0])
         assert queue.arrival_rate() == 0.0  # nothing seen: never worth waiting for
         for _ in range(5):
-            queue.admit([ITEM])
-        now = time.perf_counter()
-        assert queue.arrival_rate(now) > 100  # five arrivals within microseconds
-        assert queue.arrival_rate(now + 10) == pytest.approx(queue.arrival_rate(now + 20) * 2)  # as 1 / silence
+            queue.admit([ITEM])  # the first finds the server empty, the next four find company
+            clock[0] += 0.001
+        clock[0] -= 0.001  # at the last arrival
+        company = 1 - (1 - ARRIVAL_SMOOTHING) ** 4
+        assert queue.arrival_rate() == pytest.approx(company / 0.001)  # ~590 per second
+        clock[0] += 10
+        after_10_s = queue.arrival_rate()
+        clock[0] += 10
+        assert after_10_s == pytest.approx(company / 10) == pytest.approx(queue.arrival_rate() * 2)
 
     asyncio.run(scenario())
 

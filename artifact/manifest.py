@@ -12,6 +12,8 @@ from .bucketing import AnyBucket, Bucket, PackedBucket
 from .errors import ArtifactError
 
 SCHEMA_VERSION = 1
+# SPLADE: max (SPLADE v2 on) or sum over the real tokens of log(1 + relu(MLM logits)), [batch, vocab]
+SPLADE_POOLINGS = ("splade", "splade-sum")
 MANIFEST_FILE = "manifest.json"
 
 
@@ -212,6 +214,11 @@ class Manifest(_Strict):
         """Whether the libraries return every token's final hidden state (pooling none) rather
         than one row per sequence: padded `[batch, seq, hidden]`, packed `[tokens, hidden]`."""
         return self.task == "embed" and self.pooling == "none"
+
+    @property
+    def sparse_outputs(self) -> bool:
+        """Whether the libraries return SPLADE weights over the vocabulary (a sparse embedding model)."""
+        return self.task == "embed" and self.pooling in SPLADE_POOLINGS
 
     def write(self, directory: Path) -> None:
         write_json_atomically(self, Path(directory) / MANIFEST_FILE)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from artifact.hashing import file_sha256
+from artifact.manifest import SPLADE_POOLINGS
 
 from .errors import CompileError
 from .families import FAMILIES, Family
@@ -57,6 +58,13 @@ class CheckpointInfo:
     def hidden_size(self) -> int:
         return int(self.config[self.family.hidden_size_key])
 
+    @property
+    def output_dim(self) -> int:
+        """One input's output row: a classifier's labels, SPLADE's vocabulary, else the hidden size."""
+        if self.labels:
+            return len(self.labels)
+        return int(self.config["vocab_size"]) if self.pooling in SPLADE_POOLINGS else self.hidden_size
+
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
         for weight_file in self.weight_files:
@@ -81,6 +89,25 @@ def sentence_transformers_pooling(model_dir: Path) -> str | None:
                 return "max"
             raise CompileError(f"{model_dir}: unsupported sentence-transformers pooling {pooling_config}")
     return None
+
+
+def splade_pooling(model_dir: Path, config: dict) -> str:
+    """The SPLADE pooling of a masked-LM checkpoint: its sentence-transformers SpladePooling config
+    (a SparseEncoder's), else SPLADE v2's max."""
+    architectures = config.get("architectures") or []
+    if not any(name.endswith("ForMaskedLM") for name in architectures):
+        raise CompileError(f"{model_dir} is not a masked-LM checkpoint (architectures={architectures}); --task sparse "
+                           "needs a *ForMaskedLM or a sentence-transformers SparseEncoder (MLMTransformer + SpladePooling)")
+    modules_file = model_dir / "modules.json"
+    modules = json.loads(modules_file.read_text()) if modules_file.is_file() else []
+    pooling_config = next((json.loads((model_dir / module["path"] / "config.json").read_text()) for module in modules
+                           if module.get("type", "").endswith("SpladePooling")), {})
+    strategy = pooling_config.get("pooling_strategy", "max")
+    activation = pooling_config.get("activation_function", "relu")
+    if strategy not in ("max", "sum") or activation != "relu":
+        raise CompileError(f"{model_dir}: unsupported SPLADE pooling {strategy} of {activation} (supported: max or "
+                           "sum of relu)")
+    return "splade" if strategy == "max" else "splade-sum"
 
 
 def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> CheckpointInfo:
@@ -114,6 +141,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
             )
         id2label = config.get("id2label") or {}
         labels = [id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(len(id2label))]
+    if task == "embed" and pooling in SPLADE_POOLINGS:  # "splade": max or sum, as the checkpoint says
+        found = splade_pooling(model_dir, config)
+        pooling = found if pooling == "splade" else pooling
     if task == "embed" and pooling == "auto":
         pooling = sentence_transformers_pooling(model_dir) or "cls"
     return CheckpointInfo(
@@ -141,6 +171,7 @@ class BertWrapper(torch.nn.Module):
         self.family = FAMILIES[model.config.model_type]
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
+        self.mlm_head = self.family.mlm_head(model) if pooling in SPLADE_POOLINGS else None  # -> vocabulary logits
 
     @staticmethod
     def additive_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -156,12 +187,22 @@ class BertWrapper(torch.nn.Module):
             return self.classifier(hidden)
         if self.pooling == "none":
             return hidden
+        if self.mlm_head is not None:
+            return splade(self.mlm_head(hidden), mask, self.pooling)
         if self.pooling == "cls":
             return hidden[:, 0]
         token_mask = mask.unsqueeze(-1)
         if self.pooling == "max":
             return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).max(dim=1).values
         return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
+
+
+def splade(logits: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """SpladePooling's: log(1 + relu(logits)) of the real tokens ([batch, seq, vocab], padding
+    zeroed), max or (splade-sum) summed over them: [batch, vocab]. `amax`, not `max(dim).values`:
+    the latter imports as a top-k, which TVM's runtime library (what the server loads) lacks."""
+    weights = torch.log1p(torch.relu(logits * mask.unsqueeze(-1)))
+    return weights.sum(dim=1) if pooling == "splade-sum" else weights.amax(dim=1)
 
 
 def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attention: str = "eager") -> BertWrapper:
@@ -172,7 +213,7 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attent
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     try:
-        model = info.family.load(info.path, task, attention)
+        model = info.family.load(info.path, "sparse" if info.pooling in SPLADE_POOLINGS else task, attention)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()

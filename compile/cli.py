@@ -20,8 +20,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", type=Path, help="YAML file of compile settings (configs/*.yaml)")
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: bundled all-MiniLM-L6-v2)")
-    parser.add_argument("--task", choices=["embed", "classify", "rerank"],
-                        help="rerank: a cross-encoder (a classifier with one label), served on /rerank")
+    parser.add_argument("--task", choices=["embed", "classify", "rerank", "sparse"],
+                        help="rerank: a cross-encoder (a classifier with one label), served on /rerank; sparse: SPLADE "
+                             "from a *ForMaskedLM or SparseEncoder checkpoint, served on /embed_sparse")
     parser.add_argument("--target", choices=["cpu", "cuda"])
     parser.add_argument("--cuda-arch", dest="cuda_arch", help="CUDA architecture (default sm_90)")
     parser.add_argument("--dtype", choices=["float32", "float16"], help="float16: CUDA only")
@@ -34,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128 (packed: packed-SEQ, "
                         "e.g. packed-64,packed-512)")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
-    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max", "none"],
+    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max", "none", "splade"],
                         help="none: the libraries return every token's final hidden state (served on /embed_all)")
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
                         help="how parallel matmuls are combined; auto times all three per bucket")

@@ -14,9 +14,11 @@ from artifact.bucketing import AnyBucket, Bucket, PackedBucket
 from .bucketing import parse_bucket, parse_buckets
 from .errors import CompileError
 
-Task = Literal["embed", "classify", "rerank"]  # rerank: a classifier with one label (a cross-encoder)
+# rerank: a classifier with one label (a cross-encoder); sparse: SPLADE weights from a masked LM
+Task = Literal["embed", "classify", "rerank", "sparse"]
 TargetKind = Literal["cpu", "cuda"]
-Pooling = Literal["auto", "mean", "cls", "max", "none"]  # none: every token's final hidden state
+# none: every token's final hidden state; splade: task sparse (max or sum as the checkpoint says)
+Pooling = Literal["auto", "mean", "cls", "max", "none", "splade"]
 FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1)
 # int8 is checked per output row, relative to its norm: MiniLM on random tokens measured up to 0.14
@@ -168,6 +170,12 @@ class CompileConfig(BaseModel):
             raise ValueError("quantize int8 is built for target cpu, without sparsity")
         if self.pooling == "none" and (self.task != "embed" or self.quantize == "int8"):
             raise ValueError("pooling none (token embeddings) is built for task embed, without int8")
+        if self.pooling == "splade" and self.task == "embed":
+            self.task = "sparse"  # --pooling splade is --task sparse
+        if self.task == "sparse":
+            if self.pooling not in ("auto", "splade"):
+                raise ValueError(f"task sparse pools with splade, not {self.pooling}")
+            self.pooling = "splade"
         if self.tune and (self.target != "cpu" or self.layout != "padded"):
             raise ValueError("tune searches the constant shapes of padded buckets: target cpu, layout padded only")
         return self
@@ -175,8 +183,9 @@ class CompileConfig(BaseModel):
     @property
     def model_task(self) -> str:
         """What the compiled function computes: a reranker is a classifier with one logit (the
-        manifest says classify, and the service serves /rerank from any one-label classifier, as TEI does)."""
-        return "classify" if self.task == "rerank" else self.task
+        manifest says classify, and the service serves /rerank from any one-label classifier, as TEI does);
+        a sparse model is an embedding model pooled with SPLADE (the service serves it on /embed_sparse)."""
+        return {"rerank": "classify", "sparse": "embed"}.get(self.task, self.task)
 
     @property
     def effective_tolerance(self) -> float:

@@ -56,10 +56,15 @@ class Family:
         """The checkpoint's model; eager attention (plain matmul + softmax) is what we export and
         validate against, "sdpa" (PyTorch's fused attention, transformers' default) what a PyTorch
         server runs."""
-        from transformers import AutoModel, AutoModelForSequenceClassification
+        from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
         if task == "classify":
             return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation=attention)
+        if task == "sparse":
+            model = AutoModelForMaskedLM.from_pretrained(path, attn_implementation=attention)
+            decoder = model.get_output_embeddings()  # untied from the embedding table: exported as its own weight
+            decoder.weight = torch.nn.Parameter(decoder.weight.detach().clone())
+            return model
         return AutoModel.from_pretrained(path, attn_implementation=attention, **self.base_model_options)
 
     def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
@@ -83,6 +88,10 @@ class Family:
         """The classifier from [batch, seq, hidden]: the pooler (dense + tanh on token 0), then the linear."""
         return torch.nn.Sequential(model.bert.pooler, model.classifier)
 
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A masked LM's head from [..., hidden]: transform, layer norm, vocabulary logits."""
+        return model.cls
+
 
 class Roberta(Family):
     """RoBERTa and XLM-R: BERT's modules, positions after the padding index, a head without pooler."""
@@ -96,6 +105,9 @@ class Roberta(Family):
 
     def head(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.classifier  # RobertaClassificationHead: token 0, dense, tanh, out_proj
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.lm_head
 
 
 class DistilBert(Family):
@@ -119,6 +131,10 @@ class DistilBert(Family):
 
     def head(self, model: torch.nn.Module) -> torch.nn.Module:
         return torch.nn.Sequential(FirstToken(), model.pre_classifier, torch.nn.ReLU(), model.classifier)
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(model.vocab_transform, model.activation, model.vocab_layer_norm,
+                                   model.vocab_projector)
 
 
 FAMILIES = {

@@ -23,6 +23,18 @@ class ImportedModel:
     params: list[tvm.runtime.Tensor]
 
 
+def _amax(node, importer) -> relax.Var:
+    """torch.amax as Relax's max reduction: the importer has none for it, and `max(dim).values`
+    imports as a top-k, which TVM's runtime library (all the server loads) cannot run."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", [])
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return importer.block_builder.emit(
+        relax.op.max(importer.env[node.args[0]], axis=list(dim) or None, keepdims=keepdim))
+
+
+CONVERTERS = {"amax.default": _amax}  # ops the importer lacks, by their ATen name
+
+
 def export_and_import(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_size: int,
                       layout: str = "padded") -> ImportedModel:
     """Export with symbolic (batch, seq) and import, keeping weights as parameters. The packed
@@ -53,7 +65,7 @@ def export_and_import(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes)
-        mod = from_exported_program(program, keep_params_as_input=True)
+        mod = from_exported_program(program, keep_params_as_input=True, custom_convert_map=CONVERTERS)
     mod, params = relax.frontend.detach_params(mod)
     return ImportedModel(mod=mod, params=list(params["main"]))
 

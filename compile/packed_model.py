@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .checkpoint import BertWrapper
+from .checkpoint import BertWrapper, splade
 from .families import LayerParts
 
 
@@ -30,6 +30,7 @@ class PackedBertWrapper(torch.nn.Module):
         self.family = padded.family
         self.bert = padded.bert
         self.classifier = padded.classifier
+        self.mlm_head = padded.mlm_head
         self.layers = padded.family.layers(padded.bert)
 
     def forward(self, input_ids, token_type_ids, position_ids, gather, attention_mask, scatter):
@@ -48,6 +49,9 @@ class PackedBertWrapper(torch.nn.Module):
             return hidden
         if self.pooling == "cls":
             return torch.index_select(hidden, 0, gather[:, 0])
+        if self.mlm_head is not None:  # the vocabulary-wide head on the real tokens only
+            logits = self.mlm_head(hidden)
+            return splade(torch.index_select(logits, 0, rows).reshape(batch, seq, -1), mask, self.pooling)
         padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)
         token_mask = mask.unsqueeze(-1)
         if self.pooling == "max":

@@ -438,7 +438,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             pooling=info.pooling,
             labels=info.labels,
             problem_type=info.config.get("problem_type") if config.model_task == "classify" else None,
-            output_dim=len(info.labels) if config.model_task == "classify" else info.hidden_size,
+            output_dim=info.output_dim,
             tvm_version=tvm.__version__,
             torch_version=torch.__version__,
             transformers_version=transformers.__version__,

@@ -282,7 +282,6 @@ KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
                  "embed_sparse": "/embed_sparse"}
-SPARSE_POOLINGS = ("splade", "splade-sum")  # an embedding model whose libraries return SPLADE weights
 
 
 def model_kind(manifest: Manifest) -> str:
@@ -291,7 +290,7 @@ def model_kind(manifest: Manifest) -> str:
         return "rerank" if len(manifest.labels) == 1 else "classify"
     if manifest.token_outputs:
         return "embed_all"
-    return "embed_sparse" if manifest.pooling in SPARSE_POOLINGS else "embed"
+    return "embed_sparse" if manifest.sparse_outputs else "embed"
 
 
 def serves(manifest: Manifest, task: str) -> bool:
@@ -319,7 +318,7 @@ def model_dtype(manifest: Manifest) -> str:
 def tei_model_type(manifest: Manifest) -> dict:
     """TEI's /info `model_type`: embedding (with pooling), classifier or reranker (with labels)."""
     if manifest.task == "embed":
-        return {"embedding": {"pooling": "splade" if manifest.pooling in SPARSE_POOLINGS else manifest.pooling}}
+        return {"embedding": {"pooling": "splade" if manifest.sparse_outputs else manifest.pooling}}
     labels = {"id2label": dict(enumerate(manifest.labels)),
               "label2id": {label: i for i, label in enumerate(manifest.labels)}}
     return {"reranker" if serves(manifest, "rerank") else "classifier": labels}

@@ -1,0 +1,121 @@
+"""SPLADE: `bert-compile --task sparse` on tiny random masked LMs with a real tokenizer (a
+sentence-transformers SparseEncoder checkpoint, max and sum pooling, and a bare BertForMaskedLM),
+packed and padded, served on POST /embed_sparse (and gRPC EmbedSparse) equal to
+`SparseEncoder.encode`; the dense routes refuse a sparse model and the reverse."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from compile.config import CompileConfig
+from compile.errors import CompileError
+from loadtest.servers import free_port
+from service.grpc_api import tei_pb2 as pb
+from service.grpc_api import tei_pb2_grpc as pb_grpc
+from tests.conftest import _copy_tokenizer, _tiny_config, compile_artifact
+
+TEXTS = ["seven wizards quietly judge boxing matches", "hello", "the quick brown fox jumps over the lazy dog"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{name: directory}: a bare BertForMaskedLM, and SparseEncoder.save of it with max and sum pooling."""
+    import torch
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import MLMTransformer, SpladePooling
+    from transformers import BertForMaskedLM
+
+    root = tmp_path_factory.mktemp("mlm")
+    torch.manual_seed(7)
+    BertForMaskedLM(_tiny_config(architectures=["BertForMaskedLM"])).save_pretrained(root / "bare")
+    _copy_tokenizer(root / "bare")
+    for strategy in ("max", "sum"):
+        SparseEncoder(modules=[MLMTransformer(str(root / "bare")), SpladePooling(strategy)]).save(
+            str(root / f"splade-{strategy}"))
+    return {name: root / name for name in ("bare", "splade-max", "splade-sum")}
+
+
+@pytest.fixture(scope="module")
+def artifacts(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sparse-artifacts")
+    compile_artifact(checkpoints["splade-max"], root / "splade-max", ["packed-16"], task="sparse", layout="packed",
+                     generic_shapes=["3x20"])
+    compile_artifact(checkpoints["bare"], root / "bare", ["2x16"], pooling="splade", generic_shapes=["3x20"])
+    compile_artifact(checkpoints["splade-sum"], root / "splade-sum", ["2x16"], task="sparse", generic_shapes=["3x20"])
+    return [root / "splade-max", root / "bare", root / "splade-sum"]
+
+
+@pytest.fixture(scope="module")
+def server(serve, artifacts, tiny_embed_artifact):
+    port = free_port()
+    with serve([*artifacts, tiny_embed_artifact], "--grpc-port", str(port), "--max-wait-ms", "20") as running:
+        running.grpc = f"127.0.0.1:{port}"
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def encoded(checkpoint) -> np.ndarray:
+    from sentence_transformers import SparseEncoder
+
+    return SparseEncoder(str(checkpoint), device="cpu").encode(TEXTS, convert_to_tensor=True).to_dense().numpy()
+
+
+def dense(pairs: list[dict], vocab: int) -> np.ndarray:
+    row = np.zeros(vocab, dtype=np.float32)
+    for pair in pairs:
+        row[pair["index"]] = pair["value"]
+    return row
+
+
+@pytest.mark.parametrize("model, checkpoint", [("splade-max", "splade-max"), ("bare", "bare"),
+                                               ("splade-sum", "splade-sum")])
+def test_embed_sparse_equals_sparse_encoder(client, checkpoints, model, checkpoint):
+    response = client.post("/embed_sparse", json={"inputs": TEXTS, "model": model})
+    assert response.status_code == 200, response.text
+    expected = encoded(checkpoints[checkpoint])
+    answer = response.json()
+    assert len(answer) == len(TEXTS)
+    for pairs, reference in zip(answer, expected):
+        indices = [pair["index"] for pair in pairs]
+        assert indices == sorted(indices) and all(pair["value"] > 0 for pair in pairs)
+        assert set(indices) == set(np.flatnonzero(reference))  # the same active terms
+        np.testing.assert_allclose(dense(pairs, len(reference)), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_grpc_embed_sparse_answers_what_http_answers(server, client):
+    with grpc.insecure_channel(server.grpc) as channel:
+        answer = pb_grpc.EmbedStub(channel).EmbedSparse(pb.EmbedSparseRequest(inputs=TEXTS[0]))
+    expected = client.post("/embed_sparse", json={"inputs": TEXTS[0]}).json()[0]
+    assert [(v.index, pytest.approx(v.value, abs=1e-6)) for v in answer.sparse_embeddings] == [
+        (pair["index"], pair["value"]) for pair in expected]
+
+
+def test_dense_routes_refuse_a_sparse_model_and_the_reverse(client):
+    for route, body in (("/embed", {"inputs": "hello", "model": "bare"}),
+                        ("/v1/embeddings", {"input": "hello", "model": "bare"}),
+                        ("/embed", {"inputs": "hello", "model": "splade-max"})):
+        refused = client.post(route, json=body)
+        assert refused.status_code == 400 and "/embed_sparse" in refused.json()["error"], (route, refused.text)
+    refused = client.post("/embed_sparse", json={"inputs": "hello", "model": "tiny-embed"})
+    assert refused.status_code == 400 and "--task sparse" in refused.json()["error"]
+    info = client.get("/info").json()
+    assert info["model_type"] == {"embedding": {"pooling": "splade"}}
+    assert [m["pooling"] for m in info["models"][:3]] == ["splade", "splade", "splade-sum"]
+    assert info["models"][0]["output_dim"] == 30522
+
+
+def test_compile_refuses_what_is_not_splade(tiny_bert_dir, tmp_path):
+    with pytest.raises(CompileError, match="not a masked-LM checkpoint"):
+        compile_artifact(tiny_bert_dir, tmp_path / "out", ["1x8"], task="sparse")
+    with pytest.raises(ValueError, match="task sparse pools with splade"):
+        CompileConfig(task="sparse", pooling="mean")
+    assert CompileConfig(pooling="splade").task == "sparse"
+    assert not (tmp_path / "out").exists()

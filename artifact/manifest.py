@@ -210,6 +210,12 @@ class Manifest(_Strict):
     created_at: str
 
     @property
+    def is_reranker(self) -> bool:
+        """A cross-encoder: a classifier with one label, whose logit scores a (query, text) pair;
+        served on /rerank as TEI does (`bert-compile --task rerank` checks for the one label)."""
+        return self.task == "classify" and len(self.labels) == 1
+
+    @property
     def token_outputs(self) -> bool:
         """Whether the libraries return every token's final hidden state (pooling none) rather
         than one row per sequence: padded `[batch, seq, hidden]`, packed `[tokens, hidden]`."""

@@ -287,7 +287,7 @@ ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank",
 def model_kind(manifest: Manifest) -> str:
     """The one task (route family) a model answers."""
     if manifest.task == "classify":
-        return "rerank" if len(manifest.labels) == 1 else "classify"
+        return "rerank" if manifest.is_reranker else "classify"
     if manifest.token_outputs:
         return "embed_all"
     return "embed_sparse" if manifest.sparse_outputs else "embed"
@@ -321,7 +321,7 @@ def tei_model_type(manifest: Manifest) -> dict:
         return {"embedding": {"pooling": "splade" if manifest.sparse_outputs else manifest.pooling}}
     labels = {"id2label": dict(enumerate(manifest.labels)),
               "label2id": {label: i for i, label in enumerate(manifest.labels)}}
-    return {"reranker" if serves(manifest, "rerank") else "classifier": labels}
+    return {"reranker" if manifest.is_reranker else "classifier": labels}
 
 
 def weights_bytes(directory: Path, manifest: Manifest) -> int:

@@ -46,12 +46,12 @@ def test_client_resends_on_a_kept_alive_connection_the_server_closed_while_idle(
     """uvicorn closes a kept-alive connection idle past its keep-alive timeout; the load generator's
     next request on it must be answered, not counted as lost (an open loop's idle connections)."""
     import asyncio
-    import time
 
+    import psutil
     from fastapi import FastAPI
 
     from loadtest.http_client import Connection
-    from loadtest.servers import running_app
+    from loadtest.servers import running_app, wait_until
 
     app = FastAPI()
     opened = []
@@ -69,7 +69,12 @@ def test_client_resends_on_a_kept_alive_connection_the_server_closed_while_idle(
         connection = Connection(url)
         try:
             first = await connection.post("/echo", {"n": 1}, timeout=10)
-            time.sleep(0.5)  # the event loop blocked too: the server's close is still unread when we send
+            # Block this event loop until the server has closed the idle connection (its FIN leaves
+            # our end in CLOSE_WAIT): the close is still unread when the next request goes out.
+            port = opened[0][1]
+            wait_until(lambda: any(c.laddr and c.laddr.port == port and c.status == psutil.CONN_CLOSE_WAIT
+                                   for c in psutil.Process().net_connections("tcp")),
+                       what="the server closing the idle connection")
             second = await connection.post("/echo", {"n": 2}, timeout=10)
         finally:
             await connection.close()

@@ -52,7 +52,7 @@ def profile(model, ids, mask, generic: bool, calls: int) -> tuple[list[tuple[str
     run = model.run_generic if generic else model.run
     for _ in range(3):
         result = run(ids, mask)
-    runner = model.generic if result.bucket is None else model.runners[result.bucket]  # the loader's choice
+    runner = model.generic if result.bucket is None else model.runners[result.bucket]  # the planner's choice
     seconds, counts, started = collections.defaultdict(float), collections.Counter(), {}
 
     def instrument(_func, name, before_run, _ret, *_args):

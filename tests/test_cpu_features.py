@@ -155,7 +155,7 @@ def test_ray_serve_refuses_an_artifact_for_another_cpu_before_starting_ray(forei
     from service import ray_serve
 
     out, mcpu, missing = foreign_artifact
-    monkeypatch.setattr(ray_serve.ray, "init", lambda **_: pytest.fail("Ray started for an artifact this CPU cannot run"))
+    monkeypatch.setattr(ray_serve.ray, "init", lambda **_: pytest.fail("Ray started for an artifact it cannot run"))
     assert ray_serve.main(["--artifacts", str(out)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"ray_serve: error: {out} was compiled for {mcpu} and needs CPU features {', '.join(missing)} this CPU "

@@ -136,6 +136,31 @@ class QuantizationEntry(_Strict):
     max_probability_diff: float | None = None
 
 
+class PrecisionCandidate(_Strict):
+    """One precision the compile measured: its agreement with the fp32 model on the shipped
+    sentences, its median ms per call at each timed shape, and whether it kept its gate."""
+
+    precision: Literal["fp32", "bf16", "int8"]
+    cosine_min: float | None = None
+    cosine_mean: float | None = None
+    top1_agreement: float | None = None
+    max_probability_diff: float | None = None
+    times_ms: dict[str, float] = {}
+    gate_failures: list[str] = []
+
+
+class PrecisionEntry(_Strict):
+    """What the linear layers compute in, and how it was chosen: `requested` auto measured every
+    candidate this CPU runs and shipped the fastest that kept its gate (compile/precision.py)."""
+
+    precision: Literal["fp32", "bf16", "int8"]
+    requested: Literal["fp32", "bf16", "int8", "auto"]
+    kernel: str | None = None  # the micro-kernel of the linear layers (None: the fp32 kernel)
+    linears: int = 0  # linear layers in this precision (the rest, if any, stay fp32)
+    candidates: list[PrecisionCandidate] = []  # empty: nothing measured (not validated, or one precision asked)
+    reason: str | None = None
+
+
 class LinearChoice(_Strict):
     """One weight's dense and BSR kernels, timed on the compiling CPU."""
 
@@ -203,11 +228,19 @@ class Manifest(_Strict):
     strategy_choice: StrategyChoice | None = None  # None: one strategy was built
     sparsity: SparsityEntry | None = None
     quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
+    precision: PrecisionEntry | None = None  # None: an artifact from before precisions were chosen
     tuning: TuningEntry | None = None  # None: hand schedules only (no --tune)
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float
     created_at: str
+
+    @property
+    def linear_precision(self) -> str:
+        """What the linear layers compute in: fp32, bf16 or int8 (the CUDA dtype for CUDA builds)."""
+        if self.precision is not None:
+            return self.precision.precision if self.target.kind == "cpu" else self.dtype
+        return "int8" if self.quantization is not None else ("fp32" if self.dtype == "float32" else self.dtype)
 
     @property
     def is_reranker(self) -> bool:

@@ -13,6 +13,7 @@ from artifact.bucketing import AnyBucket, Bucket
 
 from .errors import CompileError
 from .importer import symbolic_dims
+from .kernels import bf16
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
@@ -87,4 +88,4 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned),
                                  tir_pipeline=tir_pipeline(target))
-    executable.export_library(str(path))
+    executable.export_library(str(path), addons=bf16.linked_objects(mod))

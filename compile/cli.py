@@ -50,10 +50,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sparse-choice", dest="sparse_choice", choices=["timed", "density"],
                         help="timed (default): the BSR kernel only for weights where it beat the dense kernel on this "
                              "CPU; density: for every weight no denser than sparse_max_density")
-    parser.add_argument("--quantize", choices=["none", "int8"],
-                        help="int8: linear layers on int8 weights (per channel) and activations (per token), CPU with AVX2")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "int8", "auto"],
+                        help="what the linear layers compute in (cpu): bf16 needs AVX512_BF16, int8 AVX2; auto builds "
+                             "each one this CPU runs and ships the fastest that keeps its accuracy gate")
     parser.add_argument("--min-cosine", dest="min_cosine", type=float,
-                        help="int8: fail when embeddings fall under this cosine to the fp32 model's (default 0.99)")
+                        help="bf16 / int8: fail when embeddings fall under this cosine to the fp32 model's")
     parser.add_argument("--tune", type=float, metavar="SECONDS",
                         help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
                              "only where it was faster in a timed run; the kept schedules ship in tuning/")
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
-                    "strategy", "strategy_margin", "sparsity", "block", "quantize", "min_cosine", "tune", "out",
+                    "strategy", "strategy_margin", "sparsity", "block", "precision", "min_cosine", "tune", "out",
                     "validate")
     }
     for key in ("buckets", "sparse_layers"):

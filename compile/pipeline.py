@@ -28,6 +28,8 @@ from artifact.manifest import (
     ModelEntry,
     PassCounts,
     PassesEntry,
+    PrecisionCandidate,
+    PrecisionEntry,
     QuantizationEntry,
     SparsityEntry,
     StrategyChoice,
@@ -36,15 +38,17 @@ from artifact.manifest import (
     WeightsEntry,
 )
 
+from . import precision
 from .build import build_library, check_mcpu, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
-from .kernels import int8
+from .kernels import bf16, int8
 from .kernels.common import vector_lanes
 from .opcount import tracked_counts
 from .passes import quantize
+from .passes.bf16 import linears_to_bf16
 from .passes.fuse_attention import fuse_attention_in
 from .passes.lift import LiftedModel, lift_and_transform
 from .passes.packing import pack_linear_weights
@@ -52,6 +56,7 @@ from .passes.precision import to_precision
 from .passes.quantize import quantize_linears, sentence_rows
 from .passes.sparsity import prune_model, sparsify
 from .passes.strategy import PASSES, STRATEGIES, apply_strategy
+from .precision import Measured
 from .progress import Progress
 from .sentences import ACCURACY_SENTENCES
 from .staging import atomic_directory
@@ -70,6 +75,8 @@ TOKENIZER_DIR = "tokenizer"
 UNTIMED_AUTO_STRATEGY = "concat"  # what `auto` builds when it cannot time (CUDA without a GPU)
 # (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
 COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
+# (batch, seq) `--precision auto` times each candidate at: one short query, one passage, a batch.
+AUTO_PRECISION_SHAPES = ((1, 16), (1, 128), (8, 128))
 log = logging.getLogger(__name__)
 
 
@@ -275,39 +282,70 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def quantization_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int,
-                            kernel: int8.Int8Kernel) -> QuantizationEntry:
-        """The int8 generic library against the fp32 wrapper on real sentences; an embedding model
-        under `min_cosine` fails the compile (what the quantization costs is unknown when not run)."""
-        entry = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel.description, linears=linears,
-                                  sentences=len(ACCURACY_SENTENCES))
-        if not self.validate:
-            return entry
+    def agreement(self, library: str, strategy: str, info: CheckpointInfo) -> dict:
+        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
+        embedding, or a classifier's top-1 agreement and largest probability difference."""
         rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
-        runner = self._runner(generic.library, generic.strategy)
+        runner = self._runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
         actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
         with torch.no_grad():
             expected = self.wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
         if self.config.model_task == "classify":
-            return entry.model_copy(update=quantize.classifier_agreement(actual, expected))
-        entry = entry.model_copy(update=quantize.embedding_agreement(actual, expected))
-        if entry.cosine_min < self.config.min_cosine:
-            raise ValidationError(f"int8 embeddings reach cosine {entry.cosine_min:.6f} to the fp32 model's on "
+            return quantize.classifier_agreement(actual, expected)
+        return quantize.embedding_agreement(actual, expected)
+
+    def precision_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int,
+                         chosen: PrecisionEntry | None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
+        """What the linear layers compute in and how close the generic library stays to the fp32
+        model; under `min_cosine` the compile fails (what a precision costs is unknown when not run)."""
+        name = self.config.precision
+        kernel = {"int8": lambda: int8.kernel_for(self.target).description,
+                  "bf16": lambda: bf16.DESCRIPTION}.get(name, lambda: None)()
+        entry = chosen or PrecisionEntry(precision=name, requested=name)
+        entry = entry.model_copy(update={"kernel": kernel, "linears": linears})
+        accuracy = self.agreement(generic.library, generic.strategy, info) if self.validate and kernel else {}
+        if entry.requested != "auto" and accuracy:
+            measured = Measured(name, accuracy, {})
+            entry = entry.model_copy(update={"candidates": [PrecisionCandidate(
+                precision=name, gate_failures=measured.failures, **accuracy)]})
+            if measured.failures:
+                log.warning("%s misses its accuracy gate on the shipped sentences: %s", name,
+                            "; ".join(measured.failures))
+        cosine_min = accuracy.get("cosine_min")
+        if self.config.min_cosine is not None and cosine_min is not None and cosine_min < self.config.min_cosine:
+            raise ValidationError(f"{name} embeddings reach cosine {cosine_min:.6f} to the fp32 model's on "
                                   f"the shipped sentences, under --min-cosine {self.config.min_cosine:g}")
-        return entry
+        quantization = None
+        if name == "int8":
+            quantization = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel, linears=linears,
+                                             sentences=len(ACCURACY_SENTENCES), **accuracy)
+        return entry, quantization
 
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:
             return None
         return checked_diff(record.name, self._runner(record.library, record.strategy), self.wrapper, shape,
                             self.vocab_size, seed, self.config.effective_tolerance, self.layout,
-                            relative=self.config.quantize == "int8")
+                            relative=self.config.precision != "fp32")
 
 
-def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
-    """Compile `config.model` into an artifact directory at `config.out`, atomically."""
+@dataclass
+class Plan:
+    """What a compile will build, checked before anything is written."""
+
+    info: CheckpointInfo
+    target: tvm.target.Target
+    buckets: list[AnyBucket]
+    generic_shapes: list[Bucket]
+    cpu_features: list[str]
+    can_run: bool
+    strategies: list[str]
+
+
+def plan_compile(config: CompileConfig) -> Plan:
+    """Refuse what cannot be built (shapes, layout, CPU, precision) and decide what will be."""
     info = inspect_checkpoint(config.model_dir(), config.model_task, config.pooling)
     if config.task == "rerank" and len(info.labels) != 1:
         raise CompileError(f"--task rerank needs a cross-encoder with one label; {info.path.name} has "
@@ -318,153 +356,242 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                            f"{info.config['position_embedding_type']}")
     check_mcpu(config.mcpu)
     target = make_target(config.target, config.cuda_arch, config.mcpu)
-    int8_kernel = int8.kernel_for(target) if config.quantize == "int8" else None
-    if config.quantize == "int8" and int8_kernel is None:
-        raise CompileError(f"--quantize int8 needs a CPU with AVX2; mcpu {target.attrs['mcpu']} has none")
+    if config.precision != "auto" and (problem := precision.refusal(config.precision, target)):
+        raise CompileError(problem)
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
     strategies = [config.strategy]
     if config.strategy == "auto":  # timing needs to run the libraries; where they cannot, build one strategy only
         strategies = list(STRATEGIES) if can_run else [UNTIMED_AUTO_STRATEGY]
+    return Plan(info, target, buckets, generic_shapes, cpu_features, can_run, strategies)
+
+
+def load_model(config: CompileConfig, info: CheckpointInfo) -> tuple[torch.nn.Module, torch.nn.Module, dict | None]:
+    """(wrapper, the PyTorch oracle, sparsity fields): the checkpoint, pruned when asked."""
+    wrapper = load_wrapper(info, config.model_task)
+    sparsity = None
+    if config.prunes:
+        sparsity = _prune(wrapper, info, config)
+    elif config.sparsity == "from-checkpoint":  # the weights as they are: nothing to prune or drift
+        sparsity = {"mode": "from-checkpoint", "block": list(config.block_shape()), "layers": [],
+                    "pruned": 0, "cosine_vs_dense": None}
+    # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
+    reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
+    return wrapper, reference, sparsity
+
+
+def transform(config: CompileConfig, plan: Plan, imported, strategies: list[str],
+              sparsity: dict | None) -> tuple[dict[str, LiftedModel], dict[str, StrategyPasses], int]:
+    """Per strategy: the graph passes, the linears in the configured precision, weights lifted.
+    Returns the variants, their pass records and how many linears left fp32."""
+    target = plan.target
+    variants, passes, rewritten = {}, {}, 0
+    for strategy in strategies:
+        combined, params = apply_strategy(imported.mod, strategy), imported.params
+        if sparsity is not None:
+            combined, params, report = sparsify(combined, params, config.block_shape(),
+                                                config.sparse_max_density, target,
+                                                timed=config.sparse_choice == "timed" and plan.can_run
+                                                and config.target == "cpu")
+            sparsity.update(density=report["density"], rewritten=report["rewritten"],
+                            kept_dense=report["kept_dense"], choice=report["choice"], choices=report["choices"])
+        combined = to_precision(combined, config.dtype)
+        packed, pipeline = combined, list(PASSES[strategy])
+        if config.precision == "int8":  # int8 panels; what is left (if any) stays fp32
+            packed, rewritten = quantize_linears(packed, int8.kernel_for(target))
+            pipeline.insert(-1, "QuantizeLinearsInt8")
+        elif config.precision == "bf16":  # bf16 panels; what is left (if any) stays fp32
+            packed, rewritten = linears_to_bf16(packed)
+            pipeline.insert(-1, "LinearsToBF16")
+        if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
+            packed, _ = pack_linear_weights(packed, vector_lanes(target))
+            pipeline.insert(-1, "PackLinearWeights")
+        variants[strategy] = lift_and_transform(packed, params)
+        attention_fused = None
+        if config.target == "cpu":  # what each library's build will fuse (FuseAttention runs there)
+            attention_fused = fuse_attention_in(variants[strategy].mod, vector_lanes(target))[1]
+            pipeline.append("FuseAttention")
+        passes[strategy] = StrategyPasses(
+            pipeline=pipeline,
+            after=PassCounts(**tracked_counts(combined)),
+            main_after_lift=PassCounts(**tracked_counts(variants[strategy].mod)),
+            attention_fused=attention_fused,
+        )
+    return variants, passes, rewritten
+
+
+def choose_precision(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module,
+                     staging: Path) -> tuple[CompileConfig, PrecisionEntry]:
+    """`--precision auto`: build the generic library in every precision the target runs, measure
+    each against the fp32 model on the shipped sentences, time each (interleaved, at a few shapes),
+    and keep the fastest that passes its gate (compile/precision.py). Where the libraries cannot
+    run here, nothing can be measured and fp32 ships."""
+    candidates = precision.available(plan.target)
+    if not (plan.can_run and config.validate_artifacts) or len(candidates) == 1 or config.model_task == "embed" and (
+            config.pooling == "none"):
+        why = "fp32: the only precision this target runs" if len(candidates) == 1 else \
+            "fp32: the candidates could not be measured here (not validated, or the libraries cannot run here)"
+        return config.model_copy(update={"precision": "fp32"}), PrecisionEntry(precision="fp32", requested="auto",
+                                                                               reason=why)
+    vocab_size = int(plan.info.config["vocab_size"])
+    workloads = [Workload.full(min(b, config.max_batch), min(s, plan.info.max_seq)) for b, s in AUTO_PRECISION_SHAPES]
+    strategy = plan.strategies[0] if len(plan.strategies) == 1 else UNTIMED_AUTO_STRATEGY
+    measured, calls = [], {}
+    for name in candidates:
+        candidate = config.model_copy(update={"precision": name})
+        directory = staging / "precision" / name
+        (directory / "lib").mkdir(parents=True)
+        variants, _, _ = transform(candidate, plan, imported, [strategy], None)
+        weights = {strategy: save_weights(directory, strategy, variants[strategy])}
+        builder = LibraryBuilder(candidate, plan.target, directory, variants, weights, reference, vocab_size,
+                                 plan.can_run)
+        built = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False)
+        library = built.libraries[strategy]
+        measured.append(Measured(name, builder.agreement(library, strategy, plan.info), {}))
+        runner = builder._runner(library, strategy)
+        for w in workloads:
+            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=builder._inputs(w): r(*x))
+    for shape in dict.fromkeys(key[1] for key in calls):  # interleaved per shape: same machine state for each
+        same_shape = {name: call for (name, s), call in calls.items() if s == shape}
+        stats = interleaved_medians(same_shape, repeats=config.strategy_repeats)
+        for m in measured:
+            m.times_ms[shape] = round(stats[m.precision]["median_s"] * 1e3, 3)
+    shutil.rmtree(staging / "precision")
+    chosen, reason = precision.choose(measured)
+    log.info("precision auto: %s", reason)
+    entry = PrecisionEntry(precision=chosen.precision, requested="auto", reason=reason, candidates=[
+        PrecisionCandidate(precision=m.precision, times_ms=m.times_ms, gate_failures=m.failures, **m.accuracy)
+        for m in measured])
+    return config.model_copy(update={"precision": chosen.precision}), entry
+
+
+def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,
+                    progress: Progress) -> tuple[list[BuildRecord], str]:
+    """Every bucket's library and the generic one, built per strategy, the strategy chosen,
+    then validated and timed: (records, generic last; the shared strategy)."""
+    with OtherLoad() as timing:  # the libraries are timed in here (strategies, then each finish)
+        pending = []
+        for bucket in plan.buckets:
+            with progress.step(f"build bucket {bucket.name}"):
+                pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
+                                             bucket_workloads(bucket), [bucket]))
+        with progress.step("build generic library"):
+            generic_workloads = cost_model_workloads(config.max_batch, plan.info.max_seq)
+            first = Workload.full(plan.generic_shapes[0].batch, plan.generic_shapes[0].seq)  # `auto` chooses on it
+            workloads = [first] + [w for w in generic_workloads if w != first]
+            pending.append(builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False))
+        chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
+        records = []
+        for candidates in pending:
+            shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
+            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
+                records.append(builder.finish(candidates, chosen[candidates.name]))
+    if timing.cores > OTHER_LOAD_WARNING_CORES:
+        log.warning("other work kept %.1f cores busy while the libraries were timed: the manifest's "
+                    "latencies and cost models, which the server's batch planner uses, are too high; "
+                    "compile on an otherwise idle machine", timing.cores)
+    return records, shared_strategy
+
+
+def compile_model(config: CompileConfig, progress: Progress | None = None) -> tuple[Manifest, list[BuildRecord]]:
+    """Compile `config.model` into an artifact directory at `config.out`, atomically."""
+    plan = plan_compile(config)
+    info = plan.info
     progress = progress or Progress(0, quiet=True)
-    progress.set_total(4 + 2 * (len(buckets) + 1))
+    progress.set_total(5 + 2 * (len(plan.buckets) + 1) + (config.precision == "auto"))
     vocab_size = int(info.config["vocab_size"])
 
     with atomic_directory(config.out) as staging:
         with progress.step(f"load {info.path.name} ({config.task})"):
-            wrapper = load_wrapper(info, config.model_task)
-            sparsity = None
-            if config.prunes:
-                sparsity = _prune(wrapper, info, config)
-            elif config.sparsity == "from-checkpoint":  # the weights as they are: nothing to prune or drift
-                sparsity = {"mode": "from-checkpoint", "block": list(config.block_shape()), "layers": [],
-                            "pruned": 0, "cosine_vs_dense": None}
-            # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
-            reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
+            wrapper, reference, sparsity = load_model(config, info)
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size, config.layout)
-        with progress.step(f"passes for strategy {', '.join(strategies)}; lift weights"):
-            variants, passes = {}, {}
-            for strategy in strategies:
-                combined, params = apply_strategy(imported.mod, strategy), imported.params
-                if sparsity is not None:
-                    combined, params, report = sparsify(combined, params, config.block_shape(),
-                                                        config.sparse_max_density, target,
-                                                        timed=config.sparse_choice == "timed" and can_run
-                                                        and config.target == "cpu")
-                    sparsity.update(density=report["density"], rewritten=report["rewritten"],
-                                    kept_dense=report["kept_dense"], choice=report["choice"],
-                                    choices=report["choices"])
-                combined = to_precision(combined, config.dtype)
-                packed, pipeline = combined, list(PASSES[strategy])
-                if config.quantize == "int8":  # int8 panels; what is left (if any) stays fp32
-                    packed, quantized_linears = quantize_linears(packed, int8_kernel)
-                    pipeline.insert(-1, "QuantizeLinearsInt8")
-                if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
-                    packed, _ = pack_linear_weights(packed, vector_lanes(target))
-                    pipeline.insert(-1, "PackLinearWeights")
-                variants[strategy] = lift_and_transform(packed, params)
-                attention_fused = None
-                if config.target == "cpu":  # what each library's build will fuse (FuseAttention runs there)
-                    attention_fused = fuse_attention_in(variants[strategy].mod, vector_lanes(target))[1]
-                    pipeline.append("FuseAttention")
-                passes[strategy] = StrategyPasses(
-                    pipeline=pipeline,
-                    after=PassCounts(**tracked_counts(combined)),
-                    main_after_lift=PassCounts(**tracked_counts(variants[strategy].mod)),
-                    attention_fused=attention_fused,
-                )
+        chosen_precision = None
+        if config.precision == "auto":
+            with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
+                config, chosen_precision = choose_precision(config, plan, imported, reference, staging)
+        with progress.step(f"passes for strategy {', '.join(plan.strategies)}; lift weights"):
+            variants, passes, rewritten = transform(config, plan, imported, plan.strategies, sparsity)
         with progress.step("copy tokenizer"):
             _copy_tokenizer(info.path, staging / TOKENIZER_DIR)
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
-        builder = LibraryBuilder(config, target, staging, variants, weight_files, reference, vocab_size, can_run)
-        with OtherLoad() as timing:  # the libraries are timed in here (strategies, then each finish)
-            pending = []
-            for bucket in buckets:
-                with progress.step(f"build bucket {bucket.name}"):
-                    pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
-                                                 bucket_workloads(bucket), [bucket]))
-            with progress.step("build generic library"):
-                generic_workloads = cost_model_workloads(config.max_batch, info.max_seq)
-                first = Workload.full(generic_shapes[0].batch, generic_shapes[0].seq)  # `auto` chooses on it
-                workloads = [first] + [w for w in generic_workloads if w != first]
-                pending.append(builder.build("generic", lambda m: m, workloads, generic_shapes, static=False))
-            chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
-            records = []
-            for candidates in pending:
-                shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
-                with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
-                    records.append(builder.finish(candidates, chosen[candidates.name]))
-        if timing.cores > OTHER_LOAD_WARNING_CORES:
-            log.warning("other work kept %.1f cores busy while the libraries were timed: the manifest's "
-                        "latencies and cost models, which the server's batch planner uses, are too high; "
-                        "compile on an otherwise idle machine", timing.cores)
-        generic = records[-1]
-        quantization = None
-        if config.quantize == "int8":
-            with progress.step("int8 accuracy against the fp32 model on the shipped sentences"):
-                quantization = builder.quantization_report(generic, info, quantized_linears, int8_kernel)
+        builder = LibraryBuilder(config, plan.target, staging, variants, weight_files, reference, vocab_size,
+                                 plan.can_run)
+        records, shared_strategy = build_libraries(builder, config, plan, progress)
+        with progress.step(f"{config.precision} accuracy against the fp32 model on the shipped sentences"):
+            precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()
-
-        def library_fields(record: BuildRecord) -> dict:
-            return {"library": record.library, "sha256": file_sha256(staging / record.library),
-                    "strategy": record.strategy, "strategy_ms": record.strategy_ms}
-
-        manifest = Manifest(
-            task=config.model_task,
-            target=TargetEntry(
-                kind=config.target,
-                tvm_target=str(builder.target),
-                mcpu=str((builder.target.host or builder.target).attrs["mcpu"]),
-                cuda_arch=config.cuda_arch if config.target == "cuda" else None,
-                cuda_graph=config.cuda_graph,
-                cpu_features=cpu_features,
-            ),
-            model=ModelEntry(
-                path=str(info.path),
-                weights_sha256=info.weights_sha256(),
-                model_type=info.config["model_type"],
-                architecture=(info.config.get("architectures") or ["BertModel"])[0],
-                hidden_size=info.hidden_size,
-                max_position_embeddings=info.max_seq,
-                vocab_size=vocab_size,
-                pad_token_id=int(info.config.get("pad_token_id") or 0),
-            ),
-            dtype=config.dtype,
-            layout=config.layout,
-            pooling=info.pooling,
-            labels=info.labels,
-            problem_type=info.config.get("problem_type") if config.model_task == "classify" else None,
-            output_dim=info.output_dim,
-            tvm_version=tvm.__version__,
-            torch_version=torch.__version__,
-            transformers_version=transformers.__version__,
-            tokenizer=TOKENIZER_DIR,
-            weights=weight_files,
-            buckets=[
-                BucketEntry(batch=b.batch if isinstance(b, Bucket) else None, seq=b.seq, max_abs_diff=r.diffs[b.name],
-                            latency_ms=r.latency_ms.get(bucket_workloads(b)[0]),
-                            cost_model=r.cost_model() if isinstance(b, PackedBucket) else None, **library_fields(r))
-                for b, r in zip(buckets, records)
-            ],
-            generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
-                                 cost_model=generic.cost_model(), **library_fields(generic)),
-            passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
-            strategy_choice=(StrategyChoice(shared=shared_strategy, margin=config.strategy_margin)
-                             if len(strategies) > 1 else None),
-            sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
-            quantization=quantization,
-            tuning=builder.tuner.save(staging, config.tune) if builder.tuner is not None else None,
-            validated=builder.validate,
-            validated_on=device_name(builder.device) if builder.validate else None,
-            tolerance=config.effective_tolerance,
-            created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        )
+        manifest = assemble_manifest(config, plan, builder, imported, records, weight_files, passes, shared_strategy,
+                                     sparsity, precision_entry, quantization)
         manifest.write(staging)
     return manifest, records
+
+
+def assemble_manifest(config: CompileConfig, plan: Plan, builder: LibraryBuilder, imported,
+                      records: list[BuildRecord], weight_files: dict[str, WeightsEntry],
+                      passes: dict[str, StrategyPasses], shared_strategy: str, sparsity: dict | None,
+                      precision_entry: PrecisionEntry, quantization: QuantizationEntry | None) -> Manifest:
+    """The artifact's manifest: what was built, for which CPU, how it was chosen and validated."""
+    info, staging, generic = plan.info, builder.staging, records[-1]
+
+    def library_fields(record: BuildRecord) -> dict:
+        return {"library": record.library, "sha256": file_sha256(staging / record.library),
+                "strategy": record.strategy, "strategy_ms": record.strategy_ms}
+
+    return Manifest(
+        task=config.model_task,
+        target=TargetEntry(
+            kind=config.target,
+            tvm_target=str(builder.target),
+            mcpu=str((builder.target.host or builder.target).attrs["mcpu"]),
+            cuda_arch=config.cuda_arch if config.target == "cuda" else None,
+            cuda_graph=config.cuda_graph,
+            cpu_features=plan.cpu_features,
+        ),
+        model=ModelEntry(
+            path=str(info.path),
+            weights_sha256=info.weights_sha256(),
+            model_type=info.config["model_type"],
+            architecture=(info.config.get("architectures") or ["BertModel"])[0],
+            hidden_size=info.hidden_size,
+            max_position_embeddings=info.max_seq,
+            vocab_size=int(info.config["vocab_size"]),
+            pad_token_id=int(info.config.get("pad_token_id") or 0),
+        ),
+        dtype=config.dtype,
+        layout=config.layout,
+        pooling=info.pooling,
+        labels=info.labels,
+        problem_type=info.config.get("problem_type") if config.model_task == "classify" else None,
+        output_dim=info.output_dim,
+        tvm_version=tvm.__version__,
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        tokenizer=TOKENIZER_DIR,
+        weights=weight_files,
+        buckets=[
+            BucketEntry(batch=b.batch if isinstance(b, Bucket) else None, seq=b.seq, max_abs_diff=r.diffs[b.name],
+                        latency_ms=r.latency_ms.get(bucket_workloads(b)[0]),
+                        cost_model=r.cost_model() if isinstance(b, PackedBucket) else None, **library_fields(r))
+            for b, r in zip(plan.buckets, records)
+        ],
+        generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
+                             cost_model=generic.cost_model(), **library_fields(generic)),
+        passes=PassesEntry(before=PassCounts(**tracked_counts(imported.mod)), strategies=passes),
+        strategy_choice=(StrategyChoice(shared=shared_strategy, margin=config.strategy_margin)
+                         if len(plan.strategies) > 1 else None),
+        sparsity=SparsityEntry(**sparsity) if sparsity is not None else None,
+        quantization=quantization,
+        precision=precision_entry,
+        tuning=builder.tuner.save(staging, config.tune) if builder.tuner is not None else None,
+        validated=builder.validate,
+        validated_on=device_name(builder.device) if builder.validate else None,
+        tolerance=config.effective_tolerance,
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
 
 def _prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig) -> dict:

@@ -4,7 +4,7 @@ TVM 0.27's default CPU lowering leaves every fused PrimFunc as the serial, scala
 LegalizeOps wrote, and `tvm.s_tir.dlight.cpu` has no matmul rule, so a whole BERT runs ~100x
 slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first rule that applies:
 
-0. the int8 kernels of `--quantize int8` (kernels/int8.py);
+0. the bf16 and int8 kernels of `--precision bf16` / `int8` (kernels/bf16.py, kernels/int8.py);
 1. `dense.schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
@@ -28,7 +28,7 @@ from tvm import relax, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
-from .kernels import int8
+from .kernels import bf16, int8
 from .kernels.common import SCHEDULED_ATTR, vector_lanes
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
@@ -45,6 +45,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     lanes = vector_lanes(target)
     func = fast_math(func)
     rules = (
+        bf16.schedule_bf16_matmul,
         int8.schedule_int8_matmul,
         lambda f: schedule_matmul(f, lanes),
         lambda f: schedule_rows(f, lanes),

@@ -49,7 +49,7 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
     torch_device = "cuda" if manifest.target.kind == "cuda" and torch.cuda.is_available() else "cpu"
     wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(torch_device)
     vocab, tolerance = manifest.model.vocab_size, manifest.tolerance
-    relative = manifest.quantization is not None  # int8 is held to a row-relative error
+    relative = manifest.linear_precision in ("bf16", "int8")  # held to a row-relative error
     diffs: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for index, entry in enumerate(manifest.buckets):

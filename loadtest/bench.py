@@ -1,10 +1,11 @@
-"""`python -m loadtest.bench`: compiled bucket vs generic library vs PyTorch eager vs ONNX Runtime.
+"""`python -m loadtest.bench`: compiled bucket vs generic library vs PyTorch, ONNX Runtime and OpenVINO.
 
 One process, one thread count for every backend, interleaved repeated runs, medians and
 ratios per shape, GFLOP/s against this machine's measured fp32 matmul peak. Before timing a
-shape, every candidate's output is compared with PyTorch eager's; the largest absolute
-difference per candidate goes into the JSON (`agreement`), and a candidate beyond the dtype's
-tolerance stops the benchmark (exit 1): a fast wrong answer is not a result. Writes JSON, a
+shape, every candidate's output is compared with PyTorch eager's: its largest absolute difference
+(`agreement`) and its least cosine per output row (`least_cosine`) go into the JSON, and an fp32
+candidate beyond the dtype's tolerance, or a bf16 / int8 one under `LEAST_COSINE`, stops the
+benchmark (exit 1): a fast wrong answer is not a result. Writes JSON, a
 PNG bar chart and a markdown table. Exit 2 when an artifact directory cannot be loaded.
 """
 
@@ -15,9 +16,13 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .machine import describe as describe_machine
 
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
@@ -29,10 +34,10 @@ TORCH_SPIN_COUNT = 10000
 # (1e-4, 2e-2) since ONNX Runtime and torch.compile reorder reductions too, and far below what a
 # wrong model or wrong weights give (differences of the order of the outputs themselves).
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
-# An int8 candidate agrees when every output row is this close in direction to PyTorch fp32: far
-# from what wrong weights give, loose enough for ONNX Runtime's dynamic int8 on random token ids
-# (0.97 at 32x128 here); each candidate's least cosine is reported.
-INT8_LEAST_COSINE = 0.95
+# A reduced-precision candidate agrees when every output row is this close in direction to PyTorch
+# fp32: far from what wrong weights give, loose enough for ONNX Runtime's dynamic int8 on random
+# token ids (0.97 at 32x128 here); each candidate's least cosine is reported.
+LEAST_COSINE = {"bf16": 0.99, "fp16": 0.99, "int8": 0.95}
 
 
 def parse_args(argv):
@@ -47,9 +52,10 @@ def parse_args(argv):
                         help="untimed calls of a candidate before each timed one, so that it runs with its own "
                              "weights in the caches, as a server between requests (0: right after another runtime)")
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
-    parser.add_argument("--onnx-int8", action="store_true",
-                        help="also ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain export and on "
-                             "the transformers-optimized graph")
+    parser.add_argument("--no-openvino", action="store_true", help="skip OpenVINO (always skipped on CUDA)")
+    parser.add_argument("--int8", action="store_true",
+                        help="also the int8 peers: ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain "
+                             "export and on the transformers-optimized graph, OpenVINO NNCF int8 (transformer preset)")
     parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile(wrapper)")
     parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
                         help="another artifact of the same model (e.g. built without CUDA graphs) whose "
@@ -121,13 +127,35 @@ def least_cosine(output: np.ndarray, reference: np.ndarray) -> float:
     return float(np.min(np.sum(output * reference, axis=1) / np.maximum(norms, 1e-30)))
 
 
-def best_peers(stats: dict) -> dict[str, str]:
+def best_peers(stats: dict, precisions: dict[str, str]) -> dict[str, str]:
     """The fastest candidate of each peer: PyTorch (eager or SDPA attention, torch.compile), ONNX
-    Runtime fp32 and ONNX Runtime int8 (plain or optimized graph). Ratios are taken against these."""
+    Runtime fp32 and int8 (plain or optimized graph), OpenVINO at its default precision, at f32 and
+    NNCF int8. Ratios are taken against these."""
     groups = {"torch": [k for k in stats if k.startswith("torch_")],
-              "onnxruntime": [k for k in stats if k.startswith("onnxruntime") and "int8" not in k],
-              "onnxruntime_int8": [k for k in stats if k.startswith("onnxruntime_int8")]}
+              "onnxruntime": [k for k in stats if k.startswith("onnxruntime") and precisions.get(k) == "fp32"],
+              "onnxruntime_int8": [k for k in stats if k.startswith("onnxruntime") and precisions.get(k) == "int8"],
+              **{label: [label] for label in ("openvino", "openvino_f32", "openvino_int8") if label in stats}}
     return {group: min(labels, key=lambda k: stats[k]["median_s"]) for group, labels in groups.items() if labels}
+
+
+def peer_of_precision(precision: str) -> dict[str, str]:
+    """For a candidate of `precision`: the ONNX Runtime and OpenVINO peer groups it is held against."""
+    return {"onnxruntime": "onnxruntime_int8" if precision == "int8" else "onnxruntime",
+            "openvino": {"fp32": "openvino_f32", "int8": "openvino_int8"}.get(precision, "openvino")}
+
+
+def disagreements(precisions: dict[str, str], diffs: dict[str, float], cosines: dict[str, float],
+                  tolerance: float) -> list[str]:
+    """Candidates whose output is not the reference's: fp32 beyond `tolerance`, a reduced precision
+    under its least cosine (`LEAST_COSINE`)."""
+    wrong = []
+    for label, diff in diffs.items():
+        bound = LEAST_COSINE.get(precisions[label])
+        if bound is None and not diff <= tolerance:
+            wrong.append(f"{label} (max abs diff {diff:.3g})")
+        elif bound is not None and not cosines[label] >= bound:
+            wrong.append(f"{label} ({precisions[label]} cosine {cosines[label]:.4f} < {bound})")
+    return wrong
 
 
 def _fail(message: str, code: int) -> int:
@@ -135,140 +163,219 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    from artifact.cores import limit_pool_spinning
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Candidates:
+    """Everything timed: the artifact under test (bucket and generic library), the compared
+    artifacts, PyTorch, and the peers' sessions, with what each computes in."""
+
+    model: object
+    others: dict[str, object]
+    wrapper: object
+    sdpa: object
+    compiled_wrapper: object | None
+    sessions: dict[str, object]
+    openvino: dict[str, object]
+    precisions: dict[str, str]
+    info: object
+    ort_fused_attention: dict[str, int]
+
+    def calls(self, inputs: list[np.ndarray], tensors: list) -> dict[str, Callable[[], object]]:
+        """Each candidate's call on one batch; every one returns its output on the host."""
+        import torch  # noqa: F401  (the wrappers' calls)
+
+        from compile.checkpoint import INPUT_NAMES
+
+        ids, mask = inputs[0], inputs[1]
+        calls = {"tvm_bucket": lambda: self.model.run(ids, mask),
+                 "tvm_generic": lambda: self.model.run_generic(ids, mask),
+                 "torch_eager": lambda: self.wrapper(*tensors).cpu(),
+                 "torch_sdpa": lambda: self.sdpa(*tensors).cpu()}
+        for label, other in self.others.items():
+            calls[label] = lambda other=other: other.run(ids, mask)
+        if self.compiled_wrapper is not None:
+            calls["torch_compile"] = lambda: self.compiled_wrapper(*tensors).cpu()
+        feed = dict(zip(INPUT_NAMES, inputs))
+        for label, session in self.sessions.items():
+            calls[label] = lambda session=session: session.run(None, feed)
+        for label, model in self.openvino.items():
+            calls[label] = lambda model=model: model(feed)
+        return calls
+
+
+def check_arguments(args) -> list[tuple[object, str]] | str:
+    """The shapes to time, or why the arguments cannot be benchmarked (one line)."""
     from artifact.errors import ArtifactError
     from compile.bucketing import parse_buckets
     from compile.errors import CompileError
 
-    from .machine import describe as describe_machine
     from .strategy_table import read_manifest
 
     try:
         shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
             (s, "generic") for s in parse_buckets(args.generic_shapes)]
-        for directory in (args.artifacts, *args.compare):
-            read_manifest(directory)
+        manifests = [read_manifest(directory) for directory in (args.artifacts, *args.compare)]
     except (ArtifactError, CompileError) as exc:
-        return _fail(str(exc), 2)
-    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
-    # Every runtime's idle workers spin between the parallel sections of a call (without it, a
-    # call waits for sleeping workers to wake at each one; docs/PERFORMANCE.md compares the two),
-    # and by default go on spinning long after it, which, interleaved in one process, steals the
-    # cores the next backend runs on (torch at 1x16 went from 15 to 570 ms). So each spins within
-    # a call and sleeps within ~2 ms of its end: TVM's pools as the server's
-    # (`limit_pool_spinning`), libgomp under torch after `TORCH_SPIN_COUNT` spins, ORT's pool stops
-    # at the end of each run (`onnx_peer`). The warm call before each timed one absorbs the rest.
+        return str(exc)
+    sparsity = manifests[0].sparsity
+    if sparsity is not None and sparsity.mode == "pruned":
+        return (f"{args.artifacts} is pruned, so PyTorch eager on its checkpoint is not its reference; "
+                "time sparse builds with python -m loadtest.sparse_bench")
+    return shapes
+
+
+def limit_spinning() -> None:
+    """Every runtime's idle workers spin between the parallel sections of a call (without it, a
+    call waits for sleeping workers to wake at each one; docs/PERFORMANCE.md compares the two),
+    and by default go on spinning long after it, which, interleaved in one process, steals the
+    cores the next backend runs on (torch at 1x16 went from 15 to 570 ms). So each spins within
+    a call and sleeps within ~2 ms of its end: TVM's pools as the server's
+    (`limit_pool_spinning`), libgomp under torch after `TORCH_SPIN_COUNT` spins, ORT's pool stops
+    at the end of each run (`onnx_peer`), OpenVINO's TBB workers sleep after a short spin. The
+    warm call before each timed one absorbs the rest."""
+    from artifact.cores import limit_pool_spinning
+
     limit_pool_spinning()
     os.environ.setdefault("GOMP_SPINCOUNT", str(TORCH_SPIN_COUNT))
+
+
+def load_candidates(args, scratch: Path) -> Candidates:
+    """Load the artifacts and PyTorch, and build the peers' sessions (ArtifactError: cannot load)."""
     import torch
 
     from artifact.loader import load_artifact
-    from compile.checkpoint import INPUT_NAMES, example_inputs, inspect_checkpoint, load_wrapper
-    from compile.timing import interleaved_medians
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
 
     torch.set_num_threads(args.threads)
-    try:
-        model = load_artifact(args.artifacts)
-        others = {f"tvm_bucket[{path.name}]": load_artifact(path) for path in args.compare}
-    except ArtifactError as exc:
-        return _fail(str(exc), 2)
+    model = load_artifact(args.artifacts)
+    others = {f"tvm_bucket[{path.name}]": load_artifact(path) for path in args.compare}
     manifest = model.manifest
-    if manifest.quantization is not None:
-        return _fail(f"{args.artifacts} is int8; give the fp32 artifact as --artifacts and the int8 one as --compare", 2)
-    int8_labels = {label for label, other in others.items() if other.manifest.quantization is not None}
-    if manifest.sparsity is not None and manifest.sparsity.mode == "pruned":
-        return _fail(f"{args.artifacts} is pruned, so PyTorch eager on its checkpoint is not its reference; "
-                     "time sparse builds with python -m loadtest.sparse_bench", 2)
-    tolerance = TOLERANCE[manifest.dtype]
     on_gpu = manifest.target.kind == "cuda"
-    torch_device = "cuda" if on_gpu else "cpu"
-    info = inspect_checkpoint(Path(manifest.model.path), manifest.task, manifest.pooling if manifest.task == "embed" else "auto")
-    wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(torch_device)
-    sdpa = load_wrapper(info, manifest.task, manifest.dtype, attention="sdpa").to(torch_device)
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    log(f"bench: peak {manifest.dtype} GEMM on {torch_device} ...")
-    peak = matmul_peak_gflops(args.threads, torch_device, manifest.dtype)
-    sessions, ort_fused_attention = {}, {}
+    device = "cuda" if on_gpu else "cpu"
+    info = inspect_checkpoint(Path(manifest.model.path), manifest.task,
+                              manifest.pooling if manifest.task == "embed" else "auto")
+    wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(device)
+    sdpa = load_wrapper(info, manifest.task, manifest.dtype, attention="sdpa").to(device)
+    precisions = {"tvm_bucket": manifest.linear_precision, "tvm_generic": manifest.linear_precision,
+                  **{label: other.manifest.linear_precision for label, other in others.items()},
+                  "torch_eager": "fp32", "torch_sdpa": "fp32", "torch_compile": "fp32"}
+    sessions, fused, openvino = {}, {}, {}
+    if not (args.no_onnx or on_gpu):
+        from .onnx_peer import onnx_sessions
+
+        _log(f"bench: ONNX Runtime{' fp32 and int8' if args.int8 else ''}, plain and optimized graphs ...")
+        sessions, fused = onnx_sessions(wrapper, scratch, args.threads, info.config, args.int8)
+        precisions.update({label: "int8" if "int8" in label else "fp32" for label in sessions})
+    if not (args.no_openvino or on_gpu):
+        from .onnx_peer import export_onnx
+        from .openvino_peer import openvino_models
+
+        _log(f"bench: OpenVINO default precision and f32{' and NNCF int8' if args.int8 else ''} ...")
+        graph = scratch / "model.onnx"  # ONNX Runtime's plain export, when it ran
+        graph = graph if graph.exists() else export_onnx(wrapper, graph)
+        openvino = openvino_models(graph, args.threads, args.int8, info.path / "tokenizer.json", info.max_seq)
+        precisions.update({label: "int8" if label == "openvino_int8" else ov.precision()
+                           for label, ov in openvino.items()})
+    compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
+    return Candidates(model, others, wrapper, sdpa, compiled_wrapper, sessions, openvino, precisions, info, fused)
+
+
+def time_shape(args, candidates: Candidates, shape, kind: str, seed: int, tolerance: float) -> dict | str:
+    """One shape: every candidate checked against PyTorch eager, then timed interleaved; the
+    result row, or why nothing was timed (one line)."""
+    import torch
+
+    from compile.checkpoint import example_inputs
+    from compile.timing import interleaved_medians
+
+    manifest = candidates.model.manifest
+    inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, manifest.model.vocab_size, seed=seed)]
+    mask = inputs[1]
+    served_by = candidates.model.run(inputs[0], mask).path
+    tensors = [torch.from_numpy(x).to("cuda" if manifest.target.kind == "cuda" else "cpu") for x in inputs]
+    calls = candidates.calls(inputs, tensors)
+    with torch.no_grad():
+        outputs = {label: as_array(run()) for label, run in calls.items()}
+    reference = outputs.pop("torch_eager")
+    diffs = agreement(outputs, reference)
+    cosines = {label: least_cosine(output, reference) for label, output in outputs.items()}
+    wrong = disagreements(candidates.precisions, diffs, cosines, tolerance)
+    if wrong:
+        return (f"at {shape.name}, {', '.join(wrong)} disagree with PyTorch eager beyond "
+                f"{tolerance:g} ({manifest.dtype}); nothing timed")
+    _log(f"bench {shape.name} ({kind}, served by {served_by}), fp32 candidates agree within "
+         f"{max(d for k, d in diffs.items() if candidates.precisions[k] == 'fp32'):.1e}, {args.repeats} rounds ...")
+    with torch.no_grad():
+        stats = interleaved_medians(calls, args.repeats, warm_calls=args.warm_calls)
+    flops = bert_flops(candidates.info.config, [int(length) for length in mask.sum(axis=1)])
+    row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
+           "agreement": diffs, "least_cosine": cosines, "stats": stats}
+    row["peers"] = peers = best_peers(stats, candidates.precisions)
+    for group, best in peers.items():
+        row[f"ratio_vs_{group}"] = {k: v["median_s"] / stats[best]["median_s"] for k, v in stats.items()}
+    row["gflops"] = {k: flops / v["median_s"] / 1e9 for k, v in stats.items()}
+    row["generic_vs_bucket"] = stats["tvm_generic"]["median_s"] / stats["tvm_bucket"]["median_s"]
+    _log("  " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in stats.items()))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    shapes = check_arguments(args)
+    if isinstance(shapes, str):
+        return _fail(shapes, 2)
+    os.environ["TVM_NUM_THREADS"] = str(args.threads)  # before TVM's thread pool starts
+    limit_spinning()
+    import torch
+
+    from artifact.errors import ArtifactError
+
     with tempfile.TemporaryDirectory() as scratch:
-        if not (args.no_onnx or on_gpu):
-            from .onnx_peer import onnx_sessions
-
-            log(f"bench: ONNX Runtime{' fp32 and int8' if args.onnx_int8 else ''}, plain and optimized graphs ...")
-            sessions, ort_fused_attention = onnx_sessions(wrapper, Path(scratch), args.threads, info.config,
-                                                          args.onnx_int8)
-            int8_labels |= {label for label in sessions if label.startswith("onnxruntime_int8")}
-
-        compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
+        try:
+            candidates = load_candidates(args, Path(scratch))
+        except ArtifactError as exc:
+            return _fail(str(exc), 2)
+        manifest = candidates.model.manifest
+        tolerance = TOLERANCE[manifest.dtype]
+        _log(f"bench: peak {manifest.dtype} GEMM ...")
+        on_gpu = manifest.target.kind == "cuda"
+        peak = matmul_peak_gflops(args.threads, "cuda" if on_gpu else "cpu", manifest.dtype)
         results = []
         for index, (shape, kind) in enumerate(shapes, 1):
-            inputs = [x.numpy() for x in example_inputs(shape.batch, shape.seq, manifest.model.vocab_size, seed=index)]
-            ids, mask = inputs[0], inputs[1]
-            served_by = model.run(ids, mask).path
-            tensors = [torch.from_numpy(x).to(torch_device) for x in inputs]
-            # Every candidate returns its output on the host, so GPU timings include the sync.
-            candidates = {
-                "tvm_bucket": lambda: model.run(ids, mask),
-                "tvm_generic": lambda: model.run_generic(ids, mask),
-                "torch_eager": lambda: wrapper(*tensors).cpu(),
-                "torch_sdpa": lambda: sdpa(*tensors).cpu(),
-            }
-            for label, other in others.items():
-                candidates[label] = lambda other=other: other.run(ids, mask)
-            if compiled_wrapper is not None:
-                candidates["torch_compile"] = lambda: compiled_wrapper(*tensors).cpu()
-            feed = dict(zip(INPUT_NAMES, inputs))
-            for label, session in sessions.items():
-                candidates[label] = lambda session=session: session.run(None, feed)
-            with torch.no_grad():
-                outputs = {label: as_array(run()) for label, run in candidates.items()}
-            reference = outputs["torch_eager"]
-            diffs = agreement({k: v for k, v in outputs.items() if k not in int8_labels | {"torch_eager"}}, reference)
-            wrong = [f"{label} (max abs diff {diff:.3g})" for label, diff in diffs.items() if not diff <= tolerance]
-            cosines = {label: least_cosine(outputs[label], reference) for label in int8_labels}
-            wrong += [f"{label} (cosine {cos:.4f} < {INT8_LEAST_COSINE})" for label, cos in cosines.items()
-                      if not cos >= INT8_LEAST_COSINE]
-            if wrong:
-                return _fail(f"at {shape.name}, {', '.join(wrong)} disagree with PyTorch eager beyond "
-                             f"{tolerance:g} ({manifest.dtype}); nothing timed", 1)
-            log(f"bench [{index}/{len(shapes)}] {shape.name} ({kind}, served by {served_by}), "
-                f"agree within {max(diffs.values()):.1e}, {args.repeats} rounds ...")
-            with torch.no_grad():
-                stats = interleaved_medians(candidates, args.repeats, warm_calls=args.warm_calls)
-            flops = bert_flops(info.config, [int(length) for length in mask.sum(axis=1)])
-            row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
-                   "agreement": diffs, "int8_least_cosine": cosines, "stats": stats}
-            row["peers"] = peers = best_peers(stats)
-            row["ratio_vs_torch"] = {k: v["median_s"] / stats[peers["torch"]]["median_s"] for k, v in stats.items()}
-            for group in ("onnxruntime", "onnxruntime_int8"):
-                if group in peers:
-                    best = stats[peers[group]]["median_s"]
-                    row[f"ratio_vs_{group}"] = {k: v["median_s"] / best for k, v in stats.items()}
-            row["gflops"] = {k: flops / v["median_s"] / 1e9 for k, v in stats.items()}
-            row["generic_vs_bucket"] = stats["tvm_generic"]["median_s"] / stats["tvm_bucket"]["median_s"]
+            row = time_shape(args, candidates, shape, kind, index, tolerance)
+            if isinstance(row, str):
+                return _fail(row, 1)
             results.append(row)
-            log("  " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in stats.items()))
 
     report = {
         "command": f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": {**describe_machine(), "mcpu": manifest.target.mcpu,
                     "gpu": torch.cuda.get_device_name(0) if on_gpu else None,
                     "threads": args.threads, "peak_gemm_gflops": peak}, "warm_calls": args.warm_calls,
-        "dtype": manifest.dtype, "tolerance": tolerance,
+        "dtype": manifest.dtype, "tolerance": tolerance, "least_cosine": LEAST_COSINE,
         "versions": {"tvm": manifest.tvm_version, "torch": torch.__version__,
-                     "onnxruntime": _version("onnxruntime") if sessions else None},
-        "onnxruntime_attention_fused": ort_fused_attention,
-        "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare], "int8": sorted(int8_labels),
+                     "onnxruntime": _version("onnxruntime") if candidates.sessions else None,
+                     "openvino": _version("openvino") if candidates.openvino else None},
+        "onnxruntime_attention_fused": candidates.ort_fused_attention,
+        "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare],
+        "precisions": {label: candidates.precisions[label] for label in results[0]["stats"]},
         "repeats": args.repeats, "results": results,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(results, args.out / "bench.png", peak)
-    table = markdown_table(report)
-    (args.out / "bench.md").write_text(table + "\n")
-    print(table)
+    write_report(report, args.out, peak)
     return 0
+
+
+def write_report(report: dict, out: Path, peak: float) -> None:
+    """bench.json, bench.png and bench.md (the table also goes to stdout)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot(report["results"], out / "bench.png", peak)
+    table = markdown_table(report)
+    (out / "bench.md").write_text(table + "\n")
+    print(table)
 
 
 def _version(package: str) -> str:
@@ -278,7 +385,8 @@ def _version(package: str) -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """Medians per candidate, then each compiled candidate against the fastest peer of its precision."""
+    """Medians per candidate, then each compiled candidate against the peers of its precision, with
+    every candidate's least cosine to PyTorch fp32 beside it."""
     backends = list(report["results"][0]["stats"])
     header = ("| shape | served by | " + " | ".join(f"{b} ms" for b in backends)
               + " | bucket / best PyTorch | bucket / best ORT fp32 | generic / bucket | bucket GFLOP/s of real tokens (% peak) |")
@@ -293,25 +401,25 @@ def markdown_table(report: dict) -> str:
             f"{'n/a' if vs_ort is None else f'{vs_ort:.2f}x'} | {row['generic_vs_bucket']:.2f}x | {gflops:.0f} ({100 * gflops / peak:.0f}%) |"
         )
     compiled = [b for b in backends if b.startswith("tvm_")]
-    int8 = set(report.get("int8", []))
-    if "onnxruntime" not in report["results"][0].get("peers", {}):
-        return "\n".join(lines)
-    lines += ["", "Each compiled candidate's time over the fastest ONNX Runtime of its precision (which graph, and "
-              "for int8 the least cosine of an output row to PyTorch fp32):", "",
-              "| shape | " + " | ".join(compiled) + " |", "|" + "---|" * (len(compiled) + 1)]
+    precisions = report["precisions"]
+    lines += ["", "Each compiled candidate's time over the fastest ONNX Runtime and the OpenVINO of its precision "
+              "(OpenVINO's default is bf16 where the CPU has it); least cosine of an output row to PyTorch fp32:", "",
+              "| shape | " + " | ".join(f"{label} ({precisions[label]})" for label in compiled) + " |",
+              "|" + "---|" * (len(compiled) + 1)]
     for row in report["results"]:
         cells = []
         for label in compiled:
-            group = "onnxruntime_int8" if label in int8 else "onnxruntime"
-            ratio = row.get(f"ratio_vs_{group}", {}).get(label)
-            cosine = f", cos {row['int8_least_cosine'][label]:.4f}" if label in int8 else ""
-            cells.append("n/a" if ratio is None else f"{ratio:.2f}x {row['peers'][group]}{cosine}")
+            ratios = [f"{row[f'ratio_vs_{group}'][label]:.2f}x {row['peers'][group]}"
+                      for group in peer_of_precision(precisions[label]).values() if f"ratio_vs_{group}" in row]
+            if "openvino" in row["peers"] and precisions[label] != precisions.get("openvino"):
+                ratios.append(f"{row['ratio_vs_openvino'][label]:.2f}x openvino ({precisions['openvino']})")
+            cells.append(", ".join(ratios + [f"cos {row['least_cosine'][label]:.5f}"]))
         lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
-    peers_int8 = [b for b in backends if b.startswith("onnxruntime_int8")]
-    if peers_int8:
-        lines += ["", "ONNX Runtime int8, least cosine of an output row to PyTorch fp32: " + "; ".join(
-            f"{row['shape']} " + ", ".join(f"{label} {row['int8_least_cosine'][label]:.4f}" for label in peers_int8)
-            for row in report["results"])]
+    peers = [b for b in backends if not b.startswith(("tvm_", "torch_eager"))]
+    lines += ["", "Peers' least cosine of an output row to PyTorch fp32: " + "; ".join(
+        f"{row['shape']} " + ", ".join(f"{label} ({precisions[label]}) {row['least_cosine'][label]:.5f}"
+                                       for label in peers)
+        for row in report["results"])]
     return "\n".join(lines)
 
 

@@ -24,7 +24,8 @@ def _session(path: Path, threads: int):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def _export(model, path: Path, optimize: bool = True) -> Path:
+def export_onnx(model, path: Path, optimize: bool = True) -> Path:
+    """The wrapper exported to ONNX with dynamic batch and sequence (the graph every peer reads)."""
     dims = {name: {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("seq", max=512)} for name in INPUT_NAMES}
     with torch.no_grad():
         torch.onnx.export(model, example_inputs(2, 8, 30522), str(path), input_names=list(INPUT_NAMES),
@@ -43,8 +44,8 @@ def onnx_sessions(wrapper, directory: Path, threads: int, config: dict, int8: bo
     from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
-    graphs = {"onnxruntime": _export(wrapper, directory / "model.onnx")}
-    fusable = _export(FusableMaskWrapper(wrapper), directory / "fusable.onnx", optimize=False)
+    graphs = {"onnxruntime": export_onnx(wrapper, directory / "model.onnx")}
+    fusable = export_onnx(FusableMaskWrapper(wrapper), directory / "fusable.onnx", optimize=False)
     layers = int(config.get("num_hidden_layers", config.get("n_layers", 0)))
     fused_attention = {}
     heads, hidden = (int(config.get(key, 0)) for key in ("num_attention_heads", "hidden_size"))
@@ -81,8 +82,9 @@ class FusableMaskWrapper(BertWrapper):
 
     def __init__(self, wrapper: BertWrapper):
         torch.nn.Module.__init__(self)
-        self.task, self.pooling, self.family = wrapper.task, wrapper.pooling, wrapper.family
-        self.bert, self.classifier = wrapper.bert, wrapper.classifier
+        self.__dict__.update({k: v for k, v in vars(wrapper).items() if not k.startswith("_")})
+        for name, module in wrapper.named_children():  # the encoder and any head, shared
+            self.add_module(name, module)
         self.eval()
 
     @staticmethod

@@ -311,8 +311,8 @@ def route_hint(manifest: Manifest) -> str:
 
 
 def model_dtype(manifest: Manifest) -> str:
-    """What the linear layers compute in: int8 for a quantized artifact, else the artifact's dtype."""
-    return "int8" if manifest.quantization is not None else manifest.dtype
+    """What the linear layers compute in: fp32, bf16 or int8 (CUDA: the artifact's dtype)."""
+    return manifest.linear_precision
 
 
 def tei_model_type(manifest: Manifest) -> dict:

@@ -8,7 +8,8 @@ import pytest
 
 from artifact.hashing import file_sha256
 from loadtest import kernel_profile, strategy_table
-from loadtest.bench import bert_flops, main
+from artifact.cpu_features import host_flags
+from loadtest.bench import bert_flops, disagreements, main
 
 
 def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_path, capsys):
@@ -23,16 +24,24 @@ def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_
     assert generic_row["kind"] == "generic" and generic_row["served_by"] == "bucket-4x16"
     compared = f"tvm_bucket[{tiny_embed_artifact.name}]"
     assert report["dtype"] == "float32" and report["tolerance"] == 1e-3
+    # OpenVINO runs at its default precision: bf16 where the CPU has AVX512_BF16 or AMX, else f32
+    flags = host_flags() or set()
+    assert report["precisions"]["openvino"] == ("bf16" if {"avx512_bf16", "amx_bf16"} & flags else "fp32")
+    assert report["precisions"]["openvino_f32"] == "fp32" and report["precisions"][compared] == "fp32"
+    fp32 = [label for label, precision in report["precisions"].items() if precision == "fp32"]
     for row in report["results"]:
         assert set(row["stats"]) == {"tvm_bucket", "tvm_generic", "torch_eager", "torch_sdpa", "onnxruntime",
-                                     "onnxruntime_optimized", compared}
+                                     "onnxruntime_optimized", "openvino", "openvino_f32", compared}
         assert row["peers"]["torch"] in ("torch_eager", "torch_sdpa")  # ratios are taken against the faster
         assert row["peers"]["onnxruntime"] in ("onnxruntime", "onnxruntime_optimized")
+        assert row["peers"]["openvino"] == "openvino" and row["peers"]["openvino_f32"] == "openvino_f32"
         assert all(s["runs"] == 2 and s["median_s"] > 0 for s in row["stats"].values())
-        # Every candidate but the reference itself was compared with PyTorch eager, and agrees
-        # within the compile stage's own bound (the tiny model's outputs are of order 1).
-        assert set(row["agreement"]) == set(row["stats"]) - {"torch_eager"}
-        assert all(0 <= diff <= 1e-4 for diff in row["agreement"].values()), row["agreement"]
+        # Every candidate but the reference itself was compared with PyTorch eager: the fp32 ones
+        # agree within the compile stage's own bound (the tiny model's outputs are of order 1),
+        # OpenVINO's default in direction (its least cosine, reported beside its time).
+        assert set(row["agreement"]) == set(row["least_cosine"]) == set(row["stats"]) - {"torch_eager"}
+        assert all(0 <= row["agreement"][label] <= 1e-4 for label in fp32 if label != "torch_eager"), row
+        assert row["least_cosine"]["openvino"] >= 0.99
     assert report["machine"]["peak_gemm_gflops"] > 0
     assert report["onnxruntime_attention_fused"] == {"onnxruntime_optimized": 2}  # ORT at its best: both layers
     assert "| 2x16 (bucket) | bucket-2x16 |" in capsys.readouterr().out
@@ -58,7 +67,7 @@ def test_bench_refuses_a_candidate_that_disagrees_with_pytorch(tiny_embed_artifa
     wrong = _with_wrong_weights(tiny_embed_artifact, tmp_path / "wrong-weights")
     out = tmp_path / "bench"
     assert main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8", "--generic-shapes", "3x5",
-                 "--repeats", "1", "--no-onnx", "--compare", str(wrong), "--out", str(out)]) == 1
+                 "--repeats", "1", "--no-onnx", "--no-openvino", "--compare", str(wrong), "--out", str(out)]) == 1
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("python -m loadtest.bench: error: at 1x8, tvm_bucket[wrong-weights] (max abs diff ")
     assert "disagree with PyTorch eager beyond 0.001" in error
@@ -107,3 +116,15 @@ def test_flops_of_minilm_count_real_tokens():
     # a batch of lengths 128 and 32 is the work of its two sequences, not of 2 x 128
     assert bert_flops(config, [128, 32]) == bert_flops(config, [128]) + bert_flops(config, [32])
     assert bert_flops(config, [128, 32]) < bert_flops(config, [128, 128])
+
+
+def test_fp32_candidates_are_held_to_the_tolerance_and_reduced_precisions_to_their_least_cosine():
+    precisions = {"tvm_bucket": "fp32", "tvm_bucket[bf16]": "bf16", "openvino_int8": "int8"}
+    # a bf16 or int8 candidate may differ by far more than fp32's 1e-3, as long as it points the same way
+    diffs = {"tvm_bucket": 2e-4, "tvm_bucket[bf16]": 0.02, "openvino_int8": 0.1}
+    assert disagreements(precisions, diffs, {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.9995,
+                                             "openvino_int8": 0.97}, 1e-3) == []
+    wrong = disagreements(precisions, {**diffs, "tvm_bucket": 2e-3},
+                          {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.98, "openvino_int8": 0.9}, 1e-3)
+    assert wrong == ["tvm_bucket (max abs diff 0.002)", "tvm_bucket[bf16] (bf16 cosine 0.9800 < 0.99)",
+                     "openvino_int8 (int8 cosine 0.9000 < 0.95)"]

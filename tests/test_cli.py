@@ -92,10 +92,10 @@ def test_unknown_config_key_exits_2(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [(["--dtype", "float16"], "float16 is supported for target cuda only"),
                                            (["--cuda-graph"], "cuda_graph needs target cuda"),
-                                           (["--quantize", "int8", "--target", "cuda"],
-                                            "quantize int8 is built for target cpu, without sparsity"),
-                                           (["--quantize", "int8", "--sparsity", "0.5"],
-                                            "quantize int8 is built for target cpu, without sparsity")])
+                                           (["--precision", "int8", "--target", "cuda"],
+                                            "precision int8 is built for target cpu, without sparsity"),
+                                           (["--precision", "bf16", "--sparsity", "0.5"],
+                                            "precision bf16 is built for target cpu, without sparsity")])
 def test_cuda_only_options_on_cpu_exit_2(tmp_path, flags, message):
     result = run_cli(*flags, "--out", str(tmp_path / "out"))
     assert result.returncode == 2

@@ -153,7 +153,7 @@ def int8_artifact(request, int8_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("artifacts") / f"tiny-int8-{request.param}"
     buckets = ["packed-16", "packed-64"] if request.param == "packed" else ["1x5", "4x16"]
-    compile_artifact(int8_checkpoint, out, buckets, layout=request.param, quantize="int8", generic_shapes=["3x20"])
+    compile_artifact(int8_checkpoint, out, buckets, layout=request.param, precision="int8", generic_shapes=["3x20"])
     return out
 
 
@@ -190,7 +190,7 @@ def test_int8_compile_fails_under_min_cosine_and_leaves_nothing(int8_checkpoint,
     from compile.errors import ValidationError
 
     with pytest.raises(ValidationError, match=r"int8 embeddings reach cosine [\d.]+ to .* under --min-cosine 1"):
-        compile_artifact(int8_checkpoint, tmp_path / "out", ["packed-16"], layout="packed", quantize="int8",
+        compile_artifact(int8_checkpoint, tmp_path / "out", ["packed-16"], layout="packed", precision="int8",
                          min_cosine=1.0, generic_shapes=["3x20"])
     assert not (tmp_path / "out").exists()
 
@@ -221,7 +221,7 @@ def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16", "packed-64"],
-                                   task="classify", layout="packed", quantize="int8", generic_shapes=["3x20"])
+                                   task="classify", layout="packed", precision="int8", generic_shapes=["3x20"])
     assert manifest.quantization.top1_agreement == 1.0 and manifest.quantization.max_probability_diff < 0.05
     model = BertForSequenceClassification.from_pretrained(int8_classifier).eval()
     batch = AutoTokenizer.from_pretrained(int8_classifier)(UNSEEN, padding=True, return_tensors="pt")

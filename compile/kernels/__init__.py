@@ -3,7 +3,8 @@ fast on the host's vector units. `compile/schedule.py` dispatches every fused Pr
 family that recognises it.
 
 - `dense`: fp32 linears over packed weight panels, and every matmul-shaped kernel;
-- `int8`: linears over int8 weights (`--quantize int8`);
+- `bf16`: linears over bf16 weights, a C micro-kernel on AVX512_BF16 (`--precision bf16`);
+- `int8`: linears over int8 weights (`--precision int8`);
 - `attention`: each layer's attention core in one kernel (written scheduled, see passes/fuse_attention.py);
 - `rows`: row kernels (softmax, layer norm, the int8 row quantisation);
 - `sparse`: block-sparse (BSR) linears, M-tiled;

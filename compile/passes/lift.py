@@ -26,7 +26,9 @@ class LiftedModel:
 def lift_and_transform(mod: tvm.IRModule, params: list[tvm.runtime.Tensor]) -> LiftedModel:
     lifted = relax.transform.LiftTransformParams()(mod)
     main = lifted["main"]
-    transform = tvm.IRModule({TRANSFORM_FUNC: lifted[TRANSFORM_FUNC]})
+    # the transform and the kernels it calls (e.g. the bf16 rounding of weights)
+    transform = relax.transform.DeadCodeElimination([TRANSFORM_FUNC])(
+        tvm.IRModule({gvar: func for gvar, func in lifted.functions_items() if gvar.name_hint != "main"}))
     target = tvm.target.Target({"kind": "llvm"})
     executable = tvm.compile(transform, target, relax_pipeline=relax.get_default_pipeline(target))
     device = tvm.cpu()

@@ -18,7 +18,7 @@ from tvm import relax, tirx
 
 from ..kernels import dense
 from ..kernels.dense import packed_matmul_te, packed_panel_width
-from .linears import bindings, transposed_linears
+from .linears import bindings, rewrite_linears, transposed_linears
 
 
 def linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
@@ -41,40 +41,18 @@ def linears_on_weights(func: relax.Function) -> dict[relax.Var, relax.Expr]:
     return found
 
 
-@relax.expr_functor.mutator
-class _PackLinears(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr], lanes: int):
-        super().__init__(mod)
-        self.linears = linears
-        self.lanes = lanes
-        self.packed = 0
-
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        weight = self.linears.get(binding.var)
-        n, k = (int(d) for d in weight.ty.shape) if weight is not None else (0, 0)
-        nt = packed_panel_width(n, self.lanes) if weight is not None else None
-        if nt is None:
-            super().visit_var_binding_(binding)
-            return
-        panels = self.builder_.emit(relax.op.permute_dims(
-            relax.op.reshape(self.visit_expr(weight), (n // nt, nt, k)), [0, 2, 1]))
-        # emit_te writes the kernel over the activation's own symbolic shape (batch * seq, K)
-        output = self.builder_.emit_te(packed_matmul_te, self.visit_expr(binding.value.args[0]), panels,
-                                       primfunc_name_hint=dense.KERNEL_NAME)
-        if not isinstance(binding.var, relax.DataflowVar):
-            output = self.builder_.emit_output(output)
-        self.set_var_remap(binding.var, output)
-        self.packed += 1
-
-
 def pack_linear_weights(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, int]:
     """`mod` with `main`'s linears over packed weights, and how many were rewritten.
 
     Run on a module whose weights are still parameters of `main`, before LiftTransformParams.
     A weight whose N the kernel's panel width does not divide stays as it is.
     """
-    func = mod["main"]
-    mutator = _PackLinears(mod, linears_on_weights(func), lanes)
-    new_func = mutator.visit_expr(func)
-    mutator.builder_.update_func(mod.get_global_var("main"), new_func)
-    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.packed
+    def pack(builder: relax.BlockBuilder, x: relax.Expr, weight: relax.Expr, n: int, k: int) -> relax.Expr | None:
+        nt = packed_panel_width(n, lanes)
+        if nt is None:
+            return None
+        panels = builder.emit(relax.op.permute_dims(relax.op.reshape(weight, (n // nt, nt, k)), [0, 2, 1]))
+        # emit_te writes the kernel over the activation's own symbolic shape (batch * seq, K)
+        return builder.emit_te(packed_matmul_te, x, panels, primfunc_name_hint=dense.KERNEL_NAME)
+
+    return rewrite_linears(mod, linears_on_weights(mod["main"]), pack)

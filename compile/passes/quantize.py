@@ -1,4 +1,4 @@
-"""`--quantize int8`: every linear layer over int8 weights, activations quantized per token at run time.
+"""`--precision int8`: every linear layer over int8 weights, activations quantized per token at run time.
 
 The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parameters only (as
 compile/passes/packing.py finds them, Q/K/V concatenations included), into
@@ -28,28 +28,20 @@ from tvm import relax
 
 from ..kernels import int8
 from ..sentences import ACCURACY_SENTENCES
+from .linears import rewrite_linears
 from .packing import linears_on_weights
 
 SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
 
 
-@relax.expr_functor.mutator
-class _QuantizeLinears(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, linears: dict[relax.Var, relax.Expr], kernel: int8.Int8Kernel):
-        super().__init__(mod)
-        self.linears = linears
-        self.kernel = kernel
-        self.quantized = 0
+def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> tuple[tvm.IRModule, int]:
+    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were rewritten (run
+    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
 
-    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        weight = self.linears.get(binding.var)
-        n, k = (int(d) for d in weight.ty.shape) if weight is not None else (0, 0)
-        kernel = self.kernel
-        if weight is None or not int8.quantizable(n, k, kernel):
-            super().visit_var_binding_(binding)
-            return
-        emit, op = self.builder_.emit, relax.op
-        w = self.visit_expr(weight)
+    def quantize(builder: relax.BlockBuilder, x: relax.Expr, w: relax.Expr, n: int, k: int) -> relax.Expr | None:
+        if not int8.quantizable(n, k, kernel):
+            return None
+        emit, op = builder.emit, relax.op
         scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
                                relax.const(int8.QMAX, "float32")))
         quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -127, 127), "int8"))
@@ -59,23 +51,11 @@ class _QuantizeLinears(relax.PyExprMutator):
         if kernel.compensated:
             weights.append(emit(op.multiply(op.sum(op.astype(quantized, "int32"), axis=1),
                                             relax.const(kernel.offset, "int32"))))
-        rows = self.builder_.emit_te(int8.row_quantizer(kernel), self.visit_expr(binding.value.args[0]),
-                                     primfunc_name_hint=int8.row_quantize_name(kernel))
-        output = self.builder_.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
-                                       *weights, primfunc_name_hint=int8.matmul_name(kernel))
-        if not isinstance(binding.var, relax.DataflowVar):
-            output = self.builder_.emit_output(output)
-        self.set_var_remap(binding.var, output)
-        self.quantized += 1
+        rows = builder.emit_te(int8.row_quantizer(kernel), x, primfunc_name_hint=int8.row_quantize_name(kernel))
+        return builder.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
+                               *weights, primfunc_name_hint=int8.matmul_name(kernel))
 
-
-def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> tuple[tvm.IRModule, int]:
-    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were rewritten (run
-    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
-    func = mod["main"]
-    mutator = _QuantizeLinears(mod, linears_on_weights(func), kernel)
-    mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(func))
-    return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), mutator.quantized
+    return rewrite_linears(mod, linears_on_weights(mod["main"]), quantize)
 
 
 def sentence_rows(tokenizer_file: Path, max_seq: int) -> tuple[np.ndarray, ...]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..kernels import dense, int8
+from ..kernels import bf16, dense, int8
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 # Our TE kernels, by name: the function that writes one, and how many tensor arguments it takes
 # (then come the shape vars the call passes along).
-TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), **int8.te_kernels()}
+TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), **int8.te_kernels(), **bf16.te_kernels()}
 
 
 @relax.expr_functor.mutator
@@ -28,7 +28,7 @@ class _RespecializeKernels(relax.PyExprMutator):
 
 
 def specialize_te_kernels(mod: tvm.IRModule) -> tvm.IRModule:
-    """Rewrite each of our TE kernels (packed and int8 matmuls) for the shapes `main` now calls it with.
+    """Rewrite each of our TE kernels (packed, int8 and bf16 matmuls) for the shapes `main` now calls it with.
 
     The kernels are written over `main`'s symbolic shapes; after BindSymbolicVars gives a bucket
     static shapes, FuseOps/FuseTIR refuse a symbolic kernel fed static tensors (LegalizeOps,

@@ -1,0 +1,256 @@
+"""The bf16 kernel family for x86 CPUs with AVX512_BF16: linears over bf16 weights, fp32 accumulation.
+
+Weights are rounded to bf16 at compile time (round to nearest even) and stored as their 16-bit
+patterns (uint16: nothing in the runtime needs a bf16 type) in panels of `PANEL` output columns with
+the reduction axis in pairs, `Wp[N / 32, K / 2, 32, 2]`: one k pair of a panel is 128 contiguous
+bytes, two zmm registers. Activations are rounded to bf16 per call (`to_bf16_te`). The loop nest is
+the int8 kernel's (parallel over panels, an 8 x 32 fp32 accumulator tile per 8 rows, any fused
+epilogue applied on write-back), but the whole K loop of a tile is one call of a micro-kernel
+(`TILE_SOURCE`): per k pair, two panel loads and 8 row-pair broadcasts feed 16 `vdpbf16ps`, each
+32 multiply-adds into 16 fp32 lanes (an fp32 FMA does 16), all 16 accumulators in registers.
+
+Why a C micro-kernel: TVM 0.27's LLVM code generator has no bfloat vector type (its BF16 legalizer
+widens bf16 to fp32 before code generation), so `llvm.x86.avx512bf16.dpbf16ps.512`, whose operands
+are `<32 x bfloat>`, cannot be called from TIR. The tile is compiled by the C compiler that links
+every library anyway (`tile_object`) and linked in (`build_library`'s addons).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import tempfile
+from pathlib import Path
+
+import tvm
+from tvm import s_tir, te, tirx
+from tvm.s_tir import TensorIntrin
+from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
+from tvm.script import tirx as T
+
+PANEL = 32  # output columns per weight panel: two zmm of fp32
+ROWS = 8  # activation rows per tile: 8 x 2 accumulators of 32 zmm
+PAIR = 2  # k values one fp32 lane sums per vdpbf16ps
+STORAGE = "uint16"  # bf16 bit patterns
+TO_BF16 = "to_bf16"
+MATMUL = "bf16_matmul"
+PANEL_VIEW = "bf16_panel_view"
+TILE_SYMBOL = "bert_bf16_tile_8x32"
+REQUIRED_FEATURES = ("avx512f", "avx512bf16")
+DESCRIPTION = "avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights), fp32 accumulation"
+
+TILE_SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* c[8][32] (row stride ldc floats) += a[8][2 * pairs] (row stride lda) x the panel b[pairs][32][2]. */
+int32_t bert_bf16_tile_8x32(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint16_t *b,
+                            int64_t pairs) {
+  __m512 acc[8][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    acc[i][0] = _mm512_loadu_ps(c + i * ldc);
+    acc[i][1] = _mm512_loadu_ps(c + i * ldc + 16);
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 64);
+    __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 64 + 32);
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      int32_t pair;
+      memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
+      __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, b1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+  }
+  return 0;
+}
+"""
+
+
+def supported(target: tvm.target.Target) -> bool:
+    """Whether the target's CPU runs the bf16 micro-kernel."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    llvm = target.host or target
+    return llvm.kind.name == "llvm" and all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES)
+
+
+@functools.cache
+def tile_object() -> Path:
+    """The micro-kernel compiled once per process to an object file the libraries link."""
+    from tvm.support import cc
+
+    directory = Path(tempfile.mkdtemp(prefix="bert-bf16-"))
+    source, obj = directory / "bf16_tile.c", directory / "bf16_tile.o"
+    source.write_text(TILE_SOURCE)
+    compiler = cc.get_cc() or "gcc"
+    flags = ["-x", "c", "-O3", "-fPIC", "-mavx512f", "-mavx512bf16", "-c"]
+    result = subprocess.run([compiler, *flags, str(source), "-o", str(obj)], capture_output=True, text=True,
+                            check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"the C compiler ({compiler}) cannot build the bf16 micro-kernel: "
+                           f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode}")
+    return obj
+
+
+def linked_objects(mod: tvm.IRModule) -> list[str]:
+    """The objects a library built from `mod` must link: the micro-kernel where it runs a bf16 matmul."""
+    uses = any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
+               for gvar, func in mod.functions_items())
+    return [str(tile_object())] if uses else []
+
+
+# ----------------------------------------------------------------------------- TE kernels
+
+
+def _widen(bits: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The fp32 value of a bf16 bit pattern (exact: bf16 is fp32's upper half)."""
+    return tirx.reinterpret("float32", bits.astype("uint32") << tirx.const(16, "uint32"))
+
+
+def to_bf16_te(x: te.Tensor) -> te.Tensor:
+    """x (fp32) rounded to the nearest bf16 (ties to even), as bit patterns."""
+
+    def rounded(*index):
+        bits = tirx.reinterpret("uint32", x(*index))
+        odd = (bits >> tirx.const(16, "uint32")) & tirx.const(1, "uint32")
+        return ((bits + tirx.const(0x7FFF, "uint32") + odd) >> tirx.const(16, "uint32")).astype(STORAGE)
+
+    return te.compute(x.shape, rounded, name=TO_BF16)
+
+
+def bf16_matmul_te(xb: te.Tensor, panels: te.Tensor) -> te.Tensor:
+    """y[M, N] = xb @ W^T in fp32, W given as panels Wp[j // 32, k // 2, j % 32, k % 2] (bf16 bits)."""
+    count, pairs, width, pair = (int(d) for d in panels.shape)
+    weight = te.compute((_i64(count * width), _i64(pairs * pair)),
+                        lambda j, kk: panels[j // width, kk // pair, j % width, kk % pair], name=PANEL_VIEW)
+    k = te.reduce_axis((0, _i64(pairs * pair)), name="k")
+    return te.compute((xb.shape[0], weight.shape[0]),
+                      lambda m, j: te.sum(_widen(xb[m, k]) * _widen(weight[j, k]), axis=k), name=MATMUL)
+
+
+def te_kernels() -> dict[str, tuple]:
+    """Our bf16 TE kernels by primfunc name, as compile/passes/specialize.py rewrites them."""
+    return {TO_BF16: (to_bf16_te, 1), MATMUL: (bf16_matmul_te, 2)}
+
+
+def _i64(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", value)
+
+
+# ----------------------------------------------------------------------------- the micro-kernel
+
+
+def tile_intrinsic(k_size: int) -> str:
+    """The tensor intrinsic of one 8 x 32 tile over a K of `k_size` (registered on first use)."""
+    name = f"{TILE_SYMBOL}_k{k_size}"
+    if TensorIntrin.get(name, allow_missing=True) is not None:
+        return name
+    pairs = k_size // PAIR
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+        lda = T.int64()
+        ldc = T.int64()
+        A = T.match_buffer(a, (T.int64(ROWS), T.int64(k_size)), STORAGE, offset_factor=1, strides=[lda, 1])
+        B = T.match_buffer(b, (T.int64(pairs), T.int64(PANEL), T.int64(PAIR)), STORAGE, offset_factor=1)
+        C = T.match_buffer(c, (T.int64(ROWS), T.int64(PANEL)), "float32", offset_factor=1, strides=[ldc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:ROWS, 0:PANEL], A[0:ROWS, 0:k_size], B[0:pairs, 0:PANEL, 0:PAIR])
+            T.writes(C[0:ROWS, 0:PANEL])
+            for ko, i, j, ki in T.grid(T.int64(pairs), T.int64(ROWS), T.int64(PANEL), T.int64(PAIR)):
+                with T.sblock("update"):
+                    vi, vj = T.axis.remap("SS", [i, j])
+                    vk = T.axis.reduce(T.int64(k_size), ko * T.int64(PAIR) + ki)
+                    C[vi, vj] = C[vi, vj] + (
+                        T.reinterpret("float32", T.shift_left(T.Cast("uint32", A[vi, vk]), T.uint32(16)))
+                        * T.reinterpret("float32", T.shift_left(T.Cast("uint32", B[vk // T.int64(PAIR), vj,
+                                                                                     vk % T.int64(PAIR)]),
+                                                                T.uint32(16))))
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
+        lda = T.int64()
+        ldc = T.int64()
+        A = T.match_buffer(a, (T.int64(ROWS), T.int64(k_size)), STORAGE, offset_factor=1, strides=[lda, 1])
+        B = T.match_buffer(b, (T.int64(pairs), T.int64(PANEL), T.int64(PAIR)), STORAGE, offset_factor=1)
+        C = T.match_buffer(c, (T.int64(ROWS), T.int64(PANEL)), "float32", offset_factor=1, strides=[ldc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:ROWS, 0:PANEL], A[0:ROWS, 0:k_size], B[0:pairs, 0:PANEL, 0:PAIR])
+            T.writes(C[0:ROWS, 0:PANEL])
+            T.evaluate(T.call_extern("int32", TILE_SYMBOL, C.access_ptr("rw"), T.Cast("int64", ldc),
+                                     A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
+                                     T.int64(pairs)))
+
+    TensorIntrin.register(name, desc, impl)
+    return name
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def _bf16_matmul_block(sch: s_tir.Schedule):
+    """The block accumulating bf16 activations x bf16 weights in fp32, or None."""
+    for block in sch.get_child_blocks(sch.get_sblock("root")):
+        stmt = sch.get(block)
+        if (len(stmt.reads) == 2 and len(stmt.writes) == 1 and stmt.writes[0].source.dtype == "float32"
+                and all(r.source.dtype == STORAGE for r in stmt.reads) and len(stmt.iter_vars) == 3):
+            return block
+    return None
+
+
+def schedule_bf16_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+    """Schedule the bf16 matmul (and its fused epilogue) of `func`, or None when it has none.
+
+        parallel (N / 32):
+          for M / 8:
+            acc[8, 32] = 0
+            micro-kernel: acc += x[8 rows, :] @ panel     (the whole K loop, vdpbf16ps)
+            y[8 rows, 32] = epilogue(acc)
+    A symbolic or ragged M is padded to a multiple of 8 rows (`pad_einsum`), as the int8 kernel does.
+    """
+    sch = s_tir.Schedule(func)
+    main = _bf16_matmul_block(sch)
+    if main is None:
+        return None
+    m, j, k = sch.get_loops(main)
+    k_size = sch.get(k).extent
+    if not isinstance(k_size, tirx.IntImm) or int(k_size) % PAIR:
+        return None
+    rows = sch.get(m).extent
+    if not (isinstance(rows, tirx.IntImm) and int(rows) % ROWS == 0):
+        sch.pad_einsum(main, [ROWS, 1, 1])
+        m, j, k = sch.get_loops(main)
+    for producer in sch.get_producers(main):
+        if sch.get(producer).name_hint.startswith(PANEL_VIEW):
+            sch.compute_inline(producer)
+    jo, ji = sch.split(j, [None, PANEL])
+    mo, mi = sch.split(m, [None, ROWS])
+    ko, ki = sch.split(k, [None, PAIR])
+    sch.reorder(jo, mo, ko, mi, ji, ki)
+    sch.parallel(jo)
+    acc = sch.cache_write(main, 0, "global")  # 1 KB: a stack alloca (compile/lowering.py)
+    sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
+    auto_inline_consumers(sch, acc)
+    _vectorize_innermost(sch, acc)
+    init = sch.decompose_reduction(main, ko)
+    _vectorize_innermost(sch, init)
+    sch.tensorize(ko, tile_intrinsic(int(k_size)))
+    for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of x, the un-padding
+        loops = sch.get_loops(block)
+        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
+            sch.parallel(loops[0])
+    return sch
+
+
+def _vectorize_innermost(sch: s_tir.Schedule, block) -> None:
+    _, inner = sch.split(sch.get_loops(block)[-1], [None, 16])
+    sch.vectorize(inner)

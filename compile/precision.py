@@ -1,0 +1,102 @@
+"""The arithmetic of the linear layers (fp32, bf16 or int8): what a target can run, the accuracy
+each must keep, and `auto`'s choice among measured candidates.
+
+`--precision auto` builds every precision the target's CPU runs, measures each one's answers
+against the PyTorch fp32 model on the shipped sentences (compile/sentences.py, one-word queries to
+long passages) and its time per call, and ships the fastest one that keeps its gate. fp32 is
+the reference's own arithmetic and always qualifies, so auto never ships less accuracy than a
+gate allows, whatever a candidate's speed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tvm
+
+from .kernels import bf16, int8
+
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The least agreement with the fp32 model a precision must keep: embeddings by cosine
+    similarity (least and mean over the sentences), classifiers by top-1 agreement and the
+    largest difference of any label's probability."""
+
+    cosine_min: float
+    cosine_mean: float
+    top1_agreement: float
+    max_probability_diff: float
+
+    def failures(self, accuracy: dict) -> list[str]:
+        """What `accuracy` (the keys of `embedding_agreement` or `classifier_agreement`) misses."""
+        checks = (("cosine_min", self.cosine_min, min), ("cosine_mean", self.cosine_mean, min),
+                  ("top1_agreement", self.top1_agreement, min),
+                  ("max_probability_diff", self.max_probability_diff, max))
+        missed = []
+        for key, bound, kind in checks:
+            value = accuracy.get(key)
+            if value is not None and (value < bound if kind is min else value > bound):
+                missed.append(f"{key} {value:.5f} {'<' if kind is min else '>'} {bound:g}")
+        return missed
+
+
+# bf16 rounds each operand to 8 significant bits, with fp32 sums: embeddings keep cosine > 0.9999
+# to fp32 on MiniLM (docs/PERFORMANCE.md), so 0.999 leaves room for deeper models, none for a bug.
+GATES = {
+    "bf16": Gate(cosine_min=0.999, cosine_mean=0.9995, top1_agreement=0.995, max_probability_diff=0.01),
+    "int8": Gate(cosine_min=0.99, cosine_mean=0.997, top1_agreement=0.995, max_probability_diff=0.05),
+}
+
+
+def refusal(precision: str, target: tvm.target.Target) -> str | None:
+    """Why `target` cannot run `precision` (one line), or None when it can."""
+    mcpu = (target.host or target).attrs.get("mcpu", "?")
+    if precision == "bf16" and not bf16.supported(target):
+        return f"--precision bf16 needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use fp32, int8 or auto)"
+    if precision == "int8" and int8.kernel_for(target) is None:
+        return f"--precision int8 needs a CPU with AVX2; mcpu {mcpu} has none"
+    return None
+
+
+def available(target: tvm.target.Target) -> list[str]:
+    """The precisions `auto` considers for `target`: every one its CPU runs."""
+    if target.kind.name != "llvm":
+        return ["fp32"]
+    return [p for p in PRECISIONS if refusal(p, target) is None]
+
+
+@dataclass
+class Measured:
+    """One candidate precision: its agreement with fp32 and its time per call at each timed shape."""
+
+    precision: str
+    accuracy: dict
+    times_ms: dict[str, float]
+
+    @property
+    def failures(self) -> list[str]:
+        gate = GATES.get(self.precision)
+        return gate.failures(self.accuracy) if gate is not None else []
+
+    @property
+    def score_ms(self) -> float:
+        """The geometric mean of its times: every timed shape weighs the same, short or long."""
+        return math.exp(sum(math.log(ms) for ms in self.times_ms.values()) / len(self.times_ms))
+
+
+def choose(candidates: list[Measured]) -> tuple[Measured, str]:
+    """The fastest candidate that keeps its gate, and why it was chosen (one line)."""
+    passing = [c for c in candidates if not c.failures]
+    chosen = min(passing, key=lambda c: c.score_ms)
+    rejected = [f"{c.precision} ({'; '.join(c.failures)})" for c in candidates if c.failures]
+    slower = [f"{c.precision} {c.score_ms / chosen.score_ms:.2f}x" for c in passing if c is not chosen]
+    reason = f"{chosen.precision}: the fastest that keeps its gate"
+    if slower:
+        reason += f"; slower: {', '.join(slower)}"
+    if rejected:
+        reason += f"; failed the gate: {', '.join(rejected)}"
+    return chosen, reason

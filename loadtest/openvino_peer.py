@@ -1,0 +1,75 @@
+"""OpenVINO as the per-call benchmark's peer, at its best, on the same ONNX export as ONNX Runtime:
+
+- `openvino`: its default precision on this CPU (bf16 where the CPU has AVX512_BF16 or AMX, as
+  `SentenceTransformer(model, backend="openvino")` runs it; `precision()` says which);
+- `openvino_f32`: `INFERENCE_PRECISION_HINT=f32`;
+- `openvino_int8`: NNCF post-training int8 with its transformer preset (SmoothQuant, bias
+  correction), calibrated on the shipped sentences.
+
+Each compiled model runs with the latency hint on `threads` threads. Its idle TBB workers spin
+briefly and then sleep; the benchmark's warm call before each timed one covers the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from compile.checkpoint import INPUT_NAMES
+
+PRECISION_OF = {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}
+
+
+def _properties(threads: int, hint: str | None) -> dict:
+    properties = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1}
+    if hint is not None:
+        properties["INFERENCE_PRECISION_HINT"] = hint
+    return properties
+
+
+def calibration_rows(tokenizer_file: Path, max_seq: int) -> list[dict[str, np.ndarray]]:
+    """The shipped sentences, one at a time, as the model's inputs (NNCF's calibration set)."""
+    from compile.passes.quantize import sentence_rows
+
+    rows = sentence_rows(tokenizer_file, max_seq)
+    samples = []
+    for index in range(len(rows[0])):
+        length = int(rows[1][index].sum())
+        samples.append({name: x[index:index + 1, :length] for name, x in zip(INPUT_NAMES, rows)})
+    return samples
+
+
+class OpenVinoModel:
+    """One compiled OpenVINO model: called with the wrapper's four inputs, returns the output."""
+
+    def __init__(self, compiled):
+        self.compiled = compiled
+        self.request = compiled.create_infer_request()
+
+    def precision(self) -> str:
+        """What its matmuls run in, as OpenVINO chose it (fp32, bf16, fp16)."""
+        hint = self.compiled.get_property("INFERENCE_PRECISION_HINT")  # an ov.Type: bf16, f16, f32
+        return PRECISION_OF.get(hint.to_string(), hint.to_string())
+
+    def __call__(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return self.request.infer(feed)[0].copy()
+
+
+def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: Path,
+                    max_seq: int) -> dict[str, OpenVinoModel]:
+    """OpenVINO's default precision and f32 (and, with `int8`, NNCF int8) on `onnx_path`."""
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(onnx_path))
+    models = {"openvino": OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, None))),
+              "openvino_f32": OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, "f32")))}
+    if int8:
+        import nncf
+
+        samples = calibration_rows(tokenizer_file, max_seq)
+        quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
+                                  subset_size=len(samples))
+        models["openvino_int8"] = OpenVinoModel(core.compile_model(quantized, "CPU", _properties(threads, None)))
+    return models

@@ -12,6 +12,9 @@ import psutil
 import pytest
 
 from artifact.cores import usable_cores
+from artifact.cpu_features import missing_on_host
+from compile.build import make_target
+from compile.kernels import bf16
 
 SENTENCES = [
     "The striker scored twice and the team won the championship final.",
@@ -83,6 +86,21 @@ def test_int8_artifact_embeds_stay_within_0_99_of_fp32_sentence_transformers(ser
     with serve([tmp_path / "minilm-int8"], "--workers", "1") as server:
         with httpx.Client(base_url=server.url, timeout=120) as client:
             _assert_matches_sentence_transformers(client, minilm_dir, least_cosine=0.99)
+
+
+@pytest.mark.skipif(not bf16.supported(make_target("cpu")) or bool(missing_on_host(bf16.REQUIRED_FEATURES)),
+                    reason="this CPU has no AVX512_BF16")
+def test_bf16_artifact_embeds_stay_within_0_999_of_fp32_sentence_transformers(serve, minilm_dir, tmp_path):
+    """bf16 rounds each operand of the linears to 8 significant bits, sums in fp32: MiniLM keeps
+    cosine > 0.9999 on the shipped sentences, 0.999 is the gate `--precision auto` holds bf16 to."""
+    from conftest import compile_artifact
+
+    manifest, _ = compile_artifact(minilm_dir, tmp_path / "minilm-bf16", ["packed-16", "packed-32"], layout="packed",
+                                   precision="bf16", generic_shapes=["3x20"])
+    assert manifest.precision.linears == 24 and manifest.precision.candidates[0].cosine_min >= 0.999
+    with serve([tmp_path / "minilm-bf16"], "--workers", "1") as server:
+        with httpx.Client(base_url=server.url, timeout=120) as client:
+            _assert_matches_sentence_transformers(client, minilm_dir, least_cosine=0.999)
 
 
 def test_zero_shot_classify_ranks_obvious_sentences(client):

@@ -1,0 +1,215 @@
+"""bf16 linears (`--precision bf16`) and the compile stage's choice of precision (`--precision auto`).
+
+bf16 keeps 8 significant bits of each operand and sums in fp32, so a product of K terms is off by
+about 2^-9 relative per operand: the kernel tests compare with fp32 sums of the same bf16-rounded
+operands (which the kernel must match to fp32 rounding, 1e-5 relative), and the model tests with
+PyTorch fp32 by direction (cosine >= 0.999, the gate auto holds bf16 to). Execution needs a CPU
+with AVX512_BF16 and skips elsewhere; code generation and the refusals are tested on every CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+from artifact import cpu_features
+from artifact.cpu_features import FEATURES, linux_flag
+from artifact.errors import ArtifactError
+from artifact.loader import load_artifact
+from compile import precision
+from compile.build import make_target
+from compile.kernels import bf16
+from compile.lowering import tir_pipeline
+from compile.precision import GATES, Measured, choose
+
+HOST = make_target("cpu")
+RUNS_BF16 = bf16.supported(HOST) and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
+needs_bf16 = pytest.mark.skipif(not RUNS_BF16, reason="this CPU has no AVX512_BF16")
+BF16_CPU = "znver4"  # a CPU LLVM knows to have AVX512_BF16: code is generated for it on any host
+
+
+def _i64(value: int) -> tvm.tirx.IntImm:
+    return tvm.tirx.IntImm("int64", value)
+
+
+def _build_linear(m: int | None, n: int, k: int, target, path):
+    """bf16 activations x bf16 panels + bias, scheduled and exported with the micro-kernel."""
+    rows = _i64(m) if m is not None else tvm.tirx.Var("m", "int64")
+    x = te.placeholder((rows, _i64(k)), bf16.STORAGE, name="x")
+    panels = te.placeholder((n // bf16.PANEL, k // bf16.PAIR, bf16.PANEL, bf16.PAIR), bf16.STORAGE, name="p")
+    bias = te.placeholder((_i64(n),), "float32", name="bias")
+    product = bf16.bf16_matmul_te(x, panels)
+    y = te.compute(product.shape, lambda i, j: product[i, j] + bias[j], name="T_add")
+    sch = bf16.schedule_bf16_matmul(te.create_prim_func([x, panels, bias, y]))
+    assert sch is not None
+    library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
+    library.export_library(str(path), addons=[str(bf16.tile_object())])
+    return path
+
+
+def _panels(weight: np.ndarray) -> np.ndarray:
+    n, k = weight.shape
+    bits = weight.astype(ml_dtypes.bfloat16).view(np.uint16)
+    return bits.reshape(n // bf16.PANEL, bf16.PANEL, k // bf16.PAIR, bf16.PAIR).transpose(0, 2, 1, 3).copy()
+
+
+def test_the_tile_is_vdpbf16ps_in_the_library(tmp_path):
+    target = make_target("cpu", mcpu=BF16_CPU)
+    library = _build_linear(16, 64, 48, target, tmp_path / "linear.so")
+    assembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    tile = assembly[assembly.index(f"<{bf16.TILE_SYMBOL}>:"):]
+    tile = tile[:tile.index("\n\n")]
+    # per k pair: 8 rows x 2 panel halves, every accumulator a zmm register (no fp32 FMA fallback)
+    assert tile.count("vdpbf16ps") == bf16.ROWS * 2 and "%zmm" in tile
+    assert re.search(rf"call\s.*<{bf16.TILE_SYMBOL}", assembly)  # the matmul runs its tiles through it
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [16, 13, None])  # whole row tiles, a ragged tail, a symbolic row count
+def test_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m):
+    n, k = 96, 160
+    rng = np.random.default_rng(0)
+    rows = m or 21
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    weight = rng.standard_normal((n, k), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32)
+    library = tvm.runtime.load_module(str(_build_linear(m, n, k, HOST, tmp_path / "linear.so")))
+    device = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32), device)
+    library["main"](*(tvm.runtime.tensor(a, device) for a in (x.astype(ml_dtypes.bfloat16).view(np.uint16),
+                                                               _panels(weight), bias)), out)
+    exact = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.astype(ml_dtypes.bfloat16).astype(np.float64).T
+    np.testing.assert_allclose(out.numpy(), exact + bias, rtol=1e-5, atol=1e-4)
+
+
+def test_rounding_to_bf16_is_to_nearest_even(tmp_path):
+    values = np.array([1.0, 1.00390625, 1.01171875, -2.5e-3, 3.14159265, 65504.0, 1e-30, -0.0, 1.0 + 2**-8,
+                       1.0 + 3 * 2**-8], dtype=np.float32)  # the last two are ties: to even, down then up
+    x = te.placeholder((_i64(len(values)),), "float32", name="x")
+    func = te.create_prim_func([x, bf16.to_bf16_te(x)])
+    library = tvm.compile(tvm.IRModule({"main": func}), make_target("cpu"), tir_pipeline=tir_pipeline(HOST))
+    device = tvm.cpu()
+    out = tvm.runtime.tensor(np.zeros(len(values), np.uint16), device)
+    library["main"](tvm.runtime.tensor(values, device), out)
+    assert out.numpy().tolist() == values.astype(ml_dtypes.bfloat16).view(np.uint16).tolist()
+
+
+@pytest.fixture(scope="module")
+def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
+    """The tiny model in bf16, packed and padded."""
+    if not RUNS_BF16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    from conftest import compile_artifact
+
+    root = tmp_path_factory.mktemp("bf16")
+    for layout, buckets in (("packed", ["packed-16"]), ("padded", ["1x8", "4x16"])):
+        compile_artifact(tiny_bert_dir, root / layout, buckets, layout=layout, precision="bf16",
+                         generic_shapes=["3x20"])
+    return root
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
+    import torch
+
+    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+
+    model = load_artifact(bf16_artifacts / layout)
+    manifest = model.manifest
+    assert manifest.linear_precision == "bf16" and manifest.precision.requested == "bf16"
+    assert manifest.precision.kernel == bf16.DESCRIPTION and manifest.precision.linears == 2 * 4
+    measured = manifest.precision.candidates[0]
+    assert measured.precision == "bf16" and measured.cosine_min >= GATES["bf16"].cosine_min
+    assert manifest.tolerance == 0.05  # checked per output row, relative to its norm
+    wrapper = load_wrapper(inspect_checkpoint(tiny_bert_dir, "embed"), "embed")
+    for batch, seq in ((1, 8), (3, 16), (5, 20)):  # buckets, and the generic library
+        inputs = example_inputs(batch, seq, manifest.model.vocab_size, seed=batch)
+        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
+        with torch.no_grad():
+            expected = wrapper(*inputs).numpy()
+        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+        assert cosine.min() >= 0.999, cosine
+
+
+def test_bf16_weights_ship_at_half_the_bytes(bf16_artifacts, tiny_embed_artifact):
+    from safetensors.numpy import load_file
+
+    def linear_bytes(directory):
+        manifest = json.loads((directory / "manifest.json").read_text())
+        weights = load_file(str(directory / next(iter(manifest["weights"].values()))["file"]))
+        return {w.dtype: w.nbytes for w in weights.values() if w.ndim >= 3}  # the packed linear panels
+
+    bf16_panels, fp32_panels = linear_bytes(bf16_artifacts / "padded"), linear_bytes(tiny_embed_artifact)
+    assert set(bf16_panels) == {np.dtype(np.uint16)} and set(fp32_panels) == {np.dtype(np.float32)}
+    assert bf16_panels[np.dtype(np.uint16)] * 2 == fp32_panels[np.dtype(np.float32)]
+
+
+def test_loader_refuses_a_bf16_artifact_on_a_cpu_without_avx512_bf16(bf16_artifacts, monkeypatch):
+    flags = {linux_flag(feature) for feature in FEATURES} - {"avx512_bf16"}
+    monkeypatch.setattr(cpu_features, "host_flags", lambda *args: flags)
+    with pytest.raises(ArtifactError, match="needs CPU features avx512bf16 this CPU lacks"):
+        load_artifact(bf16_artifacts / "packed")
+
+
+def test_bf16_for_a_cpu_without_avx512_bf16_is_one_line_and_exit_2(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "compile", "--precision", "bf16", "--mcpu", "x86-64-v3",
+                             "--buckets", "1x8", "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("bert-compile: error: --precision bf16 needs a CPU with AVX512_BF16; mcpu "
+                                     "x86-64-v3 has none (use fp32, int8 or auto)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_auto_considers_what_the_target_runs():
+    assert precision.available(make_target("cpu", mcpu="x86-64-v3")) == ["fp32", "int8"]
+    assert precision.available(make_target("cpu", mcpu=BF16_CPU)) == ["fp32", "bf16", "int8"]
+    assert precision.available(make_target("cpu", mcpu="x86-64")) == ["fp32"]  # SSE2 only: no int8 kernel
+
+
+def _candidate(name, ms, cosine_min, cosine_mean=None):
+    return Measured(name, {"cosine_min": cosine_min, "cosine_mean": cosine_mean or cosine_min},
+                    {"1x16": ms, "8x128": 10 * ms})
+
+
+def test_auto_ships_the_fastest_candidate_that_keeps_its_gate():
+    fp32, bf = _candidate("fp32", 2.0, 1.0), _candidate("bf16", 1.2, 0.99995)
+    int8 = _candidate("int8", 0.8, 0.981, 0.996)  # fastest, but a one-word input drifts
+    chosen, reason = choose([fp32, bf, int8])
+    assert chosen is bf
+    assert reason == ("bf16: the fastest that keeps its gate; slower: fp32 1.67x; failed the gate: int8 "
+                      "(cosine_min 0.98100 < 0.99; cosine_mean 0.99600 < 0.997)")
+    assert choose([fp32, bf, _candidate("int8", 0.8, 0.995, 0.998)])[0].precision == "int8"
+
+
+def test_auto_never_ships_a_candidate_under_its_gate_whatever_its_speed():
+    fp32 = _candidate("fp32", 50.0, 1.0)
+    chosen, _ = choose([fp32, _candidate("bf16", 0.001, 0.998), _candidate("int8", 0.001, 0.5)])
+    assert chosen is fp32
+    classifier = Measured("bf16", {"top1_agreement": 0.9, "max_probability_diff": 0.002}, {"1x16": 0.1})
+    assert choose([fp32, classifier])[0] is fp32  # a label changed on 1 in 10 sentences
+
+
+def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, tmp_path):
+    from conftest import compile_artifact
+
+    manifest, _ = compile_artifact(tiny_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
+                                   precision="auto", generic_shapes=["3x20"])
+    entry = manifest.precision
+    assert entry.requested == "auto"
+    assert [c.precision for c in entry.candidates] == precision.available(HOST)
+    measured = [Measured(c.precision, {k: v for k, v in c.model_dump().items() if k in
+                                       ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")},
+                         c.times_ms) for c in entry.candidates]
+    assert all(set(c.times_ms) == {"1x16", "1x64", "8x64"} for c in entry.candidates)  # clipped to max_seq 64
+    chosen, reason = choose(measured)
+    assert entry.precision == manifest.linear_precision == chosen.precision and entry.reason == reason
+    assert load_artifact(tmp_path / "auto").manifest.precision == entry

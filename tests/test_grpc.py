@@ -183,3 +183,46 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
 def _count(metrics: str, labels: str) -> float:
     found = re.search(r"^bert_serve_requests_total\{" + re.escape(labels) + r"\} (\S+)$", metrics, re.M)
     return float(found.group(1)) if found else 0.0
+
+
+def test_a_cancelled_calls_queued_input_never_runs(tiny_embed_artifact):
+    """A gRPC call waiting behind a blocked batch is cancelled by its client: its (poisoned) input
+    leaves the queue before it runs, counted in bert_serve_dropped_inputs_total, as an HTTP
+    request whose client went away."""
+    from tokenizers import Tokenizer
+
+    from loadtest.faults import FaultyBackend
+    from loadtest.servers import metric_value, running_app, wait_until
+    from service.app import create_app
+    from service.backends import load_backend
+    from service.settings import Settings
+
+    poison = Tokenizer.from_file(str(tiny_embed_artifact / "tokenizer" / "tokenizer.json")).token_to_id("poison")
+    backends: list[FaultyBackend] = []
+
+    def loader(directory, kind, threads):
+        backends.append(FaultyBackend(load_backend(directory, kind, threads), block_calls=[1], poison_id=poison))
+        return backends[-1]
+
+    port = free_port()
+    settings = Settings(artifacts=[tiny_embed_artifact], grpc_port=port, workers=1, threads_per_worker=1,
+                        wide_worker=False, max_wait_ms=0)
+    with running_app(create_app(settings, loader=loader)) as url, \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        wait_until(lambda: httpx.get(f"{url}/ready").status_code == 200, what="/ready 200")
+        embed = pb_grpc.EmbedStub(channel)
+        blocker = embed.Embed.future(pb.EmbedRequest(inputs="holds the only worker"))
+        assert backends[0].blocked.wait(60)
+        cancelled = embed.Embed.future(pb.EmbedRequest(inputs="poison"))
+        wait_until(lambda: metric_value(url, "bert_serve_admitted_inputs", model="tiny-embed") == 2,
+                   what="the second call admitted")
+        cancelled.cancel()
+        wait_until(lambda: metric_value(url, "bert_serve_admitted_inputs", model="tiny-embed") == 1,
+                   what="the cancelled call released")
+        backends[0].release.set()
+        assert len(blocker.result(timeout=60).embeddings) == 32
+        wait_until(lambda: metric_value(url, "bert_serve_dropped_inputs_total", model="tiny-embed") == 1,
+                   what="the cancelled call's input dropped (from the queue, or the batch held behind the worker)")
+        assert len(embed.Embed(pb.EmbedRequest(inputs="a caller that waits"), timeout=60).embeddings) == 32
+        assert backends[0].calls == 2  # the blocked call and the waiting caller's: the cancelled input never ran
+        assert metric_value(url, "bert_serve_batch_failures_total", model="tiny-embed") == 0

@@ -220,26 +220,27 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     return _json(vectors, _headers(service, computed, started))
 
 
+async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Response:
+    """One answer per input from the model serving `task` (embed_all or embed_sparse)."""
+    started = time.perf_counter()
+    service = _runtime(request).model(task, body.model)
+    texts = _texts(body.inputs)
+    service.check_batch_size(len(texts))
+    answer = service.embed_all if task == "embed_all" else service.embed_sparse
+    answers, computed = await answer(texts, _truncate(request, body.truncate), body.prompt_name)
+    return _json(answers, _headers(service, computed, started))
+
+
 @post("/embed_all")
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
     """TEI's /embed_all: per input, every token's final hidden state (a `--pooling none` model)."""
-    started = time.perf_counter()
-    service = _runtime(request).model("embed_all", body.model)
-    texts = _texts(body.inputs)
-    service.check_batch_size(len(texts))
-    states, computed = await service.embed_all(texts, _truncate(request, body.truncate), body.prompt_name)
-    return _json(states, _headers(service, computed, started))
+    return await _per_input(body, request, "embed_all")
 
 
 @post("/embed_sparse")
 async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
     """TEI's /embed_sparse: per input, the non-zero SPLADE weights as `{"index", "value"}` pairs."""
-    started = time.perf_counter()
-    service = _runtime(request).model("embed_sparse", body.model)
-    texts = _texts(body.inputs)
-    service.check_batch_size(len(texts))
-    pairs, computed = await service.embed_sparse(texts, _truncate(request, body.truncate), body.prompt_name)
-    return _json(pairs, _headers(service, computed, started))
+    return await _per_input(body, request, "embed_sparse")
 
 
 @post("/predict", "/classify")

@@ -48,9 +48,10 @@ SERVICES = ("Info", "Embed", "Predict", "Rerank", "Tokenize")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES)
 
 
-def _recorded(handler):
+def _recorded(handler, streams: bool = False):
     """Count the RPC in the HTTP request metrics (endpoint: the gRPC method) and turn a
-    ServiceError into its status code; a unary handler returns its answer, a streaming one yields."""
+    ServiceError into its status code; a unary handler returns its answer, a streaming one
+    (`streams`) yields."""
     endpoint = f"grpc {handler.__name__}"
 
     async def record(servicer: "TeiServicer", started: float, code: grpc.StatusCode) -> None:
@@ -63,7 +64,7 @@ def _recorded(handler):
         log.exception("gRPC %s failed", handler.__name__, exc_info=exc)
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
-    if getattr(handler, "streams", False):
+    if streams:
         @functools.wraps(handler)
         async def streaming(self, requests, context):
             started, code = time.perf_counter(), grpc.StatusCode.OK
@@ -96,9 +97,18 @@ def _recorded(handler):
     return unary
 
 
-def _streaming(handler):
-    handler.streams = True
-    return handler
+def _rpc(name: str, answer: str, streams: bool = False):
+    """The tei.v1 method `name`: its one message answered by the servicer's `answer` method, or
+    (`streams`) each message of a stream, concurrently and in order."""
+    if streams:
+        async def method(self, requests, context):
+            async for reply in _in_order(requests, getattr(self, answer)):
+                yield reply
+    else:
+        async def method(self, request, context):
+            return await getattr(self, answer)(request)
+    method.__name__ = method.__qualname__ = name
+    return _recorded(method, streams)
 
 
 async def _in_order(requests, answer):
@@ -234,28 +244,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         service = self.runtime.model(None)
         return pb.DecodeResponse(text=service.tokenizer.decode([list(request.ids)], request.skip_special_tokens)[0])
 
-    @_recorded
-    async def Embed(self, request, context):
-        return await self._embed(request)
-
-    @_recorded
-    async def EmbedSparse(self, request, context):
-        return await self._embed_sparse(request)
-
-    @_recorded
-    async def EmbedAll(self, request, context):
-        return await self._embed_all(request)
-
-    @_recorded
-    async def Predict(self, request, context):
-        return await self._predict(request)
-
-    @_recorded
-    async def PredictPair(self, request, context):
-        return await self._predict(request)
-
-    @_recorded
-    async def Rerank(self, request, context):
+    async def _rerank_request(self, request) -> pb.RerankResponse:
         return await self._rerank(request.query, list(request.texts), request.truncate, request.raw_scores,
                                   request.return_text)
 
@@ -271,55 +260,21 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         return await self._rerank(first.query, [pair.text for pair in pairs], first.truncate, first.raw_scores,
                                   first.return_text)
 
-    @_recorded
-    async def Tokenize(self, request, context):
-        return await self._tokenize(request)
-
-    @_recorded
-    async def Decode(self, request, context):
-        return await self._decode(request)
-
-    @_recorded
-    @_streaming
-    async def EmbedStream(self, requests, context):
-        async for answer in _in_order(requests, self._embed):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def EmbedSparseStream(self, requests, context):
-        async for answer in _in_order(requests, self._embed_sparse):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def EmbedAllStream(self, requests, context):
-        async for answer in _in_order(requests, self._embed_all):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def PredictStream(self, requests, context):
-        async for answer in _in_order(requests, self._predict):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def PredictPairStream(self, requests, context):
-        async for answer in _in_order(requests, self._predict):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def TokenizeStream(self, requests, context):
-        async for answer in _in_order(requests, self._tokenize):
-            yield answer
-
-    @_recorded
-    @_streaming
-    async def DecodeStream(self, requests, context):
-        async for answer in _in_order(requests, self._decode):
-            yield answer
+    Embed = _rpc("Embed", "_embed")
+    EmbedStream = _rpc("EmbedStream", "_embed", streams=True)
+    EmbedSparse = _rpc("EmbedSparse", "_embed_sparse")
+    EmbedSparseStream = _rpc("EmbedSparseStream", "_embed_sparse", streams=True)
+    EmbedAll = _rpc("EmbedAll", "_embed_all")
+    EmbedAllStream = _rpc("EmbedAllStream", "_embed_all", streams=True)
+    Predict = _rpc("Predict", "_predict")
+    PredictStream = _rpc("PredictStream", "_predict", streams=True)
+    PredictPair = _rpc("PredictPair", "_predict")
+    PredictPairStream = _rpc("PredictPairStream", "_predict", streams=True)
+    Rerank = _rpc("Rerank", "_rerank_request")
+    Tokenize = _rpc("Tokenize", "_tokenize")
+    TokenizeStream = _rpc("TokenizeStream", "_tokenize", streams=True)
+    Decode = _rpc("Decode", "_decode")
+    DecodeStream = _rpc("DecodeStream", "_decode", streams=True)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -193,7 +193,7 @@ class BertWrapper(torch.nn.Module):
             return hidden[:, 0]
         token_mask = mask.unsqueeze(-1)
         if self.pooling == "max":
-            return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).max(dim=1).values
+            return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).amax(dim=1)  # see `splade`
         return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
 

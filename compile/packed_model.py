@@ -55,7 +55,7 @@ class PackedBertWrapper(torch.nn.Module):
         padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)
         token_mask = mask.unsqueeze(-1)
         if self.pooling == "max":
-            return (padded + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).max(dim=1).values
+            return (padded + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).amax(dim=1)
         return (padded * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
     @staticmethod

@@ -155,6 +155,9 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
     refused = status_of(embed.Embed, pb.EmbedRequest(inputs="hello"), metadata=(("authorization", "Bearer wrong"),))
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
     assert status_of(embed.Embed, pb.EmbedRequest(inputs=""), metadata=AUTH).code() == grpc.StatusCode.INVALID_ARGUMENT
+    left = status_of(embed.Embed, pb.EmbedRequest(inputs="hello", truncation_direction=pb.TRUNCATION_DIRECTION_LEFT),
+                     metadata=AUTH)
+    assert left.code() == grpc.StatusCode.INVALID_ARGUMENT and "LEFT" in left.details()
     sparse = status_of(embed.EmbedSparse, pb.EmbedSparseRequest(inputs="hello"), metadata=AUTH)
     assert sparse.code() == grpc.StatusCode.INVALID_ARGUMENT and "sparse" in sparse.details()
     too_long = status_of(embed.Embed, pb.EmbedRequest(inputs="word " * 200), metadata=AUTH)
@@ -177,7 +180,7 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
     metrics = http.get("/metrics").text
     assert _count(metrics, 'endpoint="grpc Embed",status="OK"') >= 1
     assert _count(metrics, 'endpoint="grpc Embed",status="UNAUTHENTICATED"') == 2
-    assert _count(metrics, 'endpoint="grpc Embed",status="INVALID_ARGUMENT"') >= 2
+    assert _count(metrics, 'endpoint="grpc Embed",status="INVALID_ARGUMENT"') >= 3
 
 
 def _count(metrics: str, labels: str) -> float:

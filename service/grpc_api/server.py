@@ -166,8 +166,11 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     def __init__(self, runtime: Runtime, settings: Settings, metrics: Metrics):
         self.runtime, self.settings, self.metrics = runtime, settings, metrics
 
-    def _truncate(self, asked: bool) -> bool:
-        return asked or self.settings.auto_truncate  # proto3 cannot tell false from unset
+    def _truncate(self, request) -> bool:
+        """Whether to truncate `request`'s over-long inputs (at their end: the one direction served)."""
+        if request.truncation_direction != pb.TRUNCATION_DIRECTION_RIGHT:
+            raise InvalidInput("truncation_direction LEFT is not supported: inputs are truncated at their end")
+        return request.truncate or self.settings.auto_truncate  # proto3 cannot tell false from unset
 
     @_recorded
     async def Info(self, request, context):
@@ -186,13 +189,13 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         started = time.perf_counter()
         service = self.runtime.model("embed")
         vectors, computed = await service.embed([_text(request.inputs)], request.normalize,
-                                                self._truncate(request.truncate), prompt_name=_prompt(request))
+                                                self._truncate(request), prompt_name=_prompt(request))
         return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started))
 
     async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
         started = time.perf_counter()
         service = self.runtime.model("embed_sparse")
-        pairs, computed = await service.embed_sparse([_text(request.inputs)], self._truncate(request.truncate),
+        pairs, computed = await service.embed_sparse([_text(request.inputs)], self._truncate(request),
                                                      _prompt(request))
         return pb.EmbedSparseResponse(sparse_embeddings=[pb.SparseValue(**pair) for pair in pairs[0]],
                                       metadata=_metadata(computed, started))
@@ -200,7 +203,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _embed_all(self, request) -> pb.EmbedAllResponse:
         started = time.perf_counter()
         service = self.runtime.model("embed_all")
-        states, computed = await service.embed_all([_text(request.inputs)], self._truncate(request.truncate),
+        states, computed = await service.embed_all([_text(request.inputs)], self._truncate(request),
                                                    _prompt(request))
         return pb.EmbedAllResponse(token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in states[0]],
                                    metadata=_metadata(computed, started))
@@ -216,18 +219,18 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
             text = _text(request.inputs)
         service = self.runtime.model("classify")
         predictions, computed = await service.classify([text], "none" if request.raw_scores else "auto",
-                                                       self._truncate(request.truncate))
+                                                       self._truncate(request))
         return pb.PredictResponse(predictions=[pb.Prediction(**prediction) for prediction in predictions[0]],
                                   metadata=_metadata(computed, started))
 
-    async def _rerank(self, query: str, texts: list[str], truncate: bool, raw_scores: bool,
-                      return_text: bool) -> pb.RerankResponse:
+    async def _rerank(self, query: str, texts: list[str], options) -> pb.RerankResponse:
+        """Rank `texts` against `query` as `options` (a RerankRequest, or a stream's first message) say."""
         started = time.perf_counter()
         service = self.runtime.model("rerank")
         service.check_batch_size(len(texts))
         scores, computed = await service.rerank(_text(query, "query"), [_text(text, "texts") for text in texts],
-                                                raw_scores, self._truncate(truncate))
-        ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if return_text else {}))
+                                                options.raw_scores, self._truncate(options))
+        ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if options.return_text else {}))
                  for i in np.argsort(-scores, kind="stable")]
         return pb.RerankResponse(ranks=ranks, metadata=_metadata(computed, started))
 
@@ -245,8 +248,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         return pb.DecodeResponse(text=service.tokenizer.decode([list(request.ids)], request.skip_special_tokens)[0])
 
     async def _rerank_request(self, request) -> pb.RerankResponse:
-        return await self._rerank(request.query, list(request.texts), request.truncate, request.raw_scores,
-                                  request.return_text)
+        return await self._rerank(request.query, list(request.texts), request)
 
     @_recorded
     async def RerankStream(self, requests, context):
@@ -257,8 +259,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         first = pairs[0]
         if any(pair.query != first.query for pair in pairs):
             raise InvalidInput("every message of a RerankStream must carry the same query")
-        return await self._rerank(first.query, [pair.text for pair in pairs], first.truncate, first.raw_scores,
-                                  first.return_text)
+        return await self._rerank(first.query, [pair.text for pair in pairs], first)
 
     Embed = _rpc("Embed", "_embed")
     EmbedStream = _rpc("EmbedStream", "_embed", streams=True)

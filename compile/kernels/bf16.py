@@ -35,6 +35,7 @@ STORAGE = "uint16"  # bf16 bit patterns
 TO_BF16 = "to_bf16"
 MATMUL = "bf16_matmul"
 PANEL_VIEW = "bf16_panel_view"
+ROW_VIEW = "bf16_row_view"
 TILE_SYMBOL = "bert_bf16_tile_8x32"
 REQUIRED_FEATURES = ("avx512f", "avx512bf16")
 DESCRIPTION = "avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights), fp32 accumulation"
@@ -128,13 +129,20 @@ def to_bf16_te(x: te.Tensor) -> te.Tensor:
 
 
 def bf16_matmul_te(xb: te.Tensor, panels: te.Tensor) -> te.Tensor:
-    """y[M, N] = xb @ W^T in fp32, W given as panels Wp[j // 32, k // 2, j % 32, k % 2] (bf16 bits)."""
+    """y[M, N] = xb @ W^T in fp32, W given as panels Wp[j // 32, k // 2, j % 32, k % 2] (bf16 bits).
+
+    Both operands are first widened to fp32 by (inlinable) views, so the matmul block itself is a
+    plain `C += A * B`: TVM's pattern analysis then calls the kernel out-elementwise-fusable, and
+    FuseOps fuses the bias / GELU / residual epilogue (and the next linear's rounding) into it, as
+    it does the fp32 kernel's. The schedule inlines the views before tensorizing.
+    """
     count, pairs, width, pair = (int(d) for d in panels.shape)
+    rows = te.compute(xb.shape, lambda m, kk: _widen(xb[m, kk]), name=ROW_VIEW)
     weight = te.compute((_i64(count * width), _i64(pairs * pair)),
-                        lambda j, kk: panels[j // width, kk // pair, j % width, kk % pair], name=PANEL_VIEW)
+                        lambda j, kk: _widen(panels[j // width, kk // pair, j % width, kk % pair]), name=PANEL_VIEW)
     k = te.reduce_axis((0, _i64(pairs * pair)), name="k")
-    return te.compute((xb.shape[0], weight.shape[0]),
-                      lambda m, j: te.sum(_widen(xb[m, k]) * _widen(weight[j, k]), axis=k), name=MATMUL)
+    return te.compute((xb.shape[0], weight.shape[0]), lambda m, j: te.sum(rows[m, k] * weight[j, k], axis=k),
+                      name=MATMUL)
 
 
 def te_kernels() -> dict[str, tuple]:
@@ -198,11 +206,17 @@ def tile_intrinsic(k_size: int) -> str:
 
 
 def _bf16_matmul_block(sch: s_tir.Schedule):
-    """The block accumulating bf16 activations x bf16 weights in fp32, or None."""
+    """The block accumulating bf16 activations x bf16 weights in fp32 (its rows' widening view
+    inlined), or None."""
+    rows = [b for b in sch.get_child_blocks(sch.get_sblock("root")) if sch.get(b).name_hint.startswith(ROW_VIEW)]
+    if len(rows) != 1:
+        return None
+    sch.compute_inline(rows[0])  # the panel view after `pad_einsum`, which needs plain indices
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
         if (len(stmt.reads) == 2 and len(stmt.writes) == 1 and stmt.writes[0].source.dtype == "float32"
-                and all(r.source.dtype == STORAGE for r in stmt.reads) and len(stmt.iter_vars) == 3):
+                and stmt.reads[0].source.dtype == STORAGE and stmt.reads[1].source.name.startswith(PANEL_VIEW)
+                and len(stmt.iter_vars) == 3):
             return block
     return None
 

@@ -11,6 +11,7 @@ input leaves the batcher's queue like an HTTP request whose client went away.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import logging
@@ -48,52 +49,43 @@ SERVICES = ("Info", "Embed", "Predict", "Rerank", "Tokenize")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES)
 
 
-def _recorded(handler, streams: bool = False):
-    """Count the RPC in the HTTP request metrics (endpoint: the gRPC method) and turn a
-    ServiceError into its status code; a unary handler returns its answer, a streaming one
-    (`streams`) yields."""
-    endpoint = f"grpc {handler.__name__}"
-
-    async def record(servicer: "TeiServicer", started: float, code: grpc.StatusCode) -> None:
-        servicer.metrics.requests.labels(endpoint, code.name).inc()
-        servicer.metrics.request_seconds.labels(endpoint, code.name).observe(time.perf_counter() - started)
-
-    def status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+@contextlib.asynccontextmanager
+async def _answering(metrics: Metrics, method: str, context):
+    """Around one call: count it in the HTTP request metrics (endpoint `grpc METHOD`, status its
+    code) and turn a failure into its status code (a ServiceError's by TEI's mapping)."""
+    started, code = time.perf_counter(), grpc.StatusCode.OK
+    try:
+        yield
+    except asyncio.CancelledError:  # the client cancelled: the task (and its queued inputs) go
+        code = grpc.StatusCode.CANCELLED
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
         if isinstance(exc, ServiceError):
-            return STATUS_OF_ERROR_TYPE.get(exc.error_type, grpc.StatusCode.INTERNAL), exc.message
-        log.exception("gRPC %s failed", handler.__name__, exc_info=exc)
-        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+            code, message = STATUS_OF_ERROR_TYPE.get(exc.error_type, grpc.StatusCode.INTERNAL), exc.message
+        else:
+            log.exception("gRPC %s failed", method)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+        await context.abort(code, message)
+    finally:
+        metrics.requests.labels(f"grpc {method}", code.name).inc()
+        metrics.request_seconds.labels(f"grpc {method}", code.name).observe(time.perf_counter() - started)
 
+
+def _recorded(handler, streams: bool = False):
+    """`handler` answering within `_answering`: a unary one returns its answer, a streaming one
+    (`streams`) yields them."""
     if streams:
         @functools.wraps(handler)
         async def streaming(self, requests, context):
-            started, code = time.perf_counter(), grpc.StatusCode.OK
-            try:
+            async with _answering(self.metrics, handler.__name__, context):
                 async for answer in handler(self, requests, context):
                     yield answer
-            except asyncio.CancelledError:
-                code = grpc.StatusCode.CANCELLED
-                raise
-            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-                code, message = status(exc)
-                await context.abort(code, message)
-            finally:
-                await record(self, started, code)
         return streaming
 
     @functools.wraps(handler)
     async def unary(self, request, context):
-        started, code = time.perf_counter(), grpc.StatusCode.OK
-        try:
+        async with _answering(self.metrics, handler.__name__, context):
             return await handler(self, request, context)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            code, message = status(exc)
-            await context.abort(code, message)
-        finally:
-            await record(self, started, code)
     return unary
 
 

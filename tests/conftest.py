@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,26 +13,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from compile.checkpoint import TOKENIZER_FILES  # noqa: E402
 from compile.config import CompileConfig, default_model_dir  # noqa: E402
 
 TINY_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
 
+TINY_SIZES = {"vocab_size": 30522,  # the MiniLM tokenizer's vocabulary, copied next to the weights
+              "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+              "max_position_embeddings": 64}
+
+
 def _tiny_config(**extra):
     from transformers import BertConfig
 
-    sizes = {"vocab_size": 30522,  # the MiniLM tokenizer's vocabulary, copied next to the weights
-             "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
-             "max_position_embeddings": 64}
-    return BertConfig(**{**sizes, **extra})
+    return BertConfig(**{**TINY_SIZES, **extra})
 
 
 def _copy_tokenizer(destination: Path) -> None:
-    source = default_model_dir()
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():  # MiniLM's WordPiece files; the list also names other families'
-            shutil.copy2(source / name, destination / name)
+    from loadtest.random_checkpoint import copy_tokenizer
+
+    copy_tokenizer(destination)
 
 
 @pytest.fixture(scope="session")
@@ -55,24 +53,9 @@ def minilm_imported(minilm_dir):
 def save_tiny_sentence_transformer(directory: Path, seed: int, prompts: dict[str, str] | None = None,
                                    config: dict | None = None) -> Path:
     """A 2-layer BertModel with sentence-transformers mean pooling metadata (and prompts, if given)."""
-    import torch
-    from transformers import BertModel
+    from loadtest.random_checkpoint import save_sentence_transformer
 
-    torch.manual_seed(seed)
-    bert_config = _tiny_config(**(config or {}))
-    BertModel(bert_config, add_pooling_layer=False).save_pretrained(directory)
-    _copy_tokenizer(directory)
-    (directory / "modules.json").write_text(
-        json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
-    )
-    (directory / "1_Pooling").mkdir()
-    (directory / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": bert_config.hidden_size, "pooling_mode_mean_tokens": True}))
-    if prompts is not None:
-        (directory / "config_sentence_transformers.json").write_text(
-            json.dumps({"prompts": prompts, "default_prompt_name": None}))
-    return directory
+    return save_sentence_transformer(directory, seed, {**TINY_SIZES, **(config or {})}, prompts)
 
 
 @pytest.fixture(scope="session")

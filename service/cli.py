@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn  # heavy imports (tvm, torch) only once the settings are sane
 
     from .app import create_app
+    from .grpc_api.server import GrpcPortTaken, check_grpc_port
     from .runtime import ArtifactSetError
 
     DrainingServer = _draining_server_class()
@@ -145,8 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     try:
+        if settings.grpc_port is not None:
+            check_grpc_port(settings.host, settings.grpc_port)
         app = create_app(settings, on_fatal=stop_on_load_failure)
-    except (ArtifactError, ArtifactSetError, TopologyError) as exc:
+    except (ArtifactError, ArtifactSetError, TopologyError, GrpcPortTaken) as exc:
         print(f"bert-serve: error: {exc}", file=sys.stderr)
         return 2
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,

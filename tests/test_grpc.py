@@ -229,3 +229,19 @@ def test_a_cancelled_calls_queued_input_never_runs(tiny_embed_artifact):
         assert len(embed.Embed(pb.EmbedRequest(inputs="a caller that waits"), timeout=60).embeddings) == 32
         assert backends[0].calls == 2  # the blocked call and the waiting caller's: the cancelled input never ran
         assert metric_value(url, "bert_serve_batch_failures_total", model="tiny-embed") == 0
+
+
+def test_a_taken_grpc_port_is_refused_in_one_line(tiny_embed_artifact):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(tiny_embed_artifact),
+                                 "--port", "0", "--grpc-port", str(port)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"bert-serve: error: cannot listen for gRPC on 127.0.0.1:{port}: "
+                                                  "Address already in use"]

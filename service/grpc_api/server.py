@@ -15,6 +15,7 @@ import contextlib
 import functools
 import hmac
 import logging
+import socket
 import time
 from importlib import metadata as package_metadata
 
@@ -300,6 +301,22 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class GrpcPortTaken(ValueError):
+    """--grpc-port cannot be listened on (taken, or not this machine's address)."""
+
+
+def check_grpc_port(host: str, port: int) -> None:
+    """Refuse a gRPC port that cannot be bound before the server starts, so that a taken port
+    exits 2 with one line like any bad flag (gRPC itself binds later, on the server's event loop)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise GrpcPortTaken(f"cannot listen for gRPC on {host}:{port}: {exc.strerror}") from None
 
 
 async def start_grpc(settings: Settings, runtime: Runtime, metrics: Metrics) -> grpc.aio.Server:

@@ -172,6 +172,7 @@ class BertWrapper(torch.nn.Module):
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
         self.mlm_head = self.family.mlm_head(model) if pooling in SPLADE_POOLINGS else None  # -> vocabulary logits
+        self.vocab_size = int(model.config.vocab_size)  # the MLM head's logits are padded past it
 
     @staticmethod
     def additive_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ class BertWrapper(torch.nn.Module):
         if self.pooling == "none":
             return hidden
         if self.mlm_head is not None:
-            return splade(self.mlm_head(hidden), mask, self.pooling)
+            return splade(self.mlm_head(hidden), mask, self.pooling, self.vocab_size)
         if self.pooling == "cls":
             return hidden[:, 0]
         token_mask = mask.unsqueeze(-1)
@@ -197,12 +198,14 @@ class BertWrapper(torch.nn.Module):
         return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
 
-def splade(logits: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
-    """SpladePooling's: log(1 + relu(logits)) of the real tokens ([batch, seq, vocab], padding
-    zeroed), max or (splade-sum) summed over them: [batch, vocab]. `amax`, not `max(dim).values`:
-    the latter imports as a top-k, which TVM's runtime library (what the server loads) lacks."""
+def splade(logits: torch.Tensor, mask: torch.Tensor, pooling: str, vocab_size: int) -> torch.Tensor:
+    """SpladePooling's: log(1 + relu(logits)) of the real tokens ([batch, seq, padded vocabulary],
+    padding zeroed), max or (splade-sum) summed over them, cut to the vocabulary: [batch, vocab].
+    `amax`, not `max(dim).values`: the latter imports as a top-k, which TVM's runtime library
+    (what the server loads) lacks."""
     weights = torch.log1p(torch.relu(logits * mask.unsqueeze(-1)))
-    return weights.sum(dim=1) if pooling == "splade-sum" else weights.amax(dim=1)
+    pooled = weights.sum(dim=1) if pooling == "splade-sum" else weights.amax(dim=1)
+    return pooled[:, :vocab_size]
 
 
 def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attention: str = "eager") -> BertWrapper:

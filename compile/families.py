@@ -31,6 +31,26 @@ class LayerParts:
     feed_forward: Callable[[torch.Tensor], torch.Tensor]  # attended -> layer output
 
 
+# A multiple of every CPU matmul tile width (AVX2 24, AVX-512 32, compile/kernels/dense.py): an MLM
+# head whose vocabulary is padded to it has its weight packed once, at compile time, where an
+# unpadded one (BERT's 30522 words) would be padded and copied on every call.
+VOCAB_MULTIPLE = 96
+
+
+def pad_vocabulary(decoder: torch.nn.Linear) -> None:
+    """Give an MLM head's decoder zero rows (weight and bias) up to a multiple of VOCAB_MULTIPLE,
+    as weights of its own (untied from the embedding table, which the export would otherwise share).
+    Their logits are 0, so their SPLADE weights are 0; `splade` cuts them off."""
+    vocab, hidden = decoder.weight.shape
+    padded = -(-vocab // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    weight = decoder.weight.detach().new_zeros(padded, hidden)
+    weight[:vocab] = decoder.weight.detach()
+    bias = decoder.weight.detach().new_zeros(padded)
+    if decoder.bias is not None:
+        bias[:vocab] = decoder.bias.detach()
+    decoder.weight, decoder.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+
+
 class FirstToken(torch.nn.Module):
     """[batch, seq, hidden] -> [batch, hidden] of token 0, for heads that do not select it themselves."""
 
@@ -62,8 +82,7 @@ class Family:
             return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation=attention)
         if task == "sparse":
             model = AutoModelForMaskedLM.from_pretrained(path, attn_implementation=attention)
-            decoder = model.get_output_embeddings()  # untied from the embedding table: exported as its own weight
-            decoder.weight = torch.nn.Parameter(decoder.weight.detach().clone())
+            pad_vocabulary(model.get_output_embeddings())
             return model
         return AutoModel.from_pretrained(path, attn_implementation=attention, **self.base_model_options)
 

@@ -31,6 +31,7 @@ class PackedBertWrapper(torch.nn.Module):
         self.bert = padded.bert
         self.classifier = padded.classifier
         self.mlm_head = padded.mlm_head
+        self.vocab_size = padded.vocab_size
         self.layers = padded.family.layers(padded.bert)
 
     def forward(self, input_ids, token_type_ids, position_ids, gather, attention_mask, scatter):
@@ -51,7 +52,8 @@ class PackedBertWrapper(torch.nn.Module):
             return torch.index_select(hidden, 0, gather[:, 0])
         if self.mlm_head is not None:  # the vocabulary-wide head on the real tokens only
             logits = self.mlm_head(hidden)
-            return splade(torch.index_select(logits, 0, rows).reshape(batch, seq, -1), mask, self.pooling)
+            return splade(torch.index_select(logits, 0, rows).reshape(batch, seq, -1), mask, self.pooling,
+                          self.vocab_size)
         padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)
         token_mask = mask.unsqueeze(-1)
         if self.pooling == "max":

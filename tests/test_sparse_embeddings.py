@@ -119,3 +119,19 @@ def test_compile_refuses_what_is_not_splade(tiny_bert_dir, tmp_path):
         CompileConfig(task="sparse", pooling="mean")
     assert CompileConfig(pooling="splade").task == "sparse"
     assert not (tmp_path / "out").exists()
+
+
+def test_the_mlm_heads_weight_is_packed_at_compile_time(checkpoints):
+    """The vocabulary is padded to a multiple of every CPU tile width, so the packing pass takes the
+    head's weight like any other linear's (BERT's 30522 words alone divide none: the kernel would
+    pad and copy the whole weight on every call)."""
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.importer import export_and_import
+    from compile.passes.packing import linears_on_weights, pack_linear_weights
+
+    info = inspect_checkpoint(checkpoints["bare"], "embed", "splade")
+    imported = export_and_import(load_wrapper(info, "embed"), 4, info.max_seq, info.config["vocab_size"], "packed")
+    linears = linears_on_weights(imported.mod["main"])
+    assert sorted(int(weight.ty.shape[0]) for weight in linears.values())[-1] == 30528  # 30522 padded to 96s
+    for lanes in (8, 16):  # AVX2, AVX-512
+        assert pack_linear_weights(imported.mod, lanes)[1] == len(linears)

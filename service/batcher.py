@@ -41,6 +41,7 @@ from .admission import Entry, InputQueue
 from .backends import Backend
 from .errors import BackendFailure, GatewayTimeout, Overloaded, ServiceError, Unavailable
 from .lanes import Lane, Lanes
+from .memory import process_memory
 from .metrics import Metrics
 from .planning import (
     BatchLimits,
@@ -105,6 +106,7 @@ class Batcher:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for future in done:
             future.result()  # the first failure, if any, without waiting for the rest
+        process_memory.settle()  # warm-up's buffers go back; the idle size is the memory baseline
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._supervise(), name=f"batcher-{self.name}")
@@ -327,7 +329,9 @@ class Batcher:
             attention_mask[row, :length] = 1
             token_type_ids[row, :length] = entry.encoded.type_ids
         result = self.backend.run(input_ids, attention_mask, token_type_ids, bucket)
-        return started, time.perf_counter(), result
+        finished = time.perf_counter()
+        process_memory.after_batch()  # past its limit, cached buffers go back before the next batch
+        return started, finished, result
 
     def _gauge(self) -> None:
         self.metrics.queue_depth.labels(self.name).set(len(self.queue))

@@ -27,6 +27,7 @@ from .batcher import Batcher
 from .errors import ModelNotFound, NotSupported, Unavailable
 from .inference import ModelService
 from .lanes import Lanes
+from .memory import resident_bytes
 from .metrics import Metrics
 from .planning import BatchLimits
 from .settings import Settings
@@ -327,14 +328,3 @@ def tei_model_type(manifest: Manifest) -> dict:
 def weights_bytes(directory: Path, manifest: Manifest) -> int:
     """Bytes of the weight files an artifact loads (every weight set its libraries use)."""
     return sum((directory / entry.file).stat().st_size for entry in manifest.weights.values())
-
-
-def resident_bytes() -> int | None:
-    """This process's resident memory (Linux /proc), or None where it cannot be read."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

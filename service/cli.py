@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from artifact.errors import ArtifactError
 
+from . import memory
 from .settings import ENV_PREFIX, Settings
 
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--queue-ahead", action=argparse.BooleanOptionalAction, default=None,
         help="a busy worker holds the next batch and starts it as soon as it is done (default on)")
     add("--request-timeout", type=float, help="seconds a request may wait for its answer; beyond: 504 (default 60)")
-    add("--max-batch-tokens", type=int, help="padded tokens per batch, bucket batch x seq (default 16384)")
+    add("--max-batch-tokens", type=int, help="padded tokens per batch, bucket batch x seq (default 4096)")
     add("--max-batch-requests", type=int, help="inputs per batch (default: bucket bounds)")
     add("--max-wait-ms", type=float, help="most a batch waits for company, when arrivals are expected that soon (default 2)")
     add("--sort-window", type=int, help="batches' worth of queued inputs sorted by length (default 4)")
@@ -111,6 +112,7 @@ def torch_installed() -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    memory.configure_allocator()  # before any thread exists (glibc fixes its arena count on the first)
     args = parse_args(argv)
     try:
         settings = Settings.load(vars(args))

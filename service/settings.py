@@ -36,7 +36,11 @@ class Settings(BaseModel):
     wide_worker: bool | None = Field(None, description="run a lone batch on every core when idle (tvm; default on)")
     queue_ahead: bool = Field(True, description="a busy worker holds the next batch and starts it as soon as it is done")
     request_timeout: float = Field(60.0, gt=0, description="seconds a request may wait for its answer; beyond: 504")
-    max_batch_tokens: int = Field(16384, ge=1, description="padded tokens (bucket batch x seq) per batch")
+    # 4096, not TEI's 16384: a worker's activations grow with its batch's tokens (~5 KB a token on
+    # MiniLM), and two 16384-token batches in flight took RSS past 1.5x its idle size
+    # (docs/soak/README.md). On CPU the bigger batch gains nothing: past ~1 ms of fixed cost a packed
+    # batch costs the same per token, and the default padded grid's largest bucket holds 4096.
+    max_batch_tokens: int = Field(4096, ge=1, description="padded tokens (bucket batch x seq) per batch")
     max_batch_requests: int | None = Field(None, ge=1, description="inputs per batch; default: bucket bounds")
     max_wait_ms: float = Field(2.0, ge=0, description="how long the oldest queued input waits for company")
     sort_window: int = Field(4, ge=1, description="batches' worth of queued inputs sorted by length together")

@@ -24,7 +24,7 @@ import numpy as np
 from grpc_reflection.v1alpha import reflection
 
 from ..errors import InvalidInput, ServiceError, Unauthorized
-from ..inference import Computed, ModelService
+from ..inference import Computed
 from ..metrics import Metrics
 from ..runtime import Runtime, model_kind
 from ..settings import Settings

@@ -52,6 +52,9 @@ def parse_args(argv):
 
 def serve(args) -> int:
     """The real app and uvicorn, with a fault-injecting backend."""
+    from service import memory
+
+    memory.configure_allocator()  # as bert-serve does, before any thread
     import uvicorn
 
     from service import logs

@@ -125,6 +125,6 @@ def test_fp32_candidates_are_held_to_the_tolerance_and_reduced_precisions_to_the
     assert disagreements(precisions, diffs, {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.9995,
                                              "openvino_int8": 0.97}, 1e-3) == []
     wrong = disagreements(precisions, {**diffs, "tvm_bucket": 2e-3},
-                          {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.98, "openvino_int8": 0.9}, 1e-3)
+                          {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.98, "openvino_int8": 0.85}, 1e-3)
     assert wrong == ["tvm_bucket (max abs diff 0.002)", "tvm_bucket[bf16] (bf16 cosine 0.9800 < 0.99)",
-                     "openvino_int8 (int8 cosine 0.9000 < 0.95)"]
+                     "openvino_int8 (int8 cosine 0.8500 < 0.9)"]

@@ -305,7 +305,9 @@ class LibraryBuilder:
                   "bf16": lambda: bf16.DESCRIPTION}.get(name, lambda: None)()
         entry = chosen or PrecisionEntry(precision=name, requested=name)
         entry = entry.model_copy(update={"kernel": kernel, "linears": linears})
-        accuracy = self.agreement(generic.library, generic.strategy, info) if self.validate and kernel else {}
+        token_outputs = self.config.model_task == "embed" and self.config.pooling == "none"  # no sentence vector
+        measured_here = self.validate and kernel is not None and not token_outputs
+        accuracy = self.agreement(generic.library, generic.strategy, info) if measured_here else {}
         if entry.requested != "auto" and accuracy:
             measured = Measured(name, accuracy, {})
             entry = entry.model_copy(update={"candidates": [PrecisionCandidate(

@@ -213,3 +213,14 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, 
     chosen, reason = choose(measured)
     assert entry.precision == manifest.linear_precision == chosen.precision and entry.reason == reason
     assert load_artifact(tmp_path / "auto").manifest.precision == entry
+
+
+def test_a_cross_encoders_one_logit_is_compared_by_its_sigmoid():
+    from compile.passes.quantize import classifier_agreement
+
+    reference = np.array([[2.0], [-1.0], [0.3]])
+    # a softmax over one label is always 1: without the sigmoid any drift would look exact
+    drifted = classifier_agreement(np.array([[2.0], [-1.0], [-0.3]]), reference)
+    assert drifted["top1_agreement"] == pytest.approx(2 / 3)
+    assert drifted["max_probability_diff"] == pytest.approx(1 / (1 + np.exp(-0.3)) - 1 / (1 + np.exp(0.3)))
+    assert classifier_agreement(reference, reference) == {"top1_agreement": 1.0, "max_probability_diff": 0.0}

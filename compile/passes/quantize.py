@@ -80,10 +80,16 @@ def embedding_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:
 
 
 def classifier_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:
-    """How often the top label is the fp32 model's, and the largest softmax probability difference."""
-    def softmax(logits):
+    """How often the top label is the fp32 model's, and the largest probability difference: over a
+    softmax of the labels, or for one logit (a cross-encoder) its sigmoid, the top label then
+    being which side of 0.5 the score falls."""
+    def probabilities(logits):
+        if logits.shape[1] == 1:
+            positive = 1 / (1 + np.exp(-logits))
+            return np.concatenate([1 - positive, positive], axis=1)
         shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
         return shifted / shifted.sum(axis=1, keepdims=True)
 
-    return {"top1_agreement": float(np.mean(quantized.argmax(axis=1) == reference.argmax(axis=1))),
-            "max_probability_diff": float(np.abs(softmax(quantized) - softmax(reference)).max())}
+    ours, theirs = probabilities(quantized), probabilities(reference)
+    return {"top1_agreement": float(np.mean(ours.argmax(axis=1) == theirs.argmax(axis=1))),
+            "max_probability_diff": float(np.abs(ours - theirs).max())}

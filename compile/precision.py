@@ -57,6 +57,11 @@ def refusal(precision: str, target: tvm.target.Target) -> str | None:
     mcpu = (target.host or target).attrs.get("mcpu", "?")
     if precision == "bf16" and not bf16.supported(target):
         return f"--precision bf16 needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use fp32, int8 or auto)"
+    if precision == "bf16":
+        try:
+            bf16.tile_object()  # the micro-kernel every bf16 library links
+        except RuntimeError as exc:
+            return f"--precision bf16: {exc}"
     if precision == "int8" and int8.kernel_for(target) is None:
         return f"--precision int8 needs a CPU with AVX2; mcpu {mcpu} has none"
     return None

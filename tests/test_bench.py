@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
+from artifact.cpu_features import host_flags
 from artifact.hashing import file_sha256
 from loadtest import kernel_profile, strategy_table
-from artifact.cpu_features import host_flags
 from loadtest.bench import bert_flops, disagreements, main
 
 

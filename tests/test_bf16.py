@@ -224,3 +224,14 @@ def test_a_cross_encoders_one_logit_is_compared_by_its_sigmoid():
     assert drifted["top1_agreement"] == pytest.approx(2 / 3)
     assert drifted["max_probability_diff"] == pytest.approx(1 / (1 + np.exp(-0.3)) - 1 / (1 + np.exp(0.3)))
     assert classifier_agreement(reference, reference) == {"top1_agreement": 1.0, "max_probability_diff": 0.0}
+
+
+def test_a_c_compiler_without_avx512_bf16_refuses_bf16_and_auto_does_without_it(monkeypatch):
+    def cannot_build():
+        raise RuntimeError("the C compiler (cc) cannot build the bf16 micro-kernel: unknown option -mavx512bf16")
+
+    monkeypatch.setattr(bf16, "tile_object", cannot_build)
+    target = make_target("cpu", mcpu=BF16_CPU)
+    assert precision.refusal("bf16", target) == ("--precision bf16: the C compiler (cc) cannot build the bf16 "
+                                                 "micro-kernel: unknown option -mavx512bf16")
+    assert precision.available(target) == ["fp32", "int8"]

@@ -136,7 +136,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     TRANSFORMERS_OFFLINE=1 \
     BERT_SERVE_ARTIFACTS=/opt/bert/artifacts \
     BERT_SERVE_HOST=0.0.0.0 \
-    BERT_SERVE_PORT=8080
+    BERT_SERVE_PORT=8080 \
+    BERT_SERVE_GRPC_PORT=50051
 COPY --from=serve-env /opt/venv /opt/venv
 COPY --from=build /opt/bert/artifacts /opt/bert/artifacts
 
@@ -154,7 +155,7 @@ ENV CUDA_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
 # hadolint ignore=DL3006
 FROM runtime-${TARGET} AS runtime
 USER 10001:10001
-EXPOSE 8080
+EXPOSE 8080 50051
 # /health is "alive"; readiness (/ready, 503 until warmed up) is for the orchestrator.
 # Python's urllib instead of curl: nothing extra in the image. Non-2xx or no answer -> exit 1.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \

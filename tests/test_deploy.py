@@ -187,12 +187,13 @@ def test_runtime_stage_runs_as_non_root():
 
 
 def test_runtime_stage_exposes_and_starts_the_server():
-    container_port = _container(_deployments()[0])["ports"][0]["containerPort"]
+    container = _container(_deployments()[0])
+    container_port, grpc_port = _http_port(container)["containerPort"], _grpc_port(container)["containerPort"]
     for chain in _final_chains().values():
-        exposed = [args.split()[0].split("/")[0] for instruction, args in chain if instruction == "EXPOSE"]
-        assert str(container_port) in exposed
+        exposed = [port.split("/")[0] for instruction, args in chain if instruction == "EXPOSE" for port in args.split()]
+        assert str(container_port) in exposed and str(grpc_port) in exposed
         env = " ".join(args for instruction, args in chain if instruction == "ENV")
-        assert f"BERT_SERVE_PORT={container_port}" in env
+        assert f"BERT_SERVE_PORT={container_port}" in env and f"BERT_SERVE_GRPC_PORT={grpc_port}" in env
         command = [args for instruction, args in chain if instruction in ("CMD", "ENTRYPOINT")][-1]
         assert "bert-serve" in command
         assert not any(instruction == "RUN" and "apt-get" in args for instruction, args in chain), (
@@ -263,7 +264,7 @@ def test_probes_point_at_ready_and_health_on_the_container_port(variant):
     (deployment,) = [d for d in _deployments()
                      if (d["metadata"]["labels"].get("app.kubernetes.io/variant") == "gpu") == (variant == "gpu")]
     container = _container(deployment)
-    (port,) = container["ports"]
+    port = _http_port(container)
     on_port = (port["containerPort"], port.get("name"))
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
@@ -282,7 +283,7 @@ def test_service_hpa_and_configmap_fit_the_deployments():
     config = docs["ConfigMap"]["data"]
     for deployment in _deployments():
         container = _container(deployment)
-        (port,) = container["ports"]
+        port, grpc = _http_port(container), _grpc_port(container)
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
         assert docs["Service"]["spec"]["selector"].items() <= labels.items()
@@ -290,6 +291,20 @@ def test_service_hpa_and_configmap_fit_the_deployments():
         assert docs["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
         assert [e["configMapRef"]["name"] for e in container["envFrom"]] == [docs["ConfigMap"]["metadata"]["name"]]
         assert config["BERT_SERVE_PORT"] == str(port["containerPort"])
+        # gRPC (tei.v1) beside HTTP: the same port in the ConfigMap, the container and the Service
+        assert config["BERT_SERVE_GRPC_PORT"] == str(grpc["containerPort"])
+        service_ports = {p["name"]: p for p in docs["Service"]["spec"]["ports"]}
+        assert service_ports["grpc"]["targetPort"] in (grpc["containerPort"], grpc["name"])
+
+
+def _http_port(container: dict) -> dict:
+    (port,) = [p for p in container["ports"] if p["name"] == "http"]
+    return port
+
+
+def _grpc_port(container: dict) -> dict:
+    (port,) = [p for p in container["ports"] if p["name"] == "grpc"]
+    return port
 
 
 def _image_env(chain: list[tuple[str, str]]) -> dict[str, str]:

@@ -230,7 +230,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _tokenize(self, request) -> pb.EncodeResponse:
         service = self.runtime.model(None)
         text = service.prompts.apply([_text(request.inputs)], _prompt(request))[0]
-        tokens = service.tokenizer.tokens([text], request.add_special_tokens)[0]
+        tokens = (await service.tokens([text], request.add_special_tokens))[0]
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**{k: v for k, v in token.items() if v is not None})
                                          for token in tokens])
 
@@ -238,7 +238,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         if not request.ids:
             raise InvalidInput("`ids` cannot be empty")
         service = self.runtime.model(None)
-        return pb.DecodeResponse(text=service.tokenizer.decode([list(request.ids)], request.skip_special_tokens)[0])
+        return pb.DecodeResponse(text=(await service.decode([list(request.ids)], request.skip_special_tokens))[0])
 
     async def _rerank_request(self, request) -> pb.RerankResponse:
         return await self._rerank(request.query, list(request.texts), request)

@@ -72,6 +72,17 @@ def post_in_thread(url: str, body: dict, results: list) -> threading.Thread:
     return thread
 
 
+def abandon(url: str, inputs: list[str]) -> None:
+    """POST `inputs` to /embed and disconnect after 0.5 s, before they are answered."""
+
+    async def impatient():
+        async with httpx.AsyncClient(base_url=url) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/embed", json={"inputs": inputs}, timeout=0.5)
+
+    asyncio.run(impatient())
+
+
 def break_the_planner_once(monkeypatch) -> None:
     """The batch planner raises on its first call only: the batching loop dies once."""
     real_plan = service.batcher.plan_batches
@@ -259,13 +270,7 @@ def test_admission_returns_to_zero_when_clients_give_up(faulty):
         first: list = []
         blocker = post_in_thread(url, {"inputs": "blocks"}, first)
         assert backend.blocked.wait(60)
-
-        async def impatient():
-            async with httpx.AsyncClient(base_url=url) as client:
-                with pytest.raises(httpx.ReadTimeout):
-                    await client.post("/embed", json={"inputs": ["x", "y"]}, timeout=0.5)
-
-        asyncio.run(impatient())
+        abandon(url, ["x", "y"])
         backend.release.set()
         blocker.join(60)
         wait_until(lambda: admitted(url) == 0, what="admission back to zero")
@@ -352,13 +357,7 @@ def test_a_disconnected_clients_queued_inputs_never_run(faulty, tiny_embed_artif
         first: list = []
         blocker = post_in_thread(url, {"inputs": "holds the only worker"}, first)
         assert backend.blocked.wait(60)
-
-        async def impatient():
-            async with httpx.AsyncClient(base_url=url) as client:
-                with pytest.raises(httpx.ReadTimeout):
-                    await client.post("/embed", json={"inputs": ["poison", "poison again"]}, timeout=0.5)
-
-        asyncio.run(impatient())
+        abandon(url, ["poison", "poison again"])
         wait_until(lambda: admitted(url) == 1 and queued(url) == 0, what="the abandoned request dropped")
         backend.release.set()
         blocker.join(60)

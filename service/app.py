@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.staticfiles import StaticFiles
-from swagger_ui_bundle import swagger_ui_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from swagger_ui_bundle import swagger_ui_path
 
 from .backends import load_backend
 from .errors import ServiceError, TooLarge, Unauthorized

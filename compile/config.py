@@ -183,6 +183,11 @@ class CompileConfig(BaseModel):
         return self
 
     @property
+    def token_outputs(self) -> bool:
+        """Whether the libraries return every token's final hidden state (no sentence vector)."""
+        return self.task == "embed" and self.pooling == "none"
+
+    @property
     def model_task(self) -> str:
         """What the compiled function computes: a reranker is a classifier with one logit (the
         manifest says classify, and the service serves /rerank from any one-label classifier, as TEI does);

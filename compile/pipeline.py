@@ -44,7 +44,7 @@ from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect
 from .config import CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
-from .kernels import bf16, int8
+from .kernels import int8
 from .kernels.common import vector_lanes
 from .opcount import tracked_counts
 from .passes import quantize
@@ -254,19 +254,19 @@ class LibraryBuilder:
             record.latency_ms = self._latencies(record, candidates.workloads)
         return record
 
-    def _runner(self, library: str, strategy: str) -> LibraryRunner:
+    def runner(self, library: str, strategy: str) -> LibraryRunner:
         return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
 
     def _time_strategies(self, libraries: dict[str, str], workload: Workload) -> dict[str, float] | None:
         if len(libraries) == 1:
             return None
-        inputs = self._inputs(workload)
-        runners = {s: self._runner(library, s) for s, library in libraries.items()}
+        inputs = self.inputs(workload)
+        runners = {s: self.runner(library, s) for s, library in libraries.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
                                     repeats=self.config.strategy_repeats)
         return {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
 
-    def _inputs(self, workload: Workload) -> tuple[np.ndarray, ...]:
+    def inputs(self, workload: Workload) -> tuple[np.ndarray, ...]:
         rows = example_inputs(workload.batch, workload.width, self.vocab_size, seed=self.config.seed)
         return library_inputs(self.layout, tuple(x.numpy() for x in rows), workload.seq, workload.tokens)
 
@@ -275,9 +275,9 @@ class LibraryBuilder:
         measured = {}
         if record.strategy_ms is not None:
             measured[workloads[0]] = record.strategy_ms[record.strategy]
-        runner = self._runner(record.library, record.strategy)
+        runner = self.runner(record.library, record.strategy)
         todo = {str(index): w for index, w in enumerate(workloads) if w not in measured}
-        calls = {key: (lambda x=self._inputs(w): runner(*x)) for key, w in todo.items()}
+        calls = {key: (lambda x=self.inputs(w): runner(*x)) for key, w in todo.items()}
         if calls:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
@@ -286,7 +286,7 @@ class LibraryBuilder:
         """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
         embedding, or a classifier's top-1 agreement and largest probability difference."""
         rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
-        runner = self._runner(library, strategy)
+        runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
         actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
@@ -301,20 +301,17 @@ class LibraryBuilder:
         """What the linear layers compute in and how close the generic library stays to the fp32
         model; under `min_cosine` the compile fails (what a precision costs is unknown when not run)."""
         name = self.config.precision
-        kernel = {"int8": lambda: int8.kernel_for(self.target).description,
-                  "bf16": lambda: bf16.DESCRIPTION}.get(name, lambda: None)()
-        entry = chosen or PrecisionEntry(precision=name, requested=name)
-        entry = entry.model_copy(update={"kernel": kernel, "linears": linears})
-        token_outputs = self.config.model_task == "embed" and self.config.pooling == "none"  # no sentence vector
-        measured_here = self.validate and kernel is not None and not token_outputs
+        kernel = precision.kernel_description(name, self.target)
+        entry = (chosen or PrecisionEntry(precision=name, requested=name)).model_copy(
+            update={"kernel": kernel, "linears": linears})
+        measured_here = self.validate and kernel is not None and not self.config.token_outputs
         accuracy = self.agreement(generic.library, generic.strategy, info) if measured_here else {}
         if entry.requested != "auto" and accuracy:
-            measured = Measured(name, accuracy, {})
+            failures = precision.gate_failures(name, accuracy)
             entry = entry.model_copy(update={"candidates": [PrecisionCandidate(
-                precision=name, gate_failures=measured.failures, **accuracy)]})
-            if measured.failures:
-                log.warning("%s misses its accuracy gate on the shipped sentences: %s", name,
-                            "; ".join(measured.failures))
+                precision=name, gate_failures=failures, **accuracy)]})
+            if failures:
+                log.warning("%s misses its accuracy gate on the shipped sentences: %s", name, "; ".join(failures))
         cosine_min = accuracy.get("cosine_min")
         if self.config.min_cosine is not None and cosine_min is not None and cosine_min < self.config.min_cosine:
             raise ValidationError(f"{name} embeddings reach cosine {cosine_min:.6f} to the fp32 model's on "
@@ -328,7 +325,7 @@ class LibraryBuilder:
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:
             return None
-        return checked_diff(record.name, self._runner(record.library, record.strategy), self.wrapper, shape,
+        return checked_diff(record.name, self.runner(record.library, record.strategy), self.wrapper, shape,
                             self.vocab_size, seed, self.config.effective_tolerance, self.layout,
                             relative=self.config.precision != "fp32")
 
@@ -385,7 +382,7 @@ def load_model(config: CompileConfig, info: CheckpointInfo) -> tuple[torch.nn.Mo
 def transform(config: CompileConfig, plan: Plan, imported, strategies: list[str],
               sparsity: dict | None) -> tuple[dict[str, LiftedModel], dict[str, StrategyPasses], int]:
     """Per strategy: the graph passes, the linears in the configured precision, weights lifted.
-    Returns the variants, their pass records and how many linears left fp32."""
+    Returns the variants, their pass records and how many linears the precision pass rewrote."""
     target = plan.target
     variants, passes, rewritten = {}, {}, 0
     for strategy in strategies:
@@ -429,10 +426,14 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
     and keep the fastest that passes its gate (compile/precision.py). Where the libraries cannot
     run here, nothing can be measured and fp32 ships."""
     candidates = precision.available(plan.target)
-    if not (plan.can_run and config.validate_artifacts) or len(candidates) == 1 or config.model_task == "embed" and (
-            config.pooling == "none"):
-        why = "fp32: the only precision this target runs" if len(candidates) == 1 else \
-            "fp32: the candidates could not be measured here (not validated, or the libraries cannot run here)"
+    why = None
+    if len(candidates) == 1:
+        why = "fp32: the only precision this target runs"
+    elif config.token_outputs:
+        why = "fp32: token outputs have no sentence vector to measure a precision by"
+    elif not (plan.can_run and config.validate_artifacts):
+        why = "fp32: the candidates cannot be measured here (not validated, or the libraries cannot run here)"
+    if why is not None:
         return config.model_copy(update={"precision": "fp32"}), PrecisionEntry(precision="fp32", requested="auto",
                                                                                reason=why)
     vocab_size = int(plan.info.config["vocab_size"])
@@ -450,9 +451,9 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
         built = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False)
         library = built.libraries[strategy]
         measured.append(Measured(name, builder.agreement(library, strategy, plan.info), {}))
-        runner = builder._runner(library, strategy)
+        runner = builder.runner(library, strategy)
         for w in workloads:
-            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=builder._inputs(w): r(*x))
+            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=builder.inputs(w): r(*x))
     for shape in dict.fromkeys(key[1] for key in calls):  # interleaved per shape: same machine state for each
         same_shape = {name: call for (name, s), call in calls.items() if s == shape}
         stats = interleaved_medians(same_shape, repeats=config.strategy_repeats)

@@ -74,6 +74,19 @@ def available(target: tvm.target.Target) -> list[str]:
     return [p for p in PRECISIONS if refusal(p, target) is None]
 
 
+def gate_failures(precision: str, accuracy: dict) -> list[str]:
+    """What `accuracy` misses of `precision`'s gate (fp32, the reference's own arithmetic, has none)."""
+    gate = GATES.get(precision)
+    return gate.failures(accuracy) if gate is not None else []
+
+
+def kernel_description(precision: str, target: tvm.target.Target) -> str | None:
+    """The micro-kernel `precision`'s linears run on for `target`, as the manifest names it (None: fp32)."""
+    if precision == "int8":
+        return int8.kernel_for(target).description
+    return bf16.DESCRIPTION if precision == "bf16" else None
+
+
 @dataclass
 class Measured:
     """One candidate precision: its agreement with fp32 and its time per call at each timed shape."""
@@ -84,8 +97,7 @@ class Measured:
 
     @property
     def failures(self) -> list[str]:
-        gate = GATES.get(self.precision)
-        return gate.failures(self.accuracy) if gate is not None else []
+        return gate_failures(self.precision, self.accuracy)
 
     @property
     def score_ms(self) -> float:

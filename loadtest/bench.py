@@ -185,8 +185,6 @@ class Candidates:
 
     def calls(self, inputs: list[np.ndarray], tensors: list) -> dict[str, Callable[[], object]]:
         """Each candidate's call on one batch; every one returns its output on the host."""
-        import torch  # noqa: F401  (the wrappers' calls)
-
         from compile.checkpoint import INPUT_NAMES
 
         ids, mask = inputs[0], inputs[1]

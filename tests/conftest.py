@@ -14,6 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from compile.config import CompileConfig, default_model_dir  # noqa: E402
+from loadtest.random_checkpoint import copy_tokenizer as _copy_tokenizer  # noqa: E402,F401  (tests import it)
 
 TINY_LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 
@@ -29,10 +30,6 @@ def _tiny_config(**extra):
     return BertConfig(**{**TINY_SIZES, **extra})
 
 
-def _copy_tokenizer(destination: Path) -> None:
-    from loadtest.random_checkpoint import copy_tokenizer
-
-    copy_tokenizer(destination)
 
 
 @pytest.fixture(scope="session")

@@ -160,12 +160,18 @@ def _i64(value: int) -> tirx.IntImm:
 def tile_intrinsic(k_size: int) -> str:
     """The tensor intrinsic of one 8 x 32 tile over a K of `k_size` (registered on first use)."""
     name = f"{TILE_SYMBOL}_k{k_size}"
-    if TensorIntrin.get(name, allow_missing=True) is not None:
-        return name
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        TensorIntrin.register(name, _tile(k_size, computed=True), _tile(k_size, computed=False))
+    return name
+
+
+def _tile(k_size: int, computed: bool) -> tirx.PrimFunc:
+    """The tile's description (`computed`: the loop nest tensorize matches) or its implementation
+    (the micro-kernel's call): one signature, so the two cannot drift apart."""
     pairs = k_size // PAIR
 
     @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle) -> None:
+    def tile(a: T.handle, b: T.handle, c: T.handle) -> None:
         lda = T.int64()
         ldc = T.int64()
         A = T.match_buffer(a, (T.int64(ROWS), T.int64(k_size)), STORAGE, offset_factor=1, strides=[lda, 1])
@@ -174,32 +180,21 @@ def tile_intrinsic(k_size: int) -> str:
         with T.sblock("root"):
             T.reads(C[0:ROWS, 0:PANEL], A[0:ROWS, 0:k_size], B[0:pairs, 0:PANEL, 0:PAIR])
             T.writes(C[0:ROWS, 0:PANEL])
-            for ko, i, j, ki in T.grid(T.int64(pairs), T.int64(ROWS), T.int64(PANEL), T.int64(PAIR)):
-                with T.sblock("update"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    vk = T.axis.reduce(T.int64(k_size), ko * T.int64(PAIR) + ki)
-                    C[vi, vj] = C[vi, vj] + (
-                        T.reinterpret("float32", T.shift_left(T.Cast("uint32", A[vi, vk]), T.uint32(16)))
-                        * T.reinterpret("float32", T.shift_left(T.Cast("uint32", B[vk // T.int64(PAIR), vj,
-                                                                                     vk % T.int64(PAIR)]),
-                                                                T.uint32(16))))
+            if computed:
+                for ko, i, j, ki in T.grid(T.int64(pairs), T.int64(ROWS), T.int64(PANEL), T.int64(PAIR)):
+                    with T.sblock("update"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        vk = T.axis.reduce(T.int64(k_size), ko * T.int64(PAIR) + ki)
+                        C[vi, vj] = C[vi, vj] + (
+                            T.reinterpret("float32", T.shift_left(T.Cast("uint32", A[vi, vk]), T.uint32(16)))
+                            * T.reinterpret("float32", T.shift_left(
+                                T.Cast("uint32", B[vk // T.int64(PAIR), vj, vk % T.int64(PAIR)]), T.uint32(16))))
+            else:
+                T.evaluate(T.call_extern("int32", TILE_SYMBOL, C.access_ptr("rw"), T.Cast("int64", ldc),
+                                         A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
+                                         T.int64(pairs)))
 
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle) -> None:
-        lda = T.int64()
-        ldc = T.int64()
-        A = T.match_buffer(a, (T.int64(ROWS), T.int64(k_size)), STORAGE, offset_factor=1, strides=[lda, 1])
-        B = T.match_buffer(b, (T.int64(pairs), T.int64(PANEL), T.int64(PAIR)), STORAGE, offset_factor=1)
-        C = T.match_buffer(c, (T.int64(ROWS), T.int64(PANEL)), "float32", offset_factor=1, strides=[ldc, 1])
-        with T.sblock("root"):
-            T.reads(C[0:ROWS, 0:PANEL], A[0:ROWS, 0:k_size], B[0:pairs, 0:PANEL, 0:PAIR])
-            T.writes(C[0:ROWS, 0:PANEL])
-            T.evaluate(T.call_extern("int32", TILE_SYMBOL, C.access_ptr("rw"), T.Cast("int64", ldc),
-                                     A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
-                                     T.int64(pairs)))
-
-    TensorIntrin.register(name, desc, impl)
-    return name
+    return tile
 
 
 # ----------------------------------------------------------------------------- schedule

@@ -41,7 +41,7 @@ from artifact.manifest import (
 from . import precision
 from .build import build_library, check_mcpu, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
-from .config import CompileConfig
+from .config import RELATIVE_TOLERANCES, CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
 from .kernels import int8
@@ -327,7 +327,7 @@ class LibraryBuilder:
             return None
         return checked_diff(record.name, self.runner(record.library, record.strategy), self.wrapper, shape,
                             self.vocab_size, seed, self.config.effective_tolerance, self.layout,
-                            relative=self.config.precision != "fp32")
+                            relative=self.config.precision in RELATIVE_TOLERANCES)
 
 
 @dataclass

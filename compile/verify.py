@@ -16,6 +16,7 @@ from pathlib import Path
 
 from artifact.errors import ArtifactError
 
+from .config import RELATIVE_TOLERANCES
 from .errors import CompileError, ValidationError
 
 
@@ -49,7 +50,7 @@ def verify(directory: Path, seed: int = 0, record: bool = False) -> dict[str, di
     torch_device = "cuda" if manifest.target.kind == "cuda" and torch.cuda.is_available() else "cpu"
     wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(torch_device)
     vocab, tolerance = manifest.model.vocab_size, manifest.tolerance
-    relative = manifest.linear_precision in ("bf16", "int8")  # held to a row-relative error
+    relative = manifest.linear_precision in RELATIVE_TOLERANCES  # held to a row-relative error
     diffs: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for index, entry in enumerate(manifest.buckets):

@@ -122,6 +122,25 @@ class PassesEntry(_Strict):
     strategies: dict[str, StrategyPasses]
 
 
+class LinearSensitivity(_Strict):
+    """A unit of linears (Q, K and V read one input: one unit) and the simulated agreement with
+    the fp32 model when it alone stays out of int8 (compile/int8_plan.py)."""
+
+    unit: str
+    cosine_min: float | None = None
+    cosine_mean: float | None = None
+    top1_agreement: float | None = None
+    max_probability_diff: float | None = None
+
+
+class KeptLinear(_Strict):
+    """A unit of linears int8 leaves in a higher precision, and why."""
+
+    unit: str
+    precision: Literal["bf16", "fp32"]
+    reason: str
+
+
 class QuantizationEntry(_Strict):
     """How an int8 artifact was quantized, and how close it stays to the fp32 model on the shipped
     sentences (compile/sentences.py): cosine for embeddings, top-1 agreement for a classifier."""
@@ -132,8 +151,13 @@ class QuantizationEntry(_Strict):
     sentences: int
     cosine_min: float | None = None
     cosine_mean: float | None = None
+    worst_sentence: str | None = None  # the sentence with the least cosine
     top1_agreement: float | None = None
     max_probability_diff: float | None = None
+    smoothing_alpha: float | None = None  # SmoothQuant strength (0: none; compile/passes/smooth.py)
+    smoothed: int = 0  # linears whose input channels are rescaled
+    kept: list[KeptLinear] = []  # linears left out of int8 ("mixed int8")
+    sensitivity: list[LinearSensitivity] = []  # most sensitive first
 
 
 class PrecisionCandidate(_Strict):
@@ -143,6 +167,7 @@ class PrecisionCandidate(_Strict):
     precision: Literal["fp32", "bf16", "int8"]
     cosine_min: float | None = None
     cosine_mean: float | None = None
+    worst_sentence: str | None = None
     top1_agreement: float | None = None
     max_probability_diff: float | None = None
     times_ms: dict[str, float] = {}

@@ -44,6 +44,7 @@ from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect
 from .config import RELATIVE_TOLERANCES, CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
+from .int8_plan import Int8Plan, plan_for
 from .kernels import int8
 from .kernels.common import vector_lanes
 from .opcount import tracked_counts
@@ -54,6 +55,7 @@ from .passes.lift import LiftedModel, lift_and_transform
 from .passes.packing import pack_linear_weights
 from .passes.precision import to_precision
 from .passes.quantize import quantize_linears, sentence_rows
+from .passes.smooth import smooth_linears
 from .passes.sparsity import prune_model, sparsify
 from .passes.strategy import PASSES, STRATEGIES, apply_strategy
 from .precision import Measured
@@ -297,9 +299,11 @@ class LibraryBuilder:
         return quantize.embedding_agreement(actual, expected)
 
     def precision_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int,
-                         chosen: PrecisionEntry | None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
+                         chosen: PrecisionEntry | None,
+                         int8_plan: Int8Plan | None = None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
         """What the linear layers compute in and how close the generic library stays to the fp32
-        model; under `min_cosine` the compile fails (what a precision costs is unknown when not run)."""
+        model; under `min_cosine`, or int8 under its gate, the compile fails (what a precision
+        costs is unknown when not run)."""
         name = self.config.precision
         kernel = precision.kernel_description(name, self.target)
         entry = (chosen or PrecisionEntry(precision=name, requested=name)).model_copy(
@@ -310,6 +314,8 @@ class LibraryBuilder:
             failures = precision.gate_failures(name, accuracy)
             entry = entry.model_copy(update={"candidates": [PrecisionCandidate(
                 precision=name, gate_failures=failures, **accuracy)]})
+            if failures and name == "int8":
+                raise ValidationError(precision.gate_refusal(name, accuracy, failures))
             if failures:
                 log.warning("%s misses its accuracy gate on the shipped sentences: %s", name, "; ".join(failures))
         cosine_min = accuracy.get("cosine_min")
@@ -319,7 +325,8 @@ class LibraryBuilder:
         quantization = None
         if name == "int8":
             quantization = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel, linears=linears,
-                                             sentences=len(ACCURACY_SENTENCES), **accuracy)
+                                             sentences=len(ACCURACY_SENTENCES), **accuracy,
+                                             **(int8_plan.manifest_fields(linears) if int8_plan else {}))
         return entry, quantization
 
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
@@ -341,6 +348,7 @@ class Plan:
     cpu_features: list[str]
     can_run: bool
     strategies: list[str]
+    int8: Int8Plan | None = None  # which linears int8 smooths and keeps out (measured once the model loads)
 
 
 def plan_compile(config: CompileConfig) -> Plan:
@@ -396,9 +404,11 @@ def transform(config: CompileConfig, plan: Plan, imported, strategies: list[str]
                             kept_dense=report["kept_dense"], choice=report["choice"], choices=report["choices"])
         combined = to_precision(combined, config.dtype)
         packed, pipeline = combined, list(PASSES[strategy])
-        if config.precision == "int8":  # int8 panels; what is left (if any) stays fp32
-            packed, rewritten = quantize_linears(packed, int8.kernel_for(target))
-            pipeline.insert(-1, "QuantizeLinearsInt8")
+        if config.precision == "int8":  # int8 panels, smoothed; what the plan keeps out: bf16 or fp32
+            packed, _ = smooth_linears(packed, plan.int8.scales)
+            packed, rewritten = quantize_linears(packed, int8.kernel_for(target), frozenset(plan.int8.fallback_keys),
+                                                 keep_in_bf16=plan.int8.fallback_precision == "bf16")
+            pipeline[-1:-1] = ["SmoothLinears", "QuantizeLinearsInt8"]
         elif config.precision == "bf16":  # bf16 panels; what is left (if any) stays fp32
             packed, rewritten = linears_to_bf16(packed)
             pipeline.insert(-1, "LinearsToBF16")
@@ -501,7 +511,10 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     plan = plan_compile(config)
     info = plan.info
     progress = progress or Progress(0, quiet=True)
-    progress.set_total(5 + 2 * (len(plan.buckets) + 1) + (config.precision == "auto"))
+    plans_int8 = config.precision == "int8" or (  # auto's int8 candidate, where auto measures candidates
+        config.precision == "auto" and not config.token_outputs and plan.can_run and config.validate_artifacts
+        and "int8" in precision.available(plan.target))
+    progress.set_total(5 + 2 * (len(plan.buckets) + 1) + (config.precision == "auto") + plans_int8)
     vocab_size = int(info.config["vocab_size"])
 
     with atomic_directory(config.out) as staging:
@@ -510,6 +523,10 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size, config.layout)
         chosen_precision = None
+        if plans_int8:
+            with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
+                plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
+                                     info.max_seq, config.model_task)
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging)
@@ -523,7 +540,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                                  plan.can_run)
         records, shared_strategy = build_libraries(builder, config, plan, progress)
         with progress.step(f"{config.precision} accuracy against the fp32 model on the shipped sentences"):
-            precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision)
+            precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision,
+                                                                     plan.int8)
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()

@@ -80,6 +80,13 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
     return gate.failures(accuracy) if gate is not None else []
 
 
+def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
+    """One line: why `precision` fails its gate, naming the sentence that drifts most."""
+    worst = f" (least on {accuracy['worst_sentence']!r})" if accuracy.get("worst_sentence") else ""
+    return (f"--precision {precision} misses its accuracy gate to the fp32 model on the shipped sentences: "
+            f"{'; '.join(failures)}{worst}; use --precision auto, bf16 or fp32")
+
+
 def kernel_description(precision: str, target: tvm.target.Target) -> str | None:
     """The micro-kernel `precision`'s linears run on for `target`, as the manifest names it (None: fp32)."""
     if precision == "int8":

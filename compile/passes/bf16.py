@@ -30,17 +30,18 @@ def convertible(n: int, k: int) -> bool:
     return n % bf16.PANEL == 0 and k % bf16.PAIR == 0
 
 
+def bf16_linear(builder: relax.BlockBuilder, x: relax.Expr, w: relax.Expr, n: int, k: int) -> relax.Expr | None:
+    """One linear on bf16 panels (a `rewrite_linears` rewrite; None where it does not fit them)."""
+    if not convertible(n, k):
+        return None
+    bits = builder.emit_te(bf16.to_bf16_te, w, primfunc_name_hint=bf16.TO_BF16)
+    panels = builder.emit(relax.op.permute_dims(
+        relax.op.reshape(bits, (n // bf16.PANEL, bf16.PANEL, k // bf16.PAIR, bf16.PAIR)), [0, 2, 1, 3]))
+    rows = builder.emit_te(bf16.to_bf16_te, x, primfunc_name_hint=bf16.TO_BF16)
+    return builder.emit_te(bf16.bf16_matmul_te, rows, panels, primfunc_name_hint=bf16.MATMUL)
+
+
 def linears_to_bf16(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     """`mod` with `main`'s linears on bf16 weights, and how many were rewritten (run before
     LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
-
-    def convert(builder: relax.BlockBuilder, x: relax.Expr, w: relax.Expr, n: int, k: int) -> relax.Expr | None:
-        if not convertible(n, k):
-            return None
-        bits = builder.emit_te(bf16.to_bf16_te, w, primfunc_name_hint=bf16.TO_BF16)
-        panels = builder.emit(relax.op.permute_dims(
-            relax.op.reshape(bits, (n // bf16.PANEL, bf16.PANEL, k // bf16.PAIR, bf16.PAIR)), [0, 2, 1, 3]))
-        rows = builder.emit_te(bf16.to_bf16_te, x, primfunc_name_hint=bf16.TO_BF16)
-        return builder.emit_te(bf16.bf16_matmul_te, rows, panels, primfunc_name_hint=bf16.MATMUL)
-
-    return rewrite_linears(mod, linears_on_weights(mod["main"]), convert)
+    return rewrite_linears(mod, linears_on_weights(mod["main"]), bf16_linear)

@@ -28,19 +28,29 @@ from tvm import relax
 
 from ..kernels import int8
 from ..sentences import ACCURACY_SENTENCES
+from .bf16 import bf16_linear
 from .linears import rewrite_linears
 from .packing import linears_on_weights
+from .smooth import linear_modules
 
 SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
 
 
-def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> tuple[tvm.IRModule, int]:
-    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were rewritten (run
-    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
+def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset[str] = frozenset(),
+                     keep_in_bf16: bool = False) -> tuple[tvm.IRModule, int]:
+    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were quantized (run
+    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32).
+    A linear over a torch Linear in `keep` (its `smooth.module_key`) stays out of int8: on bf16
+    panels when `keep_in_bf16`, else fp32."""
+    linears = linears_on_weights(mod["main"])
+    kept = {linears[var] for var, keys in linear_modules(mod["main"], linears).items() if set(keys) & keep}
 
     def quantize(builder: relax.BlockBuilder, x: relax.Expr, w: relax.Expr, n: int, k: int) -> relax.Expr | None:
+        if w in kept:
+            return bf16_linear(builder, x, w, n, k) if keep_in_bf16 else None
         if not int8.quantizable(n, k, kernel):
             return None
+        quantized_count[0] += 1
         emit, op = builder.emit, relax.op
         scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
                                relax.const(int8.QMAX, "float32")))
@@ -55,7 +65,8 @@ def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> tuple[tvm.IR
         return builder.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
                                *weights, primfunc_name_hint=int8.matmul_name(kernel))
 
-    return rewrite_linears(mod, linears_on_weights(mod["main"]), quantize)
+    quantized_count = [0]
+    return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]
 
 
 def sentence_rows(tokenizer_file: Path, max_seq: int) -> tuple[np.ndarray, ...]:
@@ -72,11 +83,14 @@ def sentence_rows(tokenizer_file: Path, max_seq: int) -> tuple[np.ndarray, ...]:
     return ids, mask, np.zeros_like(ids), positions
 
 
-def embedding_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:
-    """Cosine similarity of each quantized embedding to the fp32 model's: min and mean."""
+def embedding_agreement(quantized: np.ndarray, reference: np.ndarray,
+                        sentences: list[str] = ACCURACY_SENTENCES) -> dict:
+    """Cosine similarity of each quantized embedding to the fp32 model's: min and mean, and the
+    sentence (of `sentences`, the rows' texts) with the least."""
     cosine = np.sum(quantized * reference, axis=1) / (
         np.linalg.norm(quantized, axis=1) * np.linalg.norm(reference, axis=1))
-    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean())}
+    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
+            "worst_sentence": sentences[int(cosine.argmin())]}
 
 
 def classifier_agreement(quantized: np.ndarray, reference: np.ndarray) -> dict:

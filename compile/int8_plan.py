@@ -1,0 +1,260 @@
+"""Which linears int8 quantizes, how each is smoothed, and which stay in a higher precision:
+decided by measurement on the shipped sentences, before anything is built.
+
+The measurement runs the PyTorch fp32 model with the chosen linears replaced by a simulation of
+the int8 kernels' arithmetic (weights symmetric per output channel, activations symmetric per
+token, integer products: compile/passes/quantize.py), which reproduces the built library's
+cosines to the fp32 model to about 1e-5. One forward pass over the shipped sentences takes a
+second on MiniLM, where building and running a library takes a minute, so the plan can afford:
+
+1. calibration: each linear's largest |activation| per input channel;
+2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
+3. sensitivity: for each linear, the accuracy with it alone kept in the higher precision;
+4. fallback: the most sensitive linears, one at a time, kept in bf16 (where the CPU has it) or
+   fp32 until the simulation keeps the int8 gate (compile/precision.py).
+
+Linears that read the same input (Q, K and V) form one unit: they share a smoothing vector (one
+concatenated projection needs one) and a precision.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import tvm
+
+from .kernels import int8
+from .passes.packing import linears_on_weights
+from .passes.smooth import linear_modules, module_key, smoothing_scales
+
+ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # 0: no smoothing
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Unit:
+    """Linears that read one input: named by their module paths (`module_key` spelling)."""
+
+    name: str
+    modules: list[torch.nn.Linear]
+    keys: list[str]
+    activation_max: np.ndarray | None = None
+
+    def weight_max(self) -> np.ndarray:
+        return torch.cat([m.weight.detach().abs() for m in self.modules]).amax(0).numpy()
+
+
+@dataclass
+class Sensitivity:
+    """One unit's accuracy (`agreement`'s keys) when it alone stays in the higher precision."""
+
+    unit: str
+    accuracy: dict
+
+
+@dataclass
+class Int8Plan:
+    """What the int8 passes apply: smoothing vectors per module key, the units kept out of int8."""
+
+    alpha: float
+    scales: dict[str, np.ndarray]
+    fallback: list[str]  # unit names, most sensitive first
+    fallback_keys: set[str]
+    simulated: dict  # cosine_min, cosine_mean of the plan, simulated
+    alphas: dict[float, dict] = field(default_factory=dict)  # alpha -> simulated accuracy, nothing kept
+    sensitivity: list[Sensitivity] = field(default_factory=list)
+    fallback_precision: str = "fp32"  # what the kept units run in: bf16 where the CPU has it
+
+
+    def manifest_fields(self, quantized: int) -> dict:
+        """The manifest's QuantizationEntry fields of this plan, for `quantized` int8 linears."""
+        from artifact.manifest import KeptLinear, LinearSensitivity
+
+        numbers = ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")
+        reason = "the most sensitive left while the simulated int8 missed its gate"
+        return {"smoothing_alpha": self.alpha, "smoothed": quantized if self.alpha > 0 else 0,
+                "kept": [KeptLinear(unit=unit, precision=self.fallback_precision, reason=reason)
+                         for unit in self.fallback],
+                "sensitivity": [LinearSensitivity(unit=s.unit, **{k: s.accuracy[k] for k in numbers if k in s.accuracy})
+                                for s in self.sensitivity]}
+
+
+def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The int8 kernels' arithmetic in PyTorch: optional smoothing, per-token activations,
+    per-output-channel weights, exact integer products (fp64: no fp32 rounding of large sums)."""
+    weight = module.weight
+    if scale is not None:
+        x, weight = x / scale, weight * scale
+    x_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
+    w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
+    xq = torch.round(x / x_scale).double()
+    wq = torch.round(weight / w_scale).double()
+    y = (xq @ wq.T).float() * x_scale * w_scale.T
+    return y + module.bias if module.bias is not None else y
+
+
+def score(accuracy: dict) -> tuple[float, float]:
+    """What the plan maximises: (least cosine, mean cosine), or a classifier's (top-1 agreement,
+    minus the largest probability difference)."""
+    if "cosine_min" in accuracy:
+        return accuracy["cosine_min"], accuracy["cosine_mean"]
+    return accuracy["top1_agreement"], -accuracy["max_probability_diff"]
+
+
+class Simulation:
+    """The fp32 model with chosen units int8-simulated, run on the shipped sentence rows."""
+
+    def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
+                 agreement: Callable[[np.ndarray, np.ndarray], dict]):
+        self.wrapper = wrapper
+        self.agreement = agreement
+        self.rows = tuple(torch.from_numpy(x) for x in rows)
+        names = {module: name for name, module in wrapper.named_modules()}
+        self.linears = {module_key(name): module for module, name in names.items()
+                        if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
+        self.units = self._units(names)
+        self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
+        self.reference = self.run()
+
+    @contextmanager
+    def _hooks(self, hook):
+        handles = [m.register_forward_hook(hook) for m in self.linears.values()]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _units(self, names: dict) -> list[Unit]:
+        """Group the linears by the input tensor they read in one forward pass (Q, K, V share one)."""
+        readers: dict[int, list[torch.nn.Linear]] = {}
+        alive = []  # the inputs seen, kept so that no id is reused within the pass
+
+        def record(module, inputs, output):
+            alive.append(inputs[0])
+            readers.setdefault(id(inputs[0]), []).append(module)
+
+        with torch.no_grad(), self._hooks(record):
+            self.wrapper(*(x[:1] for x in self.rows))
+        units = []
+        for modules in readers.values():
+            keys = [module_key(names[m]) for m in modules]
+            units.append(Unit(unit_name([names[m] for m in modules]), modules, keys))
+        return units
+
+    def calibrate(self) -> None:
+        """Each unit's largest |activation| per input channel over the sentences (real tokens only:
+        padding rows are not an input the model is asked about)."""
+        maxima: dict[torch.nn.Module, torch.Tensor] = {}
+        mask = self.rows[1].bool()
+
+        def record(module, inputs, output):
+            x = inputs[0].detach()
+            real = x[mask] if x.dim() == 3 and x.shape[:2] == mask.shape else x.reshape(-1, x.shape[-1])
+            found = real.abs().amax(0)
+            maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
+
+        with torch.no_grad(), self._hooks(record):
+            self.wrapper(*self.rows)
+        for unit in self.units:
+            unit.activation_max = maxima[unit.modules[0]].numpy()
+
+    def run(self) -> np.ndarray:
+        def replace(module, inputs, output):
+            if module not in self.state:
+                return None
+            return fake_quantized_linear(module, inputs[0], self.state[module])
+
+        with torch.no_grad(), self._hooks(replace):
+            return self.wrapper(*self.rows).float().numpy()
+
+    def accuracy(self, alpha: float, kept: set[str]) -> dict:
+        """`agreement` to the fp32 model with every unit not in `kept` quantized at smoothing `alpha`."""
+        self.state = {}
+        for unit in self.units:
+            if unit.name in kept:
+                continue
+            scale = torch.from_numpy(self.scales(unit, alpha)) if alpha > 0 else None
+            for module in unit.modules:
+                self.state[module] = scale
+        actual = self.run()
+        self.state = {}
+        return self.agreement(actual, self.reference)
+
+    @staticmethod
+    def scales(unit: Unit, alpha: float) -> np.ndarray:
+        return smoothing_scales(unit.activation_max, unit.weight_max(), alpha)
+
+
+def unit_name(module_names: list[str]) -> str:
+    """`encoder.layer.0.attention.self.{query,key,value}` for several linears, else the one's name."""
+    if len(module_names) == 1:
+        return module_names[0]
+    heads = {name.rsplit(".", 1)[0] for name in module_names}
+    if len(heads) != 1:
+        return "+".join(module_names)
+    return f"{heads.pop()}.{{{','.join(name.rsplit('.', 1)[1] for name in module_names)}}}"
+
+
+def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
+              agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool]) -> Int8Plan:
+    """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
+    quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is the int8 gate."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement)
+    simulation.calibrate()
+    alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
+    alpha = max(alphas, key=lambda a: score(alphas[a]))
+    log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
+    sensitivity = sorted((Sensitivity(unit.name, simulation.accuracy(alpha, {unit.name})) for unit in simulation.units),
+                         key=lambda s: score(s.accuracy), reverse=True)
+    log.info("int8 sensitivity (with the unit kept out of int8): %s",
+             ", ".join(f"{s.unit} {score(s.accuracy)[0]:.4f}" for s in sensitivity[:4]))
+    kept: list[str] = []
+    accuracy = alphas[alpha]
+    for candidate in sensitivity:
+        if passes_gate(accuracy):
+            break
+        kept.append(candidate.unit)
+        accuracy = simulation.accuracy(alpha, set(kept))
+    units = {unit.name: unit for unit in simulation.units}
+    scales = {}
+    if alpha > 0:
+        for unit in simulation.units:
+            if unit.name not in kept:
+                scales.update({key: Simulation.scales(unit, alpha) for key in unit.keys})
+    log.info("int8 plan: alpha %s, kept out of int8: %s; simulated %s", alpha, ", ".join(kept) or "none",
+             ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float)))
+    return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
+                    fallback_keys={key for name in kept for key in units[name].keys},
+                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity)
+
+
+def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
+    """The `module_key`s of the torch Linears whose Relax linear (in the imported, uncombined
+    `main`) the int8 kernel's panels fit."""
+    main = mod["main"]
+    linears = linears_on_weights(main)
+    return {key for var, keys in linear_modules(main, linears).items()
+            if int8.quantizable(*(int(d) for d in linears[var].ty.shape), kernel) for key in keys}
+
+
+def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
+             max_seq: int, task: str) -> Int8Plan:
+    """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
+    `reference` on the shipped sentences with the int8 gate (compile/precision.py); units left
+    out of int8 run bf16 where the target has it, else fp32."""
+    from . import precision
+    from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
+
+    keys = quantizable_modules(mod, int8.kernel_for(target))
+    agreement = classifier_agreement if task == "classify" else embedding_agreement
+    found = plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
+                      lambda accuracy: not precision.gate_failures("int8", accuracy))
+    found.fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
+    return found

@@ -1,0 +1,227 @@
+"""Mixed int8: SmoothQuant scaling (compile/passes/smooth.py), the measured plan of which linears
+int8 smooths and keeps out (compile/int8_plan.py), and the int8 gate of the compile.
+
+The plans are tested on tiny random BERTs with a planted defect: an outlier activation channel
+(which smoothing removes) or two huge channels that cancel in the product (which no per-channel
+scaling removes: the linear must stay out of int8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tvm
+from tvm import relax
+from tvm.script import relax as R
+
+from compile import precision
+from compile.build import make_target
+from compile.opcount import count_ops
+from compile.passes.lift import lift_and_transform
+from compile.passes.quantize import embedding_agreement, sentence_rows
+from compile.passes.smooth import linear_modules, module_key, smooth_linears, smoothing_scales
+from compile.precision import Gate
+
+TARGET = make_target("cpu", "sm_90", None)
+SENSITIVE = "bert.encoder.layer.1.output.dense"
+UNSEEN = ["maybe", "A sudden storm forced the sailors back to the harbour before dawn.",
+          "Compilers translate source code into machine instructions."]
+TINY = {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6}  # both kernels' panels fit
+
+
+@tvm.script.ir_module
+class TwoLinears:
+    """Layer norm -> linear -> GELU -> linear, weights named as torch.export names them."""
+
+    @R.function
+    def main(x: R.Tensor((6, 16), "float32"), p_ln_weight: R.Tensor((16,), "float32"),
+             p_ln_bias: R.Tensor((16,), "float32"), p_up_weight: R.Tensor((32, 16), "float32"),
+             p_up_bias: R.Tensor((32,), "float32"), p_down_weight: R.Tensor((16, 32), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            h = R.nn.layer_norm(x, p_ln_weight, p_ln_bias, axes=[-1])
+            up = R.add(R.matmul(h, R.permute_dims(p_up_weight)), p_up_bias)
+            down = R.matmul(R.nn.gelu(up), R.permute_dims(p_down_weight))
+            R.output(down)
+        return down
+
+
+def _run(mod: tvm.IRModule, args: list[np.ndarray]) -> np.ndarray:
+    target = tvm.target.Target({"kind": "llvm"})
+    built = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
+    return relax.VirtualMachine(built, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def test_smoothing_is_exact_in_fp32_and_its_weight_side_is_folded():
+    rng = np.random.default_rng(0)
+    args = [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32") for p in TwoLinears["main"].params]
+    args[0][:, 3] *= 40.0  # an outlier channel, as BERT's layer norms have
+    scales = {"up": rng.uniform(0.1, 10.0, 16).astype("float32"), "down": rng.uniform(0.1, 10.0, 32).astype("float32")}
+    smoothed, rewritten = smooth_linears(TwoLinears, scales)
+    assert rewritten == 2
+    assert count_ops(smoothed).get("relax.multiply", 0) == count_ops(TwoLinears).get("relax.multiply", 0) + 4
+    np.testing.assert_allclose(_run(smoothed, args), _run(TwoLinears, args), rtol=2e-5, atol=2e-5)
+    # W * s is weight-only: lifted out of main, only the two activation multiplies run per call
+    lifted = lift_and_transform(smoothed, [tvm.runtime.tensor(a) for a in args[1:]])
+    assert count_ops(lifted.mod)["relax.multiply"] == count_ops(TwoLinears).get("relax.multiply", 0) + 2
+
+
+def test_smoothing_leaves_linears_without_a_scale_alone():
+    smoothed, rewritten = smooth_linears(TwoLinears, {"up": np.ones(16, "float32")})
+    assert rewritten == 1
+    assert count_ops(smoothed)["relax.multiply"] == count_ops(TwoLinears).get("relax.multiply", 0) + 2
+
+
+def test_smoothing_scales_follow_smoothquant():
+    activation, weight = np.array([8.0, 1.0, 0.0]), np.array([2.0, 4.0, 1.0])
+    np.testing.assert_allclose(smoothing_scales(activation, weight, 0.5), [2.0, 0.5, 1.0])  # dead channel: 1
+    np.testing.assert_allclose(smoothing_scales(activation, weight, 0.0), [0.5, 0.25, 1.0])
+
+
+def _planted(directory: Path, defect: str) -> Path:
+    """A tiny sentence embedder whose layer-1 FFN output projection reads a planted defect:
+    `outlier`: channels 0-7 a thousand times the rest (the product unchanged);
+    `cancelling`: channels 0 and 1 equal and huge, their weight columns opposite, so that they
+    cancel and the answer lies in the small channels that per-token int8 rounds away."""
+    from conftest import save_tiny_sentence_transformer
+    from transformers import BertModel
+
+    save_tiny_sentence_transformer(directory, seed=7, config=TINY)
+    model = BertModel.from_pretrained(directory)
+    layer = model.encoder.layer[1]
+    up, down = layer.intermediate.dense, layer.output.dense
+    with torch.no_grad():
+        if defect == "outlier":
+            up.weight[:8] *= 1000.0
+            up.bias[:8] = 1000.0
+            down.weight[:, :8] /= 1000.0
+        else:
+            up.weight[1] = up.weight[0] = up.weight[0] * 1000.0
+            up.bias[1] = up.bias[0] = 1000.0
+            down.weight[:, 0] = down.weight[:, 0] * 1000.0
+            down.weight[:, 1] = -down.weight[:, 0]
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def outlier_checkpoint(tmp_path_factory) -> Path:
+    return _planted(tmp_path_factory.mktemp("outlier"), "outlier")
+
+
+@pytest.fixture(scope="module")
+def cancelling_checkpoint(tmp_path_factory) -> Path:
+    return _planted(tmp_path_factory.mktemp("cancelling"), "cancelling")
+
+
+def _plan(checkpoint: Path, gate):
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.int8_plan import plan_int8
+
+    info = inspect_checkpoint(checkpoint, "embed")
+    wrapper = load_wrapper(info, "embed")
+    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
+    return plan_int8(wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys,
+                     embedding_agreement, gate)
+
+
+def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
+    plan = _plan(outlier_checkpoint, lambda accuracy: not precision.gate_failures("int8", accuracy))
+    assert plan.alphas[0.0]["cosine_min"] < 0.998  # unsmoothed, the outlier costs accuracy
+    assert plan.alpha > 0 and plan.simulated["cosine_min"] > 0.9999 and plan.fallback == []
+    assert module_key(SENSITIVE) in plan.scales
+
+
+def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoint):
+    strict = Gate(cosine_min=0.9999, cosine_mean=0.9999, top1_agreement=1.0, max_probability_diff=0.0)
+    plan = _plan(cancelling_checkpoint, lambda accuracy: not strict.failures(accuracy))
+    assert all(accuracy["cosine_min"] < 0.9999 for accuracy in plan.alphas.values())
+    assert plan.sensitivity[0].unit == SENSITIVE  # the most sensitive: keeping it alone out helps most
+    assert plan.fallback == [SENSITIVE] and plan.fallback_keys == {module_key(SENSITIVE)}
+    assert plan.simulated["cosine_min"] >= 0.9999
+    assert module_key(SENSITIVE) not in plan.scales  # a kept linear is not smoothed either
+
+
+def test_concatenated_qkv_is_one_linear_of_three_modules(tiny_bert_dir):
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.importer import export_and_import
+    from compile.passes.packing import linears_on_weights
+    from compile.passes.strategy import apply_strategy
+
+    info = inspect_checkpoint(tiny_bert_dir, "embed")
+    imported = export_and_import(load_wrapper(info, "embed"), 4, info.max_seq, info.config["vocab_size"])
+    mod = apply_strategy(imported.mod, "concat")
+    modules = sorted(linear_modules(mod["main"], linears_on_weights(mod["main"])).values())
+    assert len(modules) == 2 * 4
+    assert ["bert_encoder_layer_0_attention_self_key", "bert_encoder_layer_0_attention_self_query",
+            "bert_encoder_layer_0_attention_self_value"] in modules
+
+
+def _pytorch(checkpoint: Path, sentences: list[str]) -> np.ndarray:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(checkpoint), device="cpu").encode(sentences, batch_size=1)
+
+
+def _artifact(directory: Path, sentences: list[str]) -> np.ndarray:
+    from loadtest.int8_accuracy import artifact_outputs
+
+    return artifact_outputs(directory, sentences)
+
+
+def _cosines(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
+    return np.sum(actual * expected, 1) / np.linalg.norm(actual, axis=1) / np.linalg.norm(expected, axis=1)
+
+
+def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
+    from conftest import compile_artifact
+
+    manifest, _ = compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
+                                   generic_shapes=["3x20"])
+    quantization = manifest.quantization
+    assert quantization.linears == 8 and quantization.smoothed == 8 and quantization.smoothing_alpha > 0
+    assert quantization.cosine_min > 0.9999 and quantization.worst_sentence is not None
+    assert len(quantization.sensitivity) == 8 and quantization.kept == []
+    assert "SmoothLinears" in manifest.passes.strategies["concat"].pipeline
+    assert _cosines(_artifact(tmp_path / "out", UNSEEN), _pytorch(outlier_checkpoint, UNSEEN)).min() > 0.9999
+
+
+@pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
+def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, monkeypatch, mcpu):
+    """Under a strict gate the planted linear stays bf16 where the CPU has AVX512_BF16, else fp32
+    (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay PyTorch's."""
+    from conftest import compile_artifact
+    from safetensors.numpy import load_file
+
+    from artifact.cpu_features import missing_on_host, target_features
+
+    target = make_target("cpu", mcpu=mcpu)
+    if missing_on_host(target_features(target)):
+        pytest.skip(f"this CPU cannot run code for {mcpu}")
+    kept_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
+    if mcpu is None and kept_precision == "fp32":
+        pytest.skip("this CPU has no AVX512_BF16: the x86-64-v3 case covers the fp32 fallback")
+    monkeypatch.setitem(precision.GATES, "int8", Gate(0.9999, 0.9999, 1.0, 0.0))
+    out = tmp_path / "out"
+    manifest, _ = compile_artifact(cancelling_checkpoint, out, ["1x5"], precision="int8", generic_shapes=["3x20"],
+                                   **({"mcpu": mcpu} if mcpu else {}))
+    quantization = manifest.quantization
+    assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE, kept_precision)]
+    assert quantization.linears == 7 and quantization.cosine_min >= 0.9999
+    weights = load_file(str(out / manifest.weights["concat"].file))
+    assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7
+    assert _cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
+
+
+def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier_checkpoint, tmp_path, monkeypatch):
+    from conftest import compile_artifact
+
+    from compile.errors import ValidationError
+
+    monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))  # no arithmetic reaches it
+    with pytest.raises(ValidationError, match=r"^--precision int8 misses its accuracy gate .*cosine_min [\d.]+ < 1\.01"
+                                              r".* \(least on ['\"].+['\"]\); use"):
+        compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8", generic_shapes=["3x20"])
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,5 @@
 """The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and both matmul
-micro-kernels (AVX2 vpmaddwd, AVX-512 VNNI vpdpbusd) with their epilogue, at static and symbolic row
+micro-kernels (AVX2 vpmaddubsw + vpmaddwd, AVX-512 VNNI vpdpbusd) with their epilogue, at static and symbolic row
 counts (ragged ones included). Each kernel is compiled for a CPU that has it (x86-64-v3; cascadelake,
 the first with VNNI) on any machine, and run where this CPU has its features."""
 
@@ -71,7 +71,7 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     _, quantized, w_scale, packed, compensation = _quantized_weight(n, k, 1, kernel)
     rng = np.random.default_rng(2)
     count = 21 if rows == "symbolic" else rows
-    x = rng.integers(-127, 128, (count, k))
+    x = rng.integers(-kernel.activation_max, kernel.activation_max + 1, (count, k))
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
     result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
@@ -83,7 +83,7 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
 
 
 @each_kernel
-def test_row_quantisation_scales_each_row_to_127(kernel):
+def test_row_quantisation_scales_each_row_to_its_limit(kernel):
     """One parallel loop over rows (the row rule, width a multiple of the lanes: 5 vectors)."""
     target = KERNEL_TARGETS[kernel]
     width = 5 * vector_lanes(target)
@@ -96,11 +96,11 @@ def test_row_quantisation_scales_each_row_to_127(kernel):
     out_q = tvm.runtime.tensor(np.zeros((5, width), kernel.activation))
     out_scale = tvm.runtime.tensor(np.zeros(5, "float32"))
     lib(tvm.runtime.tensor(values), out_q, out_scale)
-    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
+    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / kernel.activation_max
     np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
     signed = out_q.numpy().astype(np.int32) - kernel.offset
     np.testing.assert_array_equal(signed, np.round(values / expected_scale[:, None]).astype(np.int32))
-    assert np.abs(signed).max() == 127
+    assert np.abs(signed).max() == kernel.activation_max
 
 
 @each_kernel

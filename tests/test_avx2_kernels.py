@@ -1,0 +1,93 @@
+"""The x86-64-v3 (AVX2 + FMA) level's kernels, built for that level on any x86-64 machine: the
+instructions in their assembly, the int8 kernel's exactness at its saturation bound, and the
+register tiles each level's dense kernel takes (the AVX-512 one included, which must not move).
+Numbers are checked where this CPU runs x86-64-v3 code (every x86-64 CPU the suite runs on)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+from tvm import te
+
+from artifact.cpu_features import missing_on_host, target_features
+from compile.build import make_target
+from compile.kernels import dense, int8
+from compile.kernels.common import vector_lanes
+from compile.lowering import tir_pipeline
+
+V3 = make_target("cpu", mcpu="x86-64-v3")
+V4 = make_target("cpu", mcpu="x86-64-v4")
+
+
+def _instructions(lib) -> tuple[set[str], str]:
+    asm = lib.mod.inspect_source("asm")
+    return set(re.findall(r"^\s+(v\w+)\s", asm, re.MULTILINE)), asm
+
+
+def _int8_library(kernel: int8.Int8Kernel, rows: int, n: int, k: int):
+    inputs = [te.placeholder((rows, k), kernel.activation, name="xq"), te.placeholder((rows,), "float32", name="scale"),
+              te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
+              te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="compensation")]
+    func = te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)])
+    return tvm.compile(int8.schedule_int8_matmul(func).mod, target=V3, tir_pipeline=tir_pipeline(V3))
+
+
+def _run_here(target) -> None:
+    missing = missing_on_host(target_features(target))
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)}")
+
+
+def test_register_tiles_follow_the_lane_count():
+    """16 ymm: 4 rows x 3 vectors (12 accumulators); 32 zmm: 8 rows x 2 vectors (16)."""
+    for target, (rows, vectors) in ((V3, (4, 3)), (V4, (8, 2))):
+        lanes = vector_lanes(target)
+        n = 2 * 3 * lanes * 4  # a multiple of both widths
+        assert dense._tile_sizes(n, lanes) == (rows, vectors * lanes, False)
+        assert dense.packed_panel_width(n, lanes) == vectors * lanes
+
+
+def test_x86_64_v3_dense_kernel_is_ymm_fma():
+    lanes = vector_lanes(V3)
+    m, n, k = 4 * 4, 3 * lanes * 2, 64
+    nt = dense.packed_panel_width(n, lanes)
+    x = te.placeholder((m, k), "float32", name="x")
+    panels = te.placeholder((n // nt, k, nt), "float32", name="panels")
+    sch = dense.schedule_matmul(te.create_prim_func([x, panels, dense.packed_matmul_te(x, panels)]), lanes)
+    lib = tvm.compile(sch.mod, target=V3, tir_pipeline=tir_pipeline(V3))
+    instructions, asm = _instructions(lib)
+    assert any(i.startswith("vfmadd") for i in instructions)
+    assert "zmm" not in asm and "ymm" in asm
+    _run_here(V3)
+    rng = np.random.default_rng(0)
+    a, w = rng.standard_normal((m, k)).astype("float32"), rng.standard_normal((n, k)).astype("float32")
+    packed = w.reshape(n // nt, nt, k).transpose(0, 2, 1).copy()
+    out = tvm.runtime.tensor(np.zeros((m, n), "float32"))
+    lib(tvm.runtime.tensor(a), tvm.runtime.tensor(packed), out)
+    np.testing.assert_allclose(out.numpy(), a @ w.T, rtol=1e-4, atol=1e-4)
+
+
+def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
+    """The largest pair sums the 7-bit activations allow (|q| = activation_max against weights of
+    +-127 of the same sign) must come out exact: one more bit of activation would saturate."""
+    kernel = int8.kernel_for(V3)
+    rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
+    lib = _int8_library(kernel, rows, n, k)
+    instructions, asm = _instructions(lib)
+    assert {"vpmaddubsw", "vpmaddwd"} <= instructions
+    assert "zmm" not in asm and not any(i.startswith("vpdpbusd") for i in instructions)
+    _run_here(V3)
+    rng = np.random.default_rng(1)
+    x = rng.choice([-kernel.activation_max, kernel.activation_max], (rows, k))
+    # half the columns have the sign of row 0's activations throughout: its largest possible pair sums
+    weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * 127, rng.integers(-127, 128, (n, k))).astype(np.int8)
+    panels = weights.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
+    compensation = (kernel.offset * weights.astype(np.int32).sum(axis=1)).astype(np.int32)
+    out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
+    given = [(x + kernel.offset).astype(kernel.activation), np.ones(rows, "float32"), panels.copy(),
+             np.ones(n, "float32"), compensation]
+    lib(*(tvm.runtime.tensor(a) for a in given), out)
+    np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))

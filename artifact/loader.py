@@ -13,6 +13,7 @@ artifacts still load and run, so a serving machine or image can leave the 250 MB
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -91,6 +92,12 @@ def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> li
     return [tvm.runtime.tensor(arrays[name], device) for name in names]
 
 
+# A VM's first call of a CUDA-graph library captures the device's stream into a graph, and another
+# thread's launch or allocation meanwhile fails the capture (cudaErrorStreamCaptureUnsupported). All
+# VMs share that stream, so GPU work is serial anyway: calls on a GPU run one at a time.
+_GPU_CALLS = threading.Lock()
+
+
 class LibraryRunner:
     """One compiled library over shared weights; safe to call from many threads."""
 
@@ -114,10 +121,11 @@ class LibraryRunner:
 
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:
         on_host = self.device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
-        args = [_host_tensor(x) if on_host else tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device)
-                for x in inputs]
-        result = self._vm()["main"](*args, *self.weights)
-        return result[0].numpy().astype(np.float32, copy=False)
+        with contextlib.nullcontext() if on_host else _GPU_CALLS:
+            args = [_host_tensor(x) if on_host else
+                    tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
+            result = self._vm()["main"](*args, *self.weights)
+            return result[0].numpy().astype(np.float32, copy=False)
 
 
 def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:

@@ -12,8 +12,6 @@ from artifact.cpu_features import host_flags
 
 
 def describe() -> dict:
-    from compile.build import host_cpu
-
     try:
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -21,12 +19,24 @@ def describe() -> dict:
     fields = dict(line.split(":", 1) for line in lscpu.splitlines() if ":" in line)
     flags = host_flags() or set()
     return {"cpu": fields.get("Model name", "").strip() or platform.processor() or platform.machine(),
-            "llvm_mcpu": host_cpu(), "cores": usable_cores(), "avx512": "avx512f" in flags,
+            "llvm_mcpu": _llvm_cpu(), "cores": usable_cores(), "avx512": "avx512f" in flags,
             "vnni": "avx512_vnni" in flags}
+
+
+def _llvm_cpu() -> str | None:
+    """LLVM's name for this CPU; None where TVM runs without its compiler library (a serving host,
+    `TVM_USE_RUNTIME_LIB=1`): LLVM lives in that library."""
+    from tvm.base import _RUNTIME_ONLY
+
+    if _RUNTIME_ONLY:
+        return None
+    from compile.build import host_cpu
+
+    return host_cpu()
 
 
 def line(machine: dict) -> str:
     """`AMD EPYC (LLVM mcpu znver4, 2 cores, AVX-512 yes, VNNI yes)`."""
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
-    return (f"{machine['cpu']} (LLVM mcpu {machine['llvm_mcpu']}, {machine['cores']} cores, "
+    return (f"{machine['cpu']} (LLVM mcpu {machine['llvm_mcpu'] or 'n/a'}, {machine['cores']} cores, "
             f"AVX-512 {yes(machine['avx512'])}, VNNI {yes(machine['vnni'])})")

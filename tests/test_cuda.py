@@ -9,9 +9,13 @@ runs them on the GPU host. The tests of scripts/gpu_bench.sh itself run everywhe
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -62,6 +66,28 @@ def test_cuda_graph_bucket_replays_the_same_numbers():
 
 
 @needs_gpu
+def test_threads_capturing_cuda_graphs_at_once_get_the_one_thread_numbers():
+    """Each thread's VM captures its CUDA graph on its first call, as a server's lanes do, while
+    the other threads run theirs: no capture may see another thread's work."""
+    from artifact.loader import load_artifact
+    from compile.checkpoint import example_inputs
+
+    model = load_artifact(ARTIFACTS / "cuda-float16-graph")
+    batches = [tuple(x.numpy() for x in example_inputs(b, s, 30522, seed=b)[:2]) for b, s in ((1, 16), (6, 120))]
+    expected = [model.run(ids, mask).output for ids, mask in batches]
+    start = threading.Barrier(8)
+
+    def lane(index: int) -> list[np.ndarray]:
+        start.wait()
+        return [model.run(*batches[(index + i) % 2]).output for i in range(4)]
+
+    with ThreadPoolExecutor(8) as pool:
+        for index, outputs in enumerate(pool.map(lane, range(8))):
+            for i, output in enumerate(outputs):
+                np.testing.assert_array_equal(output, expected[(index + i) % 2])
+
+
+@needs_gpu
 def test_tvm_and_torch_servers_on_the_gpu_match_sentence_transformers(serve):
     from sentence_transformers import SentenceTransformer
 
@@ -80,6 +106,21 @@ def test_tvm_and_torch_servers_on_the_gpu_match_sentence_transformers(serve):
         embeddings = np.array(response.json())
         cosines = np.sum(embeddings * reference, axis=1)
         assert cosines.min() >= 0.9999, (backend, cosines)
+
+
+def test_benchmarks_describe_their_machine_with_tvms_runtime_only():
+    """A GPU host may carry TVM's runtime without its compiler (`TVM_USE_RUNTIME_LIB=1`), where
+    LLVM, which names the CPU, is absent: the machine line written beside every benchmark figure
+    (`python -m loadtest.bench`, `loadtest.serving_bench`) must still be written. Runs everywhere."""
+    code = ("import json; from loadtest.machine import describe, line; "
+            "d = describe(); print(json.dumps(d)); print(line(d))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "TVM_USE_RUNTIME_LIB": "1"})
+    assert result.returncode == 0, result.stderr
+    report, text = result.stdout.splitlines()
+    machine = json.loads(report)
+    assert machine["llvm_mcpu"] is None and machine["cores"] >= 1 and machine["cpu"]
+    assert text.startswith(f"{machine['cpu']} (LLVM mcpu n/a, {machine['cores']} cores, ")
 
 
 # ----------------------------------------------------------------------------- scripts/gpu_bench.sh

@@ -51,7 +51,8 @@ class TwoLinears:
 def _run(mod: tvm.IRModule, args: list[np.ndarray]) -> np.ndarray:
     target = tvm.target.Target({"kind": "llvm"})
     built = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
-    return relax.VirtualMachine(built, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+    out = relax.VirtualMachine(built, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
+    return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
 
 
 def test_smoothing_is_exact_in_fp32_and_its_weight_side_is_folded():
@@ -72,6 +73,35 @@ def test_smoothing_leaves_linears_without_a_scale_alone():
     smoothed, rewritten = smooth_linears(TwoLinears, {"up": np.ones(16, "float32")})
     assert rewritten == 1
     assert count_ops(smoothed)["relax.multiply"] == count_ops(TwoLinears).get("relax.multiply", 0) + 2
+
+
+def test_smoothing_a_bert_is_exact_in_fp32_and_folds_the_output_projections_into_v(tiny_bert_dir):
+    """Every linear smoothed with random scales (Q, K and V sharing theirs): the model's outputs
+    stay fp32's; the attention output projection's 1 / s is folded into V's weights (attention is
+    linear in V), so only the other three linears of a layer multiply their input per call."""
+    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+    from compile.importer import export_and_import
+    from compile.passes.packing import linears_on_weights
+    from compile.passes.strategy import apply_strategy
+
+    info = inspect_checkpoint(tiny_bert_dir, "embed")
+    imported = export_and_import(load_wrapper(info, "embed"), 4, info.max_seq, info.config["vocab_size"])
+    mod = apply_strategy(imported.mod, "concat")
+    rng = np.random.default_rng(1)
+    scales = {}
+    for keys in linear_modules(mod["main"], linears_on_weights(mod["main"])).values():
+        width = int(next(p for p in mod["main"].params if p.name == f"p_{keys[0]}_weight").ty.shape[1])
+        scales.update(dict.fromkeys(keys, rng.uniform(0.2, 5.0, width).astype("float32")))
+    smoothed, rewritten = smooth_linears(mod, scales)
+    assert rewritten == 2 * 4
+    inputs = [x.numpy() for x in example_inputs(3, 9, info.config["vocab_size"])]
+    outputs, multiplies = [], []
+    for module in (mod, smoothed):
+        lifted = lift_and_transform(module, imported.params)
+        outputs.append(_run(lifted.mod, [*inputs, *lifted.weights]))
+        multiplies.append(count_ops(lifted.mod).get("relax.multiply", 0))
+    assert multiplies[1] == multiplies[0] + 2 * 3  # per layer: Q/K/V, FFN in, FFN out
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
 
 
 def test_smoothing_scales_follow_smoothquant():

@@ -28,6 +28,7 @@ from .linears import bindings, rewrite_linears
 from .packing import linears_on_weights
 
 PARAM_PREFIX = "p_"  # torch.export's name for a parameter: p_ + its module path with "_" for "."
+OUTPUT_PROJECTION, VALUE_PROJECTION = "attention_output_dense", "attention_self_value"  # BERT's module names
 
 
 def smoothing_scales(activation_max: np.ndarray, weight_max: np.ndarray, alpha: float) -> np.ndarray:
@@ -74,6 +75,9 @@ def linear_modules(func: relax.Function, linears: dict[relax.Var, relax.Expr]) -
 def smooth_linears(mod: tvm.IRModule, scales: dict[str, np.ndarray]) -> tuple[tvm.IRModule, int]:
     """`mod` with each of `main`'s linears whose torch Linear (its `module_key`) has a scale
     vector in `scales` smoothed, and how many were rewritten. Run before quantize_linears."""
+    folded = _fold_into_values(mod["main"], scales)
+    if folded:
+        mod = _ScaleParams(mod, folded).transform()
     linears = linears_on_weights(mod["main"])
     modules = linear_modules(mod["main"], linears)
     chosen = {}
@@ -81,13 +85,52 @@ def smooth_linears(mod: tvm.IRModule, scales: dict[str, np.ndarray]) -> tuple[tv
         found = {tuple(scales[k].tolist()) for k in keys if k in scales}
         if len(found) == 1 and all(k in scales for k in keys):  # a concatenation shares its input's s
             chosen[var] = np.asarray(scales[keys[0]], dtype=np.float32)
-
     scale_of = {linears[var]: s for var, s in chosen.items()}  # the rewrite sees the (unchanged) weight
+    folded_weights = {linears[var] for var in chosen if modules[var][0] in folded}
 
     def smooth(builder: relax.BlockBuilder, x: relax.Expr, w: relax.Expr, n: int, k: int) -> relax.Expr | None:
         s = scale_of[w]
-        smoothed_x = builder.emit(relax.op.multiply(x, relax.const((1.0 / s).astype(np.float32))))
+        if w not in folded_weights:  # else x arrives scaled: 1 / s is folded into the V projection
+            x = builder.emit(relax.op.multiply(x, relax.const((1.0 / s).astype(np.float32))))
         smoothed_w = builder.emit(relax.op.multiply(w, relax.const(s)))
-        return builder.emit(relax.op.matmul(smoothed_x, relax.op.permute_dims(smoothed_w)))
+        return builder.emit(relax.op.matmul(x, relax.op.permute_dims(smoothed_w)))
 
     return rewrite_linears(mod, {var: linears[var] for var in chosen}, smooth)
+
+
+def _fold_into_values(func: relax.Function, scales: dict[str, np.ndarray]) -> dict[str, dict[relax.Var, np.ndarray]]:
+    """{attention output projection's module key: {V weight param: 1 / s per row, V bias: 1 / s}}
+    for each smoothed output projection whose layer's V projection is found by BERT's names
+    (`attention.output.dense` reads `attention.self.value`'s channels through attention, which is
+    linear in V: scaling V's output channel j by 1 / s_j scales the context's channel j by it)."""
+    params = {p.name: p for p in func.params}
+    found = {}
+    for key, s in scales.items():
+        if not key.endswith(OUTPUT_PROJECTION):
+            continue
+        value = PARAM_PREFIX + key[:-len(OUTPUT_PROJECTION)] + VALUE_PROJECTION
+        weight, bias = params.get(value + "_weight"), params.get(value + "_bias")
+        if weight is None or bias is None or [int(d) for d in weight.ty.shape][0] != len(s):
+            continue
+        inverse = (1.0 / s).astype(np.float32)
+        found[key] = {weight: inverse[:, None], bias: inverse}
+    return found
+
+
+@relax.expr_functor.mutator
+class _ScaleParams(relax.PyExprMutator):
+    """Every use of a parameter in `scales` becomes `param * scale` (weight-only: lifted)."""
+
+    def __init__(self, mod: tvm.IRModule, folded: dict[str, dict[relax.Var, np.ndarray]]):
+        super().__init__(mod)
+        self.module = mod
+        self.scales = {param: scale for per_key in folded.values() for param, scale in per_key.items()}
+
+    def visit_var_(self, var: relax.Var) -> relax.Expr:
+        if var in self.scales:
+            return self.builder_.emit(relax.op.multiply(var, relax.const(self.scales[var])))
+        return super().visit_var_(var)
+
+    def transform(self) -> tvm.IRModule:
+        self.builder_.update_func(self.module.get_global_var("main"), self.visit_expr(self.module["main"]))
+        return self.builder_.get()

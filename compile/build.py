@@ -47,14 +47,15 @@ def specialize(mod: tvm.IRModule, bucket: AnyBucket) -> tvm.IRModule:
     return specialize_te_kernels(relax.transform.BindSymbolicVars(bound)(mod))
 
 
-def relax_pipeline(target: tvm.target.Target, tuned=None) -> tvm.transform.Pass:
+def relax_pipeline(target: tvm.target.Target, tuned=None, attention: str = "fp32") -> tvm.transform.Pass:
     """CPU: the default fusing pipeline plus our CPU schedules (and `tuned`'s kept ones, a
-    MetaSchedule database); CUDA: the default (dlight) one.
+    MetaSchedule database), attention's products in `attention`'s arithmetic; CUDA: the default
+    (dlight) one.
 
     `tvm.compile` alone neither fuses nor schedules on CPU, so we always pass the pipeline.
     """
     if target.kind.name == "llvm":
-        return cpu_pipeline(target, tuned=tuned)
+        return cpu_pipeline(target, attention=attention, tuned=tuned)
     return relax.get_default_pipeline(target)
 
 
@@ -80,12 +81,13 @@ def import_cuda_tensor_intrinsics() -> None:
 
 
 def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False,
-                  tuned=None) -> None:
+                  tuned=None, attention: str = "fp32") -> None:
     """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph;
-    `tuned` (CPU) replaces hand schedules with the tuned ones it holds."""
+    `tuned` (CPU) replaces hand schedules with the tuned ones it holds; `attention` is the
+    arithmetic of the fused attention kernel's products (CPU: "fp32" or "bf16")."""
     if target.kind.name == "cuda":
         import_cuda_tensor_intrinsics()
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
-        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned),
+        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned, attention),
                                  tir_pipeline=tir_pipeline(target))
-    executable.export_library(str(path), addons=bf16.linked_objects(mod))
+    executable.export_library(str(path), addons=bf16.linked_objects(mod, attention))

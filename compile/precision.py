@@ -59,7 +59,7 @@ def refusal(precision: str, target: tvm.target.Target) -> str | None:
         return f"--precision bf16 needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use fp32, int8 or auto)"
     if precision == "bf16":
         try:
-            bf16.tile_object()  # the micro-kernel every bf16 library links
+            bf16.kernels_object()  # the micro-kernels every bf16 library links
         except RuntimeError as exc:
             return f"--precision bf16: {exc}"
     if precision == "int8" and int8.kernel_for(target) is None:
@@ -78,6 +78,12 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
     """What `accuracy` misses of `precision`'s gate (fp32, the reference's own arithmetic, has none)."""
     gate = GATES.get(precision)
     return gate.failures(accuracy) if gate is not None else []
+
+
+def attention_products(precision: str) -> str:
+    """The arithmetic of attention's two products in a `precision` library: bf16 beside bf16
+    linears (the same CPU feature, measured under the same gate), fp32 otherwise."""
+    return "bf16" if precision == "bf16" else "fp32"
 
 
 def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:

@@ -94,20 +94,21 @@ def schedule_unscheduled(mod: tvm.IRModule, schedule: Callable[[tirx.PrimFunc], 
     return mod
 
 
-def fusion_passes(target: Target, attention: bool = True) -> list[tvm.ir.transform.Pass]:
+def fusion_passes(target: Target, attention: str | None = "fp32") -> list[tvm.ir.transform.Pass]:
     """`cpu_pipeline` up to the schedule pass: its fused PrimFuncs are what is scheduled (and tuned)."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    return (([fuse_attention(vector_lanes(target))] if attention else [])
+    return (([fuse_attention(vector_lanes(target), attention)] if attention else [])
             + cpu.library_dispatch_passes(target)
             + cpu.legalize_passes(target)
             + [relax.transform.RewriteDataflowReshape()])
 
 
-def cpu_pipeline(target: Target, attention: bool = True, tuned=None) -> tvm.ir.transform.Pass:
+def cpu_pipeline(target: Target, attention: str | None = "fp32", tuned=None) -> tvm.ir.transform.Pass:
     """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with our two passes in it:
-    `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level;
-    `attention=False` leaves them unfused, the kernel's reference) and `cpu_schedule_pass` after fusion.
+    `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level,
+    its products in `attention`'s arithmetic, "fp32" or "bf16"; None leaves them unfused, the
+    kernel's reference) and `cpu_schedule_pass` after fusion.
     Reshape kernels become `vm.builtin.reshape` views before the schedule pass: once scheduled,
     TVM's own rewrite (later in the pipeline) no longer recognises them, and each would stay a copy.
     `tuned` (a MetaSchedule database, compile/tuning.py) schedules the kernels it holds records for.

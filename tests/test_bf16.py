@@ -26,7 +26,7 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from compile import precision
 from compile.build import make_target
-from compile.kernels import bf16
+from compile.kernels import attention_bf16, bf16
 from compile.lowering import tir_pipeline
 from compile.precision import GATES, Measured, choose
 
@@ -51,7 +51,7 @@ def _build_linear(m: int | None, n: int, k: int, target, path):
     sch = bf16.schedule_bf16_matmul(te.create_prim_func([x, panels, bias, y]))
     assert sch is not None
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
-    library.export_library(str(path), addons=[str(bf16.tile_object())])
+    library.export_library(str(path), addons=[str(bf16.kernels_object())])
     return path
 
 
@@ -137,6 +137,37 @@ def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
             expected = wrapper(*inputs).numpy()
         cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
         assert cosine.min() >= 0.999, cosine
+
+
+def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
+    """A model whose heads the bf16 attention products are compiled for (2 x 32 dims; the tiny
+    model's 8-dim heads are not fused at all): every layer's attention on the bf16 kernel, and the
+    packed and generic libraries within bf16's cosine gate of PyTorch fp32."""
+    if not RUNS_BF16:
+        pytest.skip("this CPU has no AVX512_BF16")
+    import torch
+    from conftest import TINY_SIZES, compile_artifact
+
+    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=3, config={
+        **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "bf16", ["packed-16"], layout="packed", precision="bf16",
+                                   generic_shapes=["3x20"])
+    assert [passes.attention_fused for passes in manifest.passes.strategies.values()] == [2]
+    symbols = subprocess.run(["nm", str(tmp_path / "bf16" / manifest.buckets[0].library)], capture_output=True,
+                             text=True, check=True).stdout
+    assert attention_bf16.SCORES.format(head=32) in symbols and attention_bf16.CONTEXT.format(head=32) in symbols
+    model = load_artifact(tmp_path / "bf16")
+    wrapper = load_wrapper(inspect_checkpoint(checkpoint, "embed"), "embed")
+    for batch, seq in ((2, 16), (3, 20)):  # the bucket, the generic library
+        inputs = example_inputs(batch, seq, manifest.model.vocab_size, seed=batch)
+        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
+        with torch.no_grad():
+            expected = wrapper(*inputs).numpy()
+        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+        assert cosine.min() >= GATES["bf16"].cosine_min, cosine
 
 
 def test_bf16_weights_ship_at_half_the_bytes(bf16_artifacts, tiny_embed_artifact):
@@ -230,7 +261,7 @@ def test_a_c_compiler_without_avx512_bf16_refuses_bf16_and_auto_does_without_it(
     def cannot_build():
         raise RuntimeError("the C compiler (cc) cannot build the bf16 micro-kernel: unknown option -mavx512bf16")
 
-    monkeypatch.setattr(bf16, "tile_object", cannot_build)
+    monkeypatch.setattr(bf16, "kernels_object", cannot_build)
     target = make_target("cpu", mcpu=BF16_CPU)
     assert precision.refusal("bf16", target) == ("--precision bf16: the C compiler (cc) cannot build the bf16 "
                                                  "micro-kernel: unknown option -mavx512bf16")

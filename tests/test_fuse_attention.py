@@ -6,8 +6,10 @@ not run)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 import tvm
@@ -17,7 +19,7 @@ from tvm import relax, tirx
 from artifact.cpu_features import missing_on_host, target_features
 from artifact.packed_batch import pack_batch
 from compile.build import make_target
-from compile.kernels import attention
+from compile.kernels import attention, attention_bf16, bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
@@ -28,6 +30,7 @@ HEADS, HEAD_SIZE = 3, 16  # a head size both AVX2 (8) and AVX-512 (16) lanes div
 TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu="x86-64-v4")}
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
 MIN = float(np.finfo(np.float32).min)
+BF16_CPU = "znver4"  # an AVX512_BF16 CPU LLVM knows
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
@@ -192,22 +195,111 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
     assert fuse_attention_in(module, lanes)[1] == 1
-    built = {fused: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=fused),
-                                     tir_pipeline=tir_pipeline(target))
-             for fused in (False, True)}
+    built = {products: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=products),
+                                   tir_pipeline=tir_pipeline(target))
+             for products in (None, "fp32")}
     if not _runs_here(target):
         pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")
+    unfused, fused = _run_unfused_and_fused(built[None], built["fp32"], layout, seq)
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)
+
+
+def _bf16_library(module: tvm.IRModule, path) -> tvm.runtime.Module:
+    """`module` built for an AVX512_BF16 CPU with attention's products in bf16, linked with the
+    micro-kernels (skips the test where this CPU cannot run it)."""
+    target = make_target("cpu", mcpu=BF16_CPU)
+    built = tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention="bf16"),
+                        tir_pipeline=tir_pipeline(target))
+    built.export_library(str(path), addons=bf16.linked_objects(module, "bf16"))
+    if not _runs_here(target):
+        pytest.skip(f"compiled for {BF16_CPU}; this CPU lacks AVX512_BF16, so it is not run")
+    return tvm.runtime.load_module(str(path))
+
+
+@pytest.mark.parametrize("layout,seq,symbolic", [("packed", 13, False), ("packed", 40, True),
+                                                 ("padded", 5, False), ("padded", 24, True)])
+def test_bf16_products_keep_the_unfused_graphs_answers(layout, seq, symbolic, tmp_path):
+    """Against the unfused fp32 graph: within what rounding each operand to 8 significant bits allows.
+    These inputs are harsh (logits up to ~20, peaked softmaxes, values of scale 2): 2^-9 relative per
+    operand moves outputs by up to ~0.07 here, a wrong pair or key offset by ~1."""
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
+    unfused_lib = tvm.compile(module, TARGETS[16], relax_pipeline=cpu_pipeline(TARGETS[16], attention=None),
+                              tir_pipeline=tir_pipeline(TARGETS[16]))
+    unfused, fused = _run_unfused_and_fused(unfused_lib, _bf16_library(module, tmp_path / "fused.so"), layout, seq)
+    np.testing.assert_allclose(fused, unfused, rtol=0, atol=0.15)
+    assert np.abs(fused - unfused).mean() < 0.01
+
+
+@pytest.mark.parametrize("seq,symbolic", [(13, False), (40, True)])
+def test_bf16_products_round_exactly_the_operands_they_say(seq, symbolic, tmp_path):
+    """Against numpy doing what the module docstring says (queries x scale, keys, values and the
+    exp'd scores rounded to bf16, everything else fp32): equal to fp32 summation order."""
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    library = _bf16_library(_attention_module("packed", bound, upper_bound=64 if symbolic else None),
+                            tmp_path / "fused.so")
+    masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
+    inputs = _inputs("packed", seq, masks, seed=seq)
+    qkv, gather, hidden = inputs[0], inputs[2], HEADS * HEAD_SIZE
+    expected = np.zeros((qkv.shape[0], hidden), np.float32)
+    for b, length in enumerate(masks.sum(1)):
+        rows = gather[b, :length]
+        for h in range(HEADS):
+            columns = slice(h * HEAD_SIZE, (h + 1) * HEAD_SIZE)
+            head = [qkv[rows, offset:][:, columns] for offset in (0, hidden, 2 * hidden)]
+            q, k, v = _bf16(head[0] * np.float32(1 / math.sqrt(HEAD_SIZE))), _bf16(head[1]), _bf16(head[2])
+            scores = np.exp(q @ k.T - (q @ k.T).max(1, keepdims=True))
+            expected[rows, h * HEAD_SIZE:(h + 1) * HEAD_SIZE] = _bf16(scores) @ v / scores.sum(1, keepdims=True)
+    got = relax.VirtualMachine(library, tvm.cpu())["main"](*(tvm.runtime.tensor(x) for x in inputs)).numpy()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def test_bf16_products_run_on_the_micro_kernels():
+    """A bf16 kernel calls the micro-kernels for its head size (the softmax's exp included: none is
+    left in TIR); a head size they are not compiled for keeps the fp32 kernel."""
+    shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, 24, 0.25, True,
+                           (3 * HEADS * HEAD_SIZE,) * 3, (0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
+    called = _extern_calls(attention.write_attention(shape, 16, "bf16"))
+    assert {attention_bf16.SCORES.format(head=HEAD_SIZE), attention_bf16.CONTEXT.format(head=HEAD_SIZE),
+            attention_bf16.PAIR_ROWS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS} == called
+    assert "scores" not in _stored(attention.write_attention(shape, 16, "bf16"))  # TIR has no softmax pass left
+    assert "scores" in _stored(attention.write_attention(shape, 16, "fp32"))
+    assert not _extern_calls(attention.write_attention(shape, 16, "fp32"))
+    assert not _extern_calls(attention.write_attention(dataclasses.replace(shape, head_size=48,
+                                                                           widths=(3 * HEADS * 48,) * 3), 16, "bf16"))
+
+
+def _stored(func: tirx.PrimFunc) -> set[str]:
+    names = set()
+    tvm_ffi.structural_map(func.body, [(tirx.BufferStore, lambda store: names.add(str(store.buffer.name)) or store)])
+    return names
+
+
+def _extern_calls(func: tirx.PrimFunc) -> set[str]:
+    names = set()
+    tvm_ffi.structural_map(func.body, [(tvm.ir.Call, lambda call: names.add(str(call.args[0].value)) or call
+                                        if call.op.same_as(tvm.ir.Op.get("tirx.call_extern")) else call)])
+    return names
+
+
+def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int) -> tuple[np.ndarray, np.ndarray]:
+    """Both libraries' outputs on sequences of 1 token to the full bound (padded also with holes in
+    a mask and a row of padding only: a bucket's unused row), on the rows any output reads."""
     masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
     if layout == "padded":
         masks[2, 1] = masks[2, 3] = 0  # holes before the last real token count like any masked key
         masks[3, :] = 0  # padding only
     inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq)]
-    unfused, fused = (relax.VirtualMachine(built[f], tvm.cpu())["main"](*inputs).numpy() for f in (False, True))
+    unfused, fused = (relax.VirtualMachine(lib, tvm.cpu())["main"](*inputs).numpy() for lib in (unfused_lib, fused_lib))
     if layout == "padded":  # the kernel zeroes rows past a sequence's last real token: no output reads them
         last = seq - np.argmax(masks[:, ::-1], axis=1)  # one past each row's last real token
         real = (np.arange(seq)[None, :] < last[:, None]) & masks.any(1)[:, None]
         unfused, fused = unfused[real], fused[real]
-    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)
+    return unfused, fused
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

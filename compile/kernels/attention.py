@@ -32,6 +32,9 @@ buffer outgrows the caches, beyond the 512 positions of BERT-family models). Wor
 each sequence's own length, not the bound: keys and queries past a sequence's last real token
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
+In bf16 libraries the two products (and the softmax between them) run on attention_bf16.py's
+micro-kernels instead, with the same staging, tiles and row maps around them.
+
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
 take(context, scatter).
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
+from . import attention_bf16
 from .common import prescheduled
 from .fast_math import fast_math
 from .launch import MIN_PARALLEL_WORK
@@ -89,8 +93,11 @@ def _context_tile(head_size: int, lanes: int) -> tuple[int, int]:
     return vectors, min(lanes, 1 << (queries.bit_length() - 1))
 
 
-def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
-    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled)."""
+def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -> tirx.PrimFunc:
+    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
+    `products` "bf16" runs its two products on attention_bf16's micro-kernels (where that supports
+    the head size and lanes), "fp32" in the loops below."""
+    bf16 = products == "bf16" and attention_bf16.supports(shape.head_size, lanes)
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
     H, D, V, KB = i64(shape.heads), i64(shape.head_size), i64(lanes), i64(KEYS)
     S_MAX = i64(-(-shape.max_seq // KEYS) * KEYS)  # keys are computed in whole tiles
@@ -102,11 +109,104 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
     zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
     MIN_WORK = i64(MIN_PARALLEL_WORK)
     DV, QP = (i64(x) for x in _context_tile(shape.head_size, lanes))
+    scores_symbol = attention_bf16.SCORES.format(head=shape.head_size)
+    context_symbol = attention_bf16.CONTEXT.format(head=shape.head_size)
+
+    def start(buffer, access):
+        """The whole of `buffer` for a bf16 micro-kernel that reads ("r") or writes ("w") it. Its bf16
+        operands travel as pairs in 32-bit words typed float32, so TVM's storage planner may share
+        their memory with the fp32 staging buffers (it cannot give a uint16 buffer's access pointer
+        the memory of a float32 one)."""
+        return buffer.access_ptr(access)
+
+    def micro_kernel(symbol, *args):
+        return T.call_extern("int32", symbol, *args)  # each returns 0
 
     def row_of(gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
         as the graph's take(mode="clip")); padded, b * seq + i."""
         return T.max(T.min(gather[b, i], rows - i64(1)), i64(0)) if packed else b * S + i
+
+    @T.macro
+    def fp32_scores(keys, queries, scores, bias, b, length):
+        """sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key), 8 keys a tile."""
+        for block in T.serial((length[0] + KB - i64(1)) // KB):
+            acc = T.alloc_buffer((KB, V), "float32", scope="local")
+            for key in T.unroll(KB):
+                for lane in T.vectorized(V):
+                    acc[key, lane] = zero
+            for d in T.serial(D):
+                for key in T.unroll(KB):
+                    for lane in T.vectorized(V):
+                        acc[key, lane] = acc[key, lane] + keys[block * KB + key, d] * queries[d, lane]
+            for key in T.unroll(KB):
+                for lane in T.vectorized(V):
+                    scores[block * KB + key, lane] = T.if_then_else(
+                        block * KB + key < length[0],
+                        acc[key, lane] + bias[b, i64(0), i64(0), T.min(block * KB + key, S - i64(1))], neg)
+
+    @T.macro
+    def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
+        """out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i, QP queries' head rows a pass."""
+        for part in T.serial(V // QP):
+            context = T.alloc_buffer((QP, D), "float32", scope="local")
+            for q, dv in T.grid(QP, DV):
+                for lane in T.vectorized(V):
+                    context[q, dv * V + lane] = zero
+            for j in T.serial(length[0]):
+                for q in T.unroll(QP):
+                    for dv in T.unroll(DV):
+                        for lane in T.vectorized(V):
+                            context[q, dv * V + lane] = (
+                                context[q, dv * V + lane] + scores[j, part * QP + q] * values[j, dv * V + lane])
+            for q in T.serial(QP):
+                i = tile * V + part * QP + q
+                if i < length[0]:
+                    for dv in T.unroll(DV):
+                        for lane in T.vectorized(V):
+                            out[row_of(gather, b, i, R_OUT), h * D + dv * V + lane] = (
+                                context[q, dv * V + lane] * inverse[part * QP + q])
+
+    @T.macro
+    def fp32_tile(keys, values, queries, scores, bias, out, gather, b, h, tile, length):
+        """One tile of queries in fp32: scores, softmax, and the weighted sum of values."""
+        fp32_scores(keys, queries, scores, bias, b, length)
+        top = T.alloc_buffer((V,), "float32", scope="local")
+        total = T.alloc_buffer((V,), "float32", scope="local")
+        for lane in T.vectorized(V):
+            top[lane] = neg
+            total[lane] = zero
+        for j in T.serial(length[0]):
+            for lane in T.vectorized(V):
+                top[lane] = T.max(top[lane], scores[j, lane])
+        for j in T.serial(length[0]):
+            for lane in T.vectorized(V):
+                scores[j, lane] = T.exp(scores[j, lane] - top[lane])
+                total[lane] = total[lane] + scores[j, lane]
+        inverse = T.alloc_buffer((V,), "float32", scope="local")
+        for lane in T.vectorized(V):
+            inverse[lane] = T.float32(1) / total[lane]
+        fp32_context(values, scores, inverse, out, gather, b, h, tile, length)
+
+    @T.macro
+    def bf16_tile(keys_b, values_b, queries, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
+                  length):
+        """One tile of queries with the products on the bf16 micro-kernels, which also add the bias,
+        take each query's largest score, and exp and round the probabilities (attention_bf16.py)."""
+        top = T.alloc_buffer((V,), "float32")
+        total = T.alloc_buffer((V,), "float32")
+        T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(queries_b, "w"), start(queries, "r"), D // i64(2), V))
+        T.evaluate(micro_kernel(scores_symbol, start(scores, "w"), start(top, "w"), start(keys_b, "r"),
+                                start(queries_b, "r"), bias.access_ptr("r", offset=b * S), length[0]))
+        T.evaluate(micro_kernel(attention_bf16.SOFTMAX_PAIRS, start(probs_b, "w"), start(total, "w"),
+                                start(scores, "r"), start(top, "r"), length[0]))
+        T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "r"), start(values_b, "r"),
+                                (length[0] + i64(1)) // i64(2)))
+        for q in T.serial(V):
+            i = tile * V + q
+            if i < length[0]:
+                for d in T.vectorized(D):
+                    out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
 
     @T.macro
     def task(q_src, k_src, v_src, bias, gather, out, bh):
@@ -130,61 +230,28 @@ def write_attention(shape: AttentionShape, lanes: int) -> tirx.PrimFunc:
                     gather, b, T.min(j, length[0] - i64(1)), R), VO + h * D + d], zero)
         queries = T.alloc_buffer((D, V), "float32")
         scores = T.alloc_buffer((S_MAX, V), "float32")
-        top = T.alloc_buffer((V,), "float32", scope="local")
-        total = T.alloc_buffer((V,), "float32", scope="local")
+        if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
+            keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
+            values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")
+            queries_b = T.alloc_buffer((D // i64(2), V), "float32")
+            probs_b = T.alloc_buffer((S_MAX // i64(2), V), "float32")
+            context_b = T.alloc_buffer((V, D), "float32")
+            staged = (length[0] + KB - i64(1)) // KB * KB
+            T.evaluate(micro_kernel(attention_bf16.ROUND, start(keys_b, "w"), start(keys, "r"), staged * D))
+            T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
+                                    staged // i64(2), D))
         for tile in T.serial((length[0] + V - i64(1)) // V):
             for d, lane in T.grid(D, V):
                 i = T.min(tile * V + lane, length[0] - i64(1))
                 queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
-            for block in T.serial((length[0] + KB - i64(1)) // KB):
-                acc = T.alloc_buffer((KB, V), "float32", scope="local")
-                for key in T.unroll(KB):
-                    for lane in T.vectorized(V):
-                        acc[key, lane] = zero
-                for d in T.serial(D):
-                    for key in T.unroll(KB):
-                        for lane in T.vectorized(V):
-                            acc[key, lane] = acc[key, lane] + keys[block * KB + key, d] * queries[d, lane]
-                for key in T.unroll(KB):
-                    for lane in T.vectorized(V):
-                        scores[block * KB + key, lane] = T.if_then_else(
-                            block * KB + key < length[0],
-                            acc[key, lane] + bias[b, i64(0), i64(0), T.min(block * KB + key, S - i64(1))], neg)
-            for lane in T.vectorized(V):
-                top[lane] = neg
-                total[lane] = zero
-            for j in T.serial(length[0]):
-                for lane in T.vectorized(V):
-                    top[lane] = T.max(top[lane], scores[j, lane])
-            for j in T.serial(length[0]):
-                for lane in T.vectorized(V):
-                    scores[j, lane] = T.exp(scores[j, lane] - top[lane])
-                    total[lane] = total[lane] + scores[j, lane]
-            inverse = T.alloc_buffer((V,), "float32", scope="local")
-            for lane in T.vectorized(V):
-                inverse[lane] = T.float32(1) / total[lane]
-            for part in T.serial(V // QP):
-                context = T.alloc_buffer((QP, D), "float32", scope="local")
-                for q, dv in T.grid(QP, DV):
-                    for lane in T.vectorized(V):
-                        context[q, dv * V + lane] = zero
-                for j in T.serial(length[0]):
-                    for q in T.unroll(QP):
-                        for dv in T.unroll(DV):
-                            for lane in T.vectorized(V):
-                                context[q, dv * V + lane] = (
-                                    context[q, dv * V + lane] + scores[j, part * QP + q] * values[j, dv * V + lane])
-                for q in T.serial(QP):
-                    i = tile * V + part * QP + q
-                    if i < length[0]:
-                        for dv in T.unroll(DV):
-                            for lane in T.vectorized(V):
-                                out[row_of(gather, b, i, R_OUT), h * D + dv * V + lane] = (
-                                    context[q, dv * V + lane] * inverse[part * QP + q])
+            if bf16:
+                bf16_tile(keys_b, values_b, queries, queries_b, scores, probs_b, context_b, bias, out, gather,
+                          b, h, tile, length)
+            else:
+                fp32_tile(keys, values, queries, scores, bias, out, gather, b, h, tile, length)
         if not packed:
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero
-
 
     @T.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),

@@ -12,7 +12,7 @@ epilogue applied on write-back), but the whole K loop of a tile is one call of a
 Why a C micro-kernel: TVM 0.27's LLVM code generator has no bfloat vector type (its BF16 legalizer
 widens bf16 to fp32 before code generation), so `llvm.x86.avx512bf16.dpbf16ps.512`, whose operands
 are `<32 x bfloat>`, cannot be called from TIR. The tile is compiled by the C compiler that links
-every library anyway (`tile_object`) and linked in (`build_library`'s addons).
+every library anyway (`kernels_object`) and linked in (`build_library`'s addons).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
+from . import attention_bf16
+
 PANEL = 32  # output columns per weight panel: two zmm of fp32
 ROWS = 8  # activation rows per tile: 8 x 2 accumulators of 32 zmm
 PAIR = 2  # k values one fp32 lane sums per vdpbf16ps
@@ -38,7 +40,8 @@ PANEL_VIEW = "bf16_panel_view"
 ROW_VIEW = "bf16_row_view"
 TILE_SYMBOL = "bert_bf16_tile_8x32"
 REQUIRED_FEATURES = ("avx512f", "avx512bf16")
-DESCRIPTION = "avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights), fp32 accumulation"
+DESCRIPTION = ("avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights; attention's Q K^T and P V likewise), "
+               "fp32 accumulation")
 
 TILE_SOURCE = r"""
 #include <immintrin.h>
@@ -85,28 +88,30 @@ def supported(target: tvm.target.Target) -> bool:
 
 
 @functools.cache
-def tile_object() -> Path:
-    """The micro-kernel compiled once per process to an object file the libraries link."""
+def kernels_object() -> Path:
+    """The micro-kernels (the linears' tile, attention's products) compiled once per process to an
+    object file the libraries link."""
     from tvm.support import cc
 
     directory = Path(tempfile.mkdtemp(prefix="bert-bf16-"))
-    source, obj = directory / "bf16_tile.c", directory / "bf16_tile.o"
-    source.write_text(TILE_SOURCE)
+    source, obj = directory / "bf16_kernels.c", directory / "bf16_kernels.o"
+    source.write_text(TILE_SOURCE + attention_bf16.SOURCE)
     compiler = cc.get_cc() or "gcc"
-    flags = ["-x", "c", "-O3", "-fPIC", "-mavx512f", "-mavx512bf16", "-c"]
+    flags = ["-x", "c", "-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-c"]
     result = subprocess.run([compiler, *flags, str(source), "-o", str(obj)], capture_output=True, text=True,
                             check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"the C compiler ({compiler}) cannot build the bf16 micro-kernel: "
+        raise RuntimeError(f"the C compiler ({compiler}) cannot build the bf16 micro-kernels: "
                            f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode}")
     return obj
 
 
-def linked_objects(mod: tvm.IRModule) -> list[str]:
-    """The objects a library built from `mod` must link: the micro-kernel where it runs a bf16 matmul."""
-    uses = any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
-               for gvar, func in mod.functions_items())
-    return [str(tile_object())] if uses else []
+def linked_objects(mod: tvm.IRModule, attention: str = "fp32") -> list[str]:
+    """The objects a library built from `mod` must link: the micro-kernels where it runs a bf16
+    matmul or its attention products in bf16 (`attention`, the kernel FuseAttention will write)."""
+    uses = attention == "bf16" or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
+                                      for gvar, func in mod.functions_items())
+    return [str(kernels_object())] if uses else []
 
 
 # ----------------------------------------------------------------------------- TE kernels

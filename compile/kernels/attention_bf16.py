@@ -1,0 +1,162 @@
+"""Attention's two products in bf16 (AVX512_BF16 `vdpbf16ps`), for the attention kernel of bf16 models.
+
+The fp32 kernel (attention.py) spends its time in two products per (sequence, head) and tile of
+16 queries: scores = K Q^T over the head's dims, and context = P V over the keys. Here both run as
+`vdpbf16ps`, 32 multiply-adds into 16 fp32 lanes per instruction (an fp32 FMA does 16), with fp32
+accumulation; what is around them stays as the fp32 kernel does it, in fp32: the staging of the
+head's keys and values, the bias and mask, the softmax (max, exp, sum) and the normalisation.
+
+Operands are rounded to bf16 (nearest even) once: the staged keys per (sequence, head); the staged
+values per (sequence, head), in key pairs `[keys / 2, dims, 2]`; each query tile's scaled queries in
+dim pairs `[dims / 2, 16, 2]`; each tile's probabilities in key pairs `[keys / 2, 16, 2]`. So one
+broadcast 32-bit pair (two keys' dims, or two keys' probabilities) times one register of pairs is
+one instruction. The probabilities are rounded after the exp, the sum that normalises them is taken
+in fp32: OpenVINO's bf16 attention rounds the same operands.
+
+Why C: as for the bf16 linears (bf16.py), TVM 0.27's LLVM code generator cannot call
+`vdpbf16ps`; the products are C functions compiled with the libraries' C compiler, specialised per
+head size (16, 32, 64, 128: the register tiles below are compile-time shapes), called from the TIR
+kernel with `call_extern`.
+"""
+
+from __future__ import annotations
+
+HEAD_SIZES = (16, 32, 64, 128)  # head sizes the products are compiled for
+LANES = 16  # queries per tile: one zmm of fp32
+SCORES = "bert_bf16_attention_scores_d{head}"
+CONTEXT = "bert_bf16_attention_context_d{head}"
+ROUND = "bert_bf16_round"
+PAIR_ROWS = "bert_bf16_pair_rows"
+SOFTMAX_PAIRS = "bert_bf16_softmax_pairs"
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* dst[n] = src[n] rounded to bf16 (nearest even); n % 16 == 0. */
+int32_t bert_bf16_round(uint16_t *dst, const float *src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+  return 0;
+}
+
+/* dst[pairs][cols][2] = rows 2p and 2p + 1 of src[2 * pairs][cols], interleaved and rounded to bf16
+   (nearest even); cols % 16 == 0. */
+int32_t bert_bf16_pair_rows(uint16_t *dst, const float *src, int64_t pairs, int64_t cols) {
+  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_loadu_si512(order);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t c = 0; c < cols; c += 16) {
+      __m512 even = _mm512_loadu_ps(src + 2 * p * cols + c), odd = _mm512_loadu_ps(src + (2 * p + 1) * cols + c);
+      __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even in the low half, odd in the high */
+      _mm512_storeu_si512(dst + 2 * (p * cols + c), _mm512_permutexvar_epi16(interleave, halves));
+    }
+  return 0;
+}
+
+/* The bf16 pair at p broadcast to every 32-bit lane, straight from memory (vbroadcastss). */
+typedef float bert_pair_word __attribute__((may_alias, aligned(2)));
+#define PAIR_AT(p) ((__m512bh)_mm512_castps_si512(_mm512_set1_ps(*(const bert_pair_word *)(p))))
+
+/* scores[j][16] = keys[j][HEAD] x queries[HEAD / 2][16][2] + bias[j] for the keys j < length, 8 keys x 16 queries
+   a tile (one broadcast dim pair of a key times one register of the queries' pairs per instruction); top[16]:
+   each query's largest score. */
+#define SCORES(HEAD)                                                                                        \
+  int32_t bert_bf16_attention_scores_d##HEAD(float *scores, float *top, const uint16_t *keys,               \
+                                             const uint16_t *queries, const float *bias, int64_t length) {  \
+    __m512 largest = _mm512_set1_ps(-__FLT_MAX__);                                                         \
+    for (int64_t block = 0; block < (length + 7) / 8; ++block) {                                           \
+      const uint16_t *k = keys + block * 8 * HEAD;                                                         \
+      __m512 acc[8];                                                                                       \
+      _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();                    \
+      _Pragma("GCC unroll 2") for (int p = 0; p < HEAD / 2; ++p) {                                         \
+        __m512bh q = (__m512bh)_mm512_loadu_si512(queries + 32 * p);                                       \
+        _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i)                                                \
+          acc[i] = _mm512_dpbf16_ps(acc[i], PAIR_AT(k + i * HEAD + 2 * p), q);                             \
+      }                                                                                                    \
+      _Pragma("GCC unroll 8") for (int i = 0; i < 8; ++i) {                                                \
+        int64_t j = block * 8 + i;                                                                         \
+        if (j < length) {                                                                                  \
+          __m512 s = _mm512_add_ps(acc[i], _mm512_set1_ps(bias[j]));                                       \
+          _mm512_storeu_ps(scores + j * 16, s);                                                            \
+          largest = _mm512_max_ps(largest, s);                                                             \
+        }                                                                                                  \
+      }                                                                                                    \
+    }                                                                                                      \
+    _mm512_storeu_ps(top, largest);                                                                        \
+    return 0;                                                                                              \
+  }
+
+/* exp(x) for x <= 0 (Cephes' degree-5 polynomial on x - n ln 2, scaled by 2^n): relative error ~1e-7. */
+static inline __m512 bert_exp(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+/* probs[(length + 1) / 2][16][2] = exp(scores[j][16] - top) rounded to bf16 (nearest even), in key pairs (an odd
+   length's last partner 0); total[16] = each query's sum of the unrounded exps. */
+int32_t bert_bf16_softmax_pairs(uint16_t *probs, float *total, const float *scores, const float *top, int64_t length) {
+  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_loadu_si512(order);
+  const __m512 largest = _mm512_loadu_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t p = 0; p < (length + 1) / 2; ++p) {
+    __m512 even = bert_exp(_mm512_sub_ps(_mm512_loadu_ps(scores + 32 * p), largest));
+    __m512 odd = 2 * p + 1 < length ? bert_exp(_mm512_sub_ps(_mm512_loadu_ps(scores + 32 * p + 16), largest))
+                                    : _mm512_setzero_ps();
+    sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
+    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
+    _mm512_storeu_si512(probs + 32 * p, _mm512_permutexvar_epi16(interleave, halves));
+  }
+  _mm512_storeu_ps(total, sum);
+  return 0;
+}
+
+/* context[16][HEAD] = probs[pairs][16][2] x values[pairs][HEAD][2]: QP queries' whole head rows a pass
+   (16 accumulators), one broadcast probability pair of a query times one register of value pairs. */
+#define CONTEXT(HEAD)                                                                                       \
+  int32_t bert_bf16_attention_context_d##HEAD(float *context, const uint16_t *probs, const uint16_t *values, \
+                                              int64_t pairs) {                                             \
+    enum { DV = HEAD / 16, QP = 16 / DV };                                                                 \
+    for (int part = 0; part < 16 / QP; ++part) {                                                           \
+      __m512 acc[QP][DV];                                                                                  \
+      _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q)                                                \
+        _Pragma("GCC unroll 8") for (int d = 0; d < DV; ++d) acc[q][d] = _mm512_setzero_ps();              \
+      for (int64_t p = 0; p < pairs; ++p) {                                                                \
+        __m512bh v[DV];                                                                                    \
+        _Pragma("GCC unroll 8") for (int d = 0; d < DV; ++d)                                               \
+          v[d] = (__m512bh)_mm512_loadu_si512(values + (p * HEAD + 16 * d) * 2);                           \
+        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {                                            \
+          __m512bh w = PAIR_AT(probs + (p * 16 + part * QP + q) * 2);                                      \
+          _Pragma("GCC unroll 8") for (int d = 0; d < DV; ++d) acc[q][d] = _mm512_dpbf16_ps(acc[q][d], w, v[d]); \
+        }                                                                                                  \
+      }                                                                                                    \
+      _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q)                                                \
+        _Pragma("GCC unroll 8") for (int d = 0; d < DV; ++d)                                               \
+          _mm512_storeu_ps(context + (part * QP + q) * HEAD + 16 * d, acc[q][d]);                          \
+    }                                                                                                      \
+    return 0;                                                                                              \
+  }
+
+SCORES(16) SCORES(32) SCORES(64) SCORES(128)
+CONTEXT(16) CONTEXT(32) CONTEXT(64) CONTEXT(128)
+"""
+
+
+def supports(head_size: int, lanes: int) -> bool:
+    """Whether the bf16 products are compiled for this head size (and the lanes are AVX-512's)."""
+    return lanes == LANES and head_size in HEAD_SIZES

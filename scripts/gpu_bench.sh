@@ -7,6 +7,8 @@
 #                             recorded in each manifest (compile.verify --record), manifests copied to $OUT
 #   bench DTYPE   (GPU host)  TVM with CUDA graphs (and without, via --compare) vs PyTorch eager and
 #                             torch.compile, at 1x16, 8x128, 32x128, 64x512 and generic 5x100, 24x200
+#   serve         (GPU host)  the fp16 CUDA-graph artifact served (one lane, and the default topology)
+#                             against the PyTorch server on the same GPU, on the load test's traffic
 # Environment: PYTHON (.venv/bin/python), ARTIFACTS (artifacts), OUT (docs/bench/cuda),
 # REPEATS (30), CUDA_ARCH (sm_90; the GPU's compute capability), MCPU (x86-64-v3: the LLVM CPU of
 # the host code, which runs on the GPU host's CPU, not on the compiling machine's).
@@ -18,7 +20,7 @@ OUT=${OUT:-docs/bench/cuda}
 REPEATS=${REPEATS:-30}
 CUDA_ARCH=${CUDA_ARCH:-sm_90}
 MCPU=${MCPU:-x86-64-v3}
-USAGE="usage: bash scripts/gpu_bench.sh compile | verify | bench float32|float16"
+USAGE="usage: bash scripts/gpu_bench.sh compile | verify | bench float32|float16 | serve"
 variants=(cuda-float32-graph cuda-float32-plain cuda-float16-graph cuda-float16-plain)
 
 require_artifacts() {
@@ -57,6 +59,11 @@ case ${1:-} in
     "$PYTHON" -m loadtest.bench --artifacts "$ARTIFACTS/cuda-$dtype-graph" --compare "$ARTIFACTS/cuda-$dtype-plain" \
       --shapes 1x16,8x128,32x128,64x512 --generic-shapes 5x100,24x200 --torch-compile \
       --repeats "$REPEATS" --out "$OUT/$dtype" ;;
+  serve)
+    require_artifacts cuda-float16-graph
+    "$PYTHON" -m loadtest.serving_bench --artifacts "$ARTIFACTS/cuda-float16-graph" \
+      --only "tvm 1 worker x all cores,tvm default (narrow x1 thread + wide),torch default (1 worker x all cores)" \
+      --short-requests 60 --long-requests 20 --mixed-requests 200 --rounds 2 --out "$OUT/serving" ;;
   *)
     echo "gpu_bench.sh: unknown stage '${1:-}'; $USAGE" >&2; exit 2 ;;
 esac

@@ -136,7 +136,7 @@ def test_every_gpu_bench_stage_named_in_the_docs_exists():
     (`bash scripts/gpu_bench.sh STAGE`) are the ones its `case` handles."""
     script = GPU_BENCH.read_text()
     stages = set(re.findall(r"^  ([a-z0-9-]+)\)$", script, re.M))
-    assert stages == {"compile", "verify", "bench"}
+    assert stages == {"compile", "verify", "bench", "serve"}
     for source in (ROOT / "README.md", ROOT / "docs" / "PERFORMANCE.md", Path(__file__), GPU_BENCH):
         named = set(re.findall(r"bash\s+scripts/gpu_bench\.sh\s+([a-z][a-z0-9-]*)", source.read_text()))
         assert named <= stages, f"{source.name} names gpu_bench.sh stages {sorted(named - stages)} it does not have"
@@ -148,11 +148,12 @@ def test_gpu_bench_usage_errors_are_one_line_and_exit_2(argv, tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.splitlines()
     assert line.startswith("gpu_bench.sh: ") and line.endswith("usage: bash scripts/gpu_bench.sh compile | verify | "
-                                                              "bench float32|float16")
+                                                              "bench float32|float16 | serve")
 
 
 @pytest.mark.parametrize(("argv", "first_missing"), [(["verify"], "cuda-float32-graph"),
-                                                     (["bench", "float16"], "cuda-float16-graph")])
+                                                     (["bench", "float16"], "cuda-float16-graph"),
+                                                     (["serve"], "cuda-float16-graph")])
 def test_gpu_stages_without_compiled_artifacts_say_how_to_make_them(argv, first_missing, tmp_path):
     """Before touching the GPU, each artifact the stage reads must be there (here: a directory
     without a manifest, as an interrupted copy leaves it)."""

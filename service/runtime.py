@@ -84,7 +84,8 @@ class Runtime:
         self.on_fatal = on_fatal
         self.artifacts = served_artifacts(settings)
         self.topology = plan_topology(settings.cores or usable_cores(), settings.backend, settings.workers,
-                                      settings.threads_per_worker, settings.wide_worker, settings.queue_ahead)
+                                      settings.threads_per_worker, settings.wide_worker, settings.queue_ahead,
+                                      gpu=any(a.manifest.target.kind == "cuda" for a in self.artifacts))
         # TVM sizes each thread's pool from TVM_NUM_THREADS when that thread first needs one (the
         # workers then use part of it, see TvmBackend.configure_thread); unpinned threads let the
         # OS place the wide worker and the narrow ones, whose pools would otherwise pin to the same

@@ -30,14 +30,21 @@ class Topology:
 
 
 def plan_topology(cores: int, backend: str, workers: int | None = None, threads_per_worker: int | None = None,
-                  wide: bool | None = None, queue_ahead: bool = True) -> Topology:
+                  wide: bool | None = None, queue_ahead: bool = True, gpu: bool = False) -> Topology:
     """The default, or the flags' choice checked against the cores.
 
     TVM: one single-threaded worker per core (independent batches scale perfectly, while a
     2-thread batch of a small bucket gains little) plus the wide worker for latency when idle.
     PyTorch: one worker over every core (its OpenMP threads are shared process-wide, so a wide
     worker beside narrow ones is not possible), which is also what a PyTorch server runs.
+    `gpu` (CUDA artifacts): one worker, since every call shares the GPU's one stream and runs
+    alone (artifact/loader.py); more workers only queue batches that could have merged (on an
+    H100 one worker served 156 req/s of mixed traffic, the default CPU topology 99:
+    docs/PERFORMANCE.md).
     """
+    if gpu:
+        workers = workers or 1
+        wide = False if wide is None else wide
     if backend == "torch":
         workers = workers or max(1, cores // (threads_per_worker or cores))
         threads_per_worker = threads_per_worker or max(1, cores // workers)

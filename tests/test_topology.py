@@ -52,6 +52,8 @@ def test_usable_cores_is_the_affinity_capped_by_the_quota_floored(tmp_path):
     (4, "tvm", {"wide": False}, Topology(4, 4, 1, False)),
     (2, "torch", {}, Topology(2, 1, 2, False)),
     (4, "torch", {"threads_per_worker": 1}, Topology(4, 4, 1, False)),
+    (16, "tvm", {"gpu": True}, Topology(16, 1, 16, False)),  # a CUDA artifact: its calls run one at a time
+    (4, "tvm", {"gpu": True, "workers": 2}, Topology(4, 2, 2, False)),  # flags still choose
 ])
 def test_topology_defaults_and_flags(cores, backend, flags, expected):
     assert plan_topology(cores, backend, **flags) == expected

@@ -262,7 +262,8 @@ def load_candidates(args, scratch: Path) -> Candidates:
     sdpa = load_wrapper(info, manifest.task, manifest.dtype, attention="sdpa").to(device)
     precisions = {"tvm_bucket": manifest.linear_precision, "tvm_generic": manifest.linear_precision,
                   **{label: other.manifest.linear_precision for label, other in others.items()},
-                  "torch_eager": "fp32", "torch_sdpa": "fp32", "torch_compile": "fp32"}
+                  **dict.fromkeys(("torch_eager", "torch_sdpa", "torch_compile"),  # in the artifact's dtype
+                                  "fp32" if manifest.dtype == "float32" else manifest.dtype)}
     sessions, fused, openvino = {}, {}, {}
     if not (args.no_onnx or on_gpu):
         from .onnx_peer import onnx_sessions

@@ -14,7 +14,7 @@ from tvm import te
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
-from compile.kernels import dense, int8
+from compile.kernels import dense, int8, rows
 from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
 
@@ -91,3 +91,27 @@ def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
              np.ones(n, "float32"), compensation]
     lib(*(tvm.runtime.tensor(a) for a in given), out)
     np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
+
+
+@pytest.mark.parametrize("target", [V3, V4], ids=["x86-64-v3", "x86-64-v4"])
+def test_layer_norm_keeps_sixteen_partial_sums_at_every_vector_width(target):
+    """Two ymm of partial sums per reduction at AVX2 (one zmm at AVX-512, as before): each partial's
+    chain of dependent adds is width / 16 long at both widths. Numbers against PyTorch on x86-64-v3."""
+    import torch
+
+    width, lanes = 24 * vector_lanes(target), vector_lanes(target)
+    x = te.placeholder((tvm.tirx.Var("t", "int64"), width), "float32", name="x")
+    gamma, beta = (te.placeholder((width,), "float32", name=name) for name in ("gamma", "beta"))
+    out = tvm.topi.nn.layer_norm(x, gamma, beta, axis=[1], epsilon=1e-12)
+    sch = rows.schedule_rows(te.create_prim_func([x, gamma, beta, out]), lanes)
+    partials = re.findall(r"_rf = T.sblock_alloc_buffer\(\((?:T\.int64\()?(\d+)", sch.mod["main"].script())
+    assert partials == [str(max(lanes, 16))] * 2  # the sum's and the variance's
+    lib = tvm.compile(sch.mod, target=target, tir_pipeline=tir_pipeline(target))
+    _run_here(target)
+    rng = np.random.default_rng(2)
+    xs, g, b = (rng.standard_normal(shape).astype("float32") for shape in ((5, width), (width,), (width,)))
+    result = tvm.runtime.tensor(np.zeros((5, width), "float32"))
+    lib(*(tvm.runtime.tensor(a) for a in (xs * 3 + 1, g, b)), result)
+    expected = torch.nn.functional.layer_norm(torch.from_numpy(xs * 3 + 1), (width,), torch.from_numpy(g),
+                                              torch.from_numpy(b), 1e-12)
+    np.testing.assert_allclose(result.numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)

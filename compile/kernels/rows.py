@@ -3,8 +3,9 @@ and rewrites each row of a [rows, width] tensor independently.
 
 Each is one parallel loop over rows (one launch of the thread pool, where TVM's default lowering
 and dlight's CPU `Reduction` rule launch once per block) and, inside, every step of a row: its
-reductions (sum, max, variance) split into `lanes` partial results that one vector instruction
-updates at a time (`rfactor`) instead of a scalar chain of `width` dependent adds, and its
+reductions (sum, max, variance) split into 16 partial results (`REDUCTION_PARTIALS`, or `lanes`) that
+one or two vector instructions update at a time (`rfactor`) instead of a scalar chain of `width`
+dependent adds, and its
 element-wise steps vectorised. Injective producers with one consumer are recomputed where they
 are read (the mask and scale before a softmax, layer norm's last step before a quantisation); a
 step read twice (softmax's exp, layer norm's mean) is computed once per row.
@@ -18,6 +19,16 @@ from __future__ import annotations
 from tvm import s_tir, tirx
 
 from .common import attempt, is_reduction, root_blocks, static_extent
+
+# Partial results per reduction over a row: at least 16, so that each partial's chain of dependent
+# adds is width / 16 long whatever the vector width (one zmm, two ymm); with one ymm of partials an
+# x86-64-v3 layer norm took twice the AVX-512 one's time, waiting on that chain.
+REDUCTION_PARTIALS = 16
+
+
+def _partials(width: int, lanes: int) -> int:
+    partials = max(lanes, REDUCTION_PARTIALS)
+    return partials if width % partials == 0 else lanes
 
 
 def schedule_rows(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
@@ -44,10 +55,10 @@ def schedule_rows(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
         if len(own) not in (rows, rows + 1) or (len(own) == rows + 1 and static_extent(sch, own[-1]) != width):
             return None
     partials = []
-    for block in blocks[:-1]:  # reductions over the width: `lanes` partial results each
+    for block in blocks[:-1]:  # reductions over the width: `_partials` partial results each
         own = sch.get_loops(block)
         if is_reduction(sch, block) and len(own) == rows + 1:
-            _, inner = sch.split(own[-1], [None, lanes])
+            _, inner = sch.split(own[-1], [None, _partials(width, lanes)])
             partials.append(sch.rfactor(inner, factor_axis=0))
     # the rows' loop is the first output's (compute_at cannot move an output block, so outputs
     # after it, the quantized row after its scale, are moved under it the other way round)

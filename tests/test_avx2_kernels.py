@@ -43,10 +43,10 @@ def _run_here(target) -> None:
 
 def test_register_tiles_follow_the_lane_count():
     """16 ymm: 4 rows x 3 vectors (12 accumulators); 32 zmm: 8 rows x 2 vectors (16)."""
-    for target, (rows, vectors) in ((V3, (4, 3)), (V4, (8, 2))):
+    for target, (tile_rows, vectors) in ((V3, (4, 3)), (V4, (8, 2))):
         lanes = vector_lanes(target)
         n = 2 * 3 * lanes * 4  # a multiple of both widths
-        assert dense._tile_sizes(n, lanes) == (rows, vectors * lanes, False)
+        assert dense._tile_sizes(n, lanes) == (tile_rows, vectors * lanes, False)
         assert dense.packed_panel_width(n, lanes) == vectors * lanes
 
 

@@ -23,6 +23,7 @@ from compile.passes.lift import lift_and_transform
 from compile.passes.quantize import embedding_agreement, sentence_rows
 from compile.passes.smooth import linear_modules, module_key, smooth_linears, smoothing_scales
 from compile.precision import Gate
+from loadtest.int8_accuracy import artifact_outputs, cosines
 
 TARGET = make_target("cpu", "sm_90", None)
 SENSITIVE = "bert.encoder.layer.1.output.dense"
@@ -196,13 +197,7 @@ def _pytorch(checkpoint: Path, sentences: list[str]) -> np.ndarray:
 
 
 def _artifact(directory: Path, sentences: list[str]) -> np.ndarray:
-    from loadtest.int8_accuracy import artifact_outputs
-
     return artifact_outputs(directory, sentences)
-
-
-def _cosines(actual: np.ndarray, expected: np.ndarray) -> np.ndarray:
-    return np.sum(actual * expected, 1) / np.linalg.norm(actual, axis=1) / np.linalg.norm(expected, axis=1)
 
 
 def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
@@ -215,7 +210,7 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
     assert quantization.cosine_min > 0.9999 and quantization.worst_sentence is not None
     assert len(quantization.sensitivity) == 8 and quantization.kept == []
     assert "SmoothLinears" in manifest.passes.strategies["concat"].pipeline
-    assert _cosines(_artifact(tmp_path / "out", UNSEEN), _pytorch(outlier_checkpoint, UNSEEN)).min() > 0.9999
+    assert cosines(_artifact(tmp_path / "out", UNSEEN), _pytorch(outlier_checkpoint, UNSEEN)).min() > 0.9999
 
 
 @pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
@@ -242,7 +237,7 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     assert quantization.linears == 7 and quantization.cosine_min >= 0.9999
     weights = load_file(str(out / manifest.weights["concat"].file))
     assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7
-    assert _cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
+    assert cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
 
 
 def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier_checkpoint, tmp_path, monkeypatch):

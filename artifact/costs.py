@@ -46,9 +46,6 @@ class BatchCosts:
         self.buckets = sorted(buckets)
         measured = bucket_ms is not None and generic_ms is not None and all(b in bucket_ms for b in self.buckets)
         self.measured = measured
-        if measured:  # a bucket costs at least what any bucket it holds costs: it computes all of that and more,
-            # so timing noise (a compile on a busy machine) cannot send a batch to a bigger bucket
-            bucket_ms = {b: max(bucket_ms[c] for c in self.buckets if b.fits(c.batch, c.seq)) for b in self.buckets}
         self._bucket_cost = (lambda b: bucket_ms[b]) if measured else (lambda b: float(CALL_TOKENS + b.capacity))
         self._generic_cost = generic_ms if measured else (lambda size, seq: float(CALL_TOKENS + size * seq))
         self._chosen: dict[tuple[int, int], Choice | None] = {}  # the planner asks for the same shapes often

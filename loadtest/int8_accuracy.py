@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, actual in by_set.items():
             found = cosines(actual, expected[name])
             table[label][name] = {"cosine_min": round(float(found.min()), 5),
-                                  "cosine_mean": round(float(found.mean()), 5), "worst": SETS[name][int(found.argmin())]}
+                                  "cosine_mean": round(float(found.mean()), 5),
+                                  "worst": SETS[name][int(found.argmin())]}
     print("| | " + " | ".join(f"{name}: least cosine (on) | {name}: mean" for name in SETS) + " |")
     print("|---|" + "---|---|" * len(SETS))
     for label, by_set in table.items():

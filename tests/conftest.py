@@ -85,6 +85,25 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     return compile_model(config)
 
 
+def with_latencies(artifact: Path, out: Path, latencies: dict[tuple[int, int], float]) -> Path:
+    """A copy of a padded `artifact` whose buckets' recorded latencies are `latencies` ((batch, seq)
+    -> ms): what routes a batch then depends on the test, not on how busy the machine was when
+    the artifact was compiled and timed."""
+    import json
+    import shutil
+
+    shutil.copytree(artifact, out)
+    data = json.loads((out / "manifest.json").read_text())
+    for bucket in data["buckets"]:
+        bucket["latency_ms"] = latencies[bucket["batch"], bucket["seq"]]
+    (out / "manifest.json").write_text(json.dumps(data))
+    return out
+
+
+# The tiny artifact's buckets timed as an idle machine times them: a bigger bucket takes longer.
+TINY_LATENCIES = {(1, 8): 1.0, (2, 16): 1.5, (4, 16): 2.0}
+
+
 def server_refusal(artifacts: Path) -> list[str]:
     """Start `python -m service` on `artifacts`, which it must refuse before listening (exit 2):
     the lines it wrote to stderr."""

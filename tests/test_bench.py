@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+from conftest import TINY_LATENCIES, with_latencies
 
 from artifact.cpu_features import host_flags
 from artifact.hashing import file_sha256
@@ -13,8 +14,8 @@ from loadtest.bench import bert_flops, disagreements, main
 
 
 def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_path, capsys):
-    out = tmp_path / "bench"
-    assert main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8,2x16", "--generic-shapes", "3x5",
+    out, artifact = tmp_path / "bench", with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES)
+    assert main(["--artifacts", str(artifact), "--shapes", "1x8,2x16", "--generic-shapes", "3x5",
                  "--repeats", "2", "--compare", str(tiny_embed_artifact), "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 0

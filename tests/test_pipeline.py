@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LABELS, compile_artifact
+from conftest import TINY_LABELS, TINY_LATENCIES, compile_artifact, with_latencies
 
 from artifact.bucketing import Bucket
 from artifact.costs import CALL_TOKENS, measured_costs
@@ -71,16 +71,8 @@ def test_the_loader_runs_a_batch_on_the_library_the_planner_chooses(tiny_embed_a
     """Benchmarks call `run` without a bucket, so it must time the library the server runs: under
     latencies where the 4x16 bucket beats 2x16 (the smallest that holds two short inputs) and two
     1x8 calls, the planner and the loader both take 4x16."""
-    import shutil
-
-    copy = tmp_path / "copy"
-    shutil.copytree(tiny_embed_artifact, copy)
-    data = json.loads((copy / "manifest.json").read_text())
-    latencies = {(1, 8): 3.0, (2, 16): 9.0, (4, 16): 4.0}
-    for bucket in data["buckets"]:
-        bucket["latency_ms"] = latencies[bucket["batch"], bucket["seq"]]
-    (copy / "manifest.json").write_text(json.dumps(data))
-    model = load_artifact(copy)
+    model = load_artifact(with_latencies(tiny_embed_artifact, tmp_path / "copy", {(1, 8): 3.0, (2, 16): 9.0,
+                                                                                  (4, 16): 4.0}))
     planned = plan_batches([5, 5], TvmBackend(model).costs(), BatchLimits(16384, None, 16))
     assert [(batch.indices, batch.bucket) for batch in planned] == [([0, 1], Bucket.of(4, 16))]
     ids = np.ones((2, 5), dtype=np.int64)
@@ -179,8 +171,8 @@ def _torch_reference(model_dir, task, input_ids, attention_mask):
 
 @pytest.mark.parametrize("shape,path", [((1, 5), "bucket-1x8"), ((3, 12), "bucket-4x16"),
                                         ((2, 16), "bucket-2x16"), ((6, 30), "generic"), ((1, 17), "generic")])
-def test_loader_routes_and_matches_pytorch(tiny_embed_artifact, tiny_bert_dir, shape, path):
-    model = load_artifact(tiny_embed_artifact)
+def test_loader_routes_and_matches_pytorch(tiny_embed_artifact, tiny_bert_dir, shape, path, tmp_path):
+    model = load_artifact(with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES))
     input_ids, attention_mask, _, _ = (x.numpy() for x in example_inputs(*shape, 30522, seed=7))
     result = model.run(input_ids, attention_mask)
     assert result.path == path

@@ -109,18 +109,6 @@ def test_the_cheapest_fitting_bucket_runs_the_batch_not_the_smallest():
     assert costs.choose(5, 10) is None and costs.generic(5, 10).cost == generic_ms(5, 10)
 
 
-def test_a_bucket_is_never_cheaper_than_one_it_holds():
-    """Latencies measured on a busy machine can put a bucket under one it holds (4x16 at 0.8 ms, 2x16
-    at 1.0): the bigger bucket computes all the smaller one does, so it costs at least as much, and a
-    batch that fits both runs on the smaller."""
-    by_name = {bucket.name: bucket for bucket in parse_buckets("1x8,2x16,4x16")}
-    costs = BatchCosts(list(by_name.values()), {by_name["1x8"]: 0.5, by_name["2x16"]: 1.0, by_name["4x16"]: 0.8},
-                       generic_ms)
-    assert costs.choose(2, 16).bucket.name == "2x16" and costs.choose(2, 16).cost == 1.0
-    assert costs.choose(3, 12).bucket.name == "4x16" and costs.choose(3, 12).cost == 1.0
-    assert costs.choose(1, 5).bucket.name == "1x8" and costs.choose(1, 5).cost == 0.5
-
-
 def test_a_batch_stops_growing_when_one_more_input_costs_more_than_its_own_run():
     costs = BatchCosts(list(MEASURED), MEASURED, generic_ms)
     planned = plan_batches([10, 10, 100], costs, LIMITS)

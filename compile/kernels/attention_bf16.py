@@ -41,18 +41,22 @@ int32_t bert_bf16_round(uint16_t *dst, const float *src, int64_t n) {
   return 0;
 }
 
+/* even[0], odd[0], even[1], odd[1], ...: two rows' 16 values each, rounded to bf16 (nearest even) and
+   interleaved into pairs. */
+static inline __m512i bert_bf16_pairs(__m512 even, __m512 odd) {
+  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even in the low half, odd in the high */
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(order), halves);
+}
+
 /* dst[pairs][cols][2] = rows 2p and 2p + 1 of src[2 * pairs][cols], interleaved and rounded to bf16
    (nearest even); cols % 16 == 0. */
 int32_t bert_bf16_pair_rows(uint16_t *dst, const float *src, int64_t pairs, int64_t cols) {
-  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_loadu_si512(order);
   for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t c = 0; c < cols; c += 16) {
-      __m512 even = _mm512_loadu_ps(src + 2 * p * cols + c), odd = _mm512_loadu_ps(src + (2 * p + 1) * cols + c);
-      __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even); /* even in the low half, odd in the high */
-      _mm512_storeu_si512(dst + 2 * (p * cols + c), _mm512_permutexvar_epi16(interleave, halves));
-    }
+    for (int64_t c = 0; c < cols; c += 16)
+      _mm512_storeu_si512(dst + 2 * (p * cols + c), bert_bf16_pairs(_mm512_loadu_ps(src + 2 * p * cols + c),
+                                                                    _mm512_loadu_ps(src + (2 * p + 1) * cols + c)));
   return 0;
 }
 
@@ -109,9 +113,6 @@ static inline __m512 bert_exp(__m512 x) {
 /* probs[(length + 1) / 2][16][2] = exp(scores[j][16] - top) rounded to bf16 (nearest even), in key pairs (an odd
    length's last partner 0); total[16] = each query's sum of the unrounded exps. */
 int32_t bert_bf16_softmax_pairs(uint16_t *probs, float *total, const float *scores, const float *top, int64_t length) {
-  static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_loadu_si512(order);
   const __m512 largest = _mm512_loadu_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t p = 0; p < (length + 1) / 2; ++p) {
@@ -119,8 +120,7 @@ int32_t bert_bf16_softmax_pairs(uint16_t *probs, float *total, const float *scor
     __m512 odd = 2 * p + 1 < length ? bert_exp(_mm512_sub_ps(_mm512_loadu_ps(scores + 32 * p + 16), largest))
                                     : _mm512_setzero_ps();
     sum = _mm512_add_ps(sum, _mm512_add_ps(even, odd));
-    __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(odd, even);
-    _mm512_storeu_si512(probs + 32 * p, _mm512_permutexvar_epi16(interleave, halves));
+    _mm512_storeu_si512(probs + 32 * p, bert_bf16_pairs(even, odd));
   }
   _mm512_storeu_ps(total, sum);
   return 0;

@@ -239,7 +239,7 @@ class LibraryBuilder:
                 self.tuner.tune(name, module, self.config.tune / len(self.variants))
             build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
                           tuned=self.tuner.database if self.tuner is not None else None,
-                          attention=precision.attention_products(self.config.precision))
+                          attention=precision.attention_products(self.config.precision, self.target))
             libraries[strategy] = library
         strategy_ms = self._time_strategies(libraries, workloads[0])
         return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)

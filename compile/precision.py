@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import tvm
 
-from .kernels import bf16, int8
+from .kernels import amx, bf16, int8
 
 PRECISIONS = ("fp32", "bf16", "int8")
 
@@ -80,10 +80,14 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
     return gate.failures(accuracy) if gate is not None else []
 
 
-def attention_products(precision: str) -> str:
-    """The arithmetic of attention's two products in a `precision` library: bf16 beside bf16
-    linears (the same CPU feature, measured under the same gate), fp32 otherwise."""
-    return "bf16" if precision == "bf16" else "fp32"
+def attention_products(precision: str, target: tvm.target.Target) -> str:
+    """The arithmetic of attention's two products in a `precision` library for `target`: bf16
+    beside bf16 linears and beside int8 ones (its error, ~1e-4 in cosine, is within either's gate,
+    which the built library is measured against), on AMX tiles where the CPU has them, else
+    AVX512_BF16; fp32 in fp32 libraries and where the CPU has no AVX512_BF16."""
+    if precision not in ("bf16", "int8") or refusal("bf16", target) is not None:
+        return "fp32"
+    return "amx" if amx.supported(target) else "bf16"
 
 
 def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
@@ -95,9 +99,13 @@ def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
 
 def kernel_description(precision: str, target: tvm.target.Target) -> str | None:
     """The micro-kernel `precision`'s linears run on for `target`, as the manifest names it (None: fp32)."""
+    amx_tiles = amx.supported(target)
     if precision == "int8":
-        return int8.kernel_for(target).description
-    return bf16.DESCRIPTION if precision == "bf16" else None
+        kernel = int8.kernel_for(target)
+        return amx.INT8_DESCRIPTION if amx_tiles and kernel is int8.VNNI else kernel.description
+    if precision == "bf16":
+        return amx.BF16_DESCRIPTION if amx_tiles else bf16.DESCRIPTION
+    return None
 
 
 @dataclass

@@ -4,7 +4,8 @@ TVM 0.27's default CPU lowering leaves every fused PrimFunc as the serial, scala
 LegalizeOps wrote, and `tvm.s_tir.dlight.cpu` has no matmul rule, so a whole BERT runs ~100x
 slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first rule that applies:
 
-0. the bf16 and int8 kernels of `--precision bf16` / `int8` (kernels/bf16.py, kernels/int8.py);
+0. the bf16 and int8 kernels of `--precision bf16` / `int8` (kernels/bf16.py, kernels/int8.py), on
+   AMX tiles where the target has them (kernels/amx.py);
 1. `dense.schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
@@ -28,7 +29,7 @@ from tvm import relax, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
-from .kernels import bf16, int8
+from .kernels import amx, bf16, int8
 from .kernels.common import SCHEDULED_ATTR, vector_lanes
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
@@ -43,10 +44,11 @@ log = logging.getLogger(__name__)
 def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """The scheduled `func`, or None when no rule recognises it (or every rule fails on it)."""
     lanes = vector_lanes(target)
+    amx_tiles = amx.supported(target)
     func = fast_math(func)
     rules = (
-        bf16.schedule_bf16_matmul,
-        int8.schedule_int8_matmul,
+        lambda f: bf16.schedule_bf16_matmul(f, amx_tiles),
+        lambda f: int8.schedule_int8_matmul(f, amx_tiles),
         lambda f: schedule_matmul(f, lanes),
         lambda f: schedule_rows(f, lanes),
         lambda f: Reduction().apply(f, target, False),

@@ -19,7 +19,7 @@ from tvm import relax, tirx
 from artifact.cpu_features import missing_on_host, target_features
 from artifact.packed_batch import pack_batch
 from compile.build import make_target
-from compile.kernels import attention, attention_bf16, bf16
+from compile.kernels import amx, attention, attention_amx, attention_bf16, bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
@@ -30,7 +30,7 @@ HEADS, HEAD_SIZE = 3, 16  # a head size both AVX2 (8) and AVX-512 (16) lanes div
 TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu="x86-64-v4")}
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
 MIN = float(np.finfo(np.float32).min)
-BF16_CPU = "znver4"  # an AVX512_BF16 CPU LLVM knows
+PRODUCT_CPUS = {"bf16": "znver4", "amx": "sapphirerapids"}  # CPUs LLVM knows to have AVX512_BF16, AMX
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
@@ -168,15 +168,15 @@ def _runs_here(target) -> bool:
     return not missing_on_host(target_features(target))
 
 
-def _inputs(layout: str, seq: int, masks: np.ndarray, seed: int):
+def _inputs(layout: str, seq: int, masks: np.ndarray, seed: int, head_size: int = HEAD_SIZE):
     """Random Q/K/V rows and the additive mask for `masks` [batch, seq] (1: a real token)."""
     rng = np.random.default_rng(seed)
     bias = ((1.0 - masks[:, None, None, :]) * MIN).astype("float32")
     if layout == "packed":
         _, _, _, gather, _, scatter = pack_batch(np.ones_like(masks), masks)
-        qkv = rng.standard_normal((int(masks.sum()), 3 * HEADS * HEAD_SIZE)).astype("float32") * 2
+        qkv = rng.standard_normal((int(masks.sum()), 3 * HEADS * head_size)).astype("float32") * 2
         return [qkv, bias, gather, scatter]
-    qkv = rng.standard_normal((masks.shape[0] * seq, 3 * HEADS * HEAD_SIZE)).astype("float32") * 2
+    qkv = rng.standard_normal((masks.shape[0] * seq, 3 * HEADS * head_size)).astype("float32") * 2
     return [qkv, bias]
 
 
@@ -204,52 +204,58 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)
 
 
-def _bf16_library(module: tvm.IRModule, path) -> tvm.runtime.Module:
-    """`module` built for an AVX512_BF16 CPU with attention's products in bf16, linked with the
-    micro-kernels (skips the test where this CPU cannot run it)."""
-    target = make_target("cpu", mcpu=BF16_CPU)
-    built = tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention="bf16"),
+def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.runtime.Module:
+    """`module` built with attention's products in bf16 (`products` "bf16": for an AVX512_BF16 CPU;
+    "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
+    target = make_target("cpu", mcpu=PRODUCT_CPUS[products])
+    built = tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=products),
                         tir_pipeline=tir_pipeline(target))
-    built.export_library(str(path), addons=bf16.linked_objects(module, "bf16"))
+    built.export_library(str(path), addons=bf16.linked_objects(module, products)
+                         + amx.linked_objects(module, target, products))
     if not _runs_here(target):
-        pytest.skip(f"compiled for {BF16_CPU}; this CPU lacks AVX512_BF16, so it is not run")
+        pytest.skip(f"compiled for {PRODUCT_CPUS[products]}; this CPU lacks its features, so it is not run")
     return tvm.runtime.load_module(str(path))
 
 
+@pytest.mark.parametrize("products", ["bf16", "amx"])
 @pytest.mark.parametrize("layout,seq,symbolic", [("packed", 13, False), ("packed", 40, True),
                                                  ("padded", 5, False), ("padded", 24, True)])
-def test_bf16_products_keep_the_unfused_graphs_answers(layout, seq, symbolic, tmp_path):
+def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, symbolic, tmp_path):
     """Against the unfused fp32 graph: within what rounding each operand to 8 significant bits allows.
     These inputs are harsh (logits up to ~20, peaked softmaxes, values of scale 2): 2^-9 relative per
     operand moves outputs by up to ~0.07 here, a wrong pair or key offset by ~1."""
     bound = tirx.Var("s", "int64") if symbolic else seq
-    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
+    head_size = 32 if products == "amx" else HEAD_SIZE
+    module = _attention_module(layout, bound, head_size=head_size, upper_bound=64 if symbolic else None)
     unfused_lib = tvm.compile(module, TARGETS[16], relax_pipeline=cpu_pipeline(TARGETS[16], attention=None),
                               tir_pipeline=tir_pipeline(TARGETS[16]))
-    unfused, fused = _run_unfused_and_fused(unfused_lib, _bf16_library(module, tmp_path / "fused.so"), layout, seq)
+    unfused, fused = _run_unfused_and_fused(unfused_lib, _bf16_library(module, tmp_path / "fused.so", products),
+                                            layout, seq, head_size)
     np.testing.assert_allclose(fused, unfused, rtol=0, atol=0.15)
     assert np.abs(fused - unfused).mean() < 0.01
 
 
+@pytest.mark.parametrize("products,head_size", [("bf16", HEAD_SIZE), ("amx", 32), ("amx", 64), ("amx", 128)])
 @pytest.mark.parametrize("seq,symbolic", [(13, False), (40, True)])
-def test_bf16_products_round_exactly_the_operands_they_say(seq, symbolic, tmp_path):
-    """Against numpy doing what the module docstring says (queries x scale, keys, values and the
-    exp'd scores rounded to bf16, everything else fp32): equal to fp32 summation order."""
+def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, seq, symbolic, tmp_path):
+    """Against numpy doing what the module docstrings say (queries x scale, keys, values and the
+    exp'd scores rounded to bf16, everything else fp32): equal to fp32 summation order, on the
+    AVX-512 micro-kernels and on AMX tiles."""
     bound = tirx.Var("s", "int64") if symbolic else seq
-    library = _bf16_library(_attention_module("packed", bound, upper_bound=64 if symbolic else None),
-                            tmp_path / "fused.so")
+    library = _bf16_library(_attention_module("packed", bound, head_size=head_size,
+                                              upper_bound=64 if symbolic else None), tmp_path / "fused.so", products)
     masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
-    inputs = _inputs("packed", seq, masks, seed=seq)
-    qkv, gather, hidden = inputs[0], inputs[2], HEADS * HEAD_SIZE
+    inputs = _inputs("packed", seq, masks, seed=seq, head_size=head_size)
+    qkv, gather, hidden = inputs[0], inputs[2], HEADS * head_size
     expected = np.zeros((qkv.shape[0], hidden), np.float32)
     for b, length in enumerate(masks.sum(1)):
         rows = gather[b, :length]
         for h in range(HEADS):
-            columns = slice(h * HEAD_SIZE, (h + 1) * HEAD_SIZE)
+            columns = slice(h * head_size, (h + 1) * head_size)
             head = [qkv[rows, offset:][:, columns] for offset in (0, hidden, 2 * hidden)]
-            q, k, v = _bf16(head[0] * np.float32(1 / math.sqrt(HEAD_SIZE))), _bf16(head[1]), _bf16(head[2])
+            q, k, v = _bf16(head[0] * np.float32(1 / math.sqrt(head_size))), _bf16(head[1]), _bf16(head[2])
             scores = np.exp(q @ k.T - (q @ k.T).max(1, keepdims=True))
-            expected[rows, h * HEAD_SIZE:(h + 1) * HEAD_SIZE] = _bf16(scores) @ v / scores.sum(1, keepdims=True)
+            expected[rows, h * head_size:(h + 1) * head_size] = _bf16(scores) @ v / scores.sum(1, keepdims=True)
     got = relax.VirtualMachine(library, tvm.cpu())["main"](*(tvm.runtime.tensor(x) for x in inputs)).numpy()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
 
@@ -273,6 +279,21 @@ def test_bf16_products_run_on_the_micro_kernels():
                                                                            widths=(3 * HEADS * 48,) * 3), 16, "bf16"))
 
 
+def test_amx_products_run_on_the_tiles():
+    """An "amx" kernel calls the AMX products for head sizes of whole tile rows (32, 64, 128), with
+    the values transposed and the bf16 softmax between them; a head size of 16 keeps the AVX-512
+    micro-kernels."""
+    shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, 32, 24, 0.25, True,
+                           (3 * HEADS * 32,) * 3, (0, HEADS * 32, 2 * HEADS * 32))
+    assert _extern_calls(attention.write_attention(shape, 16, "amx")) == {
+        attention_amx.SCORES.format(head=32), attention_amx.CONTEXT.format(head=32), attention_amx.TRANSPOSE,
+        attention_bf16.PAIR_ROWS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS}
+    narrow = dataclasses.replace(shape, head_size=HEAD_SIZE, widths=(3 * HEADS * HEAD_SIZE,) * 3,
+                                 offsets=(0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
+    assert _extern_calls(attention.write_attention(narrow, 16, "amx")) == _extern_calls(
+        attention.write_attention(narrow, 16, "bf16"))
+
+
 def _stored(func: tirx.PrimFunc) -> set[str]:
     names = set()
     tvm_ffi.structural_map(func.body, [(tirx.BufferStore, lambda store: names.add(str(store.buffer.name)) or store)])
@@ -286,14 +307,15 @@ def _extern_calls(func: tirx.PrimFunc) -> set[str]:
     return names
 
 
-def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int) -> tuple[np.ndarray, np.ndarray]:
+def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
+                           head_size: int = HEAD_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Both libraries' outputs on sequences of 1 token to the full bound (padded also with holes in
     a mask and a row of padding only: a bucket's unused row), on the rows any output reads."""
     masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
     if layout == "padded":
         masks[2, 1] = masks[2, 3] = 0  # holes before the last real token count like any masked key
         masks[3, :] = 0  # padding only
-    inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq)]
+    inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq, head_size=head_size)]
     unfused, fused = (relax.VirtualMachine(lib, tvm.cpu())["main"](*inputs).numpy() for lib in (unfused_lib, fused_lib))
     if layout == "padded":  # the kernel zeroes rows past a sequence's last real token: no output reads them
         last = seq - np.argmax(masks[:, ::-1], axis=1)  # one past each row's last real token

@@ -11,6 +11,7 @@ import tvm
 from tvm import te, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
+from compile import precision
 from compile.build import make_target
 from compile.kernels import int8
 from compile.kernels.common import vector_lanes
@@ -164,7 +165,7 @@ def test_int8_artifact_ships_int8_weights_and_its_accuracy(int8_artifact):
 
     manifest = Manifest.read(int8_artifact)
     assert manifest.quantization.linears == 2 * 4  # per layer: Q/K/V (concatenated), output, two FFN
-    assert manifest.quantization.kernel == int8.kernel_for(TARGET).description  # the best this CPU runs
+    assert manifest.quantization.kernel == precision.kernel_description("int8", TARGET)  # the best this CPU runs
     assert manifest.quantization.sentences > 20 and manifest.quantization.cosine_min >= 0.99
     assert "QuantizeLinearsInt8" in manifest.passes.strategies["concat"].pipeline
     weights = load_file(str(int8_artifact / manifest.weights["concat"].file))

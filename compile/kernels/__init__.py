@@ -5,6 +5,8 @@ family that recognises it.
 - `dense`: fp32 linears over packed weight panels, and every matmul-shaped kernel;
 - `bf16`: linears over bf16 weights, a C micro-kernel on AVX512_BF16 (`--precision bf16`);
 - `int8`: linears over int8 weights (`--precision int8`);
+- `amx`: the bf16 and int8 linears' tiles on AMX (Sapphire Rapids and later), `attention_amx` attention's
+  products on them; `tiles`: the whole-K tile call and loop nest the bf16 and AMX tiles share;
 - `attention`: each layer's attention core in one kernel (written scheduled, see passes/fuse_attention.py);
 - `rows`: row kernels (softmax, layer norm, the int8 row quantisation);
 - `sparse`: block-sparse (BSR) linears, M-tiled;

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import attention_bf16
+from . import attention_amx, attention_bf16
 from .common import prescheduled
 from .fast_math import fast_math
 from .launch import MIN_PARALLEL_WORK
@@ -95,12 +95,15 @@ def _context_tile(head_size: int, lanes: int) -> tuple[int, int]:
 
 def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -> tirx.PrimFunc:
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
-    `products` "bf16" runs its two products on attention_bf16's micro-kernels (where that supports
-    the head size and lanes), "fp32" in the loops below."""
-    bf16 = products == "bf16" and attention_bf16.supports(shape.head_size, lanes)
+    `products` "bf16" runs its two products on attention_bf16's micro-kernels, "amx" on
+    attention_amx's tiles (each where it supports the head size and lanes, else the next of
+    amx, bf16, fp32), "fp32" in the loops below."""
+    amx = products == "amx" and attention_amx.supports(shape.head_size, lanes)
+    bf16 = amx or (products in ("bf16", "amx") and attention_bf16.supports(shape.head_size, lanes))
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
     H, D, V, KB = i64(shape.heads), i64(shape.head_size), i64(lanes), i64(KEYS)
-    S_MAX = i64(-(-shape.max_seq // KEYS) * KEYS)  # keys are computed in whole tiles
+    STAGE = i64(attention_amx.KEY_STEP if amx else KEYS)  # keys are staged (zero) for whole tiles
+    S_MAX = i64(-(-shape.max_seq // int(STAGE)) * int(STAGE))
     (NQ, NK, NV), (QO, KO, VO) = (i64(w) for w in shape.widths), (i64(o) for o in shape.offsets)
     B, S, R = (i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))
     R_OUT = R if shape.packed else B * S
@@ -109,8 +112,9 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
     MIN_WORK = i64(MIN_PARALLEL_WORK)
     DV, QP = (i64(x) for x in _context_tile(shape.head_size, lanes))
-    scores_symbol = attention_bf16.SCORES.format(head=shape.head_size)
-    context_symbol = attention_bf16.CONTEXT.format(head=shape.head_size)
+    products_of = attention_amx if amx else attention_bf16
+    scores_symbol = products_of.SCORES.format(head=shape.head_size)
+    context_symbol = products_of.CONTEXT.format(head=shape.head_size)
 
     def start(buffer, access):
         """The whole of `buffer` for a bf16 micro-kernel that reads ("r") or writes ("w") it. Its bf16
@@ -191,8 +195,9 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     @T.macro
     def bf16_tile(keys_b, values_b, queries, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
                   length):
-        """One tile of queries with the products on the bf16 micro-kernels, which also add the bias,
-        take each query's largest score, and exp and round the probabilities (attention_bf16.py)."""
+        """One tile of queries with the products on the bf16 micro-kernels or AMX tiles, which also
+        add the bias, take each query's largest score, and exp and round the probabilities
+        (attention_bf16.py, attention_amx.py: its values transposed, `[dims, S_MAX]`)."""
         top = T.alloc_buffer((V,), "float32")
         total = T.alloc_buffer((V,), "float32")
         T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(queries_b, "w"), start(queries, "r"), D // i64(2), V))
@@ -200,8 +205,12 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                                 start(queries_b, "r"), bias.access_ptr("r", offset=b * S), length[0]))
         T.evaluate(micro_kernel(attention_bf16.SOFTMAX_PAIRS, start(probs_b, "w"), start(total, "w"),
                                 start(scores, "r"), start(top, "r"), length[0]))
-        T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "r"), start(values_b, "r"),
-                                (length[0] + i64(1)) // i64(2)))
+        if amx:
+            T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "rw"),
+                                    start(values_b, "r"), S_MAX, (length[0] + i64(1)) // i64(2)))
+        else:
+            T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "r"),
+                                    start(values_b, "r"), (length[0] + i64(1)) // i64(2)))
         for q in T.serial(V):
             i = tile * V + q
             if i < length[0]:
@@ -222,7 +231,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
         # pointer per tile, not through a clamped row gather per key of every query tile.
         keys = T.alloc_buffer((S_MAX, D), "float32")
         values = T.alloc_buffer((S_MAX, D), "float32")
-        for j in T.serial((length[0] + KB - i64(1)) // KB * KB):
+        for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
             for d in T.vectorized(D):
                 keys[j, d] = T.if_then_else(j < length[0], k_src[row_of(
                     gather, b, T.min(j, length[0] - i64(1)), R), KO + h * D + d], zero)
@@ -232,14 +241,18 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
         scores = T.alloc_buffer((S_MAX, V), "float32")
         if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
             keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
-            values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")
+            values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
             queries_b = T.alloc_buffer((D // i64(2), V), "float32")
             probs_b = T.alloc_buffer((S_MAX // i64(2), V), "float32")
             context_b = T.alloc_buffer((V, D), "float32")
-            staged = (length[0] + KB - i64(1)) // KB * KB
+            staged = (length[0] + STAGE - i64(1)) // STAGE * STAGE
             T.evaluate(micro_kernel(attention_bf16.ROUND, start(keys_b, "w"), start(keys, "r"), staged * D))
-            T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
-                                    staged // i64(2), D))
+            if amx:
+                T.evaluate(micro_kernel(attention_amx.TRANSPOSE, start(values_b, "w"), start(values, "r"), staged,
+                                        D, S_MAX))
+            else:
+                T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
+                                        staged // i64(2), D))
         for tile in T.serial((length[0] + V - i64(1)) // V):
             for d, lane in T.grid(D, V):
                 i = T.min(tile * V + lane, length[0] - i64(1))

@@ -17,18 +17,13 @@ every library anyway (`kernels_object`) and linked in (`build_library`'s addons)
 
 from __future__ import annotations
 
-import functools
-import subprocess
-import tempfile
 from pathlib import Path
 
 import tvm
 from tvm import s_tir, te, tirx
-from tvm.s_tir import TensorIntrin
-from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
-from tvm.script import tirx as T
 
-from . import attention_bf16
+from . import amx, attention_bf16
+from .tiles import Tile, c_object, schedule_tiles
 
 PANEL = 32  # output columns per weight panel: two zmm of fp32
 ROWS = 8  # activation rows per tile: 8 x 2 accumulators of 32 zmm
@@ -39,6 +34,7 @@ MATMUL = "bf16_matmul"
 PANEL_VIEW = "bf16_panel_view"
 ROW_VIEW = "bf16_row_view"
 TILE_SYMBOL = "bert_bf16_tile_8x32"
+TILE = Tile(TILE_SYMBOL, ROWS, PANEL, PAIR, PAIR, STORAGE, STORAGE, "float32")
 REQUIRED_FEATURES = ("avx512f", "avx512bf16")
 DESCRIPTION = ("avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights; attention's Q K^T and P V likewise), "
                "fp32 accumulation")
@@ -87,29 +83,18 @@ def supported(target: tvm.target.Target) -> bool:
     return llvm.kind.name == "llvm" and all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES)
 
 
-@functools.cache
 def kernels_object() -> Path:
     """The micro-kernels (the linears' tile, attention's products) compiled once per process to an
     object file the libraries link."""
-    from tvm.support import cc
-
-    directory = Path(tempfile.mkdtemp(prefix="bert-bf16-"))
-    source, obj = directory / "bf16_kernels.c", directory / "bf16_kernels.o"
-    source.write_text(TILE_SOURCE + attention_bf16.SOURCE)
-    compiler = cc.get_cc() or "gcc"
-    flags = ["-x", "c", "-O3", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-c"]
-    result = subprocess.run([compiler, *flags, str(source), "-o", str(obj)], capture_output=True, text=True,
-                            check=False)
-    if result.returncode != 0:
-        raise RuntimeError(f"the C compiler ({compiler}) cannot build the bf16 micro-kernels: "
-                           f"{result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode}")
-    return obj
+    return c_object("bf16_micro_kernels", TILE_SOURCE + attention_bf16.SOURCE,
+                    ("-mavx512f", "-mavx512bw", "-mavx512bf16"))
 
 
 def linked_objects(mod: tvm.IRModule, attention: str = "fp32") -> list[str]:
     """The objects a library built from `mod` must link: the micro-kernels where it runs a bf16
-    matmul or its attention products in bf16 (`attention`, the kernel FuseAttention will write)."""
-    uses = attention == "bf16" or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
+    matmul or its attention products in bf16 (`attention` "bf16", or "amx", whose softmax is
+    theirs: the kernel FuseAttention will write)."""
+    uses = attention in ("bf16", "amx") or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
                                       for gvar, func in mod.functions_items())
     return [str(kernels_object())] if uses else []
 
@@ -159,49 +144,6 @@ def _i64(value: int) -> tirx.IntImm:
     return tirx.IntImm("int64", value)
 
 
-# ----------------------------------------------------------------------------- the micro-kernel
-
-
-def tile_intrinsic(k_size: int) -> str:
-    """The tensor intrinsic of one 8 x 32 tile over a K of `k_size` (registered on first use)."""
-    name = f"{TILE_SYMBOL}_k{k_size}"
-    if TensorIntrin.get(name, allow_missing=True) is None:
-        TensorIntrin.register(name, _tile(k_size, computed=True), _tile(k_size, computed=False))
-    return name
-
-
-def _tile(k_size: int, computed: bool) -> tirx.PrimFunc:
-    """The tile's description (`computed`: the loop nest tensorize matches) or its implementation
-    (the micro-kernel's call): one signature, so the two cannot drift apart."""
-    pairs = k_size // PAIR
-
-    @T.prim_func(s_tir=True)
-    def tile(a: T.handle, b: T.handle, c: T.handle) -> None:
-        lda = T.int64()
-        ldc = T.int64()
-        A = T.match_buffer(a, (T.int64(ROWS), T.int64(k_size)), STORAGE, offset_factor=1, strides=[lda, 1])
-        B = T.match_buffer(b, (T.int64(pairs), T.int64(PANEL), T.int64(PAIR)), STORAGE, offset_factor=1)
-        C = T.match_buffer(c, (T.int64(ROWS), T.int64(PANEL)), "float32", offset_factor=1, strides=[ldc, 1])
-        with T.sblock("root"):
-            T.reads(C[0:ROWS, 0:PANEL], A[0:ROWS, 0:k_size], B[0:pairs, 0:PANEL, 0:PAIR])
-            T.writes(C[0:ROWS, 0:PANEL])
-            if computed:
-                for ko, i, j, ki in T.grid(T.int64(pairs), T.int64(ROWS), T.int64(PANEL), T.int64(PAIR)):
-                    with T.sblock("update"):
-                        vi, vj = T.axis.remap("SS", [i, j])
-                        vk = T.axis.reduce(T.int64(k_size), ko * T.int64(PAIR) + ki)
-                        C[vi, vj] = C[vi, vj] + (
-                            T.reinterpret("float32", T.shift_left(T.Cast("uint32", A[vi, vk]), T.uint32(16)))
-                            * T.reinterpret("float32", T.shift_left(
-                                T.Cast("uint32", B[vk // T.int64(PAIR), vj, vk % T.int64(PAIR)]), T.uint32(16))))
-            else:
-                T.evaluate(T.call_extern("int32", TILE_SYMBOL, C.access_ptr("rw"), T.Cast("int64", ldc),
-                                         A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
-                                         T.int64(pairs)))
-
-    return tile
-
-
 # ----------------------------------------------------------------------------- schedule
 
 
@@ -221,50 +163,16 @@ def _bf16_matmul_block(sch: s_tir.Schedule):
     return None
 
 
-def schedule_bf16_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
-    """Schedule the bf16 matmul (and its fused epilogue) of `func`, or None when it has none.
-
-        parallel (N / 32):
-          for M / 8:
-            acc[8, 32] = 0
-            micro-kernel: acc += x[8 rows, :] @ panel     (the whole K loop, vdpbf16ps)
-            y[8 rows, 32] = epilogue(acc)
-    A symbolic or ragged M is padded to a multiple of 8 rows (`pad_einsum`), as the int8 kernel does.
-    """
+def schedule_bf16_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.Schedule | None:
+    """Schedule the bf16 matmul (and its fused epilogue) of `func` as whole-K tile calls
+    (`tiles.schedule_tiles`), or None when it has none: AMX's 32 x 32 tile where `amx_tiles` (the target
+    has it, `amx.supported`) and K is a multiple of its step, else the 8 x 32 AVX-512 tile."""
     sch = s_tir.Schedule(func)
     main = _bf16_matmul_block(sch)
     if main is None:
         return None
-    m, j, k = sch.get_loops(main)
-    k_size = sch.get(k).extent
-    if not isinstance(k_size, tirx.IntImm) or int(k_size) % PAIR:
+    k_size = sch.get(sch.get_loops(main)[-1]).extent
+    tile = amx.BF16 if amx_tiles and amx.BF16.fits(k_size) else TILE
+    if not tile.fits(k_size):
         return None
-    rows = sch.get(m).extent
-    if not (isinstance(rows, tirx.IntImm) and int(rows) % ROWS == 0):
-        sch.pad_einsum(main, [ROWS, 1, 1])
-        m, j, k = sch.get_loops(main)
-    for producer in sch.get_producers(main):
-        if sch.get(producer).name_hint.startswith(PANEL_VIEW):
-            sch.compute_inline(producer)
-    jo, ji = sch.split(j, [None, PANEL])
-    mo, mi = sch.split(m, [None, ROWS])
-    ko, ki = sch.split(k, [None, PAIR])
-    sch.reorder(jo, mo, ko, mi, ji, ki)
-    sch.parallel(jo)
-    acc = sch.cache_write(main, 0, "global")  # 1 KB: a stack alloca (compile/lowering.py)
-    sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
-    auto_inline_consumers(sch, acc)
-    _vectorize_innermost(sch, acc)
-    init = sch.decompose_reduction(main, ko)
-    _vectorize_innermost(sch, init)
-    sch.tensorize(ko, tile_intrinsic(int(k_size)))
-    for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of x, the un-padding
-        loops = sch.get_loops(block)
-        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
-            sch.parallel(loops[0])
-    return sch
-
-
-def _vectorize_innermost(sch: s_tir.Schedule, block) -> None:
-    _, inner = sch.split(sch.get_loops(block)[-1], [None, 16])
-    sch.vectorize(inner)
+    return schedule_tiles(sch, main, tile, PANEL_VIEW)

@@ -35,6 +35,9 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
+from . import amx
+from .tiles import schedule_tiles
+
 QMAX = 127.0
 ROW_QUANTIZE = "quantize_rows"
 MATMUL = "int8_matmul"
@@ -238,8 +241,10 @@ def _int8_matmul_block(sch: s_tir.Schedule) -> tuple[object, Int8Kernel] | None:
     return None
 
 
-def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
+def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.Schedule | None:
     """Schedule the int8 matmul (and its fused epilogue) of `func`, or None when it has none.
+    Where `amx_tiles` (the target has them, `amx.supported`), VNNI's layouts are read by AMX's 32 x 32
+    tile in whole-K calls (`tiles.schedule_tiles`) when K is a multiple of its step; else:
 
         parallel (N / panel):
           for M / rows:
@@ -254,6 +259,8 @@ def schedule_int8_matmul(func: tirx.PrimFunc) -> s_tir.Schedule | None:
         return None
     main, kernel = found
     m, j, k = sch.get_loops(main)
+    if amx_tiles and kernel is VNNI and amx.INT8.fits(sch.get(k).extent):
+        return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     rows = sch.get(m).extent
     if not (isinstance(rows, tirx.IntImm) and int(rows) % kernel.rows == 0):
         sch.pad_einsum(main, [kernel.rows, 1, 1])

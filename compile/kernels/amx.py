@@ -1,0 +1,156 @@
+"""The AMX kernel family (Sapphire Rapids and later: AMX-BF16 and AMX-INT8): the bf16 and int8
+linears' tiles on the CPU's tile matrix unit.
+
+One `tdpbf16ps` multiplies a 16 x 32 bf16 tile by a 32 x 16 one into 16 x 16 fp32 sums: 8192
+multiply-adds (an AVX-512 `vdpbf16ps`: 32). One `tdpbusd`: 16 x 64 u8 by 64 x 16 s8, 16384 (`vpdpbusd`:
+64). The tiles read the weight panels the AVX-512 kernels already use: a bf16 panel
+`[K / 2, 32, 2]` is two tiles of 16 k pairs x 16 columns at a 128-byte row stride, an int8 VNNI
+panel `[K / 4, 32, 4]` two of 16 k quads x 16 columns, so the artifact's weights and the activations'
+rounding or quantisation are the AVX-512 kernels' and only the micro-kernel changes. Each call
+computes a 32 x 32 block over the whole K as 2 x 2 accumulator tiles (tmm0-3) fed by 2 row tiles
+(tmm4-5) and 2 panel tiles (tmm6-7): the 8 tiles there are, each row and panel tile used twice.
+
+Linux hands a process the 8 KB of tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`):
+the libraries' constructor asks once, when they are loaded. Each call loads its tile configuration
+(`ldtilecfg`), as oneDNN's kernels do: other code in the process (another runtime's AMX kernels on
+the same thread) may have configured the tiles otherwise.
+
+Why C, as the bf16 tile: TVM 0.27's LLVM code generator has no tile type (`x86_amx`) to call
+`llvm.x86.tdpbf16ps.internal` from TIR; the C compiler that links every library builds these.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tvm
+
+from . import attention_amx
+from .tiles import Tile, c_object
+
+REQUIRED_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "avx512bw", "avx512bf16")
+ROWS = 32  # activation rows per call: two row tiles
+PANEL = 32  # output columns per call: two panel tiles, one weight panel of the AVX-512 kernels
+LINEAR_KERNELS = ("bf16_matmul", "int8_matmul")  # the primfuncs kernels/bf16.py and int8.py emit
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+
+#define BERT_ARCH_REQ_XCOMP_PERM 0x1023
+#define BERT_XFEATURE_XTILEDATA 18
+
+/* Ask Linux for the tile state once per process, when the library is loaded. */
+__attribute__((constructor)) static void bert_amx_request_tiles(void) {
+  syscall(SYS_arch_prctl, BERT_ARCH_REQ_XCOMP_PERM, BERT_XFEATURE_XTILEDATA);
+}
+
+/* Palette 1, eight tiles of 16 rows x 64 bytes. */
+static inline void bert_amx_configure(void) {
+  struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  } config;
+  memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+#define BERT_AMX_LOAD_ACCUMULATORS(c, ldc)                                                   \
+  _tile_loadd(0, (c), (ldc) * 4);                                                             \
+  _tile_loadd(1, (c) + 16, (ldc) * 4);                                                        \
+  _tile_loadd(2, (c) + 16 * (ldc), (ldc) * 4);                                                \
+  _tile_loadd(3, (c) + 16 * (ldc) + 16, (ldc) * 4)
+
+#define BERT_AMX_STORE_ACCUMULATORS(c, ldc)                                                  \
+  _tile_stored(0, (c), (ldc) * 4);                                                            \
+  _tile_stored(1, (c) + 16, (ldc) * 4);                                                       \
+  _tile_stored(2, (c) + 16 * (ldc), (ldc) * 4);                                               \
+  _tile_stored(3, (c) + 16 * (ldc) + 16, (ldc) * 4)
+
+/* c[32][32] (row stride ldc floats) += a[32][2 * pairs] (row stride lda) x the panel b[pairs][32][2];
+   pairs is a multiple of 16. */
+int32_t bert_amx_bf16_tile_32x32(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint16_t *b,
+                                 int64_t pairs) {
+  bert_amx_configure();
+  BERT_AMX_LOAD_ACCUMULATORS(c, ldc);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    _tile_loadd(4, a + 2 * p, lda * 2);
+    _tile_loadd(5, a + 16 * lda + 2 * p, lda * 2);
+    _tile_loadd(6, b + p * 64, 128);
+    _tile_loadd(7, b + p * 64 + 32, 128);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  BERT_AMX_STORE_ACCUMULATORS(c, ldc);
+  return 0;
+}
+
+/* c[32][32] (row stride ldc int32) += a[32][4 * quads] (uint8, row stride lda) x the panel
+   b[quads][32][4] (int8); quads is a multiple of 16. */
+int32_t bert_amx_int8_tile_32x32(int32_t *c, int64_t ldc, const uint8_t *a, int64_t lda, const int8_t *b,
+                                 int64_t quads) {
+  bert_amx_configure();
+  BERT_AMX_LOAD_ACCUMULATORS(c, ldc);
+  for (int64_t q = 0; q < quads; q += 16) {
+    _tile_loadd(4, a + 4 * q, lda);
+    _tile_loadd(5, a + 16 * lda + 4 * q, lda);
+    _tile_loadd(6, b + q * 128, 128);
+    _tile_loadd(7, b + q * 128 + 64, 128);
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    _tile_dpbusd(2, 5, 6);
+    _tile_dpbusd(3, 5, 7);
+  }
+  BERT_AMX_STORE_ACCUMULATORS(c, ldc);
+  return 0;
+}
+"""
+
+
+BF16 = Tile("bert_amx_bf16_tile_32x32", ROWS, PANEL, 2, 32, "uint16", "uint16", "float32")
+INT8 = Tile("bert_amx_int8_tile_32x32", ROWS, PANEL, 4, 64, "uint8", "int8", "int32")
+BF16_DESCRIPTION = ("amx tdpbf16ps (bf16 activations x bf16 weights in 32 x 32 tiles, and attention's Q K^T and P V; "
+                    "avx512 vdpbf16ps where K or the head size is not a multiple of 32), fp32 accumulation")
+INT8_DESCRIPTION = ("amx tdpbusd (uint8 activations x int8 weights, 32 x 32 tiles; avx512 vnni vpdpbusd where K is "
+                    "not a multiple of 64), int32 accumulation")
+
+
+def supported(target: tvm.target.Target) -> bool:
+    """Whether the target's CPU has AMX-BF16 and AMX-INT8 and the C compiler builds the tiles: where
+    it does, the bf16 and int8 linears run on them (the one place that decides it)."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    llvm = target.host or target
+    if llvm.kind.name != "llvm" or not all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES):
+        return False
+    try:
+        kernels_object()
+    except RuntimeError:
+        return False
+    return True
+
+
+def kernels_object() -> Path:
+    """The tiles, compiled once per process to an object file the libraries link."""
+    return c_object("amx_tiles", SOURCE + attention_amx.SOURCE,
+                    ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512bf16"))
+
+
+def linked_objects(mod: tvm.IRModule, target: tvm.target.Target, attention: str = "fp32") -> list[str]:
+    """The tiles' object where a library built from `mod` for `target` runs its bf16 or int8
+    linears on them (compile/kernels/bf16.py and int8.py schedule them so where `supported`) or its
+    attention's products (`attention` "amx")."""
+    uses = attention == "amx" or any(isinstance(func, tvm.tirx.PrimFunc) and gvar.name_hint.startswith(LINEAR_KERNELS)
+               for gvar, func in mod.functions_items())
+    return [str(kernels_object())] if uses and supported(target) else []

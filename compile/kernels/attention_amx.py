@@ -1,0 +1,133 @@
+"""Attention's two products on AMX tiles (`tdpbf16ps`), for the attention kernel where the CPU has them.
+
+The operands are the bf16 attention's (attention_bf16.py), rounded the same way, and the softmax
+between the products is its `bert_bf16_softmax_pairs`; only the products change:
+
+- scores: the staged keys `[keys, dims]` (bf16, row-major) are the row tile, the query tile's dim
+  pairs `[dims / 2, 16, 2]` the column tile: one `tdpbf16ps` per 16 keys and 32 dims gives
+  `scores[16 keys][16 queries]`, the layout the softmax reads. The bias and each query's largest
+  score are then taken in AVX-512 over the stored rows.
+- context: computed transposed, `context^T[dims][16 queries] = V^T P^T`: the row tile is the head's
+  values transposed, `[dims, keys]` (bf16, staged once per sequence and head by
+  `bert_bf16_transpose_round`), the column tile the softmax's probabilities in key pairs
+  `[keys / 2, 16, 2]`: one `tdpbf16ps` per 16 dims and 32 keys, 16 x 16 fp32 sums, transposed on
+  the way out. Up to 4 accumulator tiles (64 dims) a pass.
+
+Keys and values are staged (zero) to a multiple of `KEY_STEP` keys, so that every tile load reads
+staged rows; the probabilities past the last key pair are zeroed up to a whole tile here. Head
+sizes that are a multiple of 32 (one tile row of bf16 dims) run here; others keep attention_bf16's
+AVX-512 products. Compiled into kernels/amx.py's object, after its tile configuration.
+"""
+
+from __future__ import annotations
+
+KEY_STEP = 32  # keys per context product: one row of a bf16 tile
+SCORES = "bert_amx_attention_scores_d{head}"
+CONTEXT = "bert_amx_attention_context_d{head}"
+TRANSPOSE = "bert_bf16_transpose_round"
+
+SOURCE = r"""
+/* dst[c][r] (row stride `stride`) = src[r][c] (row stride cols) rounded to bf16 (nearest even), for
+   r < rows (a multiple of 16) and c < cols. */
+int32_t bert_bf16_transpose_round(uint16_t *dst, const float *src, int64_t rows, int64_t cols, int64_t stride) {
+  const __m512i index = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int32_t)cols));
+  for (int64_t r = 0; r < rows; r += 16)
+    for (int64_t c = 0; c < cols; ++c)
+      _mm256_storeu_si256((__m256i *)(dst + c * stride + r),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_i32gather_ps(index, src + r * cols + c, 4)));
+  return 0;
+}
+
+/* scores[j][16] = keys[j][HEAD] x queries[HEAD / 2][16][2] + bias[j] for the keys j < length (16 keys a tile
+   product; keys staged to a multiple of 16 rows); top[16]: each query's largest score. */
+#define AMX_SCORES(HEAD)                                                                                    \
+  int32_t bert_amx_attention_scores_d##HEAD(float *scores, float *top, const uint16_t *keys,                \
+                                            const uint16_t *queries, const float *bias, int64_t length) {   \
+    enum { STEPS = HEAD / 32 };                                                                            \
+    bert_amx_configure();                                                                                  \
+    _tile_loadd(4, queries, 64);                                                                           \
+    if (STEPS > 1) _tile_loadd(5, queries + 512, 64);                                                      \
+    if (STEPS > 2) {                                                                                       \
+      _tile_loadd(6, queries + 1024, 64);                                                                  \
+      _tile_loadd(7, queries + 1536, 64);                                                                  \
+    }                                                                                                      \
+    for (int64_t block = 0; block < (length + 15) / 16; ++block) {                                         \
+      const uint16_t *k = keys + block * 16 * HEAD;                                                        \
+      _tile_zero(0);                                                                                       \
+      _tile_loadd(1, k, HEAD * 2);                                                                         \
+      _tile_dpbf16ps(0, 1, 4);                                                                             \
+      if (STEPS > 1) {                                                                                     \
+        _tile_loadd(2, k + 32, HEAD * 2);                                                                  \
+        _tile_dpbf16ps(0, 2, 5);                                                                           \
+      }                                                                                                    \
+      if (STEPS > 2) {                                                                                     \
+        _tile_loadd(1, k + 64, HEAD * 2);                                                                  \
+        _tile_dpbf16ps(0, 1, 6);                                                                           \
+        _tile_loadd(2, k + 96, HEAD * 2);                                                                  \
+        _tile_dpbf16ps(0, 2, 7);                                                                           \
+      }                                                                                                    \
+      _tile_stored(0, scores + block * 256, 64);                                                           \
+    }                                                                                                      \
+    __m512 largest = _mm512_set1_ps(-__FLT_MAX__);                                                         \
+    for (int64_t j = 0; j < length; ++j) {                                                                 \
+      __m512 s = _mm512_add_ps(_mm512_loadu_ps(scores + j * 16), _mm512_set1_ps(bias[j]));                 \
+      _mm512_storeu_ps(scores + j * 16, s);                                                                \
+      largest = _mm512_max_ps(largest, s);                                                                 \
+    }                                                                                                      \
+    _mm512_storeu_ps(top, largest);                                                                        \
+    return 0;                                                                                              \
+  }
+
+/* context[16][HEAD] = probs[pairs][16][2] x values, given as values_t[HEAD][stride] (V^T, bf16, zero past the last
+   key up to a multiple of 32); probs' pairs past `pairs` are zeroed up to a multiple of 16 first. */
+#define AMX_CONTEXT(HEAD)                                                                                   \
+  int32_t bert_amx_attention_context_d##HEAD(float *context, uint16_t *probs, const uint16_t *values_t,    \
+                                             int64_t stride, int64_t pairs) {                              \
+    enum { BLOCKS = HEAD / 16, PASS = BLOCKS < 4 ? BLOCKS : 4 };                                           \
+    const int64_t steps = (pairs + 15) / 16;                                                               \
+    memset(probs + pairs * 32, 0, (size_t)(steps * 16 - pairs) * 64);                                      \
+    float sums[PASS][16][16];                                                                              \
+    bert_amx_configure();                                                                                  \
+    for (int pass = 0; pass < BLOCKS; pass += PASS) {                                                      \
+      const uint16_t *v = values_t + pass * 16 * stride;                                                   \
+      _tile_zero(0);                                                                                       \
+      _tile_zero(1);                                                                                       \
+      if (PASS > 2) {                                                                                      \
+        _tile_zero(2);                                                                                     \
+        _tile_zero(3);                                                                                     \
+      }                                                                                                    \
+      for (int64_t s = 0; s < steps; ++s) {                                                                \
+        _tile_loadd(7, probs + s * 512, 64);                                                               \
+        _tile_loadd(4, v + s * 32, stride * 2);                                                            \
+        _tile_dpbf16ps(0, 4, 7);                                                                           \
+        _tile_loadd(5, v + 16 * stride + s * 32, stride * 2);                                              \
+        _tile_dpbf16ps(1, 5, 7);                                                                           \
+        if (PASS > 2) {                                                                                    \
+          _tile_loadd(4, v + 32 * stride + s * 32, stride * 2);                                            \
+          _tile_dpbf16ps(2, 4, 7);                                                                         \
+          _tile_loadd(5, v + 48 * stride + s * 32, stride * 2);                                            \
+          _tile_dpbf16ps(3, 5, 7);                                                                         \
+        }                                                                                                  \
+      }                                                                                                    \
+      _tile_stored(0, sums[0], 64);                                                                        \
+      _tile_stored(1, sums[1], 64);                                                                        \
+      if (PASS > 2) {                                                                                      \
+        _tile_stored(2, sums[2], 64);                                                                      \
+        _tile_stored(3, sums[3], 64);                                                                      \
+      }                                                                                                    \
+      for (int b = 0; b < PASS; ++b)                                                                       \
+        for (int d = 0; d < 16; ++d)                                                                       \
+          for (int q = 0; q < 16; ++q) context[q * HEAD + (pass + b) * 16 + d] = sums[b][d][q];           \
+    }                                                                                                      \
+    return 0;                                                                                              \
+  }
+
+AMX_SCORES(32) AMX_SCORES(64) AMX_SCORES(128)
+AMX_CONTEXT(32) AMX_CONTEXT(64) AMX_CONTEXT(128)
+"""
+
+
+def supports(head_size: int, lanes: int) -> bool:
+    """Whether the AMX products are compiled for this head size (and the lanes are AVX-512's)."""
+    return lanes == 16 and head_size in (32, 64, 128)

@@ -1,0 +1,146 @@
+"""Whole-K micro-kernel calls over weight panels: what the bf16 (AVX-512) and AMX tiles share.
+
+A tile kernel is C (the code generator cannot express their instructions, see kernels/bf16.py and
+kernels/amx.py) called once per `rows` x `panel` output block with the block's whole K: the TIR
+loop nest around it (parallel over panels, rows padded to the tile, an accumulator in a stack
+buffer, the epilogue fused on write-back) is `schedule_tiles`, the call a tensor intrinsic
+(`tile_intrinsic`) whose description is the loop nest it replaces, so tensorize checks the match.
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tvm import s_tir, tirx
+from tvm.s_tir import TensorIntrin
+from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
+from tvm.script import tirx as T
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One whole-K micro-kernel: `rows` x `panel` accumulators over a K that is a multiple of
+    `k_step`, reading activations `[rows, K]` and weight panels `[K / group, panel, group]`."""
+
+    symbol: str
+    rows: int
+    panel: int
+    group: int  # k values per panel element group (bf16: a pair, int8: a quad)
+    k_step: int  # the K one pass of its loop consumes
+    activation: str
+    weight: str
+    accumulator: str
+
+    def fits(self, k_size) -> bool:
+        return isinstance(k_size, (int, tirx.IntImm)) and int(k_size) % self.k_step == 0
+
+
+def tile_intrinsic(tile: Tile, k_size: int) -> str:
+    """The tensor intrinsic of one `tile` call over a K of `k_size` (registered on first use)."""
+    name = f"{tile.symbol}_k{k_size}"
+    if TensorIntrin.get(name, allow_missing=True) is None:
+        TensorIntrin.register(name, panel_tile(tile, k_size, computed=True), panel_tile(tile, k_size, computed=False))
+    return name
+
+
+def _widened(value, dtype: str):
+    """An operand as the TE kernels read it: a bf16 bit pattern as fp32 (its upper half), bytes as int32."""
+    if dtype == "uint16":
+        return T.reinterpret("float32", T.shift_left(T.Cast("uint32", value), T.uint32(16)))
+    return T.Cast("int32", value)
+
+
+def panel_tile(tile: Tile, k_size: int, computed: bool) -> tirx.PrimFunc:
+    """A tile's description (`computed`: the loop nest tensorize matches) or its implementation (the
+    micro-kernel's call): one signature, so the two cannot drift apart."""
+    groups = k_size // tile.group
+    rows, panel, group = T.int64(tile.rows), T.int64(tile.panel), T.int64(tile.group)
+
+    @T.prim_func(s_tir=True)
+    def func(a: T.handle, b: T.handle, c: T.handle) -> None:
+        lda = T.int64()
+        ldc = T.int64()
+        A = T.match_buffer(a, (rows, T.int64(k_size)), tile.activation, offset_factor=1, strides=[lda, 1])
+        B = T.match_buffer(b, (T.int64(groups), panel, group), tile.weight, offset_factor=1)
+        C = T.match_buffer(c, (rows, panel), tile.accumulator, offset_factor=1, strides=[ldc, 1])
+        with T.sblock("root"):
+            T.reads(C[0:rows, 0:panel], A[0:rows, 0:k_size], B[0:groups, 0:panel, 0:group])
+            T.writes(C[0:rows, 0:panel])
+            if computed:
+                for ko, i, j, ki in T.grid(T.int64(groups), rows, panel, group):
+                    with T.sblock("update"):
+                        vi, vj = T.axis.remap("SS", [i, j])
+                        vk = T.axis.reduce(T.int64(k_size), ko * group + ki)
+                        C[vi, vj] = C[vi, vj] + _widened(A[vi, vk], tile.activation) * _widened(
+                            B[vk // group, vj, vk % group], tile.weight)
+            else:
+                T.evaluate(T.call_extern("int32", tile.symbol, C.access_ptr("rw"), T.Cast("int64", ldc),
+                                         A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
+                                         T.int64(groups)))
+
+    return func
+
+
+def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes: int = 16) -> s_tir.Schedule:
+    """Schedule the matmul block `main` (reading its weight through the inlinable `panel_view`) and
+    its fused epilogue as whole-K calls of `tile`:
+
+        parallel (N / panel):
+          for M / rows:
+            acc[rows, panel] = 0
+            micro-kernel: acc += x[rows, :] @ panel     (the whole K loop)
+            y[rows, panel] = epilogue(acc)
+    A symbolic or ragged M is padded to a multiple of `rows` (`pad_einsum`).
+    """
+    m, j, k = sch.get_loops(main)
+    k_size = int(sch.get(k).extent)
+    rows = sch.get(m).extent
+    if not (isinstance(rows, tirx.IntImm) and int(rows) % tile.rows == 0):
+        sch.pad_einsum(main, [tile.rows, 1, 1])
+        m, j, k = sch.get_loops(main)
+    for producer in sch.get_producers(main):
+        if sch.get(producer).name_hint.startswith(panel_view):
+            sch.compute_inline(producer)
+    jo, ji = sch.split(j, [None, tile.panel])
+    mo, mi = sch.split(m, [None, tile.rows])
+    ko, ki = sch.split(k, [None, tile.group])
+    sch.reorder(jo, mo, ko, mi, ji, ki)
+    sch.parallel(jo)
+    acc = sch.cache_write(main, 0, "global")  # at most 4 KB: a stack alloca (compile/lowering.py)
+    sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
+    auto_inline_consumers(sch, acc)
+    _vectorize_innermost(sch, acc, lanes)
+    init = sch.decompose_reduction(main, ko)
+    _vectorize_innermost(sch, init, lanes)
+    sch.tensorize(ko, tile_intrinsic(tile, k_size))
+    for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of x, the un-padding
+        loops = sch.get_loops(block)
+        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
+            sch.parallel(loops[0])
+    return sch
+
+
+def _vectorize_innermost(sch: s_tir.Schedule, block, lanes: int) -> None:
+    _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
+    sch.vectorize(inner)
+
+
+@functools.cache
+def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
+    """`source` compiled once per process, with `flags`, to an object file the libraries link."""
+    from tvm.support import cc
+
+    directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
+    path, obj = directory / f"{name}.c", directory / f"{name}.o"
+    path.write_text(source)
+    compiler = cc.get_cc() or "gcc"
+    result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", *flags, "-c", str(path), "-o", str(obj)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
+        raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")
+    return obj

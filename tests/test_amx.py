@@ -1,0 +1,200 @@
+"""The AMX tiles (compile/kernels/amx.py): the bf16 and int8 linears' 32 x 32 whole-K calls.
+
+Code generation is checked on every host (a library built for sapphirerapids holds tdpbf16ps and
+tdpbusd tiles and calls them; a K the tile's step does not divide keeps the AVX-512 tile). Execution
+needs a CPU with AMX and skips elsewhere: the bf16 tile must equal fp32 sums of the same
+bf16-rounded operands (1e-5 relative: only the order of the fp32 additions differs), the int8 tile
+must be exact in int32 (the dequantised result then within fp32 rounding), and a model compiled for
+this CPU runs its linears on the tiles within each precision's gate of PyTorch fp32.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+from tvm import te, tirx
+
+from artifact import cpu_features
+from artifact.cpu_features import FEATURES, linux_flag
+from artifact.errors import ArtifactError
+from artifact.loader import load_artifact
+from compile import precision
+from compile.build import make_target
+from compile.kernels import amx, bf16, int8
+from compile.lowering import tir_pipeline
+from compile.precision import GATES
+
+HOST = make_target("cpu")
+AMX_CPU = make_target("cpu", mcpu="sapphirerapids")  # a CPU LLVM knows to have AMX: code is generated on any host
+RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
+needs_amx = pytest.mark.skipif(not RUNS_AMX, reason="this CPU has no AMX")
+
+
+def _i64(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", value)
+
+
+def _rows(m):
+    return tirx.Var("m", "int64") if m is None else _i64(m)
+
+
+def _export(func, schedule, target, path):
+    sch = schedule(func)
+    assert sch is not None
+    library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
+    library.export_library(str(path), addons=[str(bf16.kernels_object()), str(amx.kernels_object())])
+    return path
+
+
+def _bf16_linear(m, n: int, k: int, target, path):
+    x = te.placeholder((_rows(m), _i64(k)), bf16.STORAGE, name="x")
+    panels = te.placeholder((n // bf16.PANEL, k // bf16.PAIR, bf16.PANEL, bf16.PAIR), bf16.STORAGE, name="p")
+    bias = te.placeholder((_i64(n),), "float32", name="bias")
+    product = bf16.bf16_matmul_te(x, panels)
+    y = te.compute(product.shape, lambda i, j: product[i, j] + bias[j], name="T_add")
+    schedule = lambda f: bf16.schedule_bf16_matmul(f, amx_tiles=amx.supported(target))  # noqa: E731
+    return _export(te.create_prim_func([x, panels, bias, y]), schedule, target, path)
+
+
+def _int8_linear(m, n: int, k: int, target, path):
+    kernel = int8.VNNI
+    inputs = [te.placeholder((_rows(m), _i64(k)), kernel.activation, name="xq"),
+              te.placeholder((_rows(m),), "float32", name="scale"),
+              te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
+              te.placeholder((n,), "float32", name="weight_scale"),
+              te.placeholder((n,), "int32", name="compensation")]
+    bias = te.placeholder((n,), "float32", name="bias")
+    y = int8.int8_matmul_te(*inputs)
+    out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
+    schedule = lambda f: int8.schedule_int8_matmul(f, amx_tiles=amx.supported(target))  # noqa: E731
+    return _export(te.create_prim_func([*inputs, bias, out]), schedule, target, path)
+
+
+def _function(assembly: str, symbol: str) -> str:
+    body = assembly[assembly.index(f"<{symbol}>:"):]
+    return body[:body.index("\n\n")]
+
+
+def _disassemble(path) -> str:
+    return subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def test_amx_is_what_a_target_with_its_three_features_runs():
+    assert amx.supported(AMX_CPU)
+    assert not amx.supported(make_target("cpu", mcpu="znver4"))  # AVX512_BF16 and VNNI, no AMX
+    assert not amx.supported(make_target("cpu", mcpu="x86-64-v3"))
+    assert precision.kernel_description("bf16", AMX_CPU) == amx.BF16_DESCRIPTION
+    assert precision.kernel_description("int8", AMX_CPU) == amx.INT8_DESCRIPTION
+    assert precision.kernel_description("int8", make_target("cpu", mcpu="znver4")) == int8.VNNI.description
+
+
+def test_the_tiles_are_tdpbf16ps_and_tdpbusd_in_the_library(tmp_path):
+    for build, symbol, instruction in ((_bf16_linear, amx.BF16.symbol, "tdpbf16ps"),
+                                       (_int8_linear, amx.INT8.symbol, "tdpbusd")):
+        assembly = _disassemble(build(32, 64, 128, AMX_CPU, tmp_path / f"{instruction}.so"))
+        tile = _function(assembly, symbol)
+        # per step of K: 2 row tiles x 2 panel tiles into the 2 x 2 accumulators, after the configuration
+        assert tile.count(instruction) == 4 and "ldtilecfg" in tile and tile.count("tileloadd") == 8
+        assert re.search(rf"call\s.*<{symbol}", assembly)  # the matmul runs its blocks through the tile
+
+
+def test_a_k_the_amx_step_does_not_divide_keeps_the_avx512_tile(tmp_path):
+    assembly = _disassemble(_bf16_linear(32, 64, 48, AMX_CPU, tmp_path / "k48.so"))  # 48 % 32 != 0
+    assert re.search(rf"call\s.*<{bf16.TILE_SYMBOL}", assembly)
+    assert not re.search(rf"call\s.*<{amx.BF16.symbol}", assembly)
+    assembly = _disassemble(_int8_linear(32, 64, 96, AMX_CPU, tmp_path / "k96.so"))  # 96 % 64 != 0
+    assert "vpdpbusd" in assembly and not re.search(rf"call\s.*<{amx.INT8.symbol}", assembly)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [32, 13, None])  # whole row tiles, a ragged tail, a symbolic row count
+def test_amx_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m):
+    n, k = 96, 192
+    rng = np.random.default_rng(0)
+    rows = m or 45
+    x = rng.standard_normal((rows, k), dtype=np.float32)
+    weight = rng.standard_normal((n, k), dtype=np.float32)
+    bias = rng.standard_normal(n, dtype=np.float32)
+    library = tvm.runtime.load_module(str(_bf16_linear(m, n, k, HOST, tmp_path / "linear.so")))
+    panels = weight.astype(ml_dtypes.bfloat16).view(np.uint16).reshape(
+        n // bf16.PANEL, bf16.PANEL, k // bf16.PAIR, bf16.PAIR).transpose(0, 2, 1, 3).copy()
+    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
+    library["main"](*(tvm.runtime.tensor(a) for a in (x.astype(ml_dtypes.bfloat16).view(np.uint16), panels, bias)),
+                    out)
+    exact = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.astype(ml_dtypes.bfloat16).astype(np.float64).T
+    np.testing.assert_allclose(out.numpy(), exact + bias, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [32, 13, None])
+def test_amx_int8_linear_is_exact_in_int32(tmp_path, m):
+    n, k, kernel = 96, 192, int8.VNNI
+    rng = np.random.default_rng(1)
+    rows = m or 45
+    quantized = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
+    compensation = (kernel.offset * quantized.astype(np.int32).sum(axis=1)).astype(np.int32)
+    x = rng.integers(-127, 128, (rows, k))
+    x_scale = rng.uniform(0.01, 0.1, rows).astype(np.float32)
+    w_scale = rng.uniform(0.01, 0.1, n).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    library = tvm.runtime.load_module(str(_int8_linear(m, n, k, HOST, tmp_path / "linear.so")))
+    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
+    given = [(x + kernel.offset).astype(np.uint8), x_scale, panels.copy(), w_scale, compensation, bias]
+    library["main"](*(tvm.runtime.tensor(a) for a in given), out)
+    exact = (x @ quantized.T.astype(np.int64)).astype(np.float64)
+    np.testing.assert_allclose(out.numpy(), exact * x_scale[:, None] * w_scale[None, :] + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def amx_model(tmp_path_factory):
+    """A model whose every linear fits the tiles (hidden 64, FFN 128), compiled in bf16 and int8 for this CPU."""
+    if not RUNS_AMX:
+        pytest.skip("this CPU has no AMX")
+    from conftest import TINY_SIZES, compile_artifact
+
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    root = tmp_path_factory.mktemp("amx")
+    checkpoint = save_sentence_transformer(root / "model", seed=4, config={
+        **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
+    for name in ("bf16", "int8"):
+        compile_artifact(checkpoint, root / name, ["packed-32"], layout="packed", precision=name,
+                         generic_shapes=["3x20"])
+    return checkpoint, root
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8"])
+def test_a_model_on_amx_tiles_matches_pytorch(amx_model, name):
+    import torch
+
+    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+
+    checkpoint, root = amx_model
+    model = load_artifact(root / name)
+    manifest = model.manifest
+    assert manifest.precision.kernel == (amx.BF16_DESCRIPTION if name == "bf16" else amx.INT8_DESCRIPTION)
+    symbols = subprocess.run(["nm", str(root / name / manifest.buckets[0].library)], capture_output=True,
+                             text=True, check=True).stdout
+    assert (amx.BF16 if name == "bf16" else amx.INT8).symbol in symbols
+    wrapper = load_wrapper(inspect_checkpoint(checkpoint, "embed"), "embed")
+    for batch, seq in ((2, 16), (3, 20)):  # the bucket, the generic library
+        inputs = example_inputs(batch, seq, manifest.model.vocab_size, seed=batch)
+        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
+        with torch.no_grad():
+            expected = wrapper(*inputs).numpy()
+        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+        assert cosine.min() >= GATES[name].cosine_min, cosine
+
+
+def test_loader_refuses_an_amx_artifact_on_a_cpu_without_amx(amx_model, monkeypatch):
+    _, root = amx_model
+    flags = {linux_flag(feature) for feature in FEATURES} - {"amx_bf16", "amx_tile"}
+    monkeypatch.setattr(cpu_features, "host_flags", lambda *args: flags)
+    with pytest.raises(ArtifactError, match="needs CPU features amx-tile, amx-bf16 this CPU lacks"):
+        load_artifact(root / "bf16")

@@ -11,9 +11,9 @@ computes a 32 x 32 block over the whole K as 2 x 2 accumulator tiles (tmm0-3) fe
 (tmm4-5) and 2 panel tiles (tmm6-7): the 8 tiles there are, each row and panel tile used twice.
 
 Linux hands a process the 8 KB of tile state only on request (`arch_prctl(ARCH_REQ_XCOMP_PERM)`):
-the libraries' constructor asks once, when they are loaded. Each call loads its tile configuration
-(`ldtilecfg`), as oneDNN's kernels do: other code in the process (another runtime's AMX kernels on
-the same thread) may have configured the tiles otherwise.
+the libraries' constructor asks once, when they are loaded. Each call reads the thread's tile
+configuration back (`sttilecfg`) and loads its own where it differs: other code in the process
+(another runtime's AMX kernels on the same thread) may have configured the tiles otherwise.
 
 Why C, as the bf16 tile: TVM 0.27's LLVM code generator has no tile type (`x86_amx`) to call
 `llvm.x86.tdpbf16ps.internal` from TIR; the C compiler that links every library builds these.
@@ -48,27 +48,26 @@ __attribute__((constructor)) static void bert_amx_request_tiles(void) {
   syscall(SYS_arch_prctl, BERT_ARCH_REQ_XCOMP_PERM, BERT_XFEATURE_XTILEDATA);
 }
 
-/* Palette 1, eight tiles of 16 rows x 64 bytes. */
+typedef struct {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t bytes_per_row[16];
+  uint8_t rows[16];
+} bert_amx_config;
+
+/* Palette 1, eight tiles of 16 rows x 64 bytes: loaded where the calling thread's tiles are configured
+   otherwise (reading the configuration back costs little; loading it, a quarter of a 32 x 32 x 384 call). */
 static inline void bert_amx_configure(void) {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-  } config;
-  memset(&config, 0, sizeof config);
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
+  static const bert_amx_config ours = {1, 0, {0}, {64, 64, 64, 64, 64, 64, 64, 64}, {16, 16, 16, 16, 16, 16, 16, 16}};
+  bert_amx_config current;
+  _tile_storeconfig(&current);
+  if (memcmp(&current, &ours, sizeof ours) != 0) _tile_loadconfig(&ours);
 }
 
-#define BERT_AMX_LOAD_ACCUMULATORS(c, ldc)                                                   \
-  _tile_loadd(0, (c), (ldc) * 4);                                                             \
-  _tile_loadd(1, (c) + 16, (ldc) * 4);                                                        \
-  _tile_loadd(2, (c) + 16 * (ldc), (ldc) * 4);                                                \
-  _tile_loadd(3, (c) + 16 * (ldc) + 16, (ldc) * 4)
+#define BERT_AMX_ZERO_ACCUMULATORS() \
+  _tile_zero(0);                     \
+  _tile_zero(1);                     \
+  _tile_zero(2);                     \
+  _tile_zero(3)
 
 #define BERT_AMX_STORE_ACCUMULATORS(c, ldc)                                                  \
   _tile_stored(0, (c), (ldc) * 4);                                                            \
@@ -76,12 +75,12 @@ static inline void bert_amx_configure(void) {
   _tile_stored(2, (c) + 16 * (ldc), (ldc) * 4);                                               \
   _tile_stored(3, (c) + 16 * (ldc) + 16, (ldc) * 4)
 
-/* c[32][32] (row stride ldc floats) += a[32][2 * pairs] (row stride lda) x the panel b[pairs][32][2];
+/* c[32][32] (row stride ldc floats) = a[32][2 * pairs] (row stride lda) x the panel b[pairs][32][2];
    pairs is a multiple of 16. */
 int32_t bert_amx_bf16_tile_32x32(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint16_t *b,
                                  int64_t pairs) {
   bert_amx_configure();
-  BERT_AMX_LOAD_ACCUMULATORS(c, ldc);
+  BERT_AMX_ZERO_ACCUMULATORS();
   for (int64_t p = 0; p < pairs; p += 16) {
     _tile_loadd(4, a + 2 * p, lda * 2);
     _tile_loadd(5, a + 16 * lda + 2 * p, lda * 2);
@@ -96,12 +95,12 @@ int32_t bert_amx_bf16_tile_32x32(float *c, int64_t ldc, const uint16_t *a, int64
   return 0;
 }
 
-/* c[32][32] (row stride ldc int32) += a[32][4 * quads] (uint8, row stride lda) x the panel
+/* c[32][32] (row stride ldc int32) = a[32][4 * quads] (uint8, row stride lda) x the panel
    b[quads][32][4] (int8); quads is a multiple of 16. */
 int32_t bert_amx_int8_tile_32x32(int32_t *c, int64_t ldc, const uint8_t *a, int64_t lda, const int8_t *b,
                                  int64_t quads) {
   bert_amx_configure();
-  BERT_AMX_LOAD_ACCUMULATORS(c, ldc);
+  BERT_AMX_ZERO_ACCUMULATORS();
   for (int64_t q = 0; q < quads; q += 16) {
     _tile_loadd(4, a + 4 * q, lda);
     _tile_loadd(5, a + 16 * lda + 4 * q, lda);

@@ -32,8 +32,10 @@ buffer outgrows the caches, beyond the 512 positions of BERT-family models). Wor
 each sequence's own length, not the bound: keys and queries past a sequence's last real token
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
-In bf16 libraries the two products (and the softmax between them) run on attention_bf16.py's
-micro-kernels instead, with the same staging, tiles and row maps around them.
+In bf16 libraries (and int8 ones on AVX512_BF16 CPUs) the two products and the softmax between
+them run on attention_bf16.py's micro-kernels instead, or with the products on AMX tiles
+(attention_amx.py, keys and values then staged to whole 32-key tiles), with the same staging,
+tiles and row maps around them.
 
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's

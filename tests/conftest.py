@@ -85,6 +85,26 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     return compile_model(config)
 
 
+def least_cosine_to_pytorch(model, checkpoint: Path, shapes: list[tuple[int, int]]) -> float:
+    """The least cosine of a loaded artifact's embeddings (`model`, artifact.loader) to the PyTorch
+    fp32 model of `checkpoint`, over random token rows of each (batch, seq) of `shapes`."""
+    import numpy as np
+    import torch
+
+    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+
+    wrapper = load_wrapper(inspect_checkpoint(checkpoint, "embed"), "embed")
+    least = 1.0
+    for batch, seq in shapes:
+        inputs = example_inputs(batch, seq, model.manifest.model.vocab_size, seed=batch)
+        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
+        with torch.no_grad():
+            expected = wrapper(*inputs).numpy()
+        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+        least = min(least, float(cosine.min()))
+    return least
+
+
 def with_latencies(artifact: Path, out: Path, latencies: dict[tuple[int, int], float]) -> Path:
     """A copy of a padded `artifact` whose buckets' recorded latencies are `latencies` ((batch, seq)
     -> ms): what routes a batch then depends on the test, not on how busy the machine was when

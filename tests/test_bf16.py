@@ -26,12 +26,13 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from compile import precision
 from compile.build import make_target
-from compile.kernels import attention_bf16, bf16
+from compile.kernels import amx, attention_bf16, bf16
 from compile.lowering import tir_pipeline
 from compile.precision import GATES, Measured, choose
 
 HOST = make_target("cpu")
 RUNS_BF16 = bf16.supported(HOST) and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
+RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
 needs_bf16 = pytest.mark.skipif(not RUNS_BF16, reason="this CPU has no AVX512_BF16")
 BF16_CPU = "znver4"  # a CPU LLVM knows to have AVX512_BF16: code is generated for it on any host
 
@@ -40,18 +41,20 @@ def _i64(value: int) -> tvm.tirx.IntImm:
     return tvm.tirx.IntImm("int64", value)
 
 
-def _build_linear(m: int | None, n: int, k: int, target, path):
-    """bf16 activations x bf16 panels + bias, scheduled and exported with the micro-kernel."""
+def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool = False):
+    """bf16 activations x bf16 panels + bias, scheduled (on AMX tiles where `amx_tiles`) and exported
+    with the micro-kernels."""
     rows = _i64(m) if m is not None else tvm.tirx.Var("m", "int64")
     x = te.placeholder((rows, _i64(k)), bf16.STORAGE, name="x")
     panels = te.placeholder((n // bf16.PANEL, k // bf16.PAIR, bf16.PANEL, bf16.PAIR), bf16.STORAGE, name="p")
     bias = te.placeholder((_i64(n),), "float32", name="bias")
     product = bf16.bf16_matmul_te(x, panels)
     y = te.compute(product.shape, lambda i, j: product[i, j] + bias[j], name="T_add")
-    sch = bf16.schedule_bf16_matmul(te.create_prim_func([x, panels, bias, y]))
+    sch = bf16.schedule_bf16_matmul(te.create_prim_func([x, panels, bias, y]), amx_tiles)
     assert sch is not None
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
-    library.export_library(str(path), addons=[str(bf16.kernels_object())])
+    library.export_library(str(path), addons=[str(bf16.kernels_object())]
+                           + ([str(amx.kernels_object())] if amx_tiles else []))
     return path
 
 
@@ -73,15 +76,19 @@ def test_the_tile_is_vdpbf16ps_in_the_library(tmp_path):
 
 
 @needs_bf16
-@pytest.mark.parametrize("m", [16, 13, None])  # whole row tiles, a ragged tail, a symbolic row count
-def test_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m):
-    n, k = 96, 160
+@pytest.mark.parametrize("tile", ["avx512", "amx"])
+@pytest.mark.parametrize("m", [32, 13, None])  # whole row tiles, a ragged tail, a symbolic row count
+def test_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m, tile):
+    """On the AVX-512 tile and on AMX's (where this CPU has AMX): only the order of the fp32 sums differs."""
+    if tile == "amx" and not RUNS_AMX:
+        pytest.skip("this CPU has no AMX")
+    n, k = 96, 192
     rng = np.random.default_rng(0)
-    rows = m or 21
+    rows = m or 45
     x = rng.standard_normal((rows, k), dtype=np.float32)
     weight = rng.standard_normal((n, k), dtype=np.float32)
     bias = rng.standard_normal(n, dtype=np.float32)
-    library = tvm.runtime.load_module(str(_build_linear(m, n, k, HOST, tmp_path / "linear.so")))
+    library = tvm.runtime.load_module(str(_build_linear(m, n, k, HOST, tmp_path / "linear.so", tile == "amx")))
     device = tvm.cpu()
     out = tvm.runtime.tensor(np.zeros((rows, n), np.float32), device)
     library["main"](*(tvm.runtime.tensor(a, device) for a in (x.astype(ml_dtypes.bfloat16).view(np.uint16),
@@ -118,9 +125,7 @@ def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
-    import torch
-
-    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
+    from conftest import least_cosine_to_pytorch
 
     model = load_artifact(bf16_artifacts / layout)
     manifest = model.manifest
@@ -130,14 +135,8 @@ def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
     measured = manifest.precision.candidates[0]
     assert measured.precision == "bf16" and measured.cosine_min >= GATES["bf16"].cosine_min
     assert manifest.tolerance == 0.05  # checked per output row, relative to its norm
-    wrapper = load_wrapper(inspect_checkpoint(tiny_bert_dir, "embed"), "embed")
-    for batch, seq in ((1, 8), (3, 16), (5, 20)):  # buckets, and the generic library
-        inputs = example_inputs(batch, seq, manifest.model.vocab_size, seed=batch)
-        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
-        with torch.no_grad():
-            expected = wrapper(*inputs).numpy()
-        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
-        assert cosine.min() >= 0.999, cosine
+    # buckets, and the generic library
+    assert least_cosine_to_pytorch(model, tiny_bert_dir, [(1, 8), (3, 16), (5, 20)]) >= 0.999
 
 
 def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
@@ -146,10 +145,8 @@ def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     packed and generic libraries within bf16's cosine gate of PyTorch fp32."""
     if not RUNS_BF16:
         pytest.skip("this CPU has no AVX512_BF16")
-    import torch
-    from conftest import TINY_SIZES, compile_artifact
+    from conftest import TINY_SIZES, compile_artifact, least_cosine_to_pytorch
 
-    from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
     from loadtest.random_checkpoint import save_sentence_transformer
 
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=3, config={
@@ -160,15 +157,8 @@ def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     symbols = subprocess.run(["nm", str(tmp_path / "bf16" / manifest.buckets[0].library)], capture_output=True,
                              text=True, check=True).stdout
     assert attention_bf16.SCORES.format(head=32) in symbols and attention_bf16.CONTEXT.format(head=32) in symbols
-    model = load_artifact(tmp_path / "bf16")
-    wrapper = load_wrapper(inspect_checkpoint(checkpoint, "embed"), "embed")
-    for batch, seq in ((2, 16), (3, 20)):  # the bucket, the generic library
-        inputs = example_inputs(batch, seq, manifest.model.vocab_size, seed=batch)
-        served = model.run(inputs[0].numpy(), inputs[1].numpy()).output
-        with torch.no_grad():
-            expected = wrapper(*inputs).numpy()
-        cosine = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
-        assert cosine.min() >= GATES["bf16"].cosine_min, cosine
+    model = load_artifact(tmp_path / "bf16")  # the bucket, the generic library
+    assert least_cosine_to_pytorch(model, checkpoint, [(2, 16), (3, 20)]) >= GATES["bf16"].cosine_min
 
 
 def test_bf16_weights_ship_at_half_the_bytes(bf16_artifacts, tiny_embed_artifact):

@@ -31,7 +31,6 @@ from .tiles import Tile, c_object
 REQUIRED_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "avx512bw", "avx512bf16")
 ROWS = 32  # activation rows per call: two row tiles
 PANEL = 32  # output columns per call: two panel tiles, one weight panel of the AVX-512 kernels
-LINEAR_KERNELS = ("bf16_matmul", "int8_matmul")  # the primfuncs kernels/bf16.py and int8.py emit
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -63,57 +62,36 @@ static inline void bert_amx_configure(void) {
   if (memcmp(&current, &ours, sizeof ours) != 0) _tile_loadconfig(&ours);
 }
 
-#define BERT_AMX_ZERO_ACCUMULATORS() \
-  _tile_zero(0);                     \
-  _tile_zero(1);                     \
-  _tile_zero(2);                     \
-  _tile_zero(3)
-
-#define BERT_AMX_STORE_ACCUMULATORS(c, ldc)                                                  \
-  _tile_stored(0, (c), (ldc) * 4);                                                            \
-  _tile_stored(1, (c) + 16, (ldc) * 4);                                                       \
-  _tile_stored(2, (c) + 16 * (ldc), (ldc) * 4);                                               \
-  _tile_stored(3, (c) + 16 * (ldc) + 16, (ldc) * 4)
-
-/* c[32][32] (row stride ldc floats) = a[32][2 * pairs] (row stride lda) x the panel b[pairs][32][2];
-   pairs is a multiple of 16. */
-int32_t bert_amx_bf16_tile_32x32(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint16_t *b,
-                                 int64_t pairs) {
-  bert_amx_configure();
-  BERT_AMX_ZERO_ACCUMULATORS();
-  for (int64_t p = 0; p < pairs; p += 16) {
-    _tile_loadd(4, a + 2 * p, lda * 2);
-    _tile_loadd(5, a + 16 * lda + 2 * p, lda * 2);
-    _tile_loadd(6, b + p * 64, 128);
-    _tile_loadd(7, b + p * 64 + 32, 128);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+/* c[32][32] (row stride ldc) = a[32][GROUP * groups] (row stride lda) x the panel b[groups][32][GROUP], in
+   2 x 2 accumulator tiles (tmm0-3) fed by 2 row tiles (tmm4-5) and 2 panel tiles (tmm6-7); groups is a
+   multiple of 16 (one tile row of the activations: 64 bytes). */
+#define BERT_AMX_TILE(NAME, C, A, B, GROUP, PRODUCT)                                                     \
+  int32_t NAME(C *c, int64_t ldc, const A *a, int64_t lda, const B *b, int64_t groups) {                  \
+    bert_amx_configure();                                                                                \
+    _tile_zero(0);                                                                                       \
+    _tile_zero(1);                                                                                       \
+    _tile_zero(2);                                                                                       \
+    _tile_zero(3);                                                                                       \
+    for (int64_t g = 0; g < groups; g += 16) {                                                           \
+      _tile_loadd(4, a + GROUP * g, lda * sizeof(A));                                                    \
+      _tile_loadd(5, a + 16 * lda + GROUP * g, lda * sizeof(A));                                         \
+      _tile_loadd(6, b + g * 32 * GROUP, 32 * GROUP * sizeof(B));                                        \
+      _tile_loadd(7, b + g * 32 * GROUP + 16 * GROUP, 32 * GROUP * sizeof(B));                           \
+      PRODUCT(0, 4, 6);                                                                                  \
+      PRODUCT(1, 4, 7);                                                                                  \
+      PRODUCT(2, 5, 6);                                                                                  \
+      PRODUCT(3, 5, 7);                                                                                  \
+    }                                                                                                    \
+    _tile_stored(0, c, ldc * 4);                                                                         \
+    _tile_stored(1, c + 16, ldc * 4);                                                                    \
+    _tile_stored(2, c + 16 * ldc, ldc * 4);                                                              \
+    _tile_stored(3, c + 16 * ldc + 16, ldc * 4);                                                         \
+    return 0;                                                                                            \
   }
-  BERT_AMX_STORE_ACCUMULATORS(c, ldc);
-  return 0;
-}
 
-/* c[32][32] (row stride ldc int32) = a[32][4 * quads] (uint8, row stride lda) x the panel
-   b[quads][32][4] (int8); quads is a multiple of 16. */
-int32_t bert_amx_int8_tile_32x32(int32_t *c, int64_t ldc, const uint8_t *a, int64_t lda, const int8_t *b,
-                                 int64_t quads) {
-  bert_amx_configure();
-  BERT_AMX_ZERO_ACCUMULATORS();
-  for (int64_t q = 0; q < quads; q += 16) {
-    _tile_loadd(4, a + 4 * q, lda);
-    _tile_loadd(5, a + 16 * lda + 4 * q, lda);
-    _tile_loadd(6, b + q * 128, 128);
-    _tile_loadd(7, b + q * 128 + 64, 128);
-    _tile_dpbusd(0, 4, 6);
-    _tile_dpbusd(1, 4, 7);
-    _tile_dpbusd(2, 5, 6);
-    _tile_dpbusd(3, 5, 7);
-  }
-  BERT_AMX_STORE_ACCUMULATORS(c, ldc);
-  return 0;
-}
+/* bf16 pairs into fp32, uint8 x int8 quads into int32 */
+BERT_AMX_TILE(bert_amx_bf16_tile_32x32, float, uint16_t, uint16_t, 2, _tile_dpbf16ps)
+BERT_AMX_TILE(bert_amx_int8_tile_32x32, int32_t, uint8_t, int8_t, 4, _tile_dpbusd)
 """
 
 
@@ -150,6 +128,9 @@ def linked_objects(mod: tvm.IRModule, target: tvm.target.Target, attention: str 
     """The tiles' object where a library built from `mod` for `target` runs its bf16 or int8
     linears on them (compile/kernels/bf16.py and int8.py schedule them so where `supported`) or its
     attention's products (`attention` "amx")."""
-    uses = attention == "amx" or any(isinstance(func, tvm.tirx.PrimFunc) and gvar.name_hint.startswith(LINEAR_KERNELS)
-               for gvar, func in mod.functions_items())
+    from . import bf16, int8  # they schedule onto these tiles: imported here, not at the top
+
+    linears = (bf16.MATMUL, int8.MATMUL)
+    uses = attention == "amx" or any(isinstance(func, tvm.tirx.PrimFunc) and gvar.name_hint.startswith(linears)
+                                     for gvar, func in mod.functions_items())
     return [str(kernels_object())] if uses and supported(target) else []

@@ -44,6 +44,15 @@ def is_reduction(sch: s_tir.Schedule, block) -> bool:
     return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
 
 
+def parallelize_leftovers(sch: s_tir.Schedule) -> None:
+    """Run on the pool, too, the blocks a matmul schedule leaves outside its parallel nest (the
+    padded copy of the activations, the un-padding of the output)."""
+    for block in root_blocks(sch):
+        loops = sch.get_loops(block)
+        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
+            sch.parallel(loops[0])
+
+
 def attempt(fn, *args) -> bool:
     """Apply one optional schedule primitive; a refusal leaves the schedule as it was.
 

@@ -36,7 +36,9 @@ from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
 from . import amx
-from .tiles import schedule_tiles
+from .common import parallelize_leftovers
+from .fallback import vectorize_inner
+from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
 QMAX = 127.0
 ROW_QUANTIZE = "quantize_rows"
@@ -261,13 +263,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.
     m, j, k = sch.get_loops(main)
     if amx_tiles and kernel is VNNI and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
-    rows = sch.get(m).extent
-    if not (isinstance(rows, tirx.IntImm) and int(rows) % kernel.rows == 0):
-        sch.pad_einsum(main, [kernel.rows, 1, 1])
-        m, j, k = sch.get_loops(main)
-    for producer in sch.get_producers(main):
-        if sch.get(producer).name_hint.startswith(PANEL_VIEW):
-            sch.compute_inline(producer)
+    m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
     jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])
     mo, mi = sch.split(m, [None, kernel.rows])
     ko, ki = sch.split(k, [None, kernel.group])
@@ -276,19 +272,11 @@ def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.
     acc = sch.cache_write(main, 0, "global")  # a small constant-size buffer: registers (see dense)
     sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
     auto_inline_consumers(sch, acc)
-    _vectorize_innermost(sch, acc, kernel.lanes)
+    vectorize_inner(sch, acc, kernel.lanes)
     init = sch.decompose_reduction(main, ko)
-    _vectorize_innermost(sch, init, kernel.lanes)
+    vectorize_inner(sch, init, kernel.lanes)
     sch.unroll(mi)
     sch.unroll(jv)
     sch.tensorize(jl, kernel.intrin)
-    for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of xq, the un-padding
-        loops = sch.get_loops(block)
-        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
-            sch.parallel(loops[0])
+    parallelize_leftovers(sch)
     return sch
-
-
-def _vectorize_innermost(sch: s_tir.Schedule, block, lanes: int) -> None:
-    _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
-    sch.vectorize(inner)

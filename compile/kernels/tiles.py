@@ -23,6 +23,9 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
+from .common import parallelize_leftovers
+from .fallback import vectorize_inner
+
 
 @dataclass(frozen=True)
 class Tile:
@@ -48,6 +51,20 @@ def tile_intrinsic(tile: Tile, k_size: int) -> str:
     if TensorIntrin.get(name, allow_missing=True) is None:
         TensorIntrin.register(name, panel_tile(tile, k_size, computed=True), panel_tile(tile, k_size, computed=False))
     return name
+
+
+def pad_rows_and_inline_panels(sch: s_tir.Schedule, main, rows: int, panel_view: str) -> list:
+    """The matmul block's (m, n, k) loops once a symbolic or ragged M is padded to a multiple of
+    `rows` (`pad_einsum`) and the weight's panel view (named `panel_view`) inlined, which
+    `pad_einsum` needs done after it: it reads plain indices."""
+    m = sch.get_loops(main)[0]
+    extent = sch.get(m).extent
+    if not (isinstance(extent, tirx.IntImm) and int(extent) % rows == 0):
+        sch.pad_einsum(main, [rows, 1, 1])
+    for producer in sch.get_producers(main):
+        if sch.get(producer).name_hint.startswith(panel_view):
+            sch.compute_inline(producer)
+    return sch.get_loops(main)
 
 
 def _widened(value, dtype: str):
@@ -102,15 +119,8 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
             y[rows, panel] = epilogue(acc)
     A symbolic or ragged M is padded to a multiple of `rows` (`pad_einsum`).
     """
-    m, j, k = sch.get_loops(main)
+    m, j, k = pad_rows_and_inline_panels(sch, main, tile.rows, panel_view)
     k_size = int(sch.get(k).extent)
-    rows = sch.get(m).extent
-    if not (isinstance(rows, tirx.IntImm) and int(rows) % tile.rows == 0):
-        sch.pad_einsum(main, [tile.rows, 1, 1])
-        m, j, k = sch.get_loops(main)
-    for producer in sch.get_producers(main):
-        if sch.get(producer).name_hint.startswith(panel_view):
-            sch.compute_inline(producer)
     jo, ji = sch.split(j, [None, tile.panel])
     mo, mi = sch.split(m, [None, tile.rows])
     ko, ki = sch.split(k, [None, tile.group])
@@ -119,18 +129,10 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
     acc = sch.cache_write(main, 0, "global")  # at most 4 KB: a stack alloca (compile/lowering.py)
     sch.reverse_compute_at(acc, mo, preserve_unit_loops=True)
     auto_inline_consumers(sch, acc)
-    _vectorize_innermost(sch, acc, lanes)
+    vectorize_inner(sch, acc, lanes)
     sch.tensorize(mi, tile_intrinsic(tile, k_size))
-    for block in sch.get_child_blocks(sch.get_sblock("root")):  # the padded copy of x, the un-padding
-        loops = sch.get_loops(block)
-        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
-            sch.parallel(loops[0])
+    parallelize_leftovers(sch)
     return sch
-
-
-def _vectorize_innermost(sch: s_tir.Schedule, block, lanes: int) -> None:
-    _, inner = sch.split(sch.get_loops(block)[-1], [None, lanes])
-    sch.vectorize(inner)
 
 
 @functools.cache

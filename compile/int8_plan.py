@@ -207,17 +207,24 @@ def unit_name(module_names: list[str]) -> str:
 
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
-              activation_max: int = 127) -> Int8Plan:
+              activation_max: int = 127, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is the int8 gate;
-    `activation_max`, the int8 kernel's activation range."""
+    `activation_max`, the int8 kernel's activation range; `report(line)` hears how far it is (a
+    12-layer BERT takes minutes)."""
     simulation = Simulation(wrapper, rows, quantized_keys, agreement, activation_max)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
-    sensitivity = sorted((Sensitivity(unit.name, simulation.accuracy(alpha, {unit.name})) for unit in simulation.units),
-                         key=lambda s: score(s.accuracy), reverse=True)
+    report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
+    sensitivity = []
+    quarters = {len(simulation.units) * q // 4 for q in (1, 2, 3, 4)}
+    for done, unit in enumerate(simulation.units, 1):
+        sensitivity.append(Sensitivity(unit.name, simulation.accuracy(alpha, {unit.name})))
+        if done in quarters:
+            report(f"sensitivity: {done}/{len(simulation.units)} linear groups")
+    sensitivity.sort(key=lambda s: score(s.accuracy), reverse=True)
     log.info("int8 sensitivity (with the unit kept out of int8): %s",
              ", ".join(f"{s.unit} {score(s.accuracy)[0]:.4f}" for s in sensitivity[:4]))
     kept: list[str] = []
@@ -250,10 +257,10 @@ def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
 
 
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
-             max_seq: int, task: str) -> Int8Plan:
+             max_seq: int, task: str, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
     `reference` on the shipped sentences with the int8 gate (compile/precision.py); units left
-    out of int8 run bf16 where the target has it, else fp32."""
+    out of int8 run bf16 where the target has it, else fp32; `report` hears its progress."""
     from . import precision
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
@@ -261,6 +268,6 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     found = plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
-                      lambda accuracy: not precision.gate_failures("int8", accuracy), kernel.activation_max)
+                      lambda accuracy: not precision.gate_failures("int8", accuracy), kernel.activation_max, report)
     found.fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
     return found

@@ -527,7 +527,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         if plans_int8:
             with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
                 plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
-                                     info.max_seq, config.model_task)
+                                     info.max_seq, config.model_task, progress.note)
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging)

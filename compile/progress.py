@@ -24,6 +24,10 @@ class Progress:
         if not self.quiet:
             print(text, file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line inside the current step, for steps long enough to need one (minutes)."""
+        self._print(f"    {text}")
+
     @contextlib.contextmanager
     def step(self, description: str) -> Iterator[None]:
         self.done += 1

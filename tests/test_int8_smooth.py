@@ -147,7 +147,7 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return _planted(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
-def _plan(checkpoint: Path, gate):
+def _plan(checkpoint: Path, gate, report=lambda text: None):
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.int8_plan import plan_int8
 
@@ -155,14 +155,22 @@ def _plan(checkpoint: Path, gate):
     wrapper = load_wrapper(info, "embed")
     keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
     return plan_int8(wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys,
-                     embedding_agreement, gate)
+                     embedding_agreement, gate, report=report)
 
 
 def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
-    plan = _plan(outlier_checkpoint, lambda accuracy: not precision.gate_failures("int8", accuracy))
+    from compile.int8_plan import ALPHAS
+
+    reported = []
+    plan = _plan(outlier_checkpoint, lambda accuracy: not precision.gate_failures("int8", accuracy), reported.append)
     assert plan.alphas[0.0]["cosine_min"] < 0.998  # unsmoothed, the outlier costs accuracy
     assert plan.alpha > 0 and plan.simulated["cosine_min"] > 0.9999 and plan.fallback == []
     assert module_key(SENSITIVE) in plan.scales
+    # its progress: the alpha chosen, then the sensitivity passes in quarters, the last one complete
+    units = len(plan.sensitivity)
+    assert reported[0].startswith(f"smoothing: alpha {plan.alpha} of {len(ALPHAS)} tried")
+    assert reported[1:] == [f"sensitivity: {done}/{units} linear groups"
+                            for done in sorted({units * q // 4 for q in (1, 2, 3, 4)})]
 
 
 def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoint):

@@ -114,7 +114,8 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     m = tirx.Var("m", "int64")
     xt = te.placeholder((m, k), "float32", name="x")
     quantized, scale = int8.quantize_rows_te(xt, kernel)
-    quant = _build(te.create_prim_func([xt, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)), target)
+    quant = _build(te.create_prim_func([xt, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)),
+                   target)
     xq = tvm.runtime.tensor(np.zeros((count, k), kernel.activation))
     sq = tvm.runtime.tensor(np.zeros(count, "float32"))
     quant(tvm.runtime.tensor(x), xq, sq)
@@ -142,8 +143,8 @@ def int8_checkpoint(tmp_path_factory):
     and 32), with heads of 16 (attention fused for either lane count)."""
     from conftest import save_tiny_sentence_transformer
 
-    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-int8"), seed=7,
-                                          config={"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6})
+    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-int8"), seed=7, config={
+        "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6})
 
 
 @pytest.fixture(scope="module", params=["packed", "padded"])

@@ -99,12 +99,11 @@ def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
 
 def kernel_description(precision: str, target: tvm.target.Target) -> str | None:
     """The micro-kernel `precision`'s linears run on for `target`, as the manifest names it (None: fp32)."""
-    amx_tiles = amx.supported(target)
     if precision == "int8":
         kernel = int8.kernel_for(target)
-        return amx.INT8_DESCRIPTION if amx_tiles and kernel is int8.VNNI else kernel.description
+        return amx.INT8_DESCRIPTION if int8.on_amx(kernel, amx.supported(target)) else kernel.description
     if precision == "bf16":
-        return amx.BF16_DESCRIPTION if amx_tiles else bf16.DESCRIPTION
+        return amx.BF16_DESCRIPTION if amx.supported(target) else bf16.DESCRIPTION
     return None
 
 

@@ -103,12 +103,21 @@ INT8_DESCRIPTION = ("amx tdpbusd (uint8 activations x int8 weights, 32 x 32 tile
                     "not a multiple of 64), int32 accumulation")
 
 
+_SUPPORTED: dict[str, bool] = {}  # by target: the schedule pass asks once per kernel (LLVM's answer takes ~1 ms)
+
+
 def supported(target: tvm.target.Target) -> bool:
     """Whether the target's CPU has AMX-BF16 and AMX-INT8 and the C compiler builds the tiles: where
     it does, the bf16 and int8 linears run on them (the one place that decides it)."""
+    key = str(target.host or target)
+    if key not in _SUPPORTED:
+        _SUPPORTED[key] = _supported(target.host or target)
+    return _SUPPORTED[key]
+
+
+def _supported(llvm: tvm.target.Target) -> bool:
     from tvm.target.codegen import llvm_cpu_has_features
 
-    llvm = target.host or target
     if llvm.kind.name != "llvm" or not all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES):
         return False
     try:

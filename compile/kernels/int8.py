@@ -90,6 +90,12 @@ def kernel_for(target: tvm.target.Target) -> Int8Kernel | None:
     return AVX2 if llvm_cpu_has_features("avx2", target) else None
 
 
+def on_amx(kernel: Int8Kernel, amx_tiles: bool) -> bool:
+    """Whether `kernel`'s linears run on AMX's int8 tile (where K is a multiple of its step): it
+    reads VNNI's activations and panels, on a target that has the tiles (`amx.supported`)."""
+    return amx_tiles and kernel is VNNI
+
+
 def _by_layout(activation: str, panel: int, group: int) -> Int8Kernel | None:
     """The kernel whose activations and weight panels these are (each has its own layout)."""
     return next((kernel for kernel in KERNELS
@@ -261,7 +267,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.
         return None
     main, kernel = found
     m, j, k = sch.get_loops(main)
-    if amx_tiles and kernel is VNNI and amx.INT8.fits(sch.get(k).extent):
+    if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
     jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])

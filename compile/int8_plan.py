@@ -86,15 +86,15 @@ class Int8Plan:
 
 
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
-                          activation_max: int = 127) -> torch.Tensor:
-    """The int8 kernels' arithmetic in PyTorch: optional smoothing, per-token activations (to
-    the kernel's `activation_max`), per-output-channel weights, exact integer products (fp64: no
+                          weight_max: int = 127) -> torch.Tensor:
+    """The int8 kernels' arithmetic in PyTorch: optional smoothing, per-token activations,
+    per-output-channel weights (to the kernel's `weight_max`), exact integer products (fp64: no
     fp32 rounding of large sums)."""
     weight = module.weight
     if scale is not None:
         x, weight = x / scale, weight * scale
-    x_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / activation_max
-    w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / 127
+    x_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / int8.QMAX
+    w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
     xq = torch.round(x / x_scale).double()
     wq = torch.round(weight / w_scale).double()
     y = (xq @ wq.T).float() * x_scale * w_scale.T
@@ -113,9 +113,9 @@ class Simulation:
     """The fp32 model with chosen units int8-simulated, run on the shipped sentence rows."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
-                 agreement: Callable[[np.ndarray, np.ndarray], dict], activation_max: int = 127):
+                 agreement: Callable[[np.ndarray, np.ndarray], dict], weight_max: int = 127):
         self.wrapper = wrapper
-        self.activation_max = activation_max
+        self.weight_max = weight_max
         self.agreement = agreement
         self.rows = tuple(torch.from_numpy(x) for x in rows)
         names = {module: name for name, module in wrapper.named_modules()}
@@ -172,7 +172,7 @@ class Simulation:
         def replace(module, inputs, output):
             if module not in self.state:
                 return None
-            return fake_quantized_linear(module, inputs[0], self.state[module], self.activation_max)
+            return fake_quantized_linear(module, inputs[0], self.state[module], self.weight_max)
 
         with torch.no_grad(), self._hooks(replace):
             return self.wrapper(*self.rows).float().numpy()
@@ -207,12 +207,12 @@ def unit_name(module_names: list[str]) -> str:
 
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
-              activation_max: int = 127, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
+              weight_max: int = 127, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is the int8 gate;
-    `activation_max`, the int8 kernel's activation range; `report(line)` hears how far it is (a
+    `weight_max`, the int8 kernel's weight range; `report(line)` hears how far it is (a
     12-layer BERT takes minutes)."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, activation_max)
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
@@ -268,6 +268,6 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     found = plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
-                      lambda accuracy: not precision.gate_failures("int8", accuracy), kernel.activation_max, report)
+                      lambda accuracy: not precision.gate_failures("int8", accuracy), kernel.weight_max, report)
     found.fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
     return found

@@ -45,10 +45,11 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
     """The scheduled `func`, or None when no rule recognises it (or every rule fails on it)."""
     lanes = vector_lanes(target)
     amx_tiles = amx.supported(target)
+    int8_kernel = int8.kernel_for(target)
     func = fast_math(func)
     rules = (
         lambda f: bf16.schedule_bf16_matmul(f, amx_tiles),
-        lambda f: int8.schedule_int8_matmul(f, amx_tiles),
+        lambda f: int8.schedule_int8_matmul(f, int8_kernel, amx_tiles),
         lambda f: schedule_matmul(f, lanes),
         lambda f: schedule_rows(f, lanes),
         lambda f: Reduction().apply(f, target, False),

@@ -70,7 +70,7 @@ def _int8_linear(m, n: int, k: int, target, path):
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
-    schedule = lambda f: int8.schedule_int8_matmul(f, amx_tiles=amx.supported(target))  # noqa: E731
+    schedule = lambda f: int8.schedule_int8_matmul(f, kernel, amx.supported(target))  # noqa: E731
     return _export(te.create_prim_func([*inputs, bias, out]), schedule, target, path)
 
 

@@ -1,5 +1,6 @@
 """The x86-64-v3 (AVX2 + FMA) level's kernels, built for that level on any x86-64 machine: the
-instructions in their assembly, the int8 kernel's exactness at its saturation bound, and the
+instructions in their assembly, the int8 kernel's exactness at its saturation bound (and
+AVX-VNNI's, an alderlake level's, over the whole int8 range), and the
 register tiles each level's dense kernel takes (the AVX-512 one included, which must not move).
 Numbers are checked where this CPU runs x86-64-v3 code (every x86-64 CPU the suite runs on)."""
 
@@ -20,6 +21,7 @@ from compile.lowering import tir_pipeline
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 V4 = make_target("cpu", mcpu="x86-64-v4")
+AVX_VNNI_CPU = make_target("cpu", mcpu="alderlake")  # AVX2 + AVX-VNNI, no AVX-512
 
 
 def _instructions(lib) -> tuple[set[str], str]:
@@ -27,12 +29,12 @@ def _instructions(lib) -> tuple[set[str], str]:
     return set(re.findall(r"^\s+(v\w+)\s", asm, re.MULTILINE)), asm
 
 
-def _int8_library(kernel: int8.Int8Kernel, rows: int, n: int, k: int):
+def _int8_library(kernel: int8.Int8Kernel, rows: int, n: int, k: int, target=V3):
     inputs = [te.placeholder((rows, k), kernel.activation, name="xq"), te.placeholder((rows,), "float32", name="scale"),
               te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
               te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="compensation")]
     func = te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)])
-    return tvm.compile(int8.schedule_int8_matmul(func).mod, target=V3, tir_pipeline=tir_pipeline(V3))
+    return tvm.compile(int8.schedule_int8_matmul(func, kernel).mod, target=target, tir_pipeline=tir_pipeline(target))
 
 
 def _run_here(target) -> None:
@@ -70,20 +72,9 @@ def test_x86_64_v3_dense_kernel_is_ymm_fma():
     np.testing.assert_allclose(out.numpy(), a @ w.T, rtol=1e-4, atol=1e-4)
 
 
-def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
-    """The largest pair sums the 7-bit activations allow (|q| = activation_max against weights of
-    +-127 of the same sign) must come out exact: one more bit of activation would saturate."""
-    kernel = int8.kernel_for(V3)
-    rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
-    lib = _int8_library(kernel, rows, n, k)
-    instructions, asm = _instructions(lib)
-    assert {"vpmaddubsw", "vpmaddwd"} <= instructions
-    assert "zmm" not in asm and not any(i.startswith("vpdpbusd") for i in instructions)
-    _run_here(V3)
-    rng = np.random.default_rng(1)
-    x = rng.choice([-kernel.activation_max, kernel.activation_max], (rows, k))
-    # half the columns have the sign of row 0's activations throughout: its largest possible pair sums
-    weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * 127, rng.integers(-127, 128, (n, k))).astype(np.int8)
+def _exact_int8_products(kernel: int8.Int8Kernel, lib, x: np.ndarray, weights: np.ndarray) -> None:
+    """`lib` (an int8 linear of unit scales) gives x @ weights^T exactly."""
+    rows, n, k = x.shape[0], weights.shape[0], x.shape[1]
     panels = weights.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
     compensation = (kernel.offset * weights.astype(np.int32).sum(axis=1)).astype(np.int32)
     out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
@@ -91,6 +82,42 @@ def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
              np.ones(n, "float32"), compensation]
     lib(*(tvm.runtime.tensor(a) for a in given), out)
     np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
+
+
+def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
+    """The largest pair sums 8-bit activations and 7-bit weights allow (u8 = 255 against weights
+    of +-weight_max of the same sign) must come out exact: one more bit of weight would saturate."""
+    kernel = int8.kernel_for(V3)
+    assert (kernel.offset, kernel.weight_max) == (128, 63)
+    rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
+    lib = _int8_library(kernel, rows, n, k)
+    instructions, asm = _instructions(lib)
+    assert {"vpmaddubsw", "vpmaddwd"} <= instructions
+    assert "zmm" not in asm and not any(i.startswith("vpdpbusd") for i in instructions)
+    _run_here(V3)
+    rng = np.random.default_rng(1)
+    x = rng.choice([-128, 127], (rows, k))  # u8 = 0 or 255
+    top = kernel.weight_max
+    # half the columns have the sign of row 0's activations throughout: its largest possible pair sums
+    weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * top, rng.integers(-top, top + 1, (n, k)))
+    _exact_int8_products(kernel, lib, x, weights.astype(np.int8))
+
+
+def test_avx_vnni_int8_kernel_is_vex_vpdpbusd_on_ymm_and_exact_over_the_int8_range():
+    """A CPU with AVX-VNNI and no AVX-512 takes VNNI's dot product on ymm, with 8-bit weights:
+    vpdpbusd sums in int32 and never saturates."""
+    kernel = int8.kernel_for(AVX_VNNI_CPU)
+    assert kernel is int8.AVX_VNNI and kernel.weight_max == 127
+    rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
+    lib = _int8_library(kernel, rows, n, k, AVX_VNNI_CPU)
+    instructions, asm = _instructions(lib)
+    assert re.search(r"\{vex\}\s+vpdpbusd\s+\(?%?\S*ymm", asm) and "vpmaddubsw" not in instructions
+    assert "zmm" not in asm
+    _run_here(AVX_VNNI_CPU)
+    rng = np.random.default_rng(2)
+    x = rng.choice([-128, 127], (rows, k))
+    weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * 127, rng.integers(-127, 128, (n, k)))
+    _exact_int8_products(kernel, lib, x, weights.astype(np.int8))
 
 
 @pytest.mark.parametrize("target", [V3, V4], ids=["x86-64-v3", "x86-64-v4"])

@@ -1,7 +1,8 @@
-"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and both matmul
-micro-kernels (AVX2 vpmaddubsw + vpmaddwd, AVX-512 VNNI vpdpbusd) with their epilogue, at static and symbolic row
-counts (ragged ones included). Each kernel is compiled for a CPU that has it (x86-64-v3; cascadelake,
-the first with VNNI) on any machine, and run where this CPU has its features."""
+"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and the three matmul
+micro-kernels (AVX2 vpmaddubsw + vpmaddwd, AVX-VNNI and AVX-512 VNNI vpdpbusd) with their epilogue, at
+static and symbolic row counts (ragged ones included). Each kernel is compiled for a CPU that has it
+(x86-64-v3; alderlake, AVX-VNNI without AVX-512; cascadelake, the first with AVX-512 VNNI) on any
+machine, and run where this CPU has its features."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from compile.kernels.common import vector_lanes
 from compile.kernels.rows import schedule_rows
 
 TARGET = make_target("cpu", "sm_90", None)
-KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.VNNI: make_target("cpu", mcpu="cascadelake")}
+KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.AVX_VNNI: make_target("cpu", mcpu="alderlake"),
+                  int8.VNNI: make_target("cpu", mcpu="cascadelake")}
 each_kernel = pytest.mark.parametrize("kernel", list(KERNEL_TARGETS), ids=lambda kernel: kernel.name)
 
 
@@ -35,7 +37,7 @@ def _build(func, schedule, target):
 def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel):
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
-    scale = np.abs(weight).max(axis=1) / 127
+    scale = np.abs(weight).max(axis=1) / kernel.weight_max
     quantized = np.round(weight / scale[:, None]).astype(np.int8)
     panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
     compensation = kernel.offset * quantized.astype(np.int32).sum(axis=1).astype(np.int32)
@@ -54,6 +56,7 @@ def _matmul_placeholders(m, n: int, k: int, kernel: int8.Int8Kernel):
 def test_the_best_kernel_the_cpu_runs_is_chosen():
     assert int8.kernel_for(KERNEL_TARGETS[int8.VNNI]) is int8.VNNI
     assert int8.kernel_for(KERNEL_TARGETS[int8.AVX2]) is int8.AVX2
+    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX_VNNI]) is int8.AVX_VNNI  # AVX-VNNI without AVX-512
     assert int8.kernel_for(make_target("cpu", mcpu="x86-64-v4")) is int8.AVX2  # AVX-512 without VNNI
     assert int8.kernel_for(make_target("cpu", mcpu="x86-64")) is None  # no AVX2
 
@@ -67,12 +70,13 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
-    lib = _build(te.create_prim_func([*inputs, bias, out]), int8.schedule_int8_matmul, KERNEL_TARGETS[kernel])
+    lib = _build(te.create_prim_func([*inputs, bias, out]), lambda f: int8.schedule_int8_matmul(f, kernel),
+                 KERNEL_TARGETS[kernel])
 
     _, quantized, w_scale, packed, compensation = _quantized_weight(n, k, 1, kernel)
     rng = np.random.default_rng(2)
     count = 21 if rows == "symbolic" else rows
-    x = rng.integers(-kernel.activation_max, kernel.activation_max + 1, (count, k))
+    x = rng.integers(-127, 128, (count, k))
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
     result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
@@ -97,11 +101,11 @@ def test_row_quantisation_scales_each_row_to_its_limit(kernel):
     out_q = tvm.runtime.tensor(np.zeros((5, width), kernel.activation))
     out_scale = tvm.runtime.tensor(np.zeros(5, "float32"))
     lib(tvm.runtime.tensor(values), out_q, out_scale)
-    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / kernel.activation_max
+    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
     np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
     signed = out_q.numpy().astype(np.int32) - kernel.offset
     np.testing.assert_array_equal(signed, np.round(values / expected_scale[:, None]).astype(np.int32))
-    assert np.abs(signed).max() == kernel.activation_max
+    assert np.abs(signed).max() == 127
 
 
 @each_kernel
@@ -121,7 +125,8 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     quant(tvm.runtime.tensor(x), xq, sq)
 
     inputs = _matmul_placeholders(m, n, k, kernel)
-    matmul = _build(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), int8.schedule_int8_matmul, target)
+    matmul = _build(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]),
+                    lambda f: int8.schedule_int8_matmul(f, kernel), target)
     y = tvm.runtime.tensor(np.zeros((count, n), "float32"))
     weights = [packed, w_scale, *([compensation] if kernel.compensated else [])]
     matmul(xq, sq, *(tvm.runtime.tensor(w) for w in weights), y)

@@ -1,10 +1,11 @@
 """The int8 kernel family for x86 CPUs: linears over int8 weights with int32 accumulation.
 
-Weights are quantized symmetrically per output channel at compile time and stored int8, in panels
+Weights are quantized symmetrically per output channel at compile time to [-weight_max, weight_max]
+(127; 63 for AVX2, below) and stored int8, in panels
 of `panel` output columns with the reduction axis in groups of `group`,
 `Wp[N / panel, K / group, panel, group]`, so that one register's worth of columns x `group` k of a
 panel are contiguous bytes. Activations are quantized per row (token) at run time, symmetrically
-to [-activation_max, activation_max] (127; 63 for AVX2, below). The loop nest is the fp32
+to [-127, 127]. The loop nest is the fp32
 kernel's (`dense.schedule_matmul`): parallel over panels, a `rows` x `panel` int32 accumulator in
 registers, the dequantisation and any fused epilogue (bias, GELU, residual) applied on write-back.
 Two micro-kernels, chosen by the target's CPU:
@@ -14,14 +15,18 @@ Two micro-kernels, chosen by the target's CPU:
   activations must be unsigned, so they are stored as u8 = q + 128 and the kernel subtracts
   128 x the weight column's sum (computed at compile time) from each accumulator: exact, since
   vpdpbusd sums four u8 x s8 products in int32 without saturating.
+- `AVX_VNNI` (AVX-VNNI, `vpdpbusd` on ymm: Intel Alder Lake and Sierra Forest, CPUs without
+  AVX-512): VNNI's arithmetic in 8 int32 lanes, on AVX2's 4 x 24 register tile and panels.
 - `AVX2` (`vpmaddubsw` + `vpmaddwd`), as oneDNN and MLAS do without VNNI: 8 columns x 4 k of the
   panel times 4 broadcast activation bytes; `vpmaddubsw` sums each pair of u8 x s8 products into
   int16 (saturating), `vpmaddwd` by ones sums those pairs into 8 int32 lanes, `vpaddd` accumulates:
   32 multiply-adds in 3 instructions (fp32 FMA: 8 in 1), half the time of the fp32 kernel on a
   MiniLM linear, where `vpmaddwd` on int16-widened activations (16 in 2) ran at 0.95x fp32. Exact:
-  activations are quantized to 7 bits (|q| <= 63) and stored as u8 = q + 64 <= 127, so a pair sum
-  is at most 2 x 127 x 127 = 32258 < 32767, and the kernel subtracts 64 x the column's weight sum,
-  as VNNI's. Every x86-64-v3 CPU has it.
+  weights are quantized to 7 bits (|w| <= 63, ONNX Runtime's `reduce_range`), activations keep
+  8 (u8 = q + 128 <= 255, as VNNI's), so a pair sum is at most 2 x 255 x 63 = 32130 < 32767.
+  The lost bit goes to the weights, not the activations: weights have a scale per output channel
+  and no per-token outliers, and on MiniLM the int8 plan keeps fewer linears out of int8 this way
+  than with 7-bit activations (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ class Int8Kernel:
     rows: int  # activation rows per register tile
     intrin: str
     description: str  # as the manifest records it
-    activation_max: int = 127  # activations are quantized to [-activation_max, activation_max]
+    weight_max: int = 127  # weights are quantized to [-weight_max, weight_max]
 
     @property
     def compensated(self) -> bool:
@@ -71,35 +76,41 @@ class Int8Kernel:
 VNNI = Int8Kernel("vnni", "uint8", 128, 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
                   "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation")
 # 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
-# from memory by vpmaddubsw). 7-bit activations: u8 = q + 64 <= 127, so a pair of u8 x s8 products
-# is at most 2 x 127 x 127 = 32258 and vpmaddubsw's saturating int16 sum is exact.
-AVX2 = Int8Kernel("avx2", "uint8", 64, 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
-                  "avx2 vpmaddubsw + vpmaddwd (7-bit activations as uint8 x int8 weights), int32 accumulation",
-                  activation_max=63)
-KERNELS = (VNNI, AVX2)  # the best first
+# from memory by vpmaddubsw). 7-bit weights: a pair of u8 x s8 products is at most
+# 2 x 255 x 63 = 32130, so vpmaddubsw's saturating int16 sum is exact.
+AVX2 = Int8Kernel("avx2", "uint8", 128, 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
+                  "avx2 vpmaddubsw + vpmaddwd (uint8 activations x 7-bit int8 weights), int32 accumulation",
+                  weight_max=63)
+# AVX2's tile and panels, one vpdpbusd per 8 columns x 4 k (AVX2: three instructions), 8-bit weights
+AVX_VNNI = Int8Kernel("avxvnni", "uint8", 128, 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
+                      "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
+KERNELS = (VNNI, AVX_VNNI, AVX2)  # the best first
 
 
 def kernel_for(target: tvm.target.Target) -> Int8Kernel | None:
-    """The best int8 micro-kernel the target's CPU runs, or None (no AVX2)."""
+    """The best int8 micro-kernel the target's CPU runs, or None (no AVX2). Asked once per target
+    (each LLVM feature query costs about a millisecond, and the schedule asks for every kernel)."""
+    return _kernel_for(str(target))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel_for(target_text: str) -> Int8Kernel | None:
     from tvm.target.codegen import llvm_cpu_has_features
 
+    target = tvm.target.Target(target_text)
     if target.kind.name != "llvm":
         return None
     if all(llvm_cpu_has_features(feature, target) for feature in ("avx512vnni", "avx512bw")):
         return VNNI
-    return AVX2 if llvm_cpu_has_features("avx2", target) else None
+    if not llvm_cpu_has_features("avx2", target):
+        return None
+    return AVX_VNNI if llvm_cpu_has_features("avxvnni", target) else AVX2
 
 
 def on_amx(kernel: Int8Kernel, amx_tiles: bool) -> bool:
     """Whether `kernel`'s linears run on AMX's int8 tile (where K is a multiple of its step): it
     reads VNNI's activations and panels, on a target that has the tiles (`amx.supported`)."""
     return amx_tiles and kernel is VNNI
-
-
-def _by_layout(activation: str, panel: int, group: int) -> Int8Kernel | None:
-    """The kernel whose activations and weight panels these are (each has its own layout)."""
-    return next((kernel for kernel in KERNELS
-                 if (kernel.activation, kernel.panel, kernel.group) == (activation, panel, group)), None)
 
 
 # ----------------------------------------------------------------------------- micro-kernels
@@ -139,6 +150,22 @@ def _quads_vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4)
 
 
 @T.prim_func(s_tir=True)
+def _quads_avx_vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4), "int8", offset_factor=1),
+                    C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
+    with T.sblock("root"):
+        T.reads(C[0:8], A[0:4], B[0:8, 0:4])
+        T.writes(C[0:8])
+        quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+        # LLVM selects the VEX (AVX-VNNI) encoding of this intrinsic on a CPU without AVX-512 VL
+        C[T.ramp(T.int32(0), 1, 8)] = T.call_llvm_pure_intrin(
+            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.256"),
+            C.vload([0], dtype="int32x8"),
+            T.reinterpret(T.broadcast(quad, 8), dtype="int8x32"),
+            B.vload([0, 0], dtype="int8x32"),
+            dtype="int32x8")
+
+
+@T.prim_func(s_tir=True)
 def _quads_avx2(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4), "int8", offset_factor=1),
                 C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
     with T.sblock("root"):
@@ -155,7 +182,7 @@ def _quads_avx2(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4),
             dtype="int32x8")
 
 
-for _kernel, _impl in ((VNNI, _quads_vnni), (AVX2, _quads_avx2)):
+for _kernel, _impl in ((VNNI, _quads_vnni), (AVX_VNNI, _quads_avx_vnni), (AVX2, _quads_avx2)):
     if TensorIntrin.get(_kernel.intrin, allow_missing=True) is None:
         TensorIntrin.register(_kernel.intrin, _quads_desc(_kernel.lanes), _impl)
 
@@ -170,10 +197,10 @@ def quantizable(n: int, k: int, kernel: Int8Kernel) -> bool:
 
 def quantize_rows_te(x: te.Tensor, kernel: Int8Kernel = AVX2) -> list[te.Tensor]:
     """(xq [M, K] in the kernel's activation dtype, scale float32 [M]): each row scaled so that its
-    largest |value| is the kernel's `activation_max`, then shifted by the kernel's offset."""
+    largest |value| is 127, then shifted by the kernel's offset."""
     k = te.reduce_axis((0, x.shape[1]), name="k")
     absmax = te.compute((x.shape[0],), lambda m: te.max(te.abs(x[m, k]), axis=k), name="row_absmax")
-    top = tirx.const(float(kernel.activation_max), "float32")
+    top = tirx.const(QMAX, "float32")
     scale = te.compute((x.shape[0],), lambda m: te.max(absmax[m], tirx.const(1e-30, "float32")) / top,
                        name="row_scale")
     offset = tirx.const(float(kernel.offset), "float32")
@@ -231,8 +258,8 @@ def _i64(value: int) -> tirx.IntImm:
 # ----------------------------------------------------------------------------- schedules
 
 
-def _int8_matmul_block(sch: s_tir.Schedule) -> tuple[object, Int8Kernel] | None:
-    """The block accumulating quantized activations x int8 weights in int32, and its micro-kernel."""
+def _int8_matmul_block(sch: s_tir.Schedule, kernel: Int8Kernel):
+    """The block accumulating quantized activations x int8 weights in int32 in `kernel`'s layouts, or None."""
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
         dtypes = [r.source.dtype for r in stmt.reads]
@@ -243,14 +270,15 @@ def _int8_matmul_block(sch: s_tir.Schedule) -> tuple[object, Int8Kernel] | None:
             view = sch.get(producer)
             if view.name_hint.startswith(PANEL_VIEW) and len(view.reads[0].source.shape) == 4:
                 _, _, panel, group = (int(d) for d in view.reads[0].source.shape)
-                kernel = _by_layout(dtypes[0], panel, group)
-                if kernel is not None:
-                    return block, kernel
+                if (kernel.activation, kernel.panel, kernel.group) == (dtypes[0], panel, group):
+                    return block
     return None
 
 
-def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.Schedule | None:
-    """Schedule the int8 matmul (and its fused epilogue) of `func`, or None when it has none.
+def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
+                         amx_tiles: bool = False) -> s_tir.Schedule | None:
+    """Schedule the int8 matmul (and its fused epilogue) of `func` on `kernel`, the target's
+    (`kernel_for`), or None when it has none in that kernel's layouts.
     Where `amx_tiles` (the target has them, `amx.supported`), VNNI's layouts are read by AMX's 32 x 32
     tile in whole-K calls (`tiles.schedule_tiles`) when K is a multiple of its step; else:
 
@@ -261,11 +289,12 @@ def schedule_int8_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.
             y[rows, panel] = epilogue((acc - compensation) * row scale * column scale)
     A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), as the fp32 kernel does.
     """
-    sch = s_tir.Schedule(func)
-    found = _int8_matmul_block(sch)
-    if found is None:
+    if kernel is None:
         return None
-    main, kernel = found
+    sch = s_tir.Schedule(func)
+    main = _int8_matmul_block(sch, kernel)
+    if main is None:
+        return None
     m, j, k = sch.get_loops(main)
     if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)

@@ -3,10 +3,10 @@
 The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parameters only (as
 compile/passes/packing.py finds them, Q/K/V concatenations included), into
 
-    scale_w = max |W[n, :]| / 127                       (per output channel)
+    scale_w = max |W[n, :]| / weight_max                (per output channel; 127, AVX2's 63)
     Wq      = int8(round(W / scale_w))
     panels  = Wq in the kernel's [N / panel, K / group, panel, group] layout
-    comp    = offset * sum_k Wq[n, k]                    (VNNI's unsigned activations only)
+    comp    = offset * sum_k Wq[n, k]                    (for activations stored unsigned)
     xq, scale_x = quantize_rows(x)                       (per token, at run time)
     y = int8_matmul(xq, scale_x, panels, scale_w, comp)  (int32 accumulation, compile/kernels/int8.py)
 
@@ -52,9 +52,10 @@ def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset
             return None
         quantized_count[0] += 1
         emit, op = builder.emit, relax.op
+        top = kernel.weight_max
         scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
-                               relax.const(int8.QMAX, "float32")))
-        quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -127, 127), "int8"))
+                               relax.const(float(top), "float32")))
+        quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -top, top), "int8"))
         panels = emit(op.permute_dims(
             op.reshape(quantized, (n // kernel.panel, kernel.panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
         weights = [panels, scale]

@@ -2,7 +2,7 @@
 decided by measurement on the shipped sentences, before anything is built.
 
 The measurement runs the PyTorch fp32 model with the chosen linears replaced by a simulation of
-the int8 kernels' arithmetic (weights symmetric per output channel, activations symmetric per
+the int8 kernels' arithmetic (weights symmetric per output channel, activations asymmetric per
 token, integer products: compile/passes/quantize.py), which reproduces the built library's
 cosines to the fp32 model to about 1e-5. One forward pass over the shipped sentences takes a
 second on MiniLM, where building and running a library takes a minute, so the plan can afford:
@@ -87,17 +87,19 @@ class Int8Plan:
 
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
                           weight_max: int = 127) -> torch.Tensor:
-    """The int8 kernels' arithmetic in PyTorch: optional smoothing, per-token activations,
-    per-output-channel weights (to the kernel's `weight_max`), exact integer products (fp64: no
-    fp32 rounding of large sums)."""
+    """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing,
+    per-token asymmetric u8 activations, per-output-channel weights (to the kernel's
+    `weight_max`), exact integer products (fp64: no fp32 rounding of large sums)."""
     weight = module.weight
     if scale is not None:
         x, weight = x / scale, weight * scale
-    x_scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / int8.QMAX
+    low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+    x_scale = (high - low).clamp(min=1e-30) / int8.ACTIVATION_CODES
+    zero = torch.round(-low / x_scale)
+    xq = (torch.round(x / x_scale) + zero).clamp(0, int8.ACTIVATION_CODES) - zero
     w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
-    xq = torch.round(x / x_scale).double()
     wq = torch.round(weight / w_scale).double()
-    y = (xq @ wq.T).float() * x_scale * w_scale.T
+    y = (xq.double() @ wq.T).float() * x_scale * w_scale.T
     return y + module.bias if module.bias is not None else y
 
 

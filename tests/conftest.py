@@ -85,6 +85,25 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     return compile_model(config)
 
 
+def int8_linear_inputs(m, n: int, k: int, kernel) -> list:
+    """The placeholders of `int8.int8_matmul_te` for M rows (an int or a var), N outputs and K inputs."""
+    from tvm import te
+
+    return [te.placeholder((m, k), kernel.activation, name="xq"), te.placeholder((m,), "float32", name="scale"),
+            te.placeholder((m,), "int32", name="zero"),
+            te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
+            te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="column_sum")]
+
+
+def int8_weight_operands(quantized, kernel) -> tuple:
+    """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, as the int8 pass writes them."""
+    import numpy as np
+
+    n, k = quantized.shape
+    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(panels), quantized.astype(np.int32).sum(axis=1).astype(np.int32)
+
+
 def least_cosine_to_pytorch(model, checkpoint: Path, shapes: list[tuple[int, int]]) -> float:
     """The least cosine of a loaded artifact's embeddings (`model`, artifact.loader) to the PyTorch
     fp32 model of `checkpoint`, over random token rows of each (batch, seq) of `shapes`."""

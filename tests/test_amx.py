@@ -16,6 +16,7 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
+from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te, tirx
 
 from artifact import cpu_features
@@ -62,11 +63,7 @@ def _bf16_linear(m, n: int, k: int, target, path):
 
 def _int8_linear(m, n: int, k: int, target, path):
     kernel = int8.VNNI
-    inputs = [te.placeholder((_rows(m), _i64(k)), kernel.activation, name="xq"),
-              te.placeholder((_rows(m),), "float32", name="scale"),
-              te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
-              te.placeholder((n,), "float32", name="weight_scale"),
-              te.placeholder((n,), "int32", name="compensation")]
+    inputs = int8_linear_inputs(_rows(m), n, k, kernel)
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
@@ -119,17 +116,16 @@ def test_amx_int8_linear_is_exact_in_int32(tmp_path, m):
     rng = np.random.default_rng(1)
     rows = m or 45
     quantized = rng.integers(-127, 128, (n, k)).astype(np.int8)
-    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
-    compensation = (kernel.offset * quantized.astype(np.int32).sum(axis=1)).astype(np.int32)
-    x = rng.integers(-127, 128, (rows, k))
+    panels, column_sum = int8_weight_operands(quantized, kernel)
+    codes, zero = rng.integers(0, 256, (rows, k)), rng.integers(0, 256, rows).astype(np.int32)
     x_scale = rng.uniform(0.01, 0.1, rows).astype(np.float32)
     w_scale = rng.uniform(0.01, 0.1, n).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     library = tvm.runtime.load_module(str(_int8_linear(m, n, k, HOST, tmp_path / "linear.so")))
     out = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
-    given = [(x + kernel.offset).astype(np.uint8), x_scale, panels.copy(), w_scale, compensation, bias]
+    given = [codes.astype(np.uint8), x_scale, zero, panels, w_scale, column_sum, bias]
     library["main"](*(tvm.runtime.tensor(a) for a in given), out)
-    exact = (x @ quantized.T.astype(np.int64)).astype(np.float64)
+    exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(out.numpy(), exact * x_scale[:, None] * w_scale[None, :] + bias, rtol=1e-5, atol=1e-5)
 
 

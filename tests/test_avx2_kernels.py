@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 import tvm
+from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te
 
 from artifact.cpu_features import missing_on_host, target_features
@@ -30,9 +31,7 @@ def _instructions(lib) -> tuple[set[str], str]:
 
 
 def _int8_library(kernel: int8.Int8Kernel, rows: int, n: int, k: int, target=V3):
-    inputs = [te.placeholder((rows, k), kernel.activation, name="xq"), te.placeholder((rows,), "float32", name="scale"),
-              te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
-              te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="compensation")]
+    inputs = int8_linear_inputs(rows, n, k, kernel)
     func = te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)])
     return tvm.compile(int8.schedule_int8_matmul(func, kernel).mod, target=target, tir_pipeline=tir_pipeline(target))
 
@@ -74,12 +73,11 @@ def test_x86_64_v3_dense_kernel_is_ymm_fma():
 
 def _exact_int8_products(kernel: int8.Int8Kernel, lib, x: np.ndarray, weights: np.ndarray) -> None:
     """`lib` (an int8 linear of unit scales) gives x @ weights^T exactly."""
-    rows, n, k = x.shape[0], weights.shape[0], x.shape[1]
-    panels = weights.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
-    compensation = (kernel.offset * weights.astype(np.int32).sum(axis=1)).astype(np.int32)
+    rows, n = x.shape[0], weights.shape[0]
     out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
-    given = [(x + kernel.offset).astype(kernel.activation), np.ones(rows, "float32"), panels.copy(),
-             np.ones(n, "float32"), compensation]
+    panels, column_sum = int8_weight_operands(weights, kernel)
+    given = [(x + 128).astype(kernel.activation), np.ones(rows, "float32"), np.full(rows, 128, np.int32), panels,
+             np.ones(n, "float32"), column_sum]
     lib(*(tvm.runtime.tensor(a) for a in given), out)
     np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
 
@@ -88,7 +86,7 @@ def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
     """The largest pair sums 8-bit activations and 7-bit weights allow (u8 = 255 against weights
     of +-weight_max of the same sign) must come out exact: one more bit of weight would saturate."""
     kernel = int8.kernel_for(V3)
-    assert (kernel.offset, kernel.weight_max) == (128, 63)
+    assert kernel.weight_max == 63
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
     lib = _int8_library(kernel, rows, n, k)
     instructions, asm = _instructions(lib)

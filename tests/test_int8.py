@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
@@ -39,18 +40,7 @@ def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel):
     weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
     scale = np.abs(weight).max(axis=1) / kernel.weight_max
     quantized = np.round(weight / scale[:, None]).astype(np.int8)
-    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
-    compensation = kernel.offset * quantized.astype(np.int32).sum(axis=1).astype(np.int32)
-    return weight, quantized, scale.astype("float32"), panels.copy(), compensation
-
-
-def _matmul_placeholders(m, n: int, k: int, kernel: int8.Int8Kernel):
-    xq = te.placeholder((m, k), kernel.activation, name="xq")
-    scale = te.placeholder((m,), "float32", name="scale")
-    panels = te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels")
-    weight_scale = te.placeholder((n,), "float32", name="weight_scale")
-    compensation = [te.placeholder((n,), "int32", name="compensation")] if kernel.compensated else []
-    return [xq, scale, panels, weight_scale, *compensation]
+    return (weight, quantized, scale.astype("float32"), *int8_weight_operands(quantized, kernel))
 
 
 def test_the_best_kernel_the_cpu_runs_is_chosen():
@@ -66,70 +56,78 @@ def test_the_best_kernel_the_cpu_runs_is_chosen():
 def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     n, k = 2 * kernel.panel, 48
     m = tirx.Var("m", "int64") if rows == "symbolic" else rows
-    inputs = _matmul_placeholders(m, n, k, kernel)
+    inputs = int8_linear_inputs(m, n, k, kernel)
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
     lib = _build(te.create_prim_func([*inputs, bias, out]), lambda f: int8.schedule_int8_matmul(f, kernel),
                  KERNEL_TARGETS[kernel])
 
-    _, quantized, w_scale, packed, compensation = _quantized_weight(n, k, 1, kernel)
+    _, quantized, w_scale, packed, column_sum = _quantized_weight(n, k, 1, kernel)
     rng = np.random.default_rng(2)
     count = 21 if rows == "symbolic" else rows
-    x = rng.integers(-127, 128, (count, k))
+    codes = rng.integers(0, 256, (count, k))
+    zero = rng.integers(0, 256, count).astype(np.int32)  # each row its own zero point
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
     result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    given = [(x + kernel.offset).astype(kernel.activation), x_scale, packed, w_scale,
-             *([compensation] if kernel.compensated else []), b]
+    given = [codes.astype(kernel.activation), x_scale, zero, packed, w_scale, column_sum, b]
     lib(*(tvm.runtime.tensor(a) for a in given), result)
-    exact = (x.astype(np.int64) @ quantized.T.astype(np.int64)).astype(np.float64)
+    exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
 
 
 @each_kernel
-def test_row_quantisation_scales_each_row_to_its_limit(kernel):
-    """One parallel loop over rows (the row rule, width a multiple of the lanes: 5 vectors)."""
+def test_row_quantisation_maps_each_rows_range_onto_the_bytes(kernel):
+    """Asymmetric per row: [min(x, 0), max(x, 0)] onto [0, 255] with an integer zero point (a
+    one-signed row, as GELU's outputs, uses every code). One parallel loop over rows (the row
+    rule, width a multiple of the lanes: 5 vectors)."""
     target = KERNEL_TARGETS[kernel]
     width = 5 * vector_lanes(target)
     m = tirx.Var("m", "int64")
     x = te.placeholder((m, width), "float32", name="x")
-    quantized, scale = int8.quantize_rows_te(x, kernel)
-    lib = _build(te.create_prim_func([x, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)), target)
+    outputs = int8.quantize_rows_te(x)
+    lib = _build(te.create_prim_func([x, *outputs]), lambda f: schedule_rows(f, vector_lanes(target)), target)
     values = np.random.default_rng(3).standard_normal((5, width)).astype("float32")
     values[2] = 0.0  # an all-zero row must not divide by zero
-    out_q = tvm.runtime.tensor(np.zeros((5, width), kernel.activation))
-    out_scale = tvm.runtime.tensor(np.zeros(5, "float32"))
-    lib(tvm.runtime.tensor(values), out_q, out_scale)
-    expected_scale = np.maximum(np.abs(values).max(axis=1), 1e-30) / 127
+    values[3] = np.abs(values[3])  # all positive: zero point 0
+    values[4] = np.maximum(values[4], -0.17)  # GELU-like: a short negative tail
+    out_q = tvm.runtime.tensor(np.zeros((5, width), "uint8"))
+    out_scale, out_zero = tvm.runtime.tensor(np.zeros(5, "float32")), tvm.runtime.tensor(np.zeros(5, "int32"))
+    lib(tvm.runtime.tensor(values), out_q, out_scale, out_zero)
+    low, high = np.minimum(values.min(axis=1), 0), np.maximum(values.max(axis=1), 0)
+    expected_scale = np.maximum(high - low, 1e-30) / 255
     np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
-    signed = out_q.numpy().astype(np.int32) - kernel.offset
-    np.testing.assert_array_equal(signed, np.round(values / expected_scale[:, None]).astype(np.int32))
-    assert np.abs(signed).max() == 127
+    zero = out_zero.numpy()
+    np.testing.assert_array_equal(zero, np.round(-low / expected_scale))
+    codes = out_q.numpy().astype(np.int32)
+    np.testing.assert_array_equal(codes, np.clip(np.round(values / expected_scale[:, None]) + zero[:, None], 0, 255))
+    assert zero[3] == 0 and all(codes[row].min() == 0 for row in (0, 1, 4))  # the range's ends are codes
+    assert all(codes[row].max() >= 254 for row in (0, 1, 3, 4))  # up to rounding
+    dequantized = (codes - zero[:, None]) * expected_scale[:, None]
+    assert np.all(np.abs(dequantized - values) <= expected_scale[:, None] * 0.5001)
 
 
 @each_kernel
 def test_quantized_linear_is_close_to_fp32(kernel):
     """End to end on random data: per-row x per-channel int8 keeps the product within ~1% of fp32."""
     n, k, count = 3 * kernel.panel, 64, 7
-    weight, _, w_scale, packed, compensation = _quantized_weight(n, k, 4, kernel)
+    weight, _, w_scale, packed, column_sum = _quantized_weight(n, k, 4, kernel)
     x = np.random.default_rng(5).standard_normal((count, k)).astype("float32")
     target = KERNEL_TARGETS[kernel]
     m = tirx.Var("m", "int64")
     xt = te.placeholder((m, k), "float32", name="x")
-    quantized, scale = int8.quantize_rows_te(xt, kernel)
-    quant = _build(te.create_prim_func([xt, quantized, scale]), lambda f: schedule_rows(f, vector_lanes(target)),
-                   target)
-    xq = tvm.runtime.tensor(np.zeros((count, k), kernel.activation))
-    sq = tvm.runtime.tensor(np.zeros(count, "float32"))
-    quant(tvm.runtime.tensor(x), xq, sq)
+    outputs = int8.quantize_rows_te(xt)
+    quant = _build(te.create_prim_func([xt, *outputs]), lambda f: schedule_rows(f, vector_lanes(target)), target)
+    rows = [tvm.runtime.tensor(np.zeros((count, k), "uint8")), tvm.runtime.tensor(np.zeros(count, "float32")),
+            tvm.runtime.tensor(np.zeros(count, "int32"))]
+    quant(tvm.runtime.tensor(x), *rows)
 
-    inputs = _matmul_placeholders(m, n, k, kernel)
+    inputs = int8_linear_inputs(m, n, k, kernel)
     matmul = _build(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]),
                     lambda f: int8.schedule_int8_matmul(f, kernel), target)
     y = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    weights = [packed, w_scale, *([compensation] if kernel.compensated else [])]
-    matmul(xq, sq, *(tvm.runtime.tensor(w) for w in weights), y)
+    matmul(*rows, *(tvm.runtime.tensor(w) for w in (packed, w_scale, column_sum)), y)
     reference = x @ weight.T
     assert np.abs(y.numpy() - reference).max() < 0.02 * np.abs(reference).max()
 

@@ -1,20 +1,21 @@
 """The int8 kernel family for x86 CPUs: linears over int8 weights with int32 accumulation.
 
 Weights are quantized symmetrically per output channel at compile time to [-weight_max, weight_max]
-(127; 63 for AVX2, below) and stored int8, in panels
-of `panel` output columns with the reduction axis in groups of `group`,
-`Wp[N / panel, K / group, panel, group]`, so that one register's worth of columns x `group` k of a
-panel are contiguous bytes. Activations are quantized per row (token) at run time, symmetrically
-to [-127, 127]. The loop nest is the fp32
+(127; 63 for AVX2, below) and stored int8, in panels of `panel` output columns with the reduction
+axis in groups of `group`, `Wp[N / panel, K / group, panel, group]`, so that one register's worth
+of columns x `group` k of a panel are contiguous bytes. Activations are quantized per row (token)
+at run time, asymmetrically to unsigned bytes: the row's range [min(x, 0), max(x, 0)] onto
+[0, 255], x ~ scale x (q - zero), with an integer zero point per row. A symmetric range would
+leave half the codes unused where a row is one-signed, as GELU's outputs nearly are (>= -0.17),
+the inputs of the FFN's second linear. The kernel subtracts zero x the weight column's sum
+(computed at compile time) from each accumulator: exact in int32. The loop nest is the fp32
 kernel's (`dense.schedule_matmul`): parallel over panels, a `rows` x `panel` int32 accumulator in
 registers, the dequantisation and any fused epilogue (bias, GELU, residual) applied on write-back.
-Two micro-kernels, chosen by the target's CPU:
+Three micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
 
 - `VNNI` (AVX-512 VNNI, `vpdpbusd`): 16 columns x 4 k of the panel times 4 broadcast activation
-  bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16). Its
-  activations must be unsigned, so they are stored as u8 = q + 128 and the kernel subtracts
-  128 x the weight column's sum (computed at compile time) from each accumulator: exact, since
-  vpdpbusd sums four u8 x s8 products in int32 without saturating.
+  bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16),
+  summed in int32 without saturating.
 - `AVX_VNNI` (AVX-VNNI, `vpdpbusd` on ymm: Intel Alder Lake and Sierra Forest, CPUs without
   AVX-512): VNNI's arithmetic in 8 int32 lanes, on AVX2's 4 x 24 register tile and panels.
 - `AVX2` (`vpmaddubsw` + `vpmaddwd`), as oneDNN and MLAS do without VNNI: 8 columns x 4 k of the
@@ -23,10 +24,10 @@ Two micro-kernels, chosen by the target's CPU:
   32 multiply-adds in 3 instructions (fp32 FMA: 8 in 1), half the time of the fp32 kernel on a
   MiniLM linear, where `vpmaddwd` on int16-widened activations (16 in 2) ran at 0.95x fp32. Exact:
   weights are quantized to 7 bits (|w| <= 63, ONNX Runtime's `reduce_range`), activations keep
-  8 (u8 = q + 128 <= 255, as VNNI's), so a pair sum is at most 2 x 255 x 63 = 32130 < 32767.
-  The lost bit goes to the weights, not the activations: weights have a scale per output channel
-  and no per-token outliers, and on MiniLM the int8 plan keeps fewer linears out of int8 this way
-  than with 7-bit activations (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
+  8, so a pair sum is at most 2 x 255 x 63 = 32130 < 32767. The lost bit goes to the weights,
+  not the activations: weights have a scale per output channel and no per-token outliers, and
+  on MiniLM the int8 plan keeps fewer linears out of int8 this way than with 7-bit activations
+  (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from .common import parallelize_leftovers
 from .fallback import vectorize_inner
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
-QMAX = 127.0
+ACTIVATION_CODES = 255  # u8 activations: a row's range onto [0, 255]
 ROW_QUANTIZE = "quantize_rows"
 MATMUL = "int8_matmul"
 PANEL_VIEW = "int8_panel_view"
@@ -56,8 +57,6 @@ class Int8Kernel:
     """One int8 micro-kernel and the layouts it reads."""
 
     name: str
-    activation: str  # dtype of quantized activations
-    offset: int  # added to them (vpdpbusd and vpmaddubsw multiply unsigned bytes)
     group: int  # k values one int32 lane sums per instruction
     lanes: int  # int32 lanes of one register
     panel: int  # output columns per weight panel
@@ -65,24 +64,20 @@ class Int8Kernel:
     intrin: str
     description: str  # as the manifest records it
     weight_max: int = 127  # weights are quantized to [-weight_max, weight_max]
-
-    @property
-    def compensated(self) -> bool:
-        """Whether the kernel subtracts offset x the weight column's sum (an extra int32 input)."""
-        return self.offset != 0
+    activation: str = "uint8"  # dtype of quantized activations (vpdpbusd and vpmaddubsw multiply unsigned bytes)
 
 
 # 8 x 32 tile: 16 zmm accumulators of 32, as the fp32 AVX-512 kernel
-VNNI = Int8Kernel("vnni", "uint8", 128, 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
+VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
                   "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation")
 # 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
 # from memory by vpmaddubsw). 7-bit weights: a pair of u8 x s8 products is at most
 # 2 x 255 x 63 = 32130, so vpmaddubsw's saturating int16 sum is exact.
-AVX2 = Int8Kernel("avx2", "uint8", 128, 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
+AVX2 = Int8Kernel("avx2", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
                   "avx2 vpmaddubsw + vpmaddwd (uint8 activations x 7-bit int8 weights), int32 accumulation",
                   weight_max=63)
 # AVX2's tile and panels, one vpdpbusd per 8 columns x 4 k (AVX2: three instructions), 8-bit weights
-AVX_VNNI = Int8Kernel("avxvnni", "uint8", 128, 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
+AVX_VNNI = Int8Kernel("avxvnni", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
                       "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
 KERNELS = (VNNI, AVX_VNNI, AVX2)  # the best first
 
@@ -195,24 +190,35 @@ def quantizable(n: int, k: int, kernel: Int8Kernel) -> bool:
     return n % kernel.panel == 0 and k % kernel.group == 0
 
 
-def quantize_rows_te(x: te.Tensor, kernel: Int8Kernel = AVX2) -> list[te.Tensor]:
-    """(xq [M, K] in the kernel's activation dtype, scale float32 [M]): each row scaled so that its
-    largest |value| is 127, then shifted by the kernel's offset."""
+def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
+    """(xq [M, K] uint8, scale float32 [M], zero int32 [M]): each row's range [min(x, 0), max(x, 0)]
+    onto [0, 255], x ~ scale x (xq - zero). Zero is in the range, so zero is a code."""
+    top = tirx.const(float(ACTIVATION_CODES), "float32")
     k = te.reduce_axis((0, x.shape[1]), name="k")
-    absmax = te.compute((x.shape[0],), lambda m: te.max(te.abs(x[m, k]), axis=k), name="row_absmax")
-    top = tirx.const(QMAX, "float32")
-    scale = te.compute((x.shape[0],), lambda m: te.max(absmax[m], tirx.const(1e-30, "float32")) / top,
-                       name="row_scale")
-    offset = tirx.const(float(kernel.offset), "float32")
-    quantized = te.compute(x.shape, lambda m, kk: (te.round(x[m, kk] / scale[m]) + offset).astype(kernel.activation),
-                           name="row_quantize")
-    return [quantized, scale]
+    low = te.compute((x.shape[0],), lambda m: te.min(x[m, k], axis=k), name="row_min")
+    k = te.reduce_axis((0, x.shape[1]), name="k")
+    high = te.compute((x.shape[0],), lambda m: te.max(x[m, k], axis=k), name="row_max")
+    nothing = tirx.const(0.0, "float32")
+    scale = te.compute((x.shape[0],), lambda m: te.max(te.max(high[m], nothing) - te.min(low[m], nothing),
+                                                       tirx.const(1e-30, "float32")) / top, name="row_scale")
+    # round(-min(x, 0) / scale) as a reduction over the row that reads the scale: the rows'
+    # schedule (rows.py) runs a step after the first output only if it reads outputs and x
+    k = te.reduce_axis((0, x.shape[1]), name="k")
+    zero = te.compute((x.shape[0],), lambda m: te.max(te.round(te.max(-x[m, k], nothing) / scale[m]).astype("int32"),
+                                                      axis=k), name="row_zero")
+
+    def code(m, kk):
+        return te.min(te.max(te.round(x[m, kk] / scale[m]) + zero[m].astype("float32"), nothing), top).astype("uint8")
+
+    quantized = te.compute(x.shape, code, name="row_quantize")
+    return [quantized, scale, zero]
 
 
-def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, panels: te.Tensor, weight_scale: te.Tensor,
-                   compensation: te.Tensor | None = None) -> te.Tensor:
+def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, zero: te.Tensor, panels: te.Tensor, weight_scale: te.Tensor,
+                   column_sum: te.Tensor) -> te.Tensor:
     """y[M, N] = dequantised (xq @ W^T), W given as panels Wp[j // panel, k // group, j % panel, k % group];
-    `compensation` [N] (int32, offset x the column's weight sum) is subtracted for shifted activations."""
+    the activations' zero point is taken out exactly: acc - zero[m] x column_sum[j] (int32, the
+    column's sum of quantized weights)."""
     count, groups, width, group = (int(d) for d in panels.shape)
     # W[j, k] as an (inlined) view of the panels keeps the matmul a plain einsum `pad_einsum` accepts
     weight = te.compute((_i64(count * width), _i64(groups * group)),
@@ -222,8 +228,7 @@ def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, panels: te.Tensor, weight_sc
                      lambda m, j: te.sum(xq[m, k].astype("int32") * weight[j, k].astype("int32"), axis=k), name=MATMUL)
 
     def dequantize(m, j):
-        exact = acc[m, j] if compensation is None else acc[m, j] - compensation[j]
-        return exact.astype("float32") * scale[m] * weight_scale[j]
+        return (acc[m, j] - zero[m] * column_sum[j]).astype("float32") * scale[m] * weight_scale[j]
 
     return te.compute(acc.shape, dequantize, name="dequantize")
 
@@ -233,18 +238,8 @@ def te_kernels() -> dict[str, tuple]:
     takes (compile/passes/specialize.py rewrites them per bucket)."""
     kernels = {}
     for kernel in KERNELS:
-        kernels[row_quantize_name(kernel)] = (row_quantizer(kernel), 1)
-        kernels[matmul_name(kernel)] = (int8_matmul_te, 5 if kernel.compensated else 4)
-    return kernels
-
-
-def row_quantizer(kernel: Int8Kernel):
-    """`quantize_rows_te` for `kernel`'s activations, taking the tensor only (as `emit_te` calls it)."""
-    return functools.partial(quantize_rows_te, kernel=kernel)
-
-
-def row_quantize_name(kernel: Int8Kernel) -> str:
-    return f"{ROW_QUANTIZE}_{kernel.name}"
+        kernels[matmul_name(kernel)] = (int8_matmul_te, 6)
+    return {ROW_QUANTIZE: (quantize_rows_te, 1), **kernels}
 
 
 def matmul_name(kernel: Int8Kernel) -> str:
@@ -286,7 +281,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
           for M / rows:
             acc[rows, panel] = 0
             for K / group:  unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
-            y[rows, panel] = epilogue((acc - compensation) * row scale * column scale)
+            y[rows, panel] = epilogue((acc - zero x column sum) * row scale * column scale)
     A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), as the fp32 kernel does.
     """
     if kernel is None:

@@ -6,11 +6,11 @@ compile/passes/packing.py finds them, Q/K/V concatenations included), into
     scale_w = max |W[n, :]| / weight_max                (per output channel; 127, AVX2's 63)
     Wq      = int8(round(W / scale_w))
     panels  = Wq in the kernel's [N / panel, K / group, panel, group] layout
-    comp    = offset * sum_k Wq[n, k]                    (for activations stored unsigned)
-    xq, scale_x = quantize_rows(x)                       (per token, at run time)
-    y = int8_matmul(xq, scale_x, panels, scale_w, comp)  (int32 accumulation, compile/kernels/int8.py)
+    colsum  = sum_k Wq[n, k]
+    xq, scale_x, zero_x = quantize_rows(x)               (per token, u8 with a zero point, at run time)
+    y = int8_matmul(xq, scale_x, zero_x, panels, scale_w, colsum)  (int32, compile/kernels/int8.py)
 
-with the micro-kernel the target's CPU runs best (`int8.kernel_for`: AVX-512 VNNI, else AVX2).
+with the micro-kernel the target's CPU runs best (`int8.kernel_for`: AVX-512 VNNI, AVX-VNNI, AVX2).
 
 The weight-side ops sit in the weight-only part of `main`, so `LiftTransformParams` runs them at
 compile time and the artifact ships the int8 panels and fp32 scales instead of the fp32 weights.
@@ -33,7 +33,8 @@ from .linears import rewrite_linears
 from .packing import linears_on_weights
 from .smooth import linear_modules
 
-SCHEME = "int8: weights symmetric per output channel (compile time), activations symmetric per token (run time)"
+SCHEME = ("int8: weights symmetric per output channel (compile time), activations asymmetric per token "
+          "(uint8 with a zero point, run time)")
 
 
 def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset[str] = frozenset(),
@@ -58,13 +59,10 @@ def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset
         quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -top, top), "int8"))
         panels = emit(op.permute_dims(
             op.reshape(quantized, (n // kernel.panel, kernel.panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
-        weights = [panels, scale]
-        if kernel.compensated:
-            weights.append(emit(op.multiply(op.sum(op.astype(quantized, "int32"), axis=1),
-                                            relax.const(kernel.offset, "int32"))))
-        rows = builder.emit_te(int8.row_quantizer(kernel), x, primfunc_name_hint=int8.row_quantize_name(kernel))
-        return builder.emit_te(int8.int8_matmul_te, relax.TupleGetItem(rows, 0), relax.TupleGetItem(rows, 1),
-                               *weights, primfunc_name_hint=int8.matmul_name(kernel))
+        column_sum = emit(op.sum(op.astype(quantized, "int32"), axis=1))
+        rows = builder.emit_te(int8.quantize_rows_te, x, primfunc_name_hint=int8.ROW_QUANTIZE)
+        return builder.emit_te(int8.int8_matmul_te, *(relax.TupleGetItem(rows, i) for i in range(3)),
+                               panels, scale, column_sum, primfunc_name_hint=int8.matmul_name(kernel))
 
     quantized_count = [0]
     return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]

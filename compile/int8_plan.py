@@ -95,8 +95,9 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
         x, weight = x / scale, weight * scale
     low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
     x_scale = (high - low).clamp(min=1e-30) / int8.ACTIVATION_CODES
-    zero = torch.round(-low / x_scale)
-    xq = (torch.round(x / x_scale) + zero).clamp(0, int8.ACTIVATION_CODES) - zero
+    inverse = 1.0 / x_scale
+    zero = torch.round(-low * inverse)
+    xq = (torch.round(x * inverse) + zero).clamp(0, int8.ACTIVATION_CODES) - zero
     w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
     wq = torch.round(weight / w_scale).double()
     y = (xq.double() @ wq.T).float() * x_scale * w_scale.T

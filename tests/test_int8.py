@@ -98,10 +98,11 @@ def test_row_quantisation_maps_each_rows_range_onto_the_bytes(kernel):
     low, high = np.minimum(values.min(axis=1), 0), np.maximum(values.max(axis=1), 0)
     expected_scale = np.maximum(high - low, 1e-30) / 255
     np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
+    inverse = (np.float32(1) / out_scale.numpy())[:, None]  # the kernel multiplies by the row's reciprocal
     zero = out_zero.numpy()
-    np.testing.assert_array_equal(zero, np.round(-low / expected_scale))
+    np.testing.assert_array_equal(zero, np.round(-low * inverse[:, 0]))
     codes = out_q.numpy().astype(np.int32)
-    np.testing.assert_array_equal(codes, np.clip(np.round(values / expected_scale[:, None]) + zero[:, None], 0, 255))
+    np.testing.assert_array_equal(codes, np.clip(np.round(values * inverse) + zero[:, None], 0, 255))
     assert zero[3] == 0 and all(codes[row].min() == 0 for row in (0, 1, 4))  # the range's ends are codes
     assert all(codes[row].max() >= 254 for row in (0, 1, 3, 4))  # up to rounding
     dequantized = (codes - zero[:, None]) * expected_scale[:, None]

@@ -192,7 +192,8 @@ def quantizable(n: int, k: int, kernel: Int8Kernel) -> bool:
 
 def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
     """(xq [M, K] uint8, scale float32 [M], zero int32 [M]): each row's range [min(x, 0), max(x, 0)]
-    onto [0, 255], x ~ scale x (xq - zero). Zero is in the range, so zero is a code."""
+    onto [0, 255], x ~ scale x (xq - zero), xq = round(x x (1 / scale)) + zero. Zero is in the
+    range, so zero is a code."""
     top = tirx.const(float(ACTIVATION_CODES), "float32")
     k = te.reduce_axis((0, x.shape[1]), name="k")
     low = te.compute((x.shape[0],), lambda m: te.min(x[m, k], axis=k), name="row_min")
@@ -201,14 +202,18 @@ def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
     nothing = tirx.const(0.0, "float32")
     scale = te.compute((x.shape[0],), lambda m: te.max(te.max(high[m], nothing) - te.min(low[m], nothing),
                                                        tirx.const(1e-30, "float32")) / top, name="row_scale")
-    # round(-min(x, 0) / scale) as a reduction over the row that reads the scale: the rows'
-    # schedule (rows.py) runs a step after the first output only if it reads outputs and x
+    # -min(x, 0) / scale again, as a reduction over the row that reads the scale: the rows'
+    # schedule (rows.py) runs a step after the first output only if it reads outputs and x. A
+    # multiply by 1 / scale (hoisted out of the row), not a divide per element.
     k = te.reduce_axis((0, x.shape[1]), name="k")
-    zero = te.compute((x.shape[0],), lambda m: te.max(te.round(te.max(-x[m, k], nothing) / scale[m]).astype("int32"),
-                                                      axis=k), name="row_zero")
+    one = tirx.const(1.0, "float32")
+    below = te.compute((x.shape[0],), lambda m: te.max(te.max(-x[m, k], nothing) * (one / scale[m]), axis=k),
+                       name="row_below")
+    zero = te.compute((x.shape[0],), lambda m: te.round(below[m]).astype("int32"), name="row_zero")
 
-    def code(m, kk):
-        return te.min(te.max(te.round(x[m, kk] / scale[m]) + zero[m].astype("float32"), nothing), top).astype("uint8")
+    def code(m, kk):  # x times 1 / scale: one multiply per element (the reciprocal is hoisted out of the row)
+        inverse = one / scale[m]
+        return te.min(te.max(te.round(x[m, kk] * inverse) + zero[m].astype("float32"), nothing), top).astype("uint8")
 
     quantized = te.compute(x.shape, code, name="row_quantize")
     return [quantized, scale, zero]

@@ -129,35 +129,26 @@ def _quads_desc(lanes: int):
     return desc
 
 
-@T.prim_func(s_tir=True)
-def _quads_vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((16, 4), "int8", offset_factor=1),
-                C: T.Buffer((16,), "int32", offset_factor=1)) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:16], A[0:4], B[0:16, 0:4])
-        T.writes(C[0:16])
-        quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-        C[T.ramp(T.int32(0), 1, 16)] = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.512"),
-            C.vload([0], dtype="int32x16"),
-            T.reinterpret(T.broadcast(quad, 16), dtype="int8x64"),
-            B.vload([0, 0], dtype="int8x64"),
-            dtype="int32x16")
+def _quads_vpdpbusd(lanes: int, intrinsic: str):
+    """`lanes` columns x 4 k in one vpdpbusd (AVX-512 VNNI on zmm; on ymm, LLVM selects the VEX,
+    AVX-VNNI, encoding on a CPU without AVX-512 VL)."""
+    accumulators, products = f"int32x{lanes}", f"int8x{4 * lanes}"
 
+    @T.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+            C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(intrinsic),
+                C.vload([0], dtype=accumulators),
+                T.reinterpret(T.broadcast(quad, lanes), dtype=products),
+                B.vload([0, 0], dtype=products),
+                dtype=accumulators)
 
-@T.prim_func(s_tir=True)
-def _quads_avx_vnni(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4), "int8", offset_factor=1),
-                    C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:8], A[0:4], B[0:8, 0:4])
-        T.writes(C[0:8])
-        quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-        # LLVM selects the VEX (AVX-VNNI) encoding of this intrinsic on a CPU without AVX-512 VL
-        C[T.ramp(T.int32(0), 1, 8)] = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx512.vpdpbusd.256"),
-            C.vload([0], dtype="int32x8"),
-            T.reinterpret(T.broadcast(quad, 8), dtype="int8x32"),
-            B.vload([0, 0], dtype="int8x32"),
-            dtype="int32x8")
+    return impl
 
 
 @T.prim_func(s_tir=True)
@@ -177,7 +168,8 @@ def _quads_avx2(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4),
             dtype="int32x8")
 
 
-for _kernel, _impl in ((VNNI, _quads_vnni), (AVX_VNNI, _quads_avx_vnni), (AVX2, _quads_avx2)):
+for _kernel, _impl in ((VNNI, _quads_vpdpbusd(16, "llvm.x86.avx512.vpdpbusd.512")),
+                       (AVX_VNNI, _quads_vpdpbusd(8, "llvm.x86.avx512.vpdpbusd.256")), (AVX2, _quads_avx2)):
     if TensorIntrin.get(_kernel.intrin, allow_missing=True) is None:
         TensorIntrin.register(_kernel.intrin, _quads_desc(_kernel.lanes), _impl)
 

@@ -76,7 +76,7 @@ def _exact_int8_products(kernel: int8.Int8Kernel, lib, x: np.ndarray, weights: n
     rows, n = x.shape[0], weights.shape[0]
     out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
     panels, column_sum = int8_weight_operands(weights, kernel)
-    given = [(x + 128).astype(kernel.activation), np.ones(rows, "float32"), np.full(rows, 128, np.int32), panels,
+    given = [(x + 128).astype(int8.ACTIVATION), np.ones(rows, "float32"), np.full(rows, 128, np.int32), panels,
              np.ones(n, "float32"), column_sum]
     lib(*(tvm.runtime.tensor(a) for a in given), out)
     np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))

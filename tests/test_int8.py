@@ -71,7 +71,7 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
     result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    given = [codes.astype(kernel.activation), x_scale, zero, packed, w_scale, column_sum, b]
+    given = [codes.astype(int8.ACTIVATION), x_scale, zero, packed, w_scale, column_sum, b]
     lib(*(tvm.runtime.tensor(a) for a in given), result)
     exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)

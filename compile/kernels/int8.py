@@ -46,7 +46,8 @@ from .common import parallelize_leftovers
 from .fallback import vectorize_inner
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
-ACTIVATION_CODES = 255  # u8 activations: a row's range onto [0, 255]
+ACTIVATION = "uint8"  # every kernel multiplies unsigned activation bytes by signed weight bytes
+ACTIVATION_CODES = 255  # a row's range onto [0, 255]
 ROW_QUANTIZE = "quantize_rows"
 MATMUL = "int8_matmul"
 PANEL_VIEW = "int8_panel_view"
@@ -64,7 +65,6 @@ class Int8Kernel:
     intrin: str
     description: str  # as the manifest records it
     weight_max: int = 127  # weights are quantized to [-weight_max, weight_max]
-    activation: str = "uint8"  # dtype of quantized activations (vpdpbusd and vpmaddubsw multiply unsigned bytes)
 
 
 # 8 x 32 tile: 16 zmm accumulators of 32, as the fp32 AVX-512 kernel
@@ -205,7 +205,7 @@ def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
 
     def code(m, kk):  # x times 1 / scale: one multiply per element (the reciprocal is hoisted out of the row)
         inverse = one / scale[m]
-        return te.min(te.max(te.round(x[m, kk] * inverse) + zero[m].astype("float32"), nothing), top).astype("uint8")
+        return te.min(te.max(te.round(x[m, kk] * inverse) + zero[m].astype("float32"), nothing), top).astype(ACTIVATION)
 
     quantized = te.compute(x.shape, code, name="row_quantize")
     return [quantized, scale, zero]
@@ -262,7 +262,7 @@ def _int8_matmul_block(sch: s_tir.Schedule, kernel: Int8Kernel):
             view = sch.get(producer)
             if view.name_hint.startswith(PANEL_VIEW) and len(view.reads[0].source.shape) == 4:
                 _, _, panel, group = (int(d) for d in view.reads[0].source.shape)
-                if (kernel.activation, kernel.panel, kernel.group) == (dtypes[0], panel, group):
+                if (ACTIVATION, kernel.panel, kernel.group) == (dtypes[0], panel, group):
                     return block
     return None
 

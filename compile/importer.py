@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +35,23 @@ def _amax(node, importer) -> relax.Var:
 
 
 CONVERTERS = {"amax.default": _amax}  # ops the importer lacks, by their ATen name
+# Exports kept in this process, by `export_key`: the levels of one compile (and a process that
+# compiles one checkpoint in several settings) export it once. A few entries, each a weight set.
+EXPORTS_KEPT = 4
+_exports: OrderedDict[str, ImportedModel] = OrderedDict()
+
+
+def export_key(wrapper: BertWrapper, *bounds) -> str:
+    """What the exported graph depends on: the wrapper's code path (family config, task, pooling),
+    its weights' bytes (pruning changes them) and the export's bounds and layout."""
+    config = wrapper.bert.config
+    digest = hashlib.blake2b(repr((
+        type(wrapper).__qualname__, wrapper.task, wrapper.pooling, config.to_json_string(),
+        getattr(config, "_attn_implementation", None), bounds)).encode())
+    for name, tensor in wrapper.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def export_and_import(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_size: int,
@@ -41,8 +60,22 @@ def export_and_import(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_
     layout (`PackedBertWrapper`) adds a symbolic token count.
 
     Weights stay parameters (not constants) because CombineParallelMatmul only matches
-    Vars, and LiftTransformParams later moves weight-only work out of `main`.
+    Vars, and LiftTransformParams later moves weight-only work out of `main`. An export already
+    made in this process with the same key is reused (the module is immutable; the passes copy
+    the weights they change).
     """
+    key = export_key(wrapper, max_batch, max_seq, vocab_size, layout)
+    if key in _exports:
+        _exports.move_to_end(key)
+    else:
+        _exports[key] = _export(wrapper, max_batch, max_seq, vocab_size, layout)
+        while len(_exports) > EXPORTS_KEPT:
+            _exports.popitem(last=False)
+    kept = _exports[key]
+    return ImportedModel(mod=kept.mod, params=list(kept.params))
+
+
+def _export(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_size: int, layout: str) -> ImportedModel:
     from torch.export import Dim
     from tvm.relax.frontend.torch import from_exported_program
 

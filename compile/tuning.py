@@ -15,6 +15,7 @@ a trial costs what a build and a run cost on this machine, measured as the searc
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -30,6 +31,7 @@ from tvm.target import Target
 
 from artifact.manifest import KernelTuning, TuningEntry
 
+from .kernels import script
 from .kernels.common import SCHEDULED_ATTR
 from .kernels.fast_math import fast_math
 from .lowering import tir_pipeline
@@ -42,6 +44,7 @@ KEEP_MARGIN = 0.03  # a tuned kernel must beat the hand schedule by more than th
 TRIALS_PER_ROUND = 8
 FIRST_TRIAL_SECONDS = 5.0  # the estimate before any trial is measured (a build and a run, 2 cores)
 DATABASE_DIR = "tuning"
+TENSOR_INTRINSICS = "tvm.s_tir.tensor_intrin"  # every one TVM has: MetaSchedule imports them to start
 
 
 def keeps(hand_ms: float, tuned_ms: float | None, margin: float = KEEP_MARGIN) -> bool:
@@ -57,6 +60,7 @@ class Tuner:
         self.database = ms.database.MemoryDatabase()
         self.report: list[KernelTuning] = []
         self._seconds_per_trial = FIRST_TRIAL_SECONDS
+        script.import_from_new_thread(TENSOR_INTRINSICS)  # MetaSchedule's first step, made cheap
         search_log = logging.getLogger("tvm.s_tir.meta_schedule")  # unset, it prints every trial to stdout
         if search_log.level == logging.NOTSET:
             search_log.setLevel(logging.WARNING)
@@ -84,8 +88,11 @@ class Tuner:
         started = time.monotonic()
         workload = _workload(func)
         with tempfile.TemporaryDirectory(prefix="bert-tune-") as work_dir:
+            # each round's builds run in new worker processes, each importing TVM's tensor intrinsics
+            builder = ms.builder.LocalBuilder(
+                initializer=functools.partial(script.import_from_new_thread, TENSOR_INTRINSICS))
             searched = ms.tune_tir(func, self.target, work_dir, max_trials_global=trials,
-                                   num_trials_per_iter=TRIALS_PER_ROUND, cost_model="random",
+                                   num_trials_per_iter=TRIALS_PER_ROUND, builder=builder, cost_model="random",
                                    strategy="replay-trace", num_tuning_cores=int(self.target.attrs["num-cores"]))
             best = searched.query_tuning_record(workload, self.target, "main")
         self._seconds_per_trial = max(0.1, (time.monotonic() - started) / trials)

@@ -276,3 +276,22 @@ def test_compiled_library_survives_out_of_vocabulary_ids(tiny_embed_artifact):
     ones = np.ones_like(ids)
     output = model.generic(ids, ones, np.zeros_like(ids), np.arange(4)[None, :])
     assert np.isfinite(output).all()
+
+
+def test_an_export_is_reused_only_for_the_same_weights_and_bounds(tiny_bert_dir):
+    """A second export of the same wrapper and bounds is the first one's module; new weights (a
+    pruned layer), other bounds or another layout export anew, and the graph's weights follow."""
+    from compile.importer import export_and_import
+
+    info = inspect_checkpoint(tiny_bert_dir, "embed")
+    wrapper = load_wrapper(info, "embed")
+    first = export_and_import(wrapper, 4, info.max_seq, 30522)
+    again = export_and_import(load_wrapper(info, "embed"), 4, info.max_seq, 30522)
+    assert again.mod.same_as(first.mod) and again.params is not first.params
+    assert not export_and_import(wrapper, 5, info.max_seq, 30522).mod.same_as(first.mod)
+    assert not export_and_import(wrapper, 4, info.max_seq, 30522, "packed").mod.same_as(first.mod)
+    with torch.no_grad():
+        wrapper.bert.encoder.layer[0].output.dense.weight.zero_()
+    changed = export_and_import(wrapper, 4, info.max_seq, 30522)
+    assert not changed.mod.same_as(first.mod)
+    assert sum(not np.array_equal(a.numpy(), b.numpy()) for a, b in zip(changed.params, first.params)) == 1

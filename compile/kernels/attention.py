@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import attention_amx, attention_bf16
+from . import attention_amx, attention_bf16, script
 from .common import prescheduled
 from .fast_math import fast_math
 from .launch import MIN_PARALLEL_WORK
@@ -268,7 +268,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero
 
-    @T.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
+    @script.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
                   v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, i64(1), i64(1), S), "float32"),
                   gather: T.Buffer((B, S), "int64"), out: T.Buffer((R_OUT, H * D), "float32")):

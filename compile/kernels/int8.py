@@ -41,7 +41,7 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
-from . import amx
+from . import amx, script
 from .common import parallelize_leftovers
 from .fallback import vectorize_inner
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
@@ -114,7 +114,7 @@ def on_amx(kernel: Int8Kernel, amx_tiles: bool) -> bool:
 def _quads_desc(lanes: int):
     """What both micro-kernels compute: `lanes` int32 sums of 4 u8 x s8 products each."""
 
-    @T.prim_func(s_tir=True)
+    @script.prim_func(s_tir=True)
     def desc(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
              C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
@@ -134,7 +134,7 @@ def _quads_vpdpbusd(lanes: int, intrinsic: str):
     AVX-VNNI, encoding on a CPU without AVX-512 VL)."""
     accumulators, products = f"int32x{lanes}", f"int8x{4 * lanes}"
 
-    @T.prim_func(s_tir=True)
+    @script.prim_func(s_tir=True)
     def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
              C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
         with T.sblock("root"):
@@ -151,7 +151,7 @@ def _quads_vpdpbusd(lanes: int, intrinsic: str):
     return impl
 
 
-@T.prim_func(s_tir=True)
+@script.prim_func(s_tir=True)
 def _quads_avx2(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4), "int8", offset_factor=1),
                 C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
     with T.sblock("root"):

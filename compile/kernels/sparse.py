@@ -19,6 +19,7 @@ from __future__ import annotations
 from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
+from . import script
 from .common import prescheduled
 
 GPU_THREADS = 128
@@ -41,7 +42,7 @@ def bsr_matmul_cpu(m, k: int, nnz: int, block: tuple[int, int], block_count: int
     ROWS = i64(tile_rows(lanes, block[0]))
     zero = tirx.const(0.0, dtype)
 
-    @T.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
+    @script.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def bsr_matmul(x: T.Buffer((M, K), dtype), data: T.Buffer((NNZ, R, C), dtype),
                    indices: T.Buffer((NNZ,), "int32"), indptr: T.Buffer((NB + i64(1),), "int32"),
                    out: T.Buffer((M, NB, R), dtype)):

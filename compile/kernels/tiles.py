@@ -23,6 +23,7 @@ from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
+from . import script
 from .common import parallelize_leftovers
 from .fallback import vectorize_inner
 
@@ -80,7 +81,7 @@ def panel_tile(tile: Tile, k_size: int, computed: bool) -> tirx.PrimFunc:
     groups = k_size // tile.group
     rows, panel, group = T.int64(tile.rows), T.int64(tile.panel), T.int64(tile.group)
 
-    @T.prim_func(s_tir=True)
+    @script.prim_func(s_tir=True)
     def func(a: T.handle, b: T.handle, c: T.handle) -> None:
         lda = T.int64()
         ldc = T.int64()

@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# One worker per core, each taking whole files (a file's fixtures are built once); the slow files
+# are collected first (tests/conftest.py) so that no worker is left with one at the end.
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-$(nproc)}" --dist loadfile "$@"

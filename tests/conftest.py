@@ -24,12 +24,16 @@ TINY_SIZES = {"vocab_size": 30522,  # the MiniLM tokenizer's vocabulary, copied 
               "max_position_embeddings": 64}
 
 
+def pytest_collection_modifyitems(items):
+    """The files marked slow first (each file's tests in their order): the parallel workers of
+    scripts/test.sh take whole files, so the long ones start early and short ones fill the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def _tiny_config(**extra):
     from transformers import BertConfig
 
     return BertConfig(**{**TINY_SIZES, **extra})
-
-
 
 
 @pytest.fixture(scope="session")

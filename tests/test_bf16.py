@@ -30,6 +30,8 @@ from compile.kernels import amx, attention_bf16, bf16
 from compile.lowering import tir_pipeline
 from compile.precision import GATES, Measured, choose
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 HOST = make_target("cpu")
 RUNS_BF16 = bf16.supported(HOST) and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
 RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)

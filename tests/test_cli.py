@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,6 +19,8 @@ from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import CompileError
 from compile.validate import DRIFT_SENTENCES
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 SENTENCES = DRIFT_SENTENCES  # what the offline tokenizers are trained on
 QUERIES = ["the cat plays a guitar", "Markets fell on Monday.", "zebra quartz jukebox", "a"]  # unseen words included
 FAMILIES = ("roberta", "xlm-roberta", "distilbert")

@@ -26,6 +26,8 @@ from compile.lowering import tir_pipeline
 from compile.passes.fuse_attention import fuse_attention_in
 from compile.schedule import cpu_pipeline
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 HEADS, HEAD_SIZE = 3, 16  # a head size both AVX2 (8) and AVX-512 (16) lanes divide
 TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu="x86-64-v4")}
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))

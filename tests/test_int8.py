@@ -19,6 +19,8 @@ from compile.kernels import int8
 from compile.kernels.common import vector_lanes
 from compile.kernels.rows import schedule_rows
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 TARGET = make_target("cpu", "sm_90", None)
 KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.AVX_VNNI: make_target("cpu", mcpu="alderlake"),
                   int8.VNNI: make_target("cpu", mcpu="cascadelake")}

@@ -25,6 +25,8 @@ from compile.passes.smooth import linear_modules, module_key, smooth_linears, sm
 from compile.precision import Gate
 from loadtest.int8_accuracy import artifact_outputs, cosines
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 TARGET = make_target("cpu", "sm_90", None)
 SENSITIVE = "bert.encoder.layer.1.output.dense"
 UNSEEN = ["maybe", "A sudden storm forced the sailors back to the harbour before dawn.",

@@ -22,6 +22,8 @@ from compile.build import make_target
 from compile.config import CompileConfig
 from compile.verify import verify
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 V3, V4 = "x86-64-v3", "x86-64-v4"
 V3_FEATURES = ["sse4.2", "avx", "avx2", "fma", "f16c", "bmi2"]
 V4_FEATURES = V3_FEATURES + ["avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"]

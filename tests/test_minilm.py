@@ -11,6 +11,8 @@ from artifact.loader import load_artifact
 from artifact.manifest import Manifest
 from compile.checkpoint import example_inputs
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -9,6 +9,8 @@ from conftest import compile_artifact, save_tiny_sentence_transformer
 from loadtest.memory import measure
 from service.memory import MemoryGuard, release_cached_memory, resident_bytes
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 REQUESTS = 3000
 CLIENTS = 16
 MAX_GROWTH = 1.5  # RSS under load, over the idle RSS after warm-up

@@ -16,6 +16,8 @@ from artifact.cpu_features import missing_on_host
 from compile.build import make_target
 from compile.kernels import bf16
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 SENTENCES = [
     "The striker scored twice and the team won the championship final.",
     "Heavy rain and strong winds are expected across the region tomorrow.",

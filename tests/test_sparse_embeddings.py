@@ -17,6 +17,8 @@ from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.conftest import _copy_tokenizer, _tiny_config, compile_artifact
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 TEXTS = ["seven wizards quietly judge boxing matches", "hello", "the quick brown fox jumps over the lazy dog"]
 
 

@@ -24,6 +24,8 @@ from compile.passes.sparsity import (
 )
 from compile.passes.strategy import apply_strategy
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 CPU = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 VOCAB = 30522

@@ -21,6 +21,8 @@ from compile.passes.strategy import STRATEGIES, apply_strategy
 from compile.pipeline import Candidates, choose_strategies, save_weights
 from compile.validate import library_diff
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 CPU = tvm.target.Target({"kind": "llvm"})
 
 

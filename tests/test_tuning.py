@@ -16,6 +16,8 @@ from compile.config import CompileConfig
 from compile.kernels.common import SCHEDULED_ATTR
 from compile.tuning import KEEP_MARGIN, _workload, apply_tuned, keeps
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 
 def _scale_kernel(n: int = 64):
     x = te.placeholder((n, n), "float32", name="x")

@@ -34,6 +34,7 @@ from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules, module_key, smoothing_scales
 
 ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # 0: no smoothing
+EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
 log = logging.getLogger(__name__)
 
 
@@ -89,7 +90,7 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
                           weight_max: int = 127) -> torch.Tensor:
     """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing,
     per-token asymmetric u8 activations, per-output-channel weights (to the kernel's
-    `weight_max`), exact integer products (fp64: no fp32 rounding of large sums)."""
+    `weight_max`), exact integer products (`integer_matmul`: no rounding of large sums)."""
     weight = module.weight
     if scale is not None:
         x, weight = x / scale, weight * scale
@@ -99,9 +100,20 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     zero = torch.round(-low * inverse)
     xq = (torch.round(x * inverse) + zero).clamp(0, int8.ACTIVATION_CODES) - zero
     w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
-    wq = torch.round(weight / w_scale).double()
-    y = (xq.double() @ wq.T).float() * x_scale * w_scale.T
-    return y + module.bias if module.bias is not None else y
+    wq = torch.round(weight / w_scale)
+    y = integer_matmul(xq, wq, int8.ACTIVATION_CODES * weight_max).mul_(x_scale).mul_(w_scale.T)
+    return y.add_(module.bias) if module.bias is not None else y
+
+
+def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
+    """a @ b.T of integer-valued fp32 tensors whose products are at most `largest_product`: the
+    exact sums, each rounded once to fp32. Spans of the inner axis short enough that every partial
+    sum stays under 2^24 are summed in fp32, which is exact there in any order (at twice fp64's
+    speed); longer axes add their spans' sums in fp64."""
+    span = max(1, (EXACT_FP32_INTEGER - 1) // largest_product)
+    if a.shape[-1] <= span:
+        return a @ b.T
+    return sum((a[..., i:i + span] @ b[:, i:i + span].T).double() for i in range(0, a.shape[-1], span)).float()
 
 
 def score(accuracy: dict) -> tuple[float, float]:

@@ -260,3 +260,20 @@ def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier
                                               r".* \(least on ['\"].+['\"]\); use"):
         compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8", generic_shapes=["3x20"])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("weight_max", [127, 63])
+def test_integer_products_are_exact_at_the_int8_bound(weight_max):
+    """The simulation's integer products are the exact sums rounded once, where one fp32 product
+    rounds as it sums: activations and weights near their largest over a 3072-long inner axis
+    (a 12 x 768 BERT's FFN down: sums past 2^25), and a 384-long one, which fp32 sums exactly."""
+    from compile.int8_plan import integer_matmul
+
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(200, 256, (6, 3072), generator=generator).float()
+    b = torch.randint(weight_max - 30, weight_max + 1, (5, 3072), generator=generator).float()
+    exact = (a.double() @ b.double().T).float()
+    assert torch.equal(integer_matmul(a, b, 255 * weight_max), exact)
+    assert not torch.equal(a @ b.T, exact)  # one fp32 product
+    short = (a[:, :384], b[:, :384])
+    assert torch.equal(integer_matmul(*short, 255 * weight_max), (short[0].double() @ short[1].double().T).float())

@@ -3,6 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# One worker per core, each taking whole files (a file's fixtures are built once); the slow files
+# One worker per CPU (`nproc`), each taking whole files (a file's fixtures are built once); the slow files
 # are collected first (tests/conftest.py) so that no worker is left with one at the end.
 exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-$(nproc)}" --dist loadfile "$@"

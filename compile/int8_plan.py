@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import tvm
 
-from .kernels import int8
+from .kernels import int8, row_quantize
 from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules, module_key, smoothing_scales
 
@@ -95,13 +95,13 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     if scale is not None:
         x, weight = x / scale, weight * scale
     low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
-    x_scale = (high - low).clamp(min=1e-30) / int8.ACTIVATION_CODES
+    x_scale = (high - low).clamp(min=1e-30) / row_quantize.ACTIVATION_CODES
     inverse = 1.0 / x_scale
     zero = torch.round(-low * inverse)
-    xq = (torch.round(x * inverse) + zero).clamp(0, int8.ACTIVATION_CODES) - zero
+    xq = (torch.round(x * inverse) + zero).clamp(0, row_quantize.ACTIVATION_CODES) - zero
     w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
     wq = torch.round(weight / w_scale)
-    y = integer_matmul(xq, wq, int8.ACTIVATION_CODES * weight_max).mul_(x_scale).mul_(w_scale.T)
+    y = integer_matmul(xq, wq, row_quantize.ACTIVATION_CODES * weight_max).mul_(x_scale).mul_(w_scale.T)
     return y.add_(module.bias) if module.bias is not None else y
 
 

@@ -9,7 +9,8 @@ slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first 
 1. `dense.schedule_matmul`: matmul / dense with a transposed weight / batch matmul, with injective
    epilogues (bias, GELU, residual add, scaling) and static or symbolic M, as a register-blocked
    micro-kernel (see its docstring);
-2. `rows.schedule_rows` for row kernels (softmax, layer norm, the int8 row quantisation): one
+2. `row_quantize.schedule_row_quantize`: the int8 row quantizer's own kernel in place of its TE form;
+   `rows.schedule_rows` for other row kernels (softmax, layer norm): one
    parallel loop over rows, reductions in vector lanes; then dlight's CPU `Reduction` rule for
    row kernels of a width the lanes do not divide;
 3. `fallback.schedule_fallback`: inline injective blocks, then per remaining block fuse the outer loops
@@ -35,6 +36,7 @@ from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
 from .kernels.fast_math import fast_math
 from .kernels.launch import parallel_when_it_pays
+from .kernels.row_quantize import schedule_row_quantize
 from .kernels.rows import schedule_rows
 from .passes.fuse_attention import fuse_attention
 
@@ -51,6 +53,7 @@ def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
         lambda f: bf16.schedule_bf16_matmul(f, amx_tiles),
         lambda f: int8.schedule_int8_matmul(f, int8_kernel, amx_tiles),
         lambda f: schedule_matmul(f, lanes),
+        lambda f: schedule_row_quantize(f, lanes),
         lambda f: schedule_rows(f, lanes),
         lambda f: Reduction().apply(f, target, False),
         lambda f: schedule_fallback(f, lanes),

@@ -1,6 +1,6 @@
-"""The int8 kernels (compile/kernels/int8.py) against numpy: row quantisation, and the three matmul
-micro-kernels (AVX2 vpmaddubsw + vpmaddwd, AVX-VNNI and AVX-512 VNNI vpdpbusd) with their epilogue, at
-static and symbolic row counts (ragged ones included). Each kernel is compiled for a CPU that has it
+"""The int8 kernels (compile/kernels/int8.py) against numpy: the three matmul micro-kernels (AVX2
+vpmaddubsw + vpmaddwd, AVX-VNNI and AVX-512 VNNI vpdpbusd) with their epilogue, at static and
+symbolic row counts (ragged ones included). Each kernel is compiled for a CPU that has it
 (x86-64-v3; alderlake, AVX-VNNI without AVX-512; cascadelake, the first with AVX-512 VNNI) on any
 machine, and run where this CPU has its features."""
 
@@ -15,9 +15,8 @@ from tvm import te, tirx
 from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
 from compile.build import make_target
-from compile.kernels import int8
+from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
-from compile.kernels.rows import schedule_rows
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -80,38 +79,6 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
 
 
 @each_kernel
-def test_row_quantisation_maps_each_rows_range_onto_the_bytes(kernel):
-    """Asymmetric per row: [min(x, 0), max(x, 0)] onto [0, 255] with an integer zero point (a
-    one-signed row, as GELU's outputs, uses every code). One parallel loop over rows (the row
-    rule, width a multiple of the lanes: 5 vectors)."""
-    target = KERNEL_TARGETS[kernel]
-    width = 5 * vector_lanes(target)
-    m = tirx.Var("m", "int64")
-    x = te.placeholder((m, width), "float32", name="x")
-    outputs = int8.quantize_rows_te(x)
-    lib = _build(te.create_prim_func([x, *outputs]), lambda f: schedule_rows(f, vector_lanes(target)), target)
-    values = np.random.default_rng(3).standard_normal((5, width)).astype("float32")
-    values[2] = 0.0  # an all-zero row must not divide by zero
-    values[3] = np.abs(values[3])  # all positive: zero point 0
-    values[4] = np.maximum(values[4], -0.17)  # GELU-like: a short negative tail
-    out_q = tvm.runtime.tensor(np.zeros((5, width), "uint8"))
-    out_scale, out_zero = tvm.runtime.tensor(np.zeros(5, "float32")), tvm.runtime.tensor(np.zeros(5, "int32"))
-    lib(tvm.runtime.tensor(values), out_q, out_scale, out_zero)
-    low, high = np.minimum(values.min(axis=1), 0), np.maximum(values.max(axis=1), 0)
-    expected_scale = np.maximum(high - low, 1e-30) / 255
-    np.testing.assert_allclose(out_scale.numpy(), expected_scale, rtol=1e-6)
-    inverse = (np.float32(1) / out_scale.numpy())[:, None]  # the kernel multiplies by the row's reciprocal
-    zero = out_zero.numpy()
-    np.testing.assert_array_equal(zero, np.round(-low * inverse[:, 0]))
-    codes = out_q.numpy().astype(np.int32)
-    np.testing.assert_array_equal(codes, np.clip(np.round(values * inverse) + zero[:, None], 0, 255))
-    assert zero[3] == 0 and all(codes[row].min() == 0 for row in (0, 1, 4))  # the range's ends are codes
-    assert all(codes[row].max() >= 254 for row in (0, 1, 3, 4))  # up to rounding
-    dequantized = (codes - zero[:, None]) * expected_scale[:, None]
-    assert np.all(np.abs(dequantized - values) <= expected_scale[:, None] * 0.5001)
-
-
-@each_kernel
 def test_quantized_linear_is_close_to_fp32(kernel):
     """End to end on random data: per-row x per-channel int8 keeps the product within ~1% of fp32."""
     n, k, count = 3 * kernel.panel, 64, 7
@@ -120,8 +87,9 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     target = KERNEL_TARGETS[kernel]
     m = tirx.Var("m", "int64")
     xt = te.placeholder((m, k), "float32", name="x")
-    outputs = int8.quantize_rows_te(xt)
-    quant = _build(te.create_prim_func([xt, *outputs]), lambda f: schedule_rows(f, vector_lanes(target)), target)
+    outputs = row_quantize.quantize_rows_te(xt)
+    quant = _build(te.create_prim_func([xt, *outputs]), lambda f: row_quantize.schedule_row_quantize(
+        f, vector_lanes(target)), target)
     rows = [tvm.runtime.tensor(np.zeros((count, k), "uint8")), tvm.runtime.tensor(np.zeros(count, "float32")),
             tvm.runtime.tensor(np.zeros(count, "int32"))]
     quant(tvm.runtime.tensor(x), *rows)

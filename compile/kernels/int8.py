@@ -44,11 +44,9 @@ from tvm.script import tirx as T
 from . import amx, script
 from .common import parallelize_leftovers
 from .fallback import vectorize_inner
+from .row_quantize import ACTIVATION
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
-ACTIVATION = "uint8"  # every kernel multiplies unsigned activation bytes by signed weight bytes
-ACTIVATION_CODES = 255  # a row's range onto [0, 255]
-ROW_QUANTIZE = "quantize_rows"
 MATMUL = "int8_matmul"
 PANEL_VIEW = "int8_panel_view"
 
@@ -182,35 +180,6 @@ def quantizable(n: int, k: int, kernel: Int8Kernel) -> bool:
     return n % kernel.panel == 0 and k % kernel.group == 0
 
 
-def quantize_rows_te(x: te.Tensor) -> list[te.Tensor]:
-    """(xq [M, K] uint8, scale float32 [M], zero int32 [M]): each row's range [min(x, 0), max(x, 0)]
-    onto [0, 255], x ~ scale x (xq - zero), xq = round(x x (1 / scale)) + zero. Zero is in the
-    range, so zero is a code."""
-    top = tirx.const(float(ACTIVATION_CODES), "float32")
-    k = te.reduce_axis((0, x.shape[1]), name="k")
-    low = te.compute((x.shape[0],), lambda m: te.min(x[m, k], axis=k), name="row_min")
-    k = te.reduce_axis((0, x.shape[1]), name="k")
-    high = te.compute((x.shape[0],), lambda m: te.max(x[m, k], axis=k), name="row_max")
-    nothing = tirx.const(0.0, "float32")
-    scale = te.compute((x.shape[0],), lambda m: te.max(te.max(high[m], nothing) - te.min(low[m], nothing),
-                                                       tirx.const(1e-30, "float32")) / top, name="row_scale")
-    # -min(x, 0) / scale again, as a reduction over the row that reads the scale: the rows'
-    # schedule (rows.py) runs a step after the first output only if it reads outputs and x. A
-    # multiply by 1 / scale (hoisted out of the row), not a divide per element.
-    k = te.reduce_axis((0, x.shape[1]), name="k")
-    one = tirx.const(1.0, "float32")
-    below = te.compute((x.shape[0],), lambda m: te.max(te.max(-x[m, k], nothing) * (one / scale[m]), axis=k),
-                       name="row_below")
-    zero = te.compute((x.shape[0],), lambda m: te.round(below[m]).astype("int32"), name="row_zero")
-
-    def code(m, kk):  # x times 1 / scale: one multiply per element (the reciprocal is hoisted out of the row)
-        inverse = one / scale[m]
-        return te.min(te.max(te.round(x[m, kk] * inverse) + zero[m].astype("float32"), nothing), top).astype(ACTIVATION)
-
-    quantized = te.compute(x.shape, code, name="row_quantize")
-    return [quantized, scale, zero]
-
-
 def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, zero: te.Tensor, panels: te.Tensor, weight_scale: te.Tensor,
                    column_sum: te.Tensor) -> te.Tensor:
     """y[M, N] = dequantised (xq @ W^T), W given as panels Wp[j // panel, k // group, j % panel, k % group];
@@ -233,10 +202,7 @@ def int8_matmul_te(xq: te.Tensor, scale: te.Tensor, zero: te.Tensor, panels: te.
 def te_kernels() -> dict[str, tuple]:
     """Our int8 TE kernels by primfunc name: the function that writes one and how many tensors it
     takes (compile/passes/specialize.py rewrites them per bucket)."""
-    kernels = {}
-    for kernel in KERNELS:
-        kernels[matmul_name(kernel)] = (int8_matmul_te, 6)
-    return {ROW_QUANTIZE: (quantize_rows_te, 1), **kernels}
+    return {matmul_name(kernel): (int8_matmul_te, 6) for kernel in KERNELS}
 
 
 def matmul_name(kernel: Int8Kernel) -> str:

@@ -1,5 +1,5 @@
-"""Row kernels for CPUs: softmax, layer norm, the int8 row quantisation, and any kernel that reduces
-and rewrites each row of a [rows, width] tensor independently.
+"""Row kernels for CPUs: softmax, layer norm, and any kernel that reduces and rewrites each row of a
+[rows, width] tensor independently (the int8 row quantizer has a kernel of its own, row_quantize.py).
 
 Each is one parallel loop over rows (one launch of the thread pool, where TVM's default lowering
 and dlight's CPU `Reduction` rule launch once per block) and, inside, every step of a row: its
@@ -7,7 +7,7 @@ reductions (sum, max, variance) split into 16 partial results (`REDUCTION_PARTIA
 one or two vector instructions update at a time (`rfactor`) instead of a scalar chain of `width`
 dependent adds, and its
 element-wise steps vectorised. Injective producers with one consumer are recomputed where they
-are read (the mask and scale before a softmax, layer norm's last step before a quantisation); a
+are read (the mask and scale before a softmax); a
 step read twice (softmax's exp, layer norm's mean) is computed once per row.
 
 It applies when the row width is static and a multiple of the lanes (every hidden size, every
@@ -61,7 +61,7 @@ def schedule_rows(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
             _, inner = sch.split(own[-1], [None, _partials(width, lanes)])
             partials.append(sch.rfactor(inner, factor_axis=0))
     # the rows' loop is the first output's (compute_at cannot move an output block, so outputs
-    # after it, the quantized row after its scale, are moved under it the other way round)
+    # after it, a second output of a fused kernel, are moved under it the other way round)
     outputs = [sch.get(block) for block in sch.get_output_blocks(sch.get_sblock("root"))]
     ordered = root_blocks(sch)
     position = next(index for index, block in enumerate(ordered) if any(sch.get(block).same_as(o) for o in outputs))

@@ -7,7 +7,8 @@ compile/passes/packing.py finds them, Q/K/V concatenations included), into
     Wq      = int8(round(W / scale_w))
     panels  = Wq in the kernel's [N / panel, K / group, panel, group] layout
     colsum  = sum_k Wq[n, k]
-    xq, scale_x, zero_x = quantize_rows(x)               (per token, u8 with a zero point, at run time)
+    xq, scale_x, zero_x = quantize_rows(x)               (per token, u8 with a zero point, at run time,
+                                                          kernels/row_quantize.py; a smoothing multiply folded in)
     y = int8_matmul(xq, scale_x, zero_x, panels, scale_w, colsum)  (int32, compile/kernels/int8.py)
 
 with the micro-kernel the target's CPU runs best (`int8.kernel_for`: AVX-512 VNNI, AVX-VNNI, AVX2).
@@ -26,13 +27,14 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels import int8
+from ..kernels import int8, row_quantize
 from ..sentences import ACCURACY_SENTENCES
 from .bf16 import bf16_linear
 from .linears import rewrite_linears
 from .packing import linears_on_weights
 from .smooth import linear_modules
 
+_MULTIPLY = tvm.ir.Op.get("relax.multiply")
 SCHEME = ("int8: weights symmetric per output channel (compile time), activations asymmetric per token "
           "(uint8 with a zero point, run time)")
 
@@ -60,12 +62,23 @@ def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset
         panels = emit(op.permute_dims(
             op.reshape(quantized, (n // kernel.panel, kernel.panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
         column_sum = emit(op.sum(op.astype(quantized, "int32"), axis=1))
-        rows = builder.emit_te(int8.quantize_rows_te, x, primfunc_name_hint=int8.ROW_QUANTIZE)
+        rows = quantize_rows(builder, x, k)
         return builder.emit_te(int8.int8_matmul_te, *(relax.TupleGetItem(rows, i) for i in range(3)),
                                panels, scale, column_sum, primfunc_name_hint=int8.matmul_name(kernel))
 
     quantized_count = [0]
     return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]
+
+
+def quantize_rows(builder: relax.BlockBuilder, x: relax.Expr, k: int) -> relax.Expr:
+    """The row quantizer's call on `x`; where `x` is a smoothing multiply by a constant [k] vector
+    (passes/smooth.py), the quantizer of its input with the multiply folded in."""
+    bound = builder.lookup_binding(x) if isinstance(x, relax.Var) else None
+    if (isinstance(bound, relax.Call) and bound.op == _MULTIPLY and isinstance(bound.args[1], tvm.ir.expr.Constant)
+            and [int(d) for d in bound.args[1].ty.shape] == [k]):
+        return builder.emit_te(row_quantize.quantize_rows_te, bound.args[0], bound.args[1],
+                               primfunc_name_hint=row_quantize.SMOOTHED_ROW_QUANTIZE)
+    return builder.emit_te(row_quantize.quantize_rows_te, x, primfunc_name_hint=row_quantize.ROW_QUANTIZE)
 
 
 def sentence_rows(tokenizer_file: Path, max_seq: int) -> tuple[np.ndarray, ...]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from ..kernels import bf16, dense, int8
+from ..kernels import bf16, dense, int8, row_quantize
 
 _CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 # Our TE kernels, by name: the function that writes one, and how many tensor arguments it takes
 # (then come the shape vars the call passes along).
-TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), **int8.te_kernels(), **bf16.te_kernels()}
+TE_KERNELS = {dense.KERNEL_NAME: (dense.packed_matmul_te, 2), **int8.te_kernels(),
+              **row_quantize.te_kernels(), **bf16.te_kernels()}
 
 
 @relax.expr_functor.mutator

@@ -241,8 +241,8 @@ def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, sy
 @pytest.mark.parametrize("seq,symbolic", [(13, False), (40, True)])
 def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, seq, symbolic, tmp_path):
     """Against numpy doing what the module docstrings say (queries x scale, keys, values and the
-    exp'd scores rounded to bf16, everything else fp32): equal to fp32 summation order, on the
-    AVX-512 micro-kernels and on AMX tiles."""
+    exp'd scores rounded to bf16, the exp the micro-kernels' polynomial, everything else fp32): equal
+    up to fp32 summation order, on the AVX-512 micro-kernels and on AMX tiles."""
     bound = tirx.Var("s", "int64") if symbolic else seq
     library = _bf16_library(_attention_module("packed", bound, head_size=head_size,
                                               upper_bound=64 if symbolic else None), tmp_path / "fused.so", products)
@@ -256,10 +256,32 @@ def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, 
             columns = slice(h * head_size, (h + 1) * head_size)
             head = [qkv[rows, offset:][:, columns] for offset in (0, hidden, 2 * hidden)]
             q, k, v = _bf16(head[0] * np.float32(1 / math.sqrt(head_size))), _bf16(head[1]), _bf16(head[2])
-            scores = np.exp(q @ k.T - (q @ k.T).max(1, keepdims=True))
+            scores = _kernel_exp(q @ k.T - (q @ k.T).max(1, keepdims=True))
             expected[rows, h * head_size:(h + 1) * head_size] = _bf16(scores) @ v / scores.sum(1, keepdims=True)
     got = relax.VirtualMachine(library, tvm.cpu())["main"](*(tvm.runtime.tensor(x) for x in inputs)).numpy()
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+    # a score 1 ulp off (summation order) can round its probability the other way: one bf16 step
+    # (2^-8 of it) in that query's head row; rare, so a few rows may show it, no more
+    differs = np.abs(got - expected) > 1e-5
+    assert differs.mean() < 0.01
+    np.testing.assert_allclose(got, expected, rtol=0, atol=0.01)
+
+
+def _kernel_exp(x: np.ndarray) -> np.ndarray:
+    """attention_bf16's exp, step by step in float64, where each float32 product of its fused
+    multiply-adds is exact, rounded to float32 where the kernel rounds."""
+    f32 = np.float32
+    x = np.maximum(np.asarray(x, f32), f32(-87)).astype(np.float64)
+    n = np.round(x * np.float64(f32(1.44269504088896341)))
+    r = (x - n * np.float64(f32(0.693147180559945))).astype(f32)
+    p = f32(0.16566843)
+    for c in (0.50496332, 1.00016419, 0.99992807):
+        p = (np.float64(p) * r + np.float64(f32(c))).astype(f32)
+    return (p * np.exp2(n)).astype(f32)
+
+
+def test_kernel_exp_is_exp_within_its_stated_error():
+    x = -np.linspace(0, 87, 100001, dtype=np.float32)
+    assert np.abs(_kernel_exp(x) / np.exp(x.astype(np.float64)) - 1).max() < 7.6e-5
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:

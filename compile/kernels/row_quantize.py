@@ -6,11 +6,12 @@ compile smoothed the linear (passes/smooth.py), the row first takes the per-chan
 1 / s that moves activation outliers into the weights; folded in here, it costs no pass of its own.
 
 `quantize_rows_te` says what is computed (and is what the graph carries through fusion and each
-bucket's specialisation). Scheduled by the generic row rule (rows.py), a row was read four times,
-each reduction one dependent chain of vector min / max: 0.14 ms for 512 x 384 on an AVX-512 Xeon,
-10% of an int8 MiniLM call at 128-512 tokens (the smoothing multiply another 1-3%).
+bucket's specialisation). Scheduled by the generic row rule (rows.py), a row is read four times,
+each reduction one dependent chain of vector min / max, and the smoothing multiply is a kernel of
+its own: 11% of a 512-token int8 MiniLM call on an AVX-512 Xeon (`loadtest.kernel_profile`).
 `schedule_row_quantize` puts in its place, for the same parameters, the kernel written below
-(`write_row_quantize`, 2.2x faster): one parallel loop over rows, and in each row
+(`write_row_quantize`, under half the time, the multiply included): one parallel loop over rows,
+and in each row
 
     low[u], high[u] = min / max over the row's vectors u, u + U, u + 2U, ... (from 0)   U chains
     scale = max(max(high) - min(low), 1e-30) / 255; zero = round(-min(low) / scale)

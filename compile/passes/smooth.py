@@ -13,9 +13,10 @@ sentences (compile/int8_plan.py chooses alpha by measurement).
 
 The pass rewrites `matmul(x, permute_dims(W))` into `matmul(x * (1 / s), permute_dims(W * s))`.
 `W * s` is weight-only, so LiftTransformParams folds it into the shipped weights at compile time;
-`x * (1 / s)` is one multiply per element that FuseOps fuses into the per-token quantizer, which
-reads every element of x anyway. (BERT's layer norms also feed the residual add, so folding 1 / s
-into their gamma and beta would change the residual stream: the multiply stays at the quantizer.)
+`x * (1 / s)` is one multiply per element that the int8 pass (passes/quantize.py) folds into the
+per-token quantizer, which reads every element of x anyway (kernels/row_quantize.py). (BERT's layer
+norms also feed the residual add, so folding 1 / s into their gamma and beta would change the
+residual stream: the multiply stays at the quantizer.)
 """
 
 from __future__ import annotations

@@ -114,6 +114,7 @@ def test_quantize_pass_folds_the_smoothing_multiply_into_the_row_quantizer():
     assert count_ops(smoothed)["relax.multiply"] - count_ops(quantized).get("relax.multiply", 0) == 2
 
     built = tvm.compile(quantized, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))
+    _runnable(target)
     ours = relax.VirtualMachine(built, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args)).numpy()
     x, ln_weight, ln_bias, up, down = (torch.from_numpy(a) for a in args)
     h = torch.nn.functional.layer_norm(x, [96], ln_weight, ln_bias)

@@ -95,9 +95,12 @@ def test_the_tiles_are_tdpbf16ps_and_tdpbusd_in_the_library(tmp_path):
         assembly = _disassemble(build(32, 64, 128, AMX_CPU, tmp_path / f"{instruction}.so"))
         tile = _function(assembly, symbol)
         # per step of K: 2 row tiles x 2 panel tiles into the 2 x 2 accumulators, which start at zero in
-        # the tiles (never loaded) and are stored once; the configuration loaded where the thread's differs
-        assert tile.count(instruction) == 4 and tile.count("tileloadd") == 4 and tile.count("tilezero") == 4
+        # the tiles (never loaded) and are stored once; the loop's step loads the next step's first row tile
+        # and prefetches its panel, the last step (peeled) does neither: 4 + 4 products, 1 + 4 + 3 loads;
+        # the configuration loaded where the thread's differs
+        assert tile.count(instruction) == 8 and tile.count("tileloadd") == 8 and tile.count("tilezero") == 4
         assert tile.count("tilestored") == 4 and "sttilecfg" in tile and "ldtilecfg" in tile
+        assert "prefetcht0" in tile
         assert re.search(rf"call\s.*<{symbol}", assembly)  # the matmul runs its blocks through the tile
 
 

@@ -434,7 +434,7 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
                      staging: Path) -> tuple[CompileConfig, PrecisionEntry]:
     """`--precision auto`: build the generic library in every precision the target runs, measure
     each against the fp32 model on the shipped sentences, time each (interleaved, at a few shapes),
-    and keep the fastest that passes its gate (compile/precision.py). Where the libraries cannot
+    and keep the fastest that passes its gate and `min_cosine` (compile/precision.py). Where the libraries cannot
     run here, nothing can be measured and fp32 ships."""
     candidates = precision.available(plan.target)
     why = None
@@ -461,7 +461,7 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
                                  plan.can_run)
         built = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False)
         library = built.libraries[strategy]
-        measured.append(Measured(name, builder.agreement(library, strategy, plan.info), {}))
+        measured.append(Measured(name, builder.agreement(library, strategy, plan.info), {}, config.min_cosine))
         runner = builder.runner(library, strategy)
         for w in workloads:
             calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=builder.inputs(w): r(*x))

@@ -3,9 +3,9 @@ each must keep, and `auto`'s choice among measured candidates.
 
 `--precision auto` builds every precision the target's CPU runs, measures each one's answers
 against the PyTorch fp32 model on the shipped sentences (compile/sentences.py, one-word queries to
-long passages) and its time per call, and ships the fastest one that keeps its gate. fp32 is
-the reference's own arithmetic and always qualifies, so auto never ships less accuracy than a
-gate allows, whatever a candidate's speed.
+long passages) and its time per call, and ships the fastest one that keeps its gate, and
+`--min-cosine` where given. fp32 is the reference's own arithmetic and always qualifies, so auto
+never ships less accuracy than a gate allows, whatever a candidate's speed.
 """
 
 from __future__ import annotations
@@ -114,10 +114,15 @@ class Measured:
     precision: str
     accuracy: dict
     times_ms: dict[str, float]
+    min_cosine: float | None = None  # `--min-cosine`: a floor beside the gate of every rounded precision
 
     @property
     def failures(self) -> list[str]:
-        return gate_failures(self.precision, self.accuracy)
+        failures = gate_failures(self.precision, self.accuracy)
+        cosine = self.accuracy.get("cosine_min")
+        if self.precision in GATES and None not in (self.min_cosine, cosine) and cosine < self.min_cosine:
+            failures.append(f"cosine_min {cosine:.5f} < --min-cosine {self.min_cosine:g}")
+        return failures
 
     @property
     def score_ms(self) -> float:

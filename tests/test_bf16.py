@@ -222,6 +222,19 @@ def test_auto_never_ships_a_candidate_under_its_gate_whatever_its_speed():
     assert choose([fp32, classifier])[0] is fp32  # a label changed on 1 in 10 sentences
 
 
+def test_a_cosine_floor_rejects_every_candidate_under_it_beside_its_gate():
+    fp32, bf = _candidate("fp32", 2.0, 1.0), _candidate("bf16", 1.2, 0.99995)
+    int8 = _candidate("int8", 0.8, 0.995, 0.999)  # keeps the int8 gate, not a floor of 0.999
+    for candidate in (fp32, bf, int8):
+        candidate.min_cosine = 0.999
+    chosen, reason = choose([fp32, bf, int8])
+    assert chosen is bf
+    assert reason == ("bf16: the fastest that keeps its gate; slower: fp32 1.67x; failed the gate: int8 "
+                      "(cosine_min 0.99500 < --min-cosine 0.999)")
+    bf.min_cosine = fp32.min_cosine = 0.99999
+    assert choose([fp32, bf, int8])[0] is fp32
+
+
 def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, tmp_path):
     from conftest import compile_artifact
 
@@ -237,6 +250,18 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, 
     chosen, reason = choose(measured)
     assert entry.precision == manifest.linear_precision == chosen.precision and entry.reason == reason
     assert load_artifact(tmp_path / "auto").manifest.precision == entry
+
+
+def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_keeps_it(tiny_bert_dir, tmp_path):
+    from conftest import compile_artifact
+
+    floor = 0.9999999  # above what bf16 or int8 rounding keeps; fp32, the reference's arithmetic, is exempt
+    manifest, _ = compile_artifact(tiny_bert_dir, tmp_path / "floor", ["packed-16"], layout="packed",
+                                   precision="auto", min_cosine=floor, generic_shapes=["3x20"])
+    entry = manifest.precision
+    assert entry.precision == manifest.linear_precision == "fp32"
+    rounded = [c for c in entry.candidates if c.precision != "fp32"]
+    assert rounded and all(any(f.endswith(f"< --min-cosine {floor:g}") for f in c.gate_failures) for c in rounded)
 
 
 def test_a_cross_encoders_one_logit_is_compared_by_its_sigmoid():

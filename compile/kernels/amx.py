@@ -68,8 +68,8 @@ static inline void bert_amx_configure(void) {
    into a tile waits for the products still reading it: each load is placed just before the first product
    that needs it, the next step's first row tile after the last product of this one that reads it, and
    the next step's panel lines are prefetched (the order of Intel's mm_amx kernels). Against loading all
-   four tiles, then the four products, whole MiniLM calls took 0.87-0.97x the time in bf16 and 0.80-1.03x
-   in int8 (`loadtest.bench --compare` of the two builds, interleaved). */
+   four tiles, then the four products, whole MiniLM calls took 0.87-0.98x the time in bf16 and 0.80-1.04x
+   in int8 (two interleaved `loadtest.bench --compare` runs of the two builds, docs/PERFORMANCE.md). */
 #define BERT_AMX_STEP(PRODUCT, GROUP, A_STRIDE, B_STRIDE, g, NEXT_ROW_TILE)                                \
   _tile_loadd(6, b + (g) * 32 * GROUP, B_STRIDE);                                                        \
   PRODUCT(0, 4, 6);                                                                                      \

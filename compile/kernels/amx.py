@@ -68,14 +68,15 @@ static inline void bert_amx_configure(void) {
    into a tile waits for the products still reading it: each load is placed just before the first product
    that needs it, the next step's first row tile after the last product of this one that reads it, and
    the next step's panel lines are prefetched (the order of Intel's mm_amx kernels). Against loading all
-   four tiles, then the four products, whole MiniLM calls took 0.87-0.98x the time in bf16 and 0.80-1.04x
-   in int8 (two interleaved `loadtest.bench --compare` runs of the two builds, docs/PERFORMANCE.md). */
-#define BERT_AMX_STEP(PRODUCT, GROUP, A_STRIDE, B_STRIDE, g, NEXT_ROW_TILE)                                \
-  _tile_loadd(6, b + (g) * 32 * GROUP, B_STRIDE);                                                        \
+   four tiles, then the four products, whole MiniLM calls took 0.89-0.98x the time in bf16 and 0.90-1.04x
+   in int8 (an interleaved `loadtest.bench --compare` of the two builds, docs/PERFORMANCE.md). One step of
+   K, expanded inside the tile function (it reads its a, b, lda and strides). */
+#define BERT_AMX_STEP(PRODUCT, GROUP, g, NEXT_ROW_TILE)                                                    \
+  _tile_loadd(6, b + (g) * 32 * GROUP, b_stride);                                                        \
   PRODUCT(0, 4, 6);                                                                                      \
-  _tile_loadd(5, a + 16 * lda + GROUP * (g), A_STRIDE);                                                  \
+  _tile_loadd(5, a + 16 * lda + GROUP * (g), a_stride);                                                  \
   PRODUCT(2, 5, 6);                                                                                      \
-  _tile_loadd(7, b + (g) * 32 * GROUP + 16 * GROUP, B_STRIDE);                                           \
+  _tile_loadd(7, b + (g) * 32 * GROUP + 16 * GROUP, b_stride);                                           \
   PRODUCT(1, 4, 7);                                                                                      \
   NEXT_ROW_TILE;                                                                                         \
   PRODUCT(3, 5, 7);
@@ -92,9 +93,9 @@ static inline void bert_amx_configure(void) {
     for (; g + 16 < groups; g += 16) {                                                                   \
       const char *next = (const char *)(b + (g + 16) * 32 * GROUP);                                      \
       for (int line = 0; line < 32; ++line) _mm_prefetch(next + 64 * line, _MM_HINT_T0);                 \
-      BERT_AMX_STEP(PRODUCT, GROUP, a_stride, b_stride, g, _tile_loadd(4, a + GROUP * (g + 16), a_stride)) \
+      BERT_AMX_STEP(PRODUCT, GROUP, g, _tile_loadd(4, a + GROUP * (g + 16), a_stride))                     \
     }                                                                                                    \
-    BERT_AMX_STEP(PRODUCT, GROUP, a_stride, b_stride, g, (void)0)                                        \
+    BERT_AMX_STEP(PRODUCT, GROUP, g, (void)0)                                                            \
     _tile_stored(0, c, ldc * 4);                                                                         \
     _tile_stored(1, c + 16, ldc * 4);                                                                    \
     _tile_stored(2, c + 16 * ldc, ldc * 4);                                                              \

@@ -50,7 +50,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from . import attention_amx, attention_bf16, script
-from .common import prescheduled
+from .common import prescheduled, without_param
 from .fast_math import fast_math
 from .launch import MIN_PARALLEL_WORK
 
@@ -281,10 +281,6 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             for bh in T.serial(B * H):
                 task(q_src, k_src, v_src, bias, gather, out, bh)
 
-    func = attention if packed else _without_param(attention, "gather")  # the padded row map needs none
+    func = attention if packed else without_param(attention, "gather")  # the padded row map needs none
     return prescheduled(fast_math(func))
 
-
-def _without_param(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
-    """`func` without the buffer parameter `name`, which its body does not read."""
-    return tirx.PrimFunc([p for p in func.params if p.name != name], func.body, func.ret_type, func.attrs)

@@ -16,6 +16,12 @@ def prescheduled(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return func.with_attrs({SCHEDULED_ATTR: True, "op_pattern": 8})
 
 
+def without_param(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
+    """`func` without the buffer parameter `name`, which its body does not read: one written kernel
+    for variants whose signatures differ by an optional input."""
+    return tirx.PrimFunc([p for p in func.params if p.name != name], func.body, func.ret_type, func.attrs)
+
+
 def vector_lanes(target: Target) -> int:
     """fp32 lanes of one SIMD register: 16 with AVX-512, 8 with AVX2, else 4 (SSE / NEON).
 

@@ -26,7 +26,7 @@ from tvm import s_tir, te, tirx
 from tvm.script import tirx as T
 
 from . import script
-from .common import prescheduled, root_blocks
+from .common import prescheduled, root_blocks, without_param
 
 ACTIVATION = "uint8"  # the int8 kernels multiply unsigned activation bytes by signed weight bytes
 ACTIVATION_CODES = 255  # a row's range onto [0, 255]
@@ -80,8 +80,8 @@ def write_row_quantize(rows, width: int, lanes: int, smoothed: bool) -> tirx.Pri
     zero_f, tiny, top = (tirx.const(v, "float32") for v in (0.0, 1e-30, float(ACTIVATION_CODES)))
 
     def value(x, multiplier, m, k):
-        """x[m, k], times the multiplier where there is one."""
-        return x[m, k] if multiplier is None else x[m, k] * tirx.BufferLoad(multiplier, [k])
+        """x[m, k], times the multiplier where the kernel is `smoothed`."""
+        return x[m, k] * tirx.BufferLoad(multiplier, [k]) if smoothed else x[m, k]
 
     def code(element, inverse, zero_point):
         """The element's code before the clamp to [0, 255]."""
@@ -120,26 +120,15 @@ def write_row_quantize(rows, width: int, lanes: int, smoothed: bool) -> tirx.Pri
                 q[m, c * V + lane] = T.Cast(ACTIVATION, T.min(T.max(
                     code(value(x, multiplier, m, c * V + lane), step[1], zero[m]), zero_f), top))
 
-    if not smoothed:
-        @script.prim_func(s_tir=True)
-        def plain(x: T.Buffer((M, K), "float32"), q: T.Buffer((M, K), ACTIVATION),
-                  scale: T.Buffer((M,), "float32"), zero: T.Buffer((M,), "int32")):
-            T.func_attr({"tirx.noalias": True})
-            with T.sblock("root"):  # Relax's pattern analyses expect a root block
-                for m in T.parallel(M):
-                    quantize_row(x, None, q, scale, zero, m)
-
-        return plain
-
     @script.prim_func(s_tir=True)
-    def smoothed_rows(x: T.Buffer((M, K), "float32"), multiplier: T.Buffer((K,), "float32"),
+    def quantize_rows(x: T.Buffer((M, K), "float32"), multiplier: T.Buffer((K,), "float32"),
                       q: T.Buffer((M, K), ACTIVATION), scale: T.Buffer((M,), "float32"), zero: T.Buffer((M,), "int32")):
         T.func_attr({"tirx.noalias": True})
-        with T.sblock("root"):
+        with T.sblock("root"):  # Relax's pattern analyses expect a root block
             for m in T.parallel(M):
                 quantize_row(x, multiplier, q, scale, zero, m)
 
-    return smoothed_rows
+    return quantize_rows if smoothed else without_param(quantize_rows, "multiplier")
 
 
 def schedule_row_quantize(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:

@@ -295,7 +295,8 @@ def test_bf16_products_run_on_the_micro_kernels():
                            (3 * HEADS * HEAD_SIZE,) * 3, (0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
     called = _extern_calls(attention.write_attention(shape, 16, "bf16"))
     assert {attention_bf16.SCORES.format(head=HEAD_SIZE), attention_bf16.CONTEXT.format(head=HEAD_SIZE),
-            attention_bf16.PAIR_ROWS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS} == called
+            attention_bf16.QUERY_PAIRS, attention_bf16.PAIR_ROWS, attention_bf16.ROUND,
+            attention_bf16.SOFTMAX_PAIRS} == called
     assert "scores" not in _stored(attention.write_attention(shape, 16, "bf16"))  # TIR has no softmax pass left
     assert "scores" in _stored(attention.write_attention(shape, 16, "fp32"))
     assert not _extern_calls(attention.write_attention(shape, 16, "fp32"))
@@ -311,7 +312,7 @@ def test_amx_products_run_on_the_tiles():
                            (3 * HEADS * 32,) * 3, (0, HEADS * 32, 2 * HEADS * 32))
     assert _extern_calls(attention.write_attention(shape, 16, "amx")) == {
         attention_amx.SCORES.format(head=32), attention_amx.CONTEXT.format(head=32), attention_amx.TRANSPOSE,
-        attention_bf16.PAIR_ROWS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS}
+        attention_bf16.QUERY_PAIRS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS}
     narrow = dataclasses.replace(shape, head_size=HEAD_SIZE, widths=(3 * HEADS * HEAD_SIZE,) * 3,
                                  offsets=(0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
     assert _extern_calls(attention.write_attention(narrow, 16, "amx")) == _extern_calls(

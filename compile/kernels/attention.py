@@ -195,14 +195,12 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
         fp32_context(values, scores, inverse, out, gather, b, h, tile, length)
 
     @T.macro
-    def bf16_tile(keys_b, values_b, queries, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
-                  length):
+    def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length):
         """One tile of queries with the products on the bf16 micro-kernels or AMX tiles, which also
         add the bias, take each query's largest score, and exp and round the probabilities
         (attention_bf16.py, attention_amx.py: its values transposed, `[dims, S_MAX]`)."""
         top = T.alloc_buffer((V,), "float32")
         total = T.alloc_buffer((V,), "float32")
-        T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(queries_b, "w"), start(queries, "r"), D // i64(2), V))
         T.evaluate(micro_kernel(scores_symbol, start(scores, "w"), start(top, "w"), start(keys_b, "r"),
                                 start(queries_b, "r"), bias.access_ptr("r", offset=b * S), length[0]))
         T.evaluate(micro_kernel(attention_bf16.SOFTMAX_PAIRS, start(probs_b, "w"), start(total, "w"),
@@ -239,12 +237,14 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                     gather, b, T.min(j, length[0] - i64(1)), R), KO + h * D + d], zero)
                 values[j, d] = T.if_then_else(j < length[0], v_src[row_of(
                     gather, b, T.min(j, length[0] - i64(1)), R), VO + h * D + d], zero)
-        queries = T.alloc_buffer((D, V), "float32")
         scores = T.alloc_buffer((S_MAX, V), "float32")
         if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
             keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
             values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
             queries_b = T.alloc_buffer((D // i64(2), V), "float32")
+            # where each query of a tile starts in q_src; "local", or the storage planner may give it the
+            # memory of a float32 buffer, which an int64 pointer cannot address
+            query_rows = T.alloc_buffer((V,), "int64", scope="local")
             probs_b = T.alloc_buffer((S_MAX // i64(2), V), "float32")
             context_b = T.alloc_buffer((V, D), "float32")
             staged = (length[0] + STAGE - i64(1)) // STAGE * STAGE
@@ -256,13 +256,19 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                 T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
                                         staged // i64(2), D))
         for tile in T.serial((length[0] + V - i64(1)) // V):
-            for d, lane in T.grid(D, V):
-                i = T.min(tile * V + lane, length[0] - i64(1))
-                queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
-            if bf16:
-                bf16_tile(keys_b, values_b, queries, queries_b, scores, probs_b, context_b, bias, out, gather,
-                          b, h, tile, length)
+            if bf16:  # the scaled queries rounded into dim pairs straight from their rows
+                for lane in T.serial(V):
+                    i = T.min(tile * V + lane, length[0] - i64(1))
+                    query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+                T.evaluate(micro_kernel(attention_bf16.QUERY_PAIRS, start(queries_b, "w"), q_src.access_ptr("r"),
+                                        query_rows.access_ptr("r"), SCALE, D))
+                bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
+                          length)
             else:
+                queries = T.alloc_buffer((D, V), "float32")
+                for d, lane in T.grid(D, V):
+                    i = T.min(tile * V + lane, length[0] - i64(1))
+                    queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
                 fp32_tile(keys, values, queries, scores, bias, out, gather, b, h, tile, length)
         if not packed:
             for i, d in T.grid(S - length[0], D):

@@ -33,7 +33,8 @@ each sequence's own length, not the bound: keys and queries past a sequence's la
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
 In bf16 libraries (and int8 ones on AVX512_BF16 CPUs) the two products and the softmax between
-them run on attention_bf16.py's micro-kernels instead, or with the products on AMX tiles
+them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
+straight from their rows into the dim pairs the products read), or with the products on AMX tiles
 (attention_amx.py, keys and values then staged to whole 32-key tiles), with the same staging,
 tiles and row maps around them.
 

@@ -61,9 +61,9 @@ int32_t bert_bf16_pair_rows(uint16_t *dst, const float *src, int64_t pairs, int6
   return 0;
 }
 
-/* out[c * ld + r] = in[r * 16 + c] for a 16 x 16 block of 32-bit words: four rounds of unpacks and lane
-   shuffles in registers. */
-static inline void bert_transpose_16x16(float *out, int64_t ld, const float *in) {
+/* out[c * 16 + r] = in[r * 16 + c] for a 16 x 16 block of 32-bit words, the first `rows` rows of out
+   written: four rounds of unpacks and lane shuffles in registers. */
+static inline void bert_transpose_16x16(float *out, const float *in, int64_t rows) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + 16 * i);
   for (int i = 0; i < 16; i += 2) {
@@ -88,7 +88,7 @@ static inline void bert_transpose_16x16(float *out, int64_t ld, const float *in)
     r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
     r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
   }
-  for (int i = 0; i < 16; ++i) _mm512_storeu_ps(out + i * ld, r[i]);
+  for (int i = 0; i < rows; ++i) _mm512_storeu_ps(out + 16 * i, r[i]);
 }
 
 /* dst[head / 2][16][2] = the dim pairs of 16 queries, the rows src + offsets[q] (head floats each) times
@@ -98,7 +98,7 @@ static inline void bert_transpose_16x16(float *out, int64_t ld, const float *in)
    query and 8 dims, half the attention kernel's own time at 512 tokens (`perf record`). */
 int32_t bert_bf16_query_pairs(float *dst, const float *src, const int64_t *offsets, float scale, int64_t head) {
   const __m512 s = _mm512_set1_ps(scale);
-  float words[16][16], block[16][16];
+  float words[16][16];
   for (int64_t p0 = 0; p0 < head / 2; p0 += 16) {
     const int64_t pairs = head / 2 - p0 < 16 ? head / 2 - p0 : 16;
     for (int q = 0; q < 16; ++q) {
@@ -107,8 +107,7 @@ int32_t bert_bf16_query_pairs(float *dst, const float *src, const int64_t *offse
       __m512 hi = pairs > 8 ? _mm512_mul_ps(_mm512_loadu_ps(row + 16), s) : _mm512_setzero_ps();
       _mm512_storeu_si512(words[q], (__m512i)_mm512_cvtne2ps_pbh(hi, lo)); /* lo's dims in the low half */
     }
-    bert_transpose_16x16(block[0], 16, words[0]);
-    memcpy(dst + p0 * 16, block, (size_t)pairs * 64);
+    bert_transpose_16x16(dst + p0 * 16, words[0], pairs);
   }
   return 0;
 }

@@ -43,9 +43,8 @@ def _i64(value: int) -> tvm.tirx.IntImm:
     return tvm.tirx.IntImm("int64", value)
 
 
-def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool = False):
-    """bf16 activations x bf16 panels + bias, scheduled (on AMX tiles where `amx_tiles`) and exported
-    with the micro-kernels."""
+def _schedule_linear(m: int | None, n: int, k: int, amx_tiles: bool = False):
+    """bf16 activations x bf16 panels + bias, scheduled (on AMX tiles where `amx_tiles`)."""
     rows = _i64(m) if m is not None else tvm.tirx.Var("m", "int64")
     x = te.placeholder((rows, _i64(k)), bf16.STORAGE, name="x")
     panels = te.placeholder((n // bf16.PANEL, k // bf16.PAIR, bf16.PANEL, bf16.PAIR), bf16.STORAGE, name="p")
@@ -54,6 +53,12 @@ def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool =
     y = te.compute(product.shape, lambda i, j: product[i, j] + bias[j], name="T_add")
     sch = bf16.schedule_bf16_matmul(te.create_prim_func([x, panels, bias, y]), amx_tiles)
     assert sch is not None
+    return sch
+
+
+def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool = False):
+    """`_schedule_linear`'s function exported with the micro-kernels."""
+    sch = _schedule_linear(m, n, k, amx_tiles)
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
     library.export_library(str(path), addons=[str(bf16.kernels_object())]
                            + ([str(amx.kernels_object())] if amx_tiles else []))
@@ -75,6 +80,19 @@ def test_the_tile_is_vdpbf16ps_in_the_library(tmp_path):
     # per k pair: 8 rows x 2 panel halves, every accumulator a zmm register (no fp32 FMA fallback)
     assert tile.count("vdpbf16ps") == bf16.ROWS * 2 and "%zmm" in tile
     assert re.search(rf"call\s.*<{bf16.TILE_SYMBOL}", assembly)  # the matmul runs its tiles through it
+
+
+@pytest.mark.parametrize("amx_tiles", [False, True])
+def test_tile_calls_zero_nothing_first_and_the_threads_claim_their_panels(amx_tiles):
+    """Each tile writes its whole output block (`c = a x b`): the matched reduction's init, which
+    tensorize keeps and LLVM makes a memset before every call, is dropped. The threads take the
+    panels as they come free (compile/kernels/launch.py's claims)."""
+    from compile.kernels.launch import CLAIM
+
+    script = _schedule_linear(None, 64, 64, amx_tiles).mod.script()
+    assert (amx.BF16.symbol if amx_tiles else bf16.TILE_SYMBOL) in script
+    assert "T.init()" not in script
+    assert f'"{CLAIM}"' in script
 
 
 @needs_bf16

@@ -7,6 +7,7 @@ schedule pass, then lowering) and are compared with numpy / torch at rtol = atol
 from __future__ import annotations
 
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -439,3 +440,62 @@ def test_a_reshape_kernel_becomes_a_view_before_it_is_scheduled():
     chosen = np.array([3, 0, 49, 3, 17], dtype="int64")
     got = vm["main"](tvm.runtime.tensor(chosen), tvm.runtime.tensor(weights)).numpy()
     np.testing.assert_array_equal(got, 2 * weights[chosen][None])
+
+
+_HELD_ITERATION = r"""
+#include <sched.h>
+#include <stdint.h>
+#include <time.h>
+
+/* Iteration 0: wait (10 s at most) until `others` iterations have finished; how many had. */
+int64_t test_wait_for_others(int64_t *finished, int64_t others) {
+  struct timespec start, now;
+  clock_gettime(CLOCK_MONOTONIC, &start);
+  do {
+    sched_yield();
+    clock_gettime(CLOCK_MONOTONIC, &now);
+  } while (__atomic_load_n(finished, __ATOMIC_ACQUIRE) < others && now.tv_sec - start.tv_sec < 10);
+  return __atomic_load_n(finished, __ATOMIC_ACQUIRE);
+}
+
+int64_t test_finish(int64_t *finished) { return __atomic_add_fetch(finished, 1, __ATOMIC_ACQ_REL); }
+"""
+
+
+@pytest.mark.parametrize("grain", [1, 3])
+def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, monkeypatch, tmp_path):
+    """Claimed iterations: while one thread is held in iteration 0, the others run every iteration
+    outside its claim. With TVM's fixed shares the held thread's own share would wait for it (and
+    iteration 0 would give up after 10 s, having seen fewer finish)."""
+    from compile.kernels.launch import CLAIM_SOURCE, claim_iterations
+    from compile.kernels.tiles import c_object
+
+    count = 10
+
+    @T.prim_func(s_tir=True)
+    def held(seen: T.Buffer((T.int64(count),), "int64"), finished: T.Buffer((T.int64(1),), "int64")):
+        for i in T.parallel(T.int64(count)):
+            with T.sblock("iteration"):
+                vi = T.axis.spatial(T.int64(count), i)
+                T.reads(finished[0])
+                T.writes(seen[vi], finished[0])
+                if vi == 0:
+                    seen[vi] = T.call_extern("int64", "test_wait_for_others", finished.access_ptr("rw"),
+                                             T.int64(count - grain))
+                else:
+                    seen[vi] = T.call_extern("int64", "test_finish", finished.access_ptr("rw"))
+
+    claimed = claim_iterations(held, tirx.IntImm("int64", grain))
+    assert "bert_claim" in claimed.script()
+    objects = [str(c_object("held_iteration", "#include <stdint.h>\n" + CLAIM_SOURCE + _HELD_ITERATION, ()))]
+    library = tvm.compile(tvm.IRModule({"main": claimed}), TARGET, tir_pipeline=tir_pipeline(TARGET))
+    path = str(tmp_path / "held.so")
+    library.export_library(path, addons=objects)
+    seen, finished = tvm.runtime.tensor(np.zeros(count, np.int64)), tvm.runtime.tensor(np.zeros(1, np.int64))
+    kernel = tvm.runtime.load_module(path)["main"]
+    monkeypatch.setenv("TVM_NUM_THREADS", "2")  # a thread's pool is sized when it first launches one
+    caller = threading.Thread(target=kernel, args=(seen, finished))
+    caller.start()
+    caller.join()
+    assert seen.numpy()[0] == count - grain  # every iteration outside the held claim finished meanwhile
+    assert sorted(seen.numpy()[1:]) == list(range(1, count)) and finished.numpy()[0] == count - 1  # each ran once

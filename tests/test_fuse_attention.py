@@ -22,6 +22,7 @@ from compile.build import make_target
 from compile.kernels import amx, attention, attention_amx, attention_bf16, bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.common import vector_lanes
+from compile.kernels.launch import CLAIM
 from compile.lowering import tir_pipeline
 from compile.passes.fuse_attention import fuse_attention_in
 from compile.schedule import cpu_pipeline
@@ -290,13 +291,14 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 def test_bf16_products_run_on_the_micro_kernels():
     """A bf16 kernel calls the micro-kernels for its head size (the softmax's exp included: none is
-    left in TIR); a head size they are not compiled for keeps the fp32 kernel."""
+    left in TIR), its threads claiming the tasks; a head size they are not compiled for keeps the
+    fp32 kernel, with fixed shares (an fp32 library links no C object)."""
     shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, 24, 0.25, True,
                            (3 * HEADS * HEAD_SIZE,) * 3, (0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
     called = _extern_calls(attention.write_attention(shape, 16, "bf16"))
     assert {attention_bf16.SCORES.format(head=HEAD_SIZE), attention_bf16.CONTEXT.format(head=HEAD_SIZE),
             attention_bf16.QUERY_PAIRS, attention_bf16.PAIR_ROWS, attention_bf16.ROUND,
-            attention_bf16.SOFTMAX_PAIRS} == called
+            attention_bf16.SOFTMAX_PAIRS, CLAIM} == called
     assert "scores" not in _stored(attention.write_attention(shape, 16, "bf16"))  # TIR has no softmax pass left
     assert "scores" in _stored(attention.write_attention(shape, 16, "fp32"))
     assert not _extern_calls(attention.write_attention(shape, 16, "fp32"))
@@ -312,7 +314,7 @@ def test_amx_products_run_on_the_tiles():
                            (3 * HEADS * 32,) * 3, (0, HEADS * 32, 2 * HEADS * 32))
     assert _extern_calls(attention.write_attention(shape, 16, "amx")) == {
         attention_amx.SCORES.format(head=32), attention_amx.CONTEXT.format(head=32), attention_amx.TRANSPOSE,
-        attention_bf16.QUERY_PAIRS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS}
+        attention_bf16.QUERY_PAIRS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS, CLAIM}
     narrow = dataclasses.replace(shape, head_size=HEAD_SIZE, widths=(3 * HEADS * HEAD_SIZE,) * 3,
                                  offsets=(0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
     assert _extern_calls(attention.write_attention(narrow, 16, "amx")) == _extern_calls(

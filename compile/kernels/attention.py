@@ -36,7 +36,9 @@ In bf16 libraries (and int8 ones on AVX512_BF16 CPUs) the two products and the s
 them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
 straight from their rows into the dim pairs the products read), or with the products on AMX tiles
 (attention_amx.py, keys and values then staged to whole 32-key tiles), with the same staging,
-tiles and row maps around them.
+tiles and row maps around them. There the threads claim the (sequence, head) tasks as they come
+free (launch.claim_iterations), where fp32 libraries, which link no C object, share them out in
+fixed halves: a mixed batch's long sequences no longer land on one thread.
 
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
@@ -53,7 +55,7 @@ from tvm.script import tirx as T
 from . import attention_amx, attention_bf16, script
 from .common import prescheduled, without_param
 from .fast_math import fast_math
-from .launch import MIN_PARALLEL_WORK
+from .launch import MIN_PARALLEL_WORK, claim_iterations
 
 KERNEL_NAME = "fused_attention"
 REAL_KEY_BIAS = -1e30  # an additive bias at or below this marks a padding key (float32 min)
@@ -289,5 +291,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                 task(q_src, k_src, v_src, bias, gather, out, bh)
 
     func = attention if packed else without_param(attention, "gather")  # the padded row map needs none
+    if bf16:  # tasks claimed as threads come free; the micro-kernels' object, linked, has the counter
+        func = claim_iterations(func, i64(1))
     return prescheduled(fast_math(func))
 

@@ -319,10 +319,9 @@ class LibraryBuilder:
                 raise ValidationError(precision.gate_refusal(name, accuracy, failures))
             if failures:
                 log.warning("%s misses its accuracy gate on the shipped sentences: %s", name, "; ".join(failures))
-        cosine_min = accuracy.get("cosine_min")
-        if self.config.min_cosine is not None and cosine_min is not None and cosine_min < self.config.min_cosine:
-            raise ValidationError(f"{name} embeddings reach cosine {cosine_min:.6f} to the fp32 model's on "
-                                  f"the shipped sentences, under --min-cosine {self.config.min_cosine:g}")
+        if precision.under_cosine_floor(name, accuracy, self.config.min_cosine):
+            raise ValidationError(f"{name} embeddings reach cosine {accuracy['cosine_min']:.6f} to the fp32 model's "
+                                  f"on the shipped sentences, under --min-cosine {self.config.min_cosine:g}")
         quantization = None
         if name == "int8":
             quantization = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel, linears=linears,

@@ -90,6 +90,12 @@ def attention_products(precision: str, target: tvm.target.Target) -> str:
     return "amx" if amx.supported(target) else "bf16"
 
 
+def under_cosine_floor(precision: str, accuracy: dict, min_cosine: float | None) -> bool:
+    """Whether a rounded precision's least cosine to the fp32 model is under `--min-cosine`."""
+    cosine = accuracy.get("cosine_min")
+    return precision in GATES and None not in (min_cosine, cosine) and cosine < min_cosine
+
+
 def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
     """One line: why `precision` fails its gate, naming the sentence that drifts most."""
     worst = f" (least on {accuracy['worst_sentence']!r})" if accuracy.get("worst_sentence") else ""
@@ -119,9 +125,8 @@ class Measured:
     @property
     def failures(self) -> list[str]:
         failures = gate_failures(self.precision, self.accuracy)
-        cosine = self.accuracy.get("cosine_min")
-        if self.precision in GATES and None not in (self.min_cosine, cosine) and cosine < self.min_cosine:
-            failures.append(f"cosine_min {cosine:.5f} < --min-cosine {self.min_cosine:g}")
+        if under_cosine_floor(self.precision, self.accuracy, self.min_cosine):
+            failures.append(f"cosine_min {self.accuracy['cosine_min']:.5f} < --min-cosine {self.min_cosine:g}")
         return failures
 
     @property

@@ -271,11 +271,11 @@ def _kernel_exp(x: np.ndarray) -> np.ndarray:
     """attention_bf16's exp, step by step in float64, where each float32 product of its fused
     multiply-adds is exact, rounded to float32 where the kernel rounds."""
     f32 = np.float32
-    x = np.maximum(np.asarray(x, f32), f32(-87)).astype(np.float64)
-    n = np.round(x * np.float64(f32(1.44269504088896341)))
-    r = (x - n * np.float64(f32(0.693147180559945))).astype(f32)
-    p = f32(0.16566843)
-    for c in (0.50496332, 1.00016419, 0.99992807):
+    x = np.maximum(np.asarray(x, f32), f32(attention_bf16.EXP_FLOOR)).astype(np.float64)
+    n = np.round(x * np.float64(f32(attention_bf16.EXP_LOG2E)))
+    r = (x - n * np.float64(f32(attention_bf16.EXP_LN2))).astype(f32)
+    p = f32(attention_bf16.EXP_POLYNOMIAL[0])
+    for c in attention_bf16.EXP_POLYNOMIAL[1:]:
         p = (np.float64(p) * r + np.float64(f32(c))).astype(f32)
     return (p * np.exp2(n)).astype(f32)
 

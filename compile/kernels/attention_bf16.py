@@ -30,7 +30,14 @@ PAIR_ROWS = "bert_bf16_pair_rows"
 QUERY_PAIRS = "bert_bf16_query_pairs"
 SOFTMAX_PAIRS = "bert_bf16_softmax_pairs"
 
-SOURCE = r"""
+# The softmax's exp (`bert_exp` below): its argument's floor, the constants of its range reduction
+# and its polynomial's coefficients (highest power first), given to the C source as macros.
+EXP_FLOOR, EXP_LOG2E, EXP_LN2 = -87.0, 1.44269504088896341, 0.693147180559945
+EXP_POLYNOMIAL = (0.16566843, 0.50496332, 1.00016419, 0.99992807)
+_EXP_MACROS = {"BERT_EXP_FLOOR": EXP_FLOOR, "BERT_EXP_LOG2E": EXP_LOG2E, "BERT_EXP_LN2": EXP_LN2,
+               **{f"BERT_EXP_P{3 - i}": c for i, c in enumerate(EXP_POLYNOMIAL)}}
+
+SOURCE = "".join(f"#define {name} {value!r}f\n" for name, value in _EXP_MACROS.items()) + r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -152,12 +159,12 @@ typedef float bert_pair_word __attribute__((may_alias, aligned(2)));
    call's library time at 512 tokens (`perf record` of repeated calls), bound by the vector ports. */
 static inline __m512 bert_exp(__m512 x) {
   const __m512 shift = _mm512_set1_ps(12582912.0f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), shift), shift);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945f), x);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.16566843f), r, _mm512_set1_ps(0.50496332f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.00016419f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.99992807f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(BERT_EXP_FLOOR));
+  __m512 n = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(BERT_EXP_LOG2E), shift), shift);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(BERT_EXP_LN2), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(BERT_EXP_P3), r, _mm512_set1_ps(BERT_EXP_P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P0));
   return _mm512_scalef_ps(p, n);
 }
 

@@ -90,13 +90,14 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
 
 
 def int8_linear_inputs(m, n: int, k: int, kernel) -> list:
-    """The placeholders of `int8.int8_matmul_te` for M rows (an int or a var), N outputs and K inputs."""
-    from tvm import te
+    """The placeholders of `int8.int8_matmul_te` for M rows (an int or a var), N outputs and K inputs (the
+    activations' dims int64, as Relax writes them)."""
+    from tvm import te, tirx
 
     from compile.kernels import int8
 
-    return [te.placeholder((m, k), int8.ACTIVATION, name="xq"), te.placeholder((m,), "float32", name="scale"),
-            te.placeholder((m,), "int32", name="zero"),
+    return [te.placeholder((m, tirx.IntImm("int64", k)), int8.ACTIVATION, name="xq"),
+            te.placeholder((m,), "float32", name="scale"), te.placeholder((m,), "int32", name="zero"),
             te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
             te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="column_sum")]
 

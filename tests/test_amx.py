@@ -18,6 +18,7 @@ import pytest
 import tvm
 from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te, tirx
+from tvm.sym import Analyzer
 
 from artifact import cpu_features
 from artifact.cpu_features import FEATURES, linux_flag
@@ -110,6 +111,23 @@ def test_a_k_the_amx_step_does_not_divide_keeps_the_avx512_tile(tmp_path):
     assert not re.search(rf"call\s.*<{amx.BF16.symbol}", assembly)
     assembly = _disassemble(_int8_linear(32, 64, 96, AMX_CPU, tmp_path / "k96.so"))  # 96 % 64 != 0
     assert "vpdpbusd" in assembly and not re.search(rf"call\s.*<{amx.INT8.symbol}", assembly)
+
+
+@pytest.mark.parametrize("m", [32, None])
+def test_the_tiles_read_their_activations_in_blocks_of_one_row_tile(m):
+    """A row tile loads 16 rows x 64 bytes: the linear's copy of its activations (the padded one, or one
+    made where M needs no padding) writes them so, one block after another, each contiguous."""
+    n, k = 64, 256
+    inputs = int8_linear_inputs(_rows(m), n, k, int8.VNNI)
+    func = te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)])
+    sch = int8.schedule_int8_matmul(func, int8.VNNI, amx_tiles=True)
+    call = sch.get(sch.get_sblock(f"{int8.MATMUL}_o"))  # the block tensorize made the tile call
+    assert amx.INT8.symbol in str(call.body)
+    activations = call.match_buffers[0]
+    blocked = activations.source.source  # a copy: the given activations are [M, K]
+    assert [int(d) for d in blocked.shape[1:]] == [k // 64, 16, 64] and blocked.dtype == "uint8"
+    rows = inputs[0].shape[0]
+    assert Analyzer().can_prove_equal(blocked.shape[0], (rows + 31) // 32 * 2)  # 16-row blocks, rows padded to 32
 
 
 @needs_amx

@@ -47,9 +47,21 @@ class Tile:
     activation: str
     weight: str
     accumulator: str
+    row_block: int = 0  # where set, activations are read in blocks of row_block rows x k_step (`blocked`)
 
     def fits(self, k_size) -> bool:
         return isinstance(k_size, (int, tirx.IntImm)) and int(k_size) % self.k_step == 0
+
+
+def blocked(tile: Tile, rows, k):
+    """Where activation (rows, k) lies in a tile's blocked layout `[M / row_block][K / k_step][row_block][k_step]`:
+    each block one AMX tile's 16 rows of 64 bytes, contiguous, which a tile load reads as 16 lines in
+    order (the rows of a row-major `[M, K]` are 16 lines a whole row apart, which the hardware prefetcher
+    does not follow: measured on the 32 x 32 tile in C, the blocked layout took 0.80-0.95x the time at
+    M = 512 and 128 with the 12 x 768 BERT's shapes; whole one-thread int8 calls of that model, paired
+    against the row-major build, 0.94-0.96x at 128 and 512 tokens)."""
+    block, step = tile.row_block, tile.k_step
+    return rows // block, k // step, rows % block, k % step
 
 
 def tile_intrinsic(tile: Tile, k_size: int) -> str:
@@ -86,28 +98,43 @@ def panel_tile(tile: Tile, k_size: int, computed: bool) -> tirx.PrimFunc:
     micro-kernel's call): one signature, so the two cannot drift apart."""
     groups = k_size // tile.group
     rows, panel, group = T.int64(tile.rows), T.int64(tile.panel), T.int64(tile.group)
+    is_blocked = bool(tile.row_block)
+    if is_blocked:
+        shape = (*blocked(tile, rows, T.int64(k_size))[:2], T.int64(tile.row_block), T.int64(tile.k_step))
+    else:
+        shape = (rows, T.int64(k_size))
+
+    def whole(A):
+        return A[tuple(slice(0, extent) for extent in shape)]
+
+    def read(A, i, k):
+        return A[blocked(tile, i, k)] if is_blocked else A[i, k]
 
     @script.prim_func(s_tir=True)
     def func(a: T.handle, b: T.handle, c: T.handle) -> None:
         lda = T.int64()
         ldc = T.int64()
-        A = T.match_buffer(a, (rows, T.int64(k_size)), tile.activation, offset_factor=1, strides=[lda, 1])
+        A = T.match_buffer(a, shape, tile.activation, offset_factor=1,
+                           strides=None if is_blocked else [lda, 1])
         B = T.match_buffer(b, (T.int64(groups), panel, group), tile.weight, offset_factor=1)
         C = T.match_buffer(c, (rows, panel), tile.accumulator, offset_factor=1, strides=[ldc, 1])
         with T.sblock("root"):
-            T.reads(A[0:rows, 0:k_size], B[0:groups, 0:panel, 0:group])
+            T.reads(whole(A), B[0:groups, 0:panel, 0:group])
             T.writes(C[0:rows, 0:panel])
             if computed:
                 for i, j, ko, ki in T.grid(rows, panel, T.int64(groups), group):
                     with T.sblock("update"):
                         vi, vj = T.axis.remap("SS", [i, j])
                         vk = T.axis.reduce(T.int64(k_size), ko * group + ki)
-                        T.reads(C[vi, vj], A[vi, vk], B[vk // group, vj, vk % group])
+                        T.reads(C[vi, vj], read(A, vi, vk), B[vk // group, vj, vk % group])
                         T.writes(C[vi, vj])
                         with T.init():
                             C[vi, vj] = T.cast(0, tile.accumulator)
-                        C[vi, vj] = C[vi, vj] + _widened(A[vi, vk], tile.activation) * _widened(
+                        C[vi, vj] = C[vi, vj] + _widened(read(A, vi, vk), tile.activation) * _widened(
                             B[vk // group, vj, vk % group], tile.weight)
+            elif is_blocked:
+                T.evaluate(T.call_extern("int32", tile.symbol, C.access_ptr("w"), T.Cast("int64", ldc),
+                                         A.access_ptr("r"), B.access_ptr("r"), T.int64(groups)))
             else:
                 T.evaluate(T.call_extern("int32", tile.symbol, C.access_ptr("w"), T.Cast("int64", ldc),
                                          A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
@@ -120,6 +147,7 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
     """Schedule the matmul block `main` (reading its weight through the inlinable `panel_view`) and
     its fused epilogue as whole-K calls of `tile`:
 
+        x' = x in the tile's blocked layout (`blocked`), where the tile reads one (AMX)
         parallel (N / panel, claimed by the threads as they come free: launch.claim_iterations):
           for M / rows:
             micro-kernel: acc[rows, panel] = x[rows, :] @ panel     (the whole K loop)
@@ -127,6 +155,8 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
     A symbolic or ragged M is padded to a multiple of `rows` (`pad_einsum`).
     """
     m, j, k = pad_rows_and_inline_panels(sch, main, tile.rows, panel_view)
+    if tile.row_block:
+        _block_activations(sch, main, tile)
     k_size = int(sch.get(k).extent)
     jo, ji = sch.split(j, [None, tile.panel])
     mo, mi = sch.split(m, [None, tile.rows])
@@ -144,6 +174,19 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
     row_blocks = sch.get(mo).extent
     grain = tirx.max(tirx.IntImm("int64", 1), tirx.IntImm("int64", CLAIMED_TILES) // row_blocks)
     return s_tir.Schedule(claim_iterations(sch.mod["main"], grain, sch.get(jo).loop_var))
+
+
+def _block_activations(sch: s_tir.Schedule, main, tile: Tile) -> None:
+    """Have the copy of the activations the matmul `main` reads (the padded one `pad_einsum` wrote, else
+    a new one) write them in the tile's blocked layout (`blocked`): where the rows were padded this
+    costs nothing more; where not, one copy of the activations against a GEMM that reads them N / panel
+    times."""
+    activations = sch.get(main).reads[0].source
+    copies = [block for block in sch.get_producers(main) if sch.get(block).writes[0].source.same_as(activations)]
+    copy = copies[0] if copies else sch.cache_read(main, 0, "global")
+    sch.transform_layout(copy, ("write", 0), lambda rows, k: blocked(tile, rows, k))
+    _, k = sch.get_loops(copy)
+    sch.vectorize(sch.split(k, [None, tile.k_step])[1])  # one block row: 64 bytes
 
 
 def _drop_init(sch: s_tir.Schedule, call) -> None:

@@ -17,7 +17,8 @@ slower than PyTorch. `cpu_schedule_pass` schedules each PrimFunc with the first 
    into one parallel loop and vectorise the innermost loop where that is legal.
 
 A PrimFunc no rule recognises (or on which every rule raises) is left untouched, so the pass is
-always safe to add.
+always safe to add. A rule that raises is a bug, not a decline (a rule that does not apply returns
+None): it is logged as a warning, since the later rules that take the kernel over run it slower.
 """
 
 from __future__ import annotations
@@ -43,26 +44,28 @@ from .passes.fuse_attention import fuse_attention
 log = logging.getLogger(__name__)
 
 
-def schedule_func(func: tirx.PrimFunc, target: Target) -> tirx.PrimFunc | None:
-    """The scheduled `func`, or None when no rule recognises it (or every rule fails on it)."""
+def schedule_func(func: tirx.PrimFunc, target: Target, name: str = "a kernel") -> tirx.PrimFunc | None:
+    """The scheduled `func` (called `name` in the warnings), or None when no rule recognises it (or
+    every rule fails on it)."""
     lanes = vector_lanes(target)
     amx_tiles = amx.supported(target)
     int8_kernel = int8.kernel_for(target)
     func = fast_math(func)
     rules = (
-        lambda f: bf16.schedule_bf16_matmul(f, amx_tiles),
-        lambda f: int8.schedule_int8_matmul(f, int8_kernel, amx_tiles),
-        lambda f: schedule_matmul(f, lanes),
-        lambda f: schedule_row_quantize(f, lanes),
-        lambda f: schedule_rows(f, lanes),
-        lambda f: Reduction().apply(f, target, False),
-        lambda f: schedule_fallback(f, lanes),
+        ("bf16 matmul", lambda f: bf16.schedule_bf16_matmul(f, amx_tiles)),
+        ("int8 matmul", lambda f: int8.schedule_int8_matmul(f, int8_kernel, amx_tiles)),
+        ("matmul", lambda f: schedule_matmul(f, lanes)),
+        ("row quantize", lambda f: schedule_row_quantize(f, lanes)),
+        ("rows", lambda f: schedule_rows(f, lanes)),
+        ("dlight reduction", lambda f: Reduction().apply(f, target, False)),
+        ("fallback", lambda f: schedule_fallback(f, lanes)),
     )
-    for rule in rules:
+    for rule_name, rule in rules:
         try:
             sch = rule(func)
-        except Exception as error:  # noqa: BLE001 - any failing rule just hands over to the next
-            log.debug("%s: %s", getattr(rule, "__name__", rule), error)
+        except Exception as error:  # noqa: BLE001 - the next rule schedules it, slower: say so
+            log.warning("%s: the %s schedule failed (%s: %s); the next rules try it", name, rule_name,
+                        type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
             sch = None
         if sch is not None:
             return parallel_when_it_pays(sch.mod["main"]).with_attr(SCHEDULED_ATTR, True)
@@ -78,18 +81,19 @@ def cpu_schedule_pass(target: Target) -> tvm.ir.transform.Pass:
 
     @tvm.transform.module_pass(opt_level=0, name="CPUSchedule")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return schedule_unscheduled(mod, lambda func: schedule_func(func, target))
+        return schedule_unscheduled(mod, lambda name, func: schedule_func(func, target, name))
 
     return _pass
 
 
-def schedule_unscheduled(mod: tvm.IRModule, schedule: Callable[[tirx.PrimFunc], tirx.PrimFunc | None]) -> tvm.IRModule:
-    """`mod` with every PrimFunc not yet scheduled replaced by `schedule(func)`, where that is not
-    None; the caller's module stays as it was."""
+def schedule_unscheduled(mod: tvm.IRModule,
+                         schedule: Callable[[str, tirx.PrimFunc], tirx.PrimFunc | None]) -> tvm.IRModule:
+    """`mod` with every PrimFunc not yet scheduled replaced by `schedule(name, func)`, where that is
+    not None; the caller's module stays as it was."""
     updates = {}
     for gvar, func in mod.functions_items():
         if isinstance(func, tirx.PrimFunc) and not func.attrs.get(SCHEDULED_ATTR, False):
-            scheduled = schedule(func)
+            scheduled = schedule(gvar.name_hint, func)
             if scheduled is not None:
                 updates[gvar] = scheduled
     if not updates:

@@ -71,7 +71,7 @@ class Tuner:
         one whatever the budget)."""
         deadline = time.monotonic() + seconds
         kernels = tunable_kernels(mod, self.target)
-        hand = {name: schedule_func(func, self.target) or func for name, func in kernels.items()}
+        hand = {name: schedule_func(func, self.target, name) or func for name, func in kernels.items()}
         hand_ms = {name: _interleaved_ms({"hand": func}, self.target)["hand"] for name, func in hand.items()}
         order = sorted(kernels, key=hand_ms.get, reverse=True)
         for index, name in enumerate(order):
@@ -153,7 +153,7 @@ def apply_tuned(database: ms.Database, target: Target) -> tvm.ir.transform.Pass:
     """Module pass: every PrimFunc the database holds a (kept) record for gets that schedule, and
     is marked scheduled so that the CPU schedule pass leaves it; the others pass unchanged."""
 
-    def tuned(func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+    def tuned(_name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
         sch = database.query_schedule(_workload(fast_math(func)), target, workload_name="main")
         return None if sch is None else sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
 

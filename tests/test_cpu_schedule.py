@@ -97,6 +97,18 @@ def test_dense_bias_static_odd_m(m):
     np.testing.assert_allclose(_run(_dense_module(m, k, n), x, w, b), x @ w + b, **TOL)
 
 
+def test_a_schedule_rule_that_fails_is_said_and_a_later_rule_runs_the_kernel(monkeypatch, caplog):
+    def failing(func, lanes):
+        raise RuntimeError("the matmul rule cannot split this loop")
+
+    monkeypatch.setattr("compile.schedule.schedule_matmul", failing)
+    x, w, b = _rand(9, 48), _rand(48, 40), _rand(40)
+    with caplog.at_level("WARNING", logger="compile.schedule"):
+        np.testing.assert_allclose(_run(_dense_module(9, 48, 40), x, w, b), x @ w + b, **TOL)
+    assert any(re.match(r"fused_matmul\w*: the matmul schedule failed \(RuntimeError: the matmul rule cannot split "
+                        r"this loop\); the next rules try it", message) for message in caplog.messages)
+
+
 def test_3d_activation_times_2d_weight_symbolic_seq():
     """x[b, s, k] @ w[k, n] + bias without a reshape: b acts as a batch axis, s as M."""
     s = tirx.Var("s", "int64")

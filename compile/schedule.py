@@ -64,8 +64,9 @@ def schedule_func(func: tirx.PrimFunc, target: Target, name: str = "a kernel") -
         try:
             sch = rule(func)
         except Exception as error:  # noqa: BLE001 - the next rule schedules it, slower: say so
+            last_line = (str(error).strip().splitlines() or [""])[-1]  # TVM's errors end with the message
             log.warning("%s: the %s schedule failed (%s: %s); the next rules try it", name, rule_name,
-                        type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
+                        type(error).__name__, last_line)
             sch = None
         if sch is not None:
             return parallel_when_it_pays(sch.mod["main"]).with_attr(SCHEDULED_ATTR, True)

@@ -11,8 +11,8 @@ extents, known only at run time for a symbolic token count) is under `MIN_PARALL
 
 TVM's pool hands each thread a fixed share of a parallel loop's iterations, so a thread that runs
 slower for a while (a shared host: another tenant on its core) leaves the other waiting at the
-join. perf of a bf16 MiniLM call at 512 tokens on this machine found each thread idle 10-18% of the
-time, most of it waiting for the other to finish its share of a linear's panels. `claim_iterations`
+join. perf of a bf16 MiniLM call at 512 tokens on a shared 2-core host found each thread idle
+10-18% of the time, most of it waiting for the other to finish its share of a linear's panels. `claim_iterations`
 lets the threads take the iterations of such a loop as they come free instead (one atomic
 increment per claim, `CLAIM_SOURCE`), as TBB's and OpenMP's dynamic schedules do. With the tile
 linears' panels and the bf16 attention's tasks claimed, bf16 MiniLM calls took 0.89-0.95x the

@@ -110,6 +110,11 @@ def panel_tile(tile: Tile, k_size: int, computed: bool) -> tirx.PrimFunc:
     def read(A, i, k):
         return A[blocked(tile, i, k)] if is_blocked else A[i, k]
 
+    def call(C, ldc, A, lda, B):
+        row_stride = () if is_blocked else (T.Cast("int64", lda),)  # blocked activations have none
+        return T.call_extern("int32", tile.symbol, C.access_ptr("w"), T.Cast("int64", ldc), A.access_ptr("r"),
+                             *row_stride, B.access_ptr("r"), T.int64(groups))
+
     @script.prim_func(s_tir=True)
     def func(a: T.handle, b: T.handle, c: T.handle) -> None:
         lda = T.int64()
@@ -132,13 +137,8 @@ def panel_tile(tile: Tile, k_size: int, computed: bool) -> tirx.PrimFunc:
                             C[vi, vj] = T.cast(0, tile.accumulator)
                         C[vi, vj] = C[vi, vj] + _widened(read(A, vi, vk), tile.activation) * _widened(
                             B[vk // group, vj, vk % group], tile.weight)
-            elif is_blocked:
-                T.evaluate(T.call_extern("int32", tile.symbol, C.access_ptr("w"), T.Cast("int64", ldc),
-                                         A.access_ptr("r"), B.access_ptr("r"), T.int64(groups)))
             else:
-                T.evaluate(T.call_extern("int32", tile.symbol, C.access_ptr("w"), T.Cast("int64", ldc),
-                                         A.access_ptr("r"), T.Cast("int64", lda), B.access_ptr("r"),
-                                         T.int64(groups)))
+                T.evaluate(call(C, ldc, A, lda, B))
 
     return func
 

@@ -54,8 +54,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what the linear layers compute in (cpu): bf16 needs AVX512_BF16, int8 AVX2; auto builds "
                              "each one this CPU runs and ships the fastest that keeps its accuracy gate")
     parser.add_argument("--min-cosine", dest="min_cosine", type=float,
-                        help="bf16 / int8: fail when embeddings fall under this cosine to the fp32 model's; "
-                             "auto: ship no bf16 or int8 candidate under it")
+                        help="bf16 / int8: fail when embeddings fall under this cosine to the fp32 model's (int8 "
+                             "first keeps its most sensitive linears out of int8 to keep it); auto: ship no bf16 or "
+                             "int8 candidate under it")
     parser.add_argument("--tune", type=float, metavar="SECONDS",
                         help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
                              "only where it was faster in a timed run; the kept schedules ship in tuning/")

@@ -11,7 +11,8 @@ second on MiniLM, where building and running a library takes a minute, so the pl
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
 3. sensitivity: for each linear, the accuracy with it alone kept in the higher precision;
 4. fallback: the most sensitive linears, one at a time, kept in bf16 (where the CPU has it) or
-   fp32 until the simulation keeps the int8 gate (compile/precision.py).
+   fp32 until the simulation keeps the int8 gate (compile/precision.py) and `--min-cosine`; the
+   kept linears are simulated in their own precision (bf16 rounds too).
 
 Linears that read the same input (Q, K and V) form one unit: they share a smoothing vector (one
 concatenated projection needs one) and a precision.
@@ -72,13 +73,22 @@ class Int8Plan:
     sensitivity: list[Sensitivity] = field(default_factory=list)
     fallback_precision: str = "fp32"  # what the kept units run in: bf16 where the CPU has it
 
+    def refusal(self, min_cosine: float | None) -> str | None:
+        """Why this int8 has nothing to offer (one line): keeping the gate, and `min_cosine` where
+        given, took every linear out of int8."""
+        if not self.sensitivity:
+            return "no linear fits the int8 kernel's panels"
+        if len(self.fallback) < len(self.sensitivity):
+            return None
+        wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:g}"
+        return f"int8 cannot keep {wanted} with any linear in int8 (simulated on the shipped sentences)"
 
     def manifest_fields(self, quantized: int) -> dict:
         """The manifest's QuantizationEntry fields of this plan, for `quantized` int8 linears."""
         from artifact.manifest import KeptLinear, LinearSensitivity
 
         numbers = ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")
-        reason = "the most sensitive left while the simulated int8 missed its gate"
+        reason = "the most sensitive left while the simulated int8 missed its gate or --min-cosine"
         return {"smoothing_alpha": self.alpha, "smoothed": quantized if self.alpha > 0 else 0,
                 "kept": [KeptLinear(unit=unit, precision=self.fallback_precision, reason=reason)
                          for unit in self.fallback],
@@ -105,6 +115,13 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     return y.add_(module.bias) if module.bias is not None else y
 
 
+def bf16_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The bf16 kernels' arithmetic (compile/kernels/bf16.py): operands rounded to bf16 (nearest
+    even), products summed in fp32."""
+    weight = module.weight.to(torch.bfloat16).float()
+    return torch.nn.functional.linear(x.to(torch.bfloat16).float(), weight, module.bias)
+
+
 def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
     """a @ b.T of integer-valued fp32 tensors whose products are at most `largest_product`: the
     exact sums, each rounded once to fp32. Spans of the inner axis short enough that every partial
@@ -125,12 +142,15 @@ def score(accuracy: dict) -> tuple[float, float]:
 
 
 class Simulation:
-    """The fp32 model with chosen units int8-simulated, run on the shipped sentence rows."""
+    """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
+    `kept_precision` (fp32 or bf16), run on the shipped sentence rows."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
-                 agreement: Callable[[np.ndarray, np.ndarray], dict], weight_max: int = 127):
+                 agreement: Callable[[np.ndarray, np.ndarray], dict], weight_max: int = 127,
+                 kept_precision: str = "fp32"):
         self.wrapper = wrapper
         self.weight_max = weight_max
+        self.kept_precision = kept_precision
         self.agreement = agreement
         self.rows = tuple(torch.from_numpy(x) for x in rows)
         names = {module: name for name, module in wrapper.named_modules()}
@@ -138,6 +158,7 @@ class Simulation:
                         if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
         self.units = self._units(names)
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
+        self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
         self.reference = self.run()
 
     @contextmanager
@@ -185,6 +206,8 @@ class Simulation:
 
     def run(self) -> np.ndarray:
         def replace(module, inputs, output):
+            if module in self.rounded:
+                return bf16_linear(module, inputs[0])
             if module not in self.state:
                 return None
             return fake_quantized_linear(module, inputs[0], self.state[module], self.weight_max)
@@ -193,16 +216,19 @@ class Simulation:
             return self.wrapper(*self.rows).float().numpy()
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
-        """`agreement` to the fp32 model with every unit not in `kept` quantized at smoothing `alpha`."""
-        self.state = {}
+        """`agreement` to the fp32 model with every unit not in `kept` quantized at smoothing `alpha`,
+        those in `kept` in `kept_precision`."""
+        self.state, self.rounded = {}, set()
         for unit in self.units:
             if unit.name in kept:
+                if self.kept_precision == "bf16":
+                    self.rounded.update(unit.modules)
                 continue
             scale = torch.from_numpy(self.scales(unit, alpha)) if alpha > 0 else None
             for module in unit.modules:
                 self.state[module] = scale
         actual = self.run()
-        self.state = {}
+        self.state, self.rounded = {}, set()
         return self.agreement(actual, self.reference)
 
     @staticmethod
@@ -222,12 +248,13 @@ def unit_name(module_names: list[str]) -> str:
 
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
-              weight_max: int = 127, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
+              weight_max: int = 127, report: Callable[[str], None] = lambda text: None,
+              kept_precision: str = "fp32") -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
-    quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is the int8 gate;
-    `weight_max`, the int8 kernel's weight range; `report(line)` hears how far it is (a
-    12-layer BERT takes minutes)."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max)
+    quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is what the plan must
+    keep; `weight_max`, the int8 kernel's weight range; `report(line)` hears how far it is (a
+    12-layer BERT takes minutes); `kept_precision`, what the linears kept out of int8 run in."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max, kept_precision)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
@@ -249,6 +276,11 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
             break
         kept.append(candidate.unit)
         accuracy = simulation.accuracy(alpha, set(kept))
+        log.info("int8 fallback: %s kept in %s; simulated least %.5f", candidate.unit, kept_precision,
+                 score(accuracy)[0])
+    if kept:
+        report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in {kept_precision} "
+               f"(simulated least {score(accuracy)[0]:.4f})")
     units = {unit.name: unit for unit in simulation.units}
     scales = {}
     if alpha > 0:
@@ -259,7 +291,7 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
              ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float)))
     return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
                     fallback_keys={key for name in kept for key in units[name].keys},
-                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity)
+                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=kept_precision)
 
 
 def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
@@ -272,17 +304,22 @@ def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
 
 
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
-             max_seq: int, task: str, report: Callable[[str], None] = lambda text: None) -> Int8Plan:
+             max_seq: int, task: str, min_cosine: float | None = None,
+             report: Callable[[str], None] = lambda text: None) -> Int8Plan:
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
-    `reference` on the shipped sentences with the int8 gate (compile/precision.py); units left
-    out of int8 run bf16 where the target has it, else fp32; `report` hears its progress."""
+    `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
+    `min_cosine`; units left out of int8 run bf16 where the target has it, else fp32; `report`
+    hears its progress."""
     from . import precision
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
     kernel = int8.kernel_for(target)
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    found = plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
-                      lambda accuracy: not precision.gate_failures("int8", accuracy), kernel.weight_max, report)
-    found.fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
-    return found
+    def keeps(accuracy: dict) -> bool:
+        return not (precision.gate_failures("int8", accuracy)
+                    or precision.under_cosine_floor("int8", accuracy, min_cosine))
+
+    kept_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
+    return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement, keeps, kernel.weight_max,
+                     report, kept_precision)

@@ -451,6 +451,10 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
     strategy = plan.strategies[0] if len(plan.strategies) == 1 else UNTIMED_AUTO_STRATEGY
     measured, calls = [], {}
     for name in candidates:
+        refused = plan.int8.refusal(config.min_cosine) if name == "int8" else None
+        if refused:  # nothing to build: every linear would stay out of int8
+            measured.append(Measured(name, plan.int8.simulated, {}, config.min_cosine, refused))
+            continue
         candidate = config.model_copy(update={"precision": name})
         directory = staging / "precision" / name
         (directory / "lib").mkdir(parents=True)
@@ -468,7 +472,8 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
         same_shape = {name: call for (name, s), call in calls.items() if s == shape}
         stats = interleaved_medians(same_shape, repeats=config.strategy_repeats)
         for m in measured:
-            m.times_ms[shape] = round(stats[m.precision]["median_s"] * 1e3, 3)
+            if m.precision in stats:
+                m.times_ms[shape] = round(stats[m.precision]["median_s"] * 1e3, 3)
     shutil.rmtree(staging / "precision")
     chosen, reason = precision.choose(measured)
     log.info("precision auto: %s", reason)
@@ -526,7 +531,10 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         if plans_int8:
             with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
                 plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
-                                     info.max_seq, config.model_task, progress.note)
+                                     info.max_seq, config.model_task, config.min_cosine, progress.note)
+            refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
+            if refused:
+                raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging)

@@ -121,9 +121,12 @@ class Measured:
     accuracy: dict
     times_ms: dict[str, float]
     min_cosine: float | None = None  # `--min-cosine`: a floor beside the gate of every rounded precision
+    refused: str | None = None  # why it was not built (its accuracy then is the plan's simulation)
 
     @property
     def failures(self) -> list[str]:
+        if self.refused:
+            return [self.refused]
         failures = gate_failures(self.precision, self.accuracy)
         if under_cosine_floor(self.precision, self.accuracy, self.min_cosine):
             failures.append(f"cosine_min {self.accuracy['cosine_min']:.5f} < --min-cosine {self.min_cosine:g}")

@@ -253,6 +253,15 @@ def test_a_cosine_floor_rejects_every_candidate_under_it_beside_its_gate():
     assert choose([fp32, bf, int8])[0] is fp32
 
 
+def test_a_candidate_refused_before_it_was_built_is_never_shipped():
+    fp32 = _candidate("fp32", 2.0, 1.0)
+    why = "int8 cannot keep --min-cosine 0.999 with any linear in int8 (simulated on the shipped sentences)"
+    int8 = Measured("int8", {"cosine_min": 1.0, "cosine_mean": 1.0}, {}, 0.999, refused=why)
+    chosen, reason = choose([fp32, int8])
+    assert chosen is fp32 and int8.failures == [why]
+    assert reason == f"fp32: the fastest that keeps its gate; failed the gate: int8 ({why})"
+
+
 def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, tmp_path):
     from conftest import compile_artifact
 
@@ -279,7 +288,12 @@ def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_k
     entry = manifest.precision
     assert entry.precision == manifest.linear_precision == "fp32"
     rounded = [c for c in entry.candidates if c.precision != "fp32"]
-    assert rounded and all(any(f.endswith(f"< --min-cosine {floor:g}") for f in c.gate_failures) for c in rounded)
+    # bf16 is built and measured under the floor; int8 is not built: its plan left no linear in int8
+    assert rounded and all(any(f"--min-cosine {floor:g}" in f for f in c.gate_failures) for c in rounded)
+    int8 = [c for c in rounded if c.precision == "int8"]
+    assert all(c.times_ms == {} and c.gate_failures == [f"int8 cannot keep --min-cosine {floor:g} with any linear "
+                                                        "in int8 (simulated on the shipped sentences)"]
+               for c in int8)
 
 
 def test_a_cross_encoders_one_logit_is_compared_by_its_sigmoid():

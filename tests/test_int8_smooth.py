@@ -175,6 +175,19 @@ def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
                             for done in sorted({units * q // 4 for q in (1, 2, 3, 4)})]
 
 
+def test_int8_refuses_before_building_when_its_gate_needs_every_linear_out_of_int8(outlier_checkpoint, tmp_path,
+                                                                                  monkeypatch):
+    from conftest import compile_artifact
+
+    from compile.errors import ValidationError
+
+    monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))  # no arithmetic reaches it
+    with pytest.raises(ValidationError, match=r"^--precision int8: int8 cannot keep its accuracy gate with any linear "
+                                              r"in int8 \(simulated on the shipped sentences\); use --precision auto"):
+        compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8", generic_shapes=["3x20"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoint):
     strict = Gate(cosine_min=0.9999, cosine_mean=0.9999, top1_agreement=1.0, max_probability_diff=0.0)
     plan = _plan(cancelling_checkpoint, lambda accuracy: not strict.failures(accuracy))
@@ -183,6 +196,27 @@ def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoin
     assert plan.fallback == [SENSITIVE] and plan.fallback_keys == {module_key(SENSITIVE)}
     assert plan.simulated["cosine_min"] >= 0.9999
     assert module_key(SENSITIVE) not in plan.scales  # a kept linear is not smoothed either
+
+
+def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
+    """Kept in fp32, the model is the reference itself; kept in bf16, the simulation rounds their
+    operands as the bf16 kernels do, so the plan's numbers include bf16's error."""
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.int8_plan import Simulation
+
+    def largest_difference(actual, reference):  # relative to the largest output
+        return {"difference": float(np.abs(actual - reference).max() / np.abs(reference).max())}
+
+    info = inspect_checkpoint(outlier_checkpoint, "embed")
+    wrapper = load_wrapper(info, "embed")
+    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
+    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    difference = {}
+    for kept_precision in ("fp32", "bf16"):
+        simulation = Simulation(wrapper, rows, keys, largest_difference, kept_precision=kept_precision)
+        difference[kept_precision] = simulation.accuracy(0.0, {u.name for u in simulation.units})["difference"]
+    assert difference["fp32"] == 0.0
+    assert 1e-5 < difference["bf16"] < 2**-6, difference  # bf16 keeps 8 significant bits: visible, small
 
 
 def test_concatenated_qkv_is_one_linear_of_three_modules(tiny_bert_dir):
@@ -224,9 +258,10 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
-def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, monkeypatch, mcpu):
-    """Under a strict gate the planted linear stays bf16 where the CPU has AVX512_BF16, else fp32
-    (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay PyTorch's."""
+def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu):
+    """Under a cosine floor int8 alone cannot keep, the planted linear stays bf16 where the CPU has
+    AVX512_BF16, else fp32 (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay
+    PyTorch's."""
     from conftest import compile_artifact
     from safetensors.numpy import load_file
 
@@ -238,10 +273,9 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     kept_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
     if mcpu is None and kept_precision == "fp32":
         pytest.skip("this CPU has no AVX512_BF16: the x86-64-v3 case covers the fp32 fallback")
-    monkeypatch.setitem(precision.GATES, "int8", Gate(0.9999, 0.9999, 1.0, 0.0))
     out = tmp_path / "out"
-    manifest, _ = compile_artifact(cancelling_checkpoint, out, ["1x5"], precision="int8", generic_shapes=["3x20"],
-                                   **({"mcpu": mcpu} if mcpu else {}))
+    manifest, _ = compile_artifact(cancelling_checkpoint, out, ["1x5"], precision="int8", min_cosine=0.9999,
+                                   generic_shapes=["3x20"], **({"mcpu": mcpu} if mcpu else {}))
     quantization = manifest.quantization
     assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE, kept_precision)]
     assert quantization.linears == 7 and quantization.cosine_min >= 0.9999
@@ -251,11 +285,23 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
 
 
 def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier_checkpoint, tmp_path, monkeypatch):
+    """The built library is measured again: where it misses the gate that its plan kept in
+    simulation, the compile fails (the plan here ran under the shipped gate, the build under one
+    no arithmetic reaches)."""
     from conftest import compile_artifact
 
+    from compile import pipeline
     from compile.errors import ValidationError
 
-    monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))  # no arithmetic reaches it
+    shipped_gate, plan_for = precision.GATES["int8"], pipeline.plan_for
+
+    def plan_under_the_shipped_gate(*args, **kwargs):
+        with monkeypatch.context() as planning:
+            planning.setitem(precision.GATES, "int8", shipped_gate)
+            return plan_for(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "plan_for", plan_under_the_shipped_gate)
+    monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))
     with pytest.raises(ValidationError, match=r"^--precision int8 misses its accuracy gate .*cosine_min [\d.]+ < 1\.01"
                                               r".* \(least on ['\"].+['\"]\); use"):
         compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8", generic_shapes=["3x20"])

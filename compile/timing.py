@@ -1,10 +1,13 @@
-"""Interleaved timing: every backend runs once per round, in a rotating order, so machine noise
-(other tenants, frequency changes) spreads over all of them instead of biasing one."""
+"""Interleaved timing: every backend runs once per round, in an order shuffled each round, so
+machine noise (other tenants, frequency changes) spreads over all of them instead of biasing one,
+and no backend always follows the same one (a runtime whose workers still spin after its call
+slows whichever runs next: in a rotating order that is always the same candidate)."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 import statistics
 import time
 from typing import Callable
@@ -25,9 +28,9 @@ def interleaved_medians(
         for name in names:
             candidates[name]()
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(repeats):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
+    order = random.Random(0)  # seeded: the same orders in every run
+    for _round in range(repeats):
+        for name in order.sample(names, len(names)):
             for _ in range(warm_calls):
                 candidates[name]()
             started = time.perf_counter()

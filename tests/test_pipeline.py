@@ -103,6 +103,22 @@ def test_cost_model_fit_never_goes_negative():
         fit_cost_model({})
 
 
+def test_interleaved_rounds_run_every_candidate_once_after_varying_others():
+    """A runtime whose workers still spin after its call slows whichever candidate runs next: in a
+    rotating order that is always the same one. Shuffled rounds give each several predecessors."""
+    from compile.timing import interleaved_medians
+
+    calls = []
+    names = ["ours", "generic", "torch", "openvino"]
+    stats = interleaved_medians({name: (lambda name=name: calls.append(name)) for name in names}, repeats=12,
+                                warmup=0)
+    assert all(stats[name]["runs"] == 12 for name in names)
+    rounds = [calls[i:i + 4] for i in range(0, len(calls), 4)]
+    assert all(sorted(order) == sorted(names) for order in rounds)  # each once per round
+    before = {name: {order[order.index(name) - 1] for order in rounds if order.index(name) > 0} for name in names}
+    assert all(len(others) >= 2 for others in before.values()), before
+
+
 def test_other_load_counts_other_processes_and_not_this_one(monkeypatch):
     """What the compile stage's busy-machine warning measures: the machine's busy seconds less this
     process's own (its threads and waited-for children), per second of the block. The readings

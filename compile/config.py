@@ -55,9 +55,9 @@ class CompileConfig(BaseModel):
         "fp32", description="what the linear layers compute in (cpu): bf16 (AVX512_BF16) or int8 (AVX2) weights; "
         "auto: every precision this CPU runs, measured against the fp32 model, the fastest that keeps its gate")
     min_cosine: float | None = Field(None, gt=0, le=1, description="bf16 / int8: fail the compile when embeddings "
-                                     "fall under this cosine to the fp32 model's on the shipped sentences (int8 first keeps "
-                                     "its most sensitive linears out of int8 until it is kept); auto: ship no bf16 "
-                                     "or int8 candidate under it")
+                                     "fall under this cosine to the fp32 model's on the shipped sentences (int8 "
+                                     "first keeps its most sensitive linears out of int8 until it is kept); auto: "
+                                     "ship no bf16 or int8 candidate under it")
     mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's. Several, comma-separated "
                              "(e.g. x86-64-v3,x86-64-v4): one artifact with libraries for each, the loader picks "
                              "the most demanding level the CPU it runs on has")

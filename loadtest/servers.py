@@ -26,10 +26,20 @@ REPO = Path(__file__).resolve().parents[1]
 LOGS = REPO / "build" / "logs"  # the benchmarks' server logs (git-ignored)
 
 
+_HANDED_OUT: set[int] = set()  # every port free_port gave this process
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port nothing listens on now that this process was not given before: the probe socket is
+    closed before the caller binds, so two calls in a row (a server's HTTP and gRPC ports) could
+    otherwise get the same one."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class PeakMemory:

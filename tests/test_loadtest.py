@@ -102,3 +102,27 @@ def test_peak_memory_is_the_high_water_mark_not_the_current_size():
     finally:
         child.kill()
         child.wait()
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The OS may give two probes in a row the same ephemeral port (the probe is closed before the
+    server binds): a server's HTTP and gRPC ports would then collide."""
+    from loadtest import servers
+
+    offered = iter([1, 1, 2])  # what the OS answers the probes: the same port twice, then another
+
+    class Probe:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(servers.socket, "socket", Probe)
+    assert [servers.free_port(), servers.free_port()] == [1, 2]

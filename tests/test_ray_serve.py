@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import socket
 import tempfile
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import ray
 from ray import serve
 
 from artifact.loader import load_artifact
+from loadtest.servers import free_port
 from service.inference import l2_normalize
 from service.ray_serve import APP_NAME, DEFAULT_CONFIG, ConfigError, deploy, load_config
 from service.settings import Settings
@@ -37,12 +37,6 @@ TEXTS = [" ".join(WORDS[offset:offset + length]) for offset, length in
          [(0, 3), (2, 9), (4, 5), (1, 12), (6, 2), (3, 7), (0, 14), (5, 4), (8, 6), (7, 1)]]
 BURST, CONCURRENCY = 40, 8
 DEPLOYMENT = "BertServer"  # service.ray_serve's @serve.deployment name
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _expected(artifact: Path) -> dict[str, np.ndarray]:
@@ -140,7 +134,7 @@ def test_two_replicas_answer_a_burst_correctly(tiny_embed_artifact, monkeypatch)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
     expected = _expected(tiny_embed_artifact)
-    port = _free_port()
+    port = free_port()
     config = load_config(DEFAULT_CONFIG, {"replicas": 2, "ray_actor_options.num_cpus": 0.5,
                                           "http.host": "127.0.0.1", "http.port": port})
     settings = Settings(artifacts=[tiny_embed_artifact], cores=1, max_wait_ms=5)  # one core per replica

@@ -38,6 +38,7 @@ class Backend(Protocol):
     max_batch: int  # the most inputs one shape-free (generic) run accepts
     max_seq: int
     refused: dict[str, str]  # buckets whose library failed verification, and why
+    weights_bytes: int  # the weights it holds: the artifact's weight files, or PyTorch's parameters
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
             bucket: AnyBucket | None = None) -> RunResult: ...
@@ -63,6 +64,8 @@ class TvmBackend:
         self.max_batch = model.manifest.generic.max_batch
         self.max_seq = model.max_seq
         self.refused = model.refused
+        self.weights_bytes = sum((model.directory / entry.file).stat().st_size
+                                 for entry in model.manifest.weights.values())
 
     def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
         return self.model.run(input_ids, attention_mask, token_type_ids, bucket)
@@ -105,6 +108,7 @@ class TorchBackend:
         self.max_batch = manifest.generic.max_batch
         self.max_seq = manifest.generic.max_seq
         self.refused: dict[str, str] = {}
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
 
     def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
         torch = self._torch

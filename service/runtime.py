@@ -140,7 +140,7 @@ class Runtime:
                 service = self._service(artifact, backend)
                 await asyncio.to_thread(service.batcher.warmup_workers)
                 self.backends[artifact.name], self.models[artifact.name] = backend, service
-                self.weights_bytes[artifact.name] = weights_bytes(artifact.directory, artifact.manifest)
+                self.weights_bytes[artifact.name] = backend.weights_bytes
             for service in self.models.values():
                 service.batcher.start()
         except Exception as exc:  # noqa: BLE001 - any load failure means the server cannot serve
@@ -326,6 +326,3 @@ def tei_model_type(manifest: Manifest) -> dict:
     return {"reranker" if manifest.is_reranker else "classifier": labels}
 
 
-def weights_bytes(directory: Path, manifest: Manifest) -> int:
-    """Bytes of the weight files an artifact loads (every weight set its libraries use)."""
-    return sum((directory / entry.file).stat().st_size for entry in manifest.weights.values())

@@ -29,8 +29,18 @@ def test_tvm_server_maps_no_torch_and_no_tvm_compiler(serve, tiny_embed_artifact
 
 
 def test_torch_backend_still_loads_torch(serve, tiny_embed_artifact):
+    """...and reports the weights PyTorch holds (the checkpoint's tensors), not the artifact's files."""
+    import json
+
+    from safetensors import safe_open
+
     with serve([tiny_embed_artifact], "--backend", "torch", "--workers", "1") as server:
         assert any("libtorch" in name for name in mapped_files(server.process.pid))
+        info = httpx.get(f"{server.url}/info").json()
+    checkpoint = Path(json.loads((Path(tiny_embed_artifact) / "manifest.json").read_text())["model"]["path"])
+    with safe_open(str(checkpoint / "model.safetensors"), "np") as tensors:
+        held = sum(tensors.get_tensor(name).nbytes for name in tensors.keys())
+    assert info["memory"]["weights_bytes"] == info["models"][0]["weights_bytes"] == held
 
 
 def test_torch_backend_without_torch_exits_2_with_one_line(tmp_path, tiny_embed_artifact):

@@ -4,7 +4,7 @@ each must keep, and `auto`'s choice among measured candidates.
 `--precision auto` builds every precision the target's CPU runs, measures each one's answers
 against the PyTorch fp32 model on the shipped sentences (compile/sentences.py, one-word queries to
 long passages) and its time per call, and ships the fastest one that keeps its gate, and
-`--min-cosine` where given. fp32 is the reference's own arithmetic and always qualifies, so auto
+`--min-cosine` where given (a less accurate one only when faster by `PRECISION_MARGIN`). fp32 is the reference's own arithmetic and always qualifies, so auto
 never ships less accuracy than a gate allows, whatever a candidate's speed.
 """
 
@@ -17,7 +17,8 @@ import tvm
 
 from .kernels import amx, bf16, int8
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8")  # most accurate first
+PRECISION_MARGIN = 0.03  # how much faster a less accurate candidate must be to ship
 
 
 @dataclass(frozen=True)
@@ -139,14 +140,21 @@ class Measured:
 
 
 def choose(candidates: list[Measured]) -> tuple[Measured, str]:
-    """The fastest candidate that keeps its gate, and why it was chosen (one line)."""
-    passing = [c for c in candidates if not c.failures]
-    chosen = min(passing, key=lambda c: c.score_ms)
+    """The fastest candidate that keeps its gate, and why it was chosen (one line). A less accurate
+    one (PRECISIONS' order) must be faster by `PRECISION_MARGIN`: a difference within timing noise
+    is no reason to round more."""
+    passing = sorted((c for c in candidates if not c.failures), key=lambda c: PRECISIONS.index(c.precision))
+    chosen = passing[0]
+    for candidate in passing[1:]:
+        if candidate.score_ms < chosen.score_ms * (1 - PRECISION_MARGIN):
+            chosen = candidate
+    ratios = {c.precision: c.score_ms / chosen.score_ms for c in passing if c is not chosen}
     rejected = [f"{c.precision} ({'; '.join(c.failures)})" for c in candidates if c.failures]
-    slower = [f"{c.precision} {c.score_ms / chosen.score_ms:.2f}x" for c in passing if c is not chosen]
     reason = f"{chosen.precision}: the fastest that keeps its gate"
-    if slower:
+    if slower := [f"{name} {ratio:.2f}x" for name, ratio in ratios.items() if ratio >= 1]:
         reason += f"; slower: {', '.join(slower)}"
+    if level := [f"{name} {ratio:.2f}x" for name, ratio in ratios.items() if ratio < 1]:
+        reason += f"; less accurate and within {PRECISION_MARGIN:.0%} of its time: {', '.join(level)}"
     if rejected:
         reason += f"; failed the gate: {', '.join(rejected)}"
     return chosen, reason

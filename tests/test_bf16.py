@@ -232,6 +232,14 @@ def test_auto_ships_the_fastest_candidate_that_keeps_its_gate():
     assert choose([fp32, bf, _candidate("int8", 0.8, 0.995, 0.998)])[0].precision == "int8"
 
 
+def test_a_less_accurate_candidate_ships_only_when_faster_by_the_margin():
+    fp32, int8 = _candidate("fp32", 2.0, 1.0), _candidate("int8", 1.97, 0.9995)  # 1.5% faster: timing noise
+    chosen, reason = choose([int8, fp32])
+    assert chosen is fp32
+    assert reason == "fp32: the fastest that keeps its gate; less accurate and within 3% of its time: int8 0.98x"
+    assert choose([fp32, _candidate("int8", 1.9, 0.9995)])[0].precision == "int8"  # 5% faster
+
+
 def test_auto_never_ships_a_candidate_under_its_gate_whatever_its_speed():
     fp32 = _candidate("fp32", 50.0, 1.0)
     chosen, _ = choose([fp32, _candidate("bf16", 0.001, 0.998), _candidate("int8", 0.001, 0.5)])

@@ -74,8 +74,8 @@ class Int8Plan:
     fallback_precision: str = "fp32"  # what the kept units run in: bf16 where the CPU has it
 
     def refusal(self, min_cosine: float | None) -> str | None:
-        """Why this int8 has nothing to offer (one line): keeping the gate, and `min_cosine` where
-        given, took every linear out of int8."""
+        """Why this int8 has nothing to offer (one line): no linear fits the kernel, or keeping the
+        gate, and `min_cosine` where given, took every linear out of int8."""
         if not self.sensitivity:
             return "no linear fits the int8 kernel's panels"
         if len(self.fallback) < len(self.sensitivity):

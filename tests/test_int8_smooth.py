@@ -175,6 +175,21 @@ def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
                             for done in sorted({units * q // 4 for q in (1, 2, 3, 4)})]
 
 
+def test_a_plan_with_no_linear_left_in_int8_has_nothing_to_offer():
+    from compile.int8_plan import Int8Plan, Sensitivity
+
+    units = [Sensitivity(name, {"cosine_min": 0.999, "cosine_mean": 0.9999}) for name in ("qkv", "out", "ffn")]
+    plan = Int8Plan(alpha=0.5, scales={}, fallback=["ffn", "qkv"], fallback_keys=set(), simulated={},
+                    sensitivity=units)
+    assert plan.refusal(0.999) is None  # one group still in int8
+    plan.fallback.append("out")
+    assert plan.refusal(0.999) == ("int8 cannot keep --min-cosine 0.999 with any linear in int8 "
+                                   "(simulated on the shipped sentences)")
+    assert plan.refusal(None).startswith("int8 cannot keep its accuracy gate with any linear in int8")
+    nothing_fits = Int8Plan(alpha=0.0, scales={}, fallback=[], fallback_keys=set(), simulated={})
+    assert nothing_fits.refusal(None) == "no linear fits the int8 kernel's panels"
+
+
 def test_int8_refuses_before_building_when_its_gate_needs_every_linear_out_of_int8(outlier_checkpoint, tmp_path,
                                                                                   monkeypatch):
     from conftest import compile_artifact

@@ -143,14 +143,14 @@ def score(accuracy: dict) -> tuple[float, float]:
 
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
-    `kept_precision` (fp32 or bf16), run on the shipped sentence rows."""
+    `fallback_precision` (fp32 or bf16), run on the shipped sentence rows."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
                  agreement: Callable[[np.ndarray, np.ndarray], dict], weight_max: int = 127,
-                 kept_precision: str = "fp32"):
+                 fallback_precision: str = "fp32"):
         self.wrapper = wrapper
         self.weight_max = weight_max
-        self.kept_precision = kept_precision
+        self.fallback_precision = fallback_precision
         self.agreement = agreement
         self.rows = tuple(torch.from_numpy(x) for x in rows)
         names = {module: name for name, module in wrapper.named_modules()}
@@ -217,11 +217,11 @@ class Simulation:
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
         """`agreement` to the fp32 model with every unit not in `kept` quantized at smoothing `alpha`,
-        those in `kept` in `kept_precision`."""
+        those in `kept` in `fallback_precision`."""
         self.state, self.rounded = {}, set()
         for unit in self.units:
             if unit.name in kept:
-                if self.kept_precision == "bf16":
+                if self.fallback_precision == "bf16":
                     self.rounded.update(unit.modules)
                 continue
             scale = torch.from_numpy(self.scales(unit, alpha)) if alpha > 0 else None
@@ -249,12 +249,12 @@ def unit_name(module_names: list[str]) -> str:
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
               weight_max: int = 127, report: Callable[[str], None] = lambda text: None,
-              kept_precision: str = "fp32") -> Int8Plan:
+              fallback_precision: str = "fp32") -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is what the plan must
     keep; `weight_max`, the int8 kernel's weight range; `report(line)` hears how far it is (a
-    12-layer BERT takes minutes); `kept_precision`, what the linears kept out of int8 run in."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max, kept_precision)
+    12-layer BERT takes minutes); `fallback_precision`, what the linears kept out of int8 run in."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max, fallback_precision)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
@@ -276,10 +276,10 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
             break
         kept.append(candidate.unit)
         accuracy = simulation.accuracy(alpha, set(kept))
-        log.info("int8 fallback: %s kept in %s; simulated least %.5f", candidate.unit, kept_precision,
+        log.info("int8 fallback: %s kept in %s; simulated least %.5f", candidate.unit, fallback_precision,
                  score(accuracy)[0])
     if kept:
-        report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in {kept_precision} "
+        report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in {fallback_precision} "
                f"(simulated least {score(accuracy)[0]:.4f})")
     units = {unit.name: unit for unit in simulation.units}
     scales = {}
@@ -291,7 +291,7 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
              ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float)))
     return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
                     fallback_keys={key for name in kept for key in units[name].keys},
-                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=kept_precision)
+                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=fallback_precision)
 
 
 def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
@@ -320,6 +320,6 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
         return not (precision.gate_failures("int8", accuracy)
                     or precision.under_cosine_floor("int8", accuracy, min_cosine))
 
-    kept_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
+    fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement, keeps, kernel.weight_max,
-                     report, kept_precision)
+                     report, fallback_precision)

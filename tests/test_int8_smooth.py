@@ -227,9 +227,9 @@ def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_check
     keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
     rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
     difference = {}
-    for kept_precision in ("fp32", "bf16"):
-        simulation = Simulation(wrapper, rows, keys, largest_difference, kept_precision=kept_precision)
-        difference[kept_precision] = simulation.accuracy(0.0, {u.name for u in simulation.units})["difference"]
+    for fallback_precision in ("fp32", "bf16"):
+        simulation = Simulation(wrapper, rows, keys, largest_difference, fallback_precision=fallback_precision)
+        difference[fallback_precision] = simulation.accuracy(0.0, {u.name for u in simulation.units})["difference"]
     assert difference["fp32"] == 0.0
     assert 1e-5 < difference["bf16"] < 2**-6, difference  # bf16 keeps 8 significant bits: visible, small
 
@@ -285,14 +285,14 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
         pytest.skip(f"this CPU cannot run code for {mcpu}")
-    kept_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
-    if mcpu is None and kept_precision == "fp32":
+    fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
+    if mcpu is None and fallback_precision == "fp32":
         pytest.skip("this CPU has no AVX512_BF16: the x86-64-v3 case covers the fp32 fallback")
     out = tmp_path / "out"
     manifest, _ = compile_artifact(cancelling_checkpoint, out, ["1x5"], precision="int8", min_cosine=0.9999,
                                    generic_shapes=["3x20"], **({"mcpu": mcpu} if mcpu else {}))
     quantization = manifest.quantization
-    assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE, kept_precision)]
+    assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE, fallback_precision)]
     assert quantization.linears == 7 and quantization.cosine_min >= 0.9999
     weights = load_file(str(out / manifest.weights["concat"].file))
     assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7

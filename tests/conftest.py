@@ -102,6 +102,17 @@ def int8_linear_inputs(m, n: int, k: int, kernel) -> list:
             te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="column_sum")]
 
 
+def prefetched_addresses(func) -> list:
+    """The indices of every address `func` prefetches (compile/kernels/common.prefetch_next_panel)."""
+    import tvm
+    import tvm_ffi
+
+    prefetch, indices = tvm.ir.Op.get("tirx.prefetch"), []
+    tvm_ffi.structural_walk(func, [(tvm.ir.expr.Call, lambda call: indices.append(
+        list(call.args[0].args[0].indices)) if call.op.same_as(prefetch) else None)])
+    return indices
+
+
 def int8_weight_operands(quantized, kernel) -> tuple:
     """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, as the int8 pass writes them."""
     import numpy as np

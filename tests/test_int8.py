@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from conftest import int8_linear_inputs, int8_weight_operands
+from conftest import int8_linear_inputs, int8_weight_operands, prefetched_addresses
 from tvm import te, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
@@ -76,6 +76,22 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     lib(*(tvm.runtime.tensor(a) for a in given), result)
     exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
+
+
+@each_kernel
+def test_each_k_step_prefetches_the_same_step_of_the_next_weight_panel(kernel):
+    """Every 64-byte line of step k of panel `tile + 1` (`panel` x `group` bytes), the panel index
+    wrapping at the last: the hardware prefetcher cannot know which panel a thread reads next."""
+    n, k = 3 * kernel.panel, 64
+    inputs = int8_linear_inputs(tirx.Var("m", "int64"), n, k, kernel)
+    func = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel).mod["main"]
+    addresses = prefetched_addresses(func)
+    lines = kernel.panel * kernel.group // 64 + (kernel.panel * kernel.group % 64 > 0)
+    assert len(addresses) == lines
+    assert [column * kernel.group + byte for _, _, column, byte in addresses] == list(range(0, 64 * lines, 64))
+    for panel, step, _, _ in addresses:
+        assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // kernel.panel and int(panel.a.b) == 1
+        assert isinstance(step, tirx.Var)
 
 
 @each_kernel

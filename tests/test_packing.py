@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
-import tvm_ffi
+from conftest import prefetched_addresses
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 
@@ -170,10 +170,7 @@ def test_the_kernel_prefetches_the_next_panel_and_accumulates_on_the_stack(m, la
     packed, _ = pack_linear_weights(_linear_module(tirx.Var("m", "int64") if m == "symbolic" else m, 384, n), lanes)
     lifted = lift_and_transform(packed, [tvm.runtime.tensor(w) for w in _weights(384, n)])
     func = schedule_matmul(_fused_packed_kernel(lifted.mod, lanes), lanes).mod["main"]
-    prefetch = tvm.ir.Op.get("tirx.prefetch")
-    rows = []  # (panel index, column) of every prefetched address
-    tvm_ffi.structural_walk(func, [(tvm.ir.expr.Call, lambda call: rows.append(
-        call.args[0].args[0].indices) if call.op.same_as(prefetch) else None)])
+    rows = prefetched_addresses(func)  # (panel index, k, column) of every prefetched address
     nt = packed_panel_width(n, lanes)
     assert sorted(int(columns) for _, _, columns in rows) == list(range(0, nt, 16))  # each cache line once
     for panel, _, _ in rows:  # (tile + 1) % panels

@@ -54,7 +54,7 @@ from tvm.script import tirx as T
 
 from . import attention_amx, attention_bf16, script
 from .common import prescheduled, without_param
-from .fast_math import fast_math
+from .fast_math import exp_of_nonpositive, fast_math
 from .launch import MIN_PARALLEL_WORK, claim_iterations
 
 KERNEL_NAME = "fused_attention"
@@ -137,10 +137,11 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
         return T.max(T.min(gather[b, i], rows - i64(1)), i64(0)) if packed else b * S + i
 
     @T.macro
-    def fp32_scores(keys, queries, scores, top, bias, b, length):
-        """sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key), 8 keys a tile, and
-        top[i] = max_j sT[j, i] taken as they are written: in a pass of its own over the scores each
-        max waited on the one before it (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
+    def fp32_scores(keys, queries, scores, top, key_bias, length):
+        """sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key: `key_bias` is staged so,
+        and the write-back has no branch), 8 keys a tile, and top[i] = max_j sT[j, i] taken as they are
+        written: in a pass of its own over the scores each max waited on the one before it (x86-64-v3
+        MiniLM calls at 512 tokens: 0.99x the time)."""
         for block in T.serial((length[0] + KB - i64(1)) // KB):
             acc = T.alloc_buffer((KB, V), "float32", scope="local")
             for key in T.unroll(KB):
@@ -152,9 +153,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                         acc[key, lane] = acc[key, lane] + keys[block * KB + key, d] * queries[d, lane]
             for key in T.unroll(KB):
                 for lane in T.vectorized(V):
-                    scores[block * KB + key, lane] = T.if_then_else(
-                        block * KB + key < length[0],
-                        acc[key, lane] + bias[b, i64(0), i64(0), T.min(block * KB + key, S - i64(1))], neg)
+                    scores[block * KB + key, lane] = acc[key, lane] + key_bias[block * KB + key]
                     top[lane] = T.max(top[lane], scores[block * KB + key, lane])
 
     @T.macro
@@ -180,17 +179,17 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                                 context[q, dv * V + lane] * inverse[part * QP + q])
 
     @T.macro
-    def fp32_tile(keys, values, queries, scores, bias, out, gather, b, h, tile, length):
+    def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
         """One tile of queries in fp32: scores, softmax, and the weighted sum of values."""
         top = T.alloc_buffer((V,), "float32", scope="local")
         total = T.alloc_buffer((V,), "float32", scope="local")
         for lane in T.vectorized(V):
             top[lane] = neg
             total[lane] = zero
-        fp32_scores(keys, queries, scores, top, bias, b, length)
+        fp32_scores(keys, queries, scores, top, key_bias, length)
         for j in T.serial(length[0]):
             for lane in T.vectorized(V):
-                scores[j, lane] = T.exp(scores[j, lane] - top[lane])
+                scores[j, lane] = exp_of_nonpositive(scores[j, lane] - top[lane])
                 total[lane] = total[lane] + scores[j, lane]
         inverse = T.alloc_buffer((V,), "float32", scope="local")
         for lane in T.vectorized(V):
@@ -240,6 +239,10 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                     gather, b, T.min(j, length[0] - i64(1)), R), KO + h * D + d], zero)
                 values[j, d] = T.if_then_else(j < length[0], v_src[row_of(
                     gather, b, T.min(j, length[0] - i64(1)), R), VO + h * D + d], zero)
+        if not bf16:  # the mask of the fp32 products' keys, -inf past the last key (a whole tile staged)
+            key_bias = T.alloc_buffer((S_MAX,), "float32")
+            for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
+                key_bias[j] = T.if_then_else(j < length[0], bias[b, i64(0), i64(0), T.min(j, length[0] - i64(1))], neg)
         scores = T.alloc_buffer((S_MAX, V), "float32")
         if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
             keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
@@ -272,7 +275,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                 for d, lane in T.grid(D, V):
                     i = T.min(tile * V + lane, length[0] - i64(1))
                     queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
-                fp32_tile(keys, values, queries, scores, bias, out, gather, b, h, tile, length)
+                fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length)
         if not packed:
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero

@@ -13,7 +13,7 @@ import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 
-from .common import is_reduction, root_blocks, static_extent
+from .common import is_reduction, prefetch_next_panel, root_blocks, static_extent
 from .fallback import parallel_vectorize, vectorize_inner
 
 KERNEL_NAME = "packed_matmul"
@@ -162,7 +162,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
           B_pack[K, nt] = B[S, :, J tile]      # contiguous, and stays in L1/L2 for all of M
           for I / mt:
             acc[mt, nt] = 0
-            for k:  prefetch row k of the next panel (packed weights, `_prefetch_next_panel`)
+            for k:  prefetch row k of the next panel (packed weights, `common.prefetch_next_panel`)
                     unrolled ii < mt:  vectorised ji < nt:  acc[ii, ji] += A[ii, k] * B_pack[k, ji]
             C[I tile, J tile] = epilogue(acc)  # bias, GELU, residual add, ... fused, vectorised
     Each B vector load feeds mt FMAs and each A broadcast nt / lanes FMAs. Symbolic or ragged M
@@ -253,34 +253,5 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
             parallel_vectorize(sch, block, lanes)
     func = _clamp_padded_reads(sch.mod["main"]) if pad_m else sch.mod["main"]
     if panels is not None:
-        func = _prefetch_next_panel(func, k_var, tile_var, panels)
+        func = prefetch_next_panel(func, k_var, tile_var, panels)
     return s_tir.Schedule(func)
-
-
-def _prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var,
-                         panels: tirx.Buffer) -> tirx.PrimFunc:
-    """`func` with row k of the next weight panel prefetched into L2 at step k of each k loop.
-
-    The hardware prefetcher follows the panel being read but cannot know which one comes next, so
-    at small M (one or two M tiles per panel) each panel starts with a stall on memory, and the
-    weights stream from DRAM (MiniLM's 42 MB of fp32 linears exceed a 32 MB L3): with it a
-    16-token call of the whole model went from 0.88x to 0.82x ONNX Runtime's time, from 128 tokens
-    up within noise (docs/PERFORMANCE.md). The parallel loop's index is (batch..., panel) fused,
-    so the next panel is tile + 1 modulo the panel count (the last one's prefetch is wasted). The
-    accumulator must then be a stack alloca (compile/lowering.py), or LLVM spills it every step.
-    """
-    count, _, width = (int(d) for d in panels.shape)
-    line_floats = 16  # one 64-byte cache line of fp32
-    next_panel = tirx.floormod(tile_var + 1, count)
-
-    def add_prefetch(loop: tirx.For):
-        if not loop.loop_var.same_as(k_var):
-            return loop
-        prefetches = [tirx.Evaluate(tirx.call_intrin(
-            "void", "tirx.prefetch",
-            tirx.address_of(tirx.BufferLoad(panels, [next_panel, k_var, _i64(column)])),
-            0, 2, 1)) for column in range(0, width, line_floats)]  # read, L2 (locality 2), data cache
-        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, tirx.SeqStmt([*prefetches, loop.body]),
-                        loop.thread_binding, loop.annotations)
-
-    return tvm_ffi.structural_map(func, [(tirx.For, add_prefetch)])

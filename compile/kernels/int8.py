@@ -42,7 +42,7 @@ from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
 from . import amx, script
-from .common import parallelize_leftovers
+from .common import parallelize_leftovers, prefetch_next_panel
 from .fallback import vectorize_inner
 from .row_quantize import ACTIVATION
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
@@ -243,7 +243,8 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
         parallel (N / panel):
           for M / rows:
             acc[rows, panel] = 0
-            for K / group:  unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
+            for K / group:  prefetch step k of the next panel (`common.prefetch_next_panel`)
+                            unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
             y[rows, panel] = epilogue((acc - zero x column sum) * row scale * column scale)
     A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), as the fp32 kernel does.
     """
@@ -257,6 +258,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
+    panels = sch.get(main).reads[1].source
     jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])
     mo, mi = sch.split(m, [None, kernel.rows])
     ko, ki = sch.split(k, [None, kernel.group])
@@ -272,4 +274,4 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     sch.unroll(jv)
     sch.tensorize(jl, kernel.intrin)
     parallelize_leftovers(sch)
-    return sch
+    return s_tir.Schedule(prefetch_next_panel(sch.mod["main"], sch.get(ko).loop_var, sch.get(jo).loop_var, panels))

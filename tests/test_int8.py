@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 from conftest import int8_linear_inputs, int8_weight_operands, prefetched_addresses
-from tvm import te, tirx
+from tvm import s_tir, te, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
@@ -92,6 +93,23 @@ def test_each_k_step_prefetches_the_same_step_of_the_next_weight_panel(kernel):
     for panel, step, _, _ in addresses:
         assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // kernel.panel and int(panel.a.b) == 1
         assert isinstance(step, tirx.Var)
+
+
+@each_kernel
+def test_rows_past_the_tile_are_read_clamped_not_copied(kernel):
+    """A symbolic row count is padded to whole tiles without a padded copy of the activations (a pass
+    and a thread-pool launch per call): each micro-kernel call reads row min(i, M - 1) itself. The
+    numbers at ragged and symbolic rows are `test_matmul_with_bias_epilogue_matches_numpy`'s."""
+    inputs = int8_linear_inputs(tirx.Var("m", "int64"), 2 * kernel.panel, 64, kernel)
+    func = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel).mod["main"]
+    xq = func.params[0]
+    blocks = []
+    tvm_ffi.structural_walk(func, [(s_tir.SBlock, blocks.append)])
+    assert not [block.name_hint for block in blocks if any(w.source.same_as(xq) for w in block.reads)
+                and not block.match_buffers]  # nothing but the micro-kernel calls reads the activations
+    rows = [match.source.region[0].min for block in blocks for match in block.match_buffers
+            if match.source.source.same_as(xq)]
+    assert rows and all(isinstance(row, tirx.Min) and tvm_ffi.structural_equal(row.b, xq.shape[0] - 1) for row in rows)
 
 
 @each_kernel

@@ -45,7 +45,7 @@ from . import amx, script
 from .common import parallelize_leftovers, prefetch_next_panel
 from .fallback import vectorize_inner
 from .row_quantize import ACTIVATION
-from .tiles import pad_rows_and_inline_panels, schedule_tiles
+from .tiles import pad_rows_and_inline_panels, read_padded_rows_in_place, schedule_tiles
 
 MATMUL = "int8_matmul"
 PANEL_VIEW = "int8_panel_view"
@@ -274,4 +274,5 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     sch.unroll(jv)
     sch.tensorize(jl, kernel.intrin)
     parallelize_leftovers(sch)
-    return s_tir.Schedule(prefetch_next_panel(sch.mod["main"], sch.get(ko).loop_var, sch.get(jo).loop_var, panels))
+    func = read_padded_rows_in_place(sch.mod["main"])
+    return s_tir.Schedule(prefetch_next_panel(func, sch.get(ko).loop_var, sch.get(jo).loop_var, panels))

@@ -246,7 +246,9 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
             for K / group:  prefetch step k of the next panel (`common.prefetch_next_panel`)
                             unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
             y[rows, panel] = epilogue((acc - zero x column sum) * row scale * column scale)
-    A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), as the fp32 kernel does.
+    A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), the rows past M read clamped
+    to the last rather than from a zero-padded copy (`tiles.read_padded_rows_in_place`), as the fp32
+    kernel does.
     """
     if kernel is None:
         return None

@@ -316,10 +316,7 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     kernel = int8.kernel_for(target)
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    def keeps(accuracy: dict) -> bool:
-        return not (precision.gate_failures("int8", accuracy)
-                    or precision.under_cosine_floor("int8", accuracy, min_cosine))
-
     fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
-    return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement, keeps, kernel.weight_max,
-                     report, fallback_precision)
+    return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
+                     lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
+                     kernel.weight_max, report, fallback_precision)

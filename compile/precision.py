@@ -98,6 +98,14 @@ def under_cosine_floor(precision: str, accuracy: dict, min_cosine: float | None)
     return precision in GATES and None not in (min_cosine, cosine) and cosine < min_cosine
 
 
+def accuracy_failures(precision: str, accuracy: dict, min_cosine: float | None) -> list[str]:
+    """What `accuracy` misses of `precision`'s gate and of `--min-cosine` (one entry each)."""
+    failures = gate_failures(precision, accuracy)
+    if under_cosine_floor(precision, accuracy, min_cosine):
+        failures.append(f"cosine_min {accuracy['cosine_min']:.5f} < --min-cosine {min_cosine:g}")
+    return failures
+
+
 def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
     """One line: why `precision` fails its gate, naming the sentence that drifts most."""
     worst = f" (least on {accuracy['worst_sentence']!r})" if accuracy.get("worst_sentence") else ""
@@ -127,12 +135,7 @@ class Measured:
 
     @property
     def failures(self) -> list[str]:
-        if self.refused:
-            return [self.refused]
-        failures = gate_failures(self.precision, self.accuracy)
-        if under_cosine_floor(self.precision, self.accuracy, self.min_cosine):
-            failures.append(f"cosine_min {self.accuracy['cosine_min']:.5f} < --min-cosine {self.min_cosine:g}")
-        return failures
+        return [self.refused] if self.refused else accuracy_failures(self.precision, self.accuracy, self.min_cosine)
 
     @property
     def score_ms(self) -> float:

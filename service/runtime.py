@@ -96,7 +96,6 @@ class Runtime:
         limit_pool_spinning()
         self.models: dict[str, ModelService] = {}  # by name, in --artifacts order, once loaded
         self.backends: dict[str, Backend] = {}
-        self.weights_bytes: dict[str, int] = {}  # per model, once its weights are loaded
         self.lanes: Lanes | None = None  # every model's batches run on the same workers, within the cores
         self.error: str | None = None
         self.loaded = False
@@ -140,7 +139,6 @@ class Runtime:
                 service = self._service(artifact, backend)
                 await asyncio.to_thread(service.batcher.warmup_workers)
                 self.backends[artifact.name], self.models[artifact.name] = backend, service
-                self.weights_bytes[artifact.name] = backend.weights_bytes
             for service in self.models.values():
                 service.batcher.start()
         except Exception as exc:  # noqa: BLE001 - any load failure means the server cannot serve
@@ -232,7 +230,8 @@ class Runtime:
             "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,
                          "payload_limit": settings.payload_limit, "request_timeout_s": settings.request_timeout},
             "topology": self.topology.describe(),
-            "memory": {"rss_bytes": resident_bytes(), "weights_bytes": sum(self.weights_bytes.values())},
+            "memory": {"rss_bytes": resident_bytes(),
+                       "weights_bytes": sum(backend.weights_bytes for backend in self.backends.values())},
             "models": [self._describe_model(artifact) for artifact in self.artifacts],
         }
 
@@ -268,7 +267,7 @@ class Runtime:
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
                         for b in manifest.buckets],
             "refused_buckets": backend.refused if backend else {},
-            "weights_bytes": self.weights_bytes.get(name),
+            "weights_bytes": backend.weights_bytes if backend else None,
             "batch_costs": (None if service is None else
                             "measured latency" if service.batcher.costs.measured else "tokens"),
             "generic": {"max_batch": manifest.generic.max_batch, "max_seq": manifest.generic.max_seq,
@@ -324,5 +323,3 @@ def tei_model_type(manifest: Manifest) -> dict:
     labels = {"id2label": dict(enumerate(manifest.labels)),
               "label2id": {label: i for i, label in enumerate(manifest.labels)}}
     return {"reranker" if manifest.is_reranker else "classifier": labels}
-
-

@@ -82,12 +82,10 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
     follows the panel being read but cannot know which one comes next, so at small M (one or two M
     tiles per panel) each panel starts with a stall on memory, and the weights stream from DRAM
     (MiniLM's 42 MB of fp32 linears exceed a 32 MB L3): with it a 16-token fp32 call of the whole
-    model went from 0.88x to 0.82x ONNX Runtime's time (docs/PERFORMANCE.md), and an x86-64-v3 int8
-    call took 0.95x its time at one 16-token sequence and 0.91x at 8 x 128, within noise at one
-    sequence of 128 or 512 (paired rounds, the AMX Xeon). The parallel loop's index is (batch...,
-    panel) fused, so the next panel is tile + 1 modulo the panel count (the last one's prefetch is
-    wasted). The accumulator must then be a stack alloca (compile/lowering.py), or LLVM
-    spills it every step.
+    model went from 0.88x to 0.82x ONNX Runtime's time (docs/PERFORMANCE.md; int8: its AVX2
+    section). The parallel loop's index is (batch..., panel) fused, so the next panel is tile + 1
+    modulo the panel count (the last one's prefetch is wasted). The accumulator must then be a stack
+    alloca (compile/lowering.py), or LLVM spills it every step.
     """
     count, row = int(panels.shape[0]), [int(d) for d in panels.shape[2:]]
     dtype = tvm.runtime.DataType(panels.dtype)

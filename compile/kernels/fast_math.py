@@ -37,11 +37,12 @@ def _horner(x, coefficients):
 
 def _exp_of_clamped(x):
     """exp(x) for x in [-88, 88.72], in 12 operations that need the two FMA ports where the reduction
-    by a floor takes 17 (its floor is two, its float-to-int conversion one more: the fp32 attention
-    kernel spent a quarter of its time in the softmax's exp at 512 tokens, `perf` at x86-64-v3).
-    The nearest integer n of x / ln 2 is rounded by adding 1.5 x 2^23 + 127, whose ulp is 1: the
-    sum's low bits then hold n + 127, the exponent field of 2^n, in [0, 255] over that range (0:
-    2^n = 0, the exp of a masked key; 255: inf, as exp overflows float32 above 88.38)."""
+    by a floor takes 17 (the floor is two, the float-to-int conversion one more). In the fp32
+    attention kernel the softmax's exp competes for those ports with the two products
+    (docs/PERFORMANCE.md, the AVX2 section). The nearest integer n of x / ln 2 is rounded by adding
+    1.5 x 2^23 + 127, whose ulp is 1: the sum's low bits then hold n + 127, the exponent field of
+    2^n, in [0, 255] over that range (0: 2^n = 0, the exp of a masked key; 255: inf, as exp
+    overflows float32 above 88.38)."""
     shifted = x * _f32(_LOG2E) + _f32(_ROUNDER)
     # n read back through the sum's bits, or TVM's simplifier folds (a + c) - c to a
     n = tirx.reinterpret("float32", tirx.reinterpret("int32", shifted)) - _f32(_ROUNDER)

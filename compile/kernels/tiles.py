@@ -21,8 +21,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import tvm
-import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
@@ -86,53 +84,6 @@ def pad_rows_and_inline_panels(sch: s_tir.Schedule, main, rows: int, panel_view:
         if sch.get(producer).name_hint.startswith(panel_view):
             sch.compute_inline(producer)
     return sch.get_loops(main)
-
-
-def read_padded_rows_in_place(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with its micro-kernel calls reading the activations' rows themselves, clamped to the last
-    (`A[min(i, M - 1), k...]`), instead of the zero-padded copy `pad_rows_and_inline_panels` made
-    of them: a pass over the activations and a thread-pool launch per call (an int8 linear at 16
-    packed tokens took 1.08x the time of one of static rows). A padded row feeds only its own
-    output row, which the write-back drops, so its values never matter. For schedules where only
-    micro-kernel calls read the copy, each one row (the int8 kernels' 4 bytes; a tile kernel reads
-    whole row blocks)."""
-    copies = {}  # padded buffer -> the activations it copies
-
-    def find_copy(block: s_tir.SBlock):
-        if block.name_hint.endswith("_pad") and len(block.reads) == 1 and len(block.writes) == 1:
-            copies[block.writes[0].source] = block.reads[0].source
-
-    tvm_ffi.structural_walk(func.body, [(s_tir.SBlock, find_copy)])
-
-    def clamped(region):
-        source = copies.get(region.source)
-        if source is None:
-            return region
-        row = region.region[0]
-        clamp = tvm.ir.Range.from_min_extent(tirx.min(row.min, source.shape[0] - 1), row.extent)
-        return tirx.BufferRegion(source, [clamp, *region.region[1:]])
-
-    def rewrite(block: s_tir.SBlock):
-        if any(match.source.source in copies for match in block.match_buffers):  # a micro-kernel call
-            matches = [s_tir.MatchBufferRegion(match.buffer, clamped(match.source)) for match in block.match_buffers]
-            return s_tir.SBlock(block.iter_vars, [clamped(region) for region in block.reads], block.writes,
-                                block.name_hint, block.body, block.init, block.alloc_buffers, matches,
-                                block.annotations)
-        if any(buffer in copies for buffer in block.alloc_buffers):  # the root, which allocated the copy
-            return s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body, block.init,
-                                [buffer for buffer in block.alloc_buffers if buffer not in copies],
-                                block.match_buffers, block.annotations)
-        return block
-
-    def drop_copy(loop: tirx.For):  # inner loops first: the copy's nest empties from the inside out
-        writes = []
-        tvm_ffi.structural_walk(loop, [(s_tir.SBlock, lambda block: writes.extend(w.source for w in block.writes))])
-        emptied = isinstance(loop.body, tirx.Evaluate) and isinstance(loop.body.value, tirx.IntImm)
-        return tirx.Evaluate(0) if emptied or (writes and all(buffer in copies for buffer in writes)) else loop
-
-    if not copies:
-        return func
-    return tvm_ffi.structural_map(func, [(tirx.For, drop_copy), (s_tir.SBlock, rewrite)])
 
 
 def _widened(value, dtype: str):

@@ -113,3 +113,69 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
                         loop.thread_binding, loop.annotations)
 
     return tvm_ffi.structural_map(func, [(tirx.For, add_prefetch)])
+
+
+def read_padded_rows_in_place(func: tirx.PrimFunc, copy: tirx.Buffer) -> tirx.PrimFunc:
+    """`func` without `copy`, the zero-padded copy `pad_einsum` made of a matmul's activations: each
+    read of it (a load, a block's read region, a micro-kernel's match buffer) reads the activations
+    themselves, every padded axis clamped to its last index (`A[min(i, M - 1), k]`). That saves a
+    pass over the activations and a thread-pool launch per call, and the hot loop gets no branch.
+    A padded row feeds only its own output row, which the write-back drops, so its values never
+    matter. A reader of several rows of a padded axis at once (a tile kernel's row block) could
+    read past the end clamped so: `func` then keeps its copy.
+    """
+    blocks = []
+    tvm_ffi.structural_walk(func.body, [(s_tir.SBlock, blocks.append)])
+    copies = [block for block in blocks if len(block.writes) == 1 and block.writes[0].source.same_as(copy)]
+    if len(copies) != 1:
+        return func
+    (copy_block,) = copies
+    source = copy_block.reads[0].source
+    padded = [axis for axis, (a, b) in enumerate(zip(copy.shape, source.shape)) if not tvm_ffi.structural_equal(a, b)]
+    reads = [region for block in blocks if not block.same_as(copy_block)
+             for region in [*block.reads, *(match.source for match in block.match_buffers)]
+             if region.source.same_as(copy)]
+    if any(not (isinstance(extent, tirx.IntImm) and extent.value == 1)
+           for extent in (region.region[axis].extent for region in reads for axis in padded)):
+        return func
+
+    def clamped(indices):
+        return [tirx.min(index, source.shape[axis] - 1) if axis in padded else index
+                for axis, index in enumerate(indices)]
+
+    def is_no_op(stmt) -> bool:
+        return isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tirx.IntImm)
+
+    def drop_copy(realize: s_tir.SBlockRealize):
+        return tirx.Evaluate(0) if realize.block.same_as(copy_block) else realize
+
+    def drop_empty_loop(loop: tirx.For):  # the copy's loop nest, emptied from the inside out
+        return loop.body if is_no_op(loop.body) else loop
+
+    def drop_no_ops(seq: tirx.SeqStmt):
+        kept = [stmt for stmt in seq.seq if not is_no_op(stmt)]
+        if len(kept) == len(seq.seq):
+            return seq
+        return tirx.SeqStmt(kept) if len(kept) > 1 else kept[0] if kept else tirx.Evaluate(0)
+
+    def unallocate(block: s_tir.SBlock):
+        if not any(buffer.same_as(copy) for buffer in block.alloc_buffers):
+            return block
+        return s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body, block.init,
+                            [buffer for buffer in block.alloc_buffers if not buffer.same_as(copy)],
+                            block.match_buffers, block.annotations)
+
+    def load(node: tvm.ir.expr.TensorLoad):
+        return tirx.BufferLoad(source, clamped(node.indices)) if node.source.same_as(copy) else node
+
+    def region(node: tvm.ir.expr.TensorRegion):
+        if not node.source.same_as(copy):
+            return node
+        starts = clamped([r.min for r in node.region])
+        return tirx.BufferRegion(source, [tvm.ir.Range.from_min_extent(start, r.extent)
+                                          for start, r in zip(starts, node.region)])
+
+    func = tvm_ffi.structural_map(func, [(s_tir.SBlockRealize, drop_copy), (tirx.For, drop_empty_loop),
+                                         (tirx.SeqStmt, drop_no_ops)])
+    return tvm_ffi.structural_map(func, [(s_tir.SBlock, unallocate), (tvm.ir.expr.TensorLoad, load),
+                                         (tvm.ir.expr.TensorRegion, region)])

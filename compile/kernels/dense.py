@@ -9,11 +9,10 @@ C[S, I, J] += A[S, I, K] * B[S, J, K] with its injective epilogue (bias, GELU, r
 from __future__ import annotations
 
 import tvm
-import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 
-from .common import is_reduction, prefetch_next_panel, root_blocks, static_extent
+from .common import is_reduction, prefetch_next_panel, read_padded_rows_in_place, root_blocks, static_extent
 from .fallback import parallel_vectorize, vectorize_inner
 
 KERNEL_NAME = "packed_matmul"
@@ -75,42 +74,6 @@ def _panel_view(sch: s_tir.Schedule, block, nt: int):
     return None
 
 
-def _read_rows_in_place(sch: s_tir.Schedule, main) -> None:
-    """Let the matmul read A itself rather than the zero-padded copy `pad_einsum` made of it (a pass
-    over A, and a thread-pool launch, per call): the copy's `A[i] if i < M else 0` is inlined into
-    the matmul, and `_clamp_padded_reads` then makes it A[min(i, M - 1)]."""
-    a_buffer = sch.get(main).reads[0].source
-    for producer in sch.get_producers(main):
-        if sch.get(producer).writes[0].source.same_as(a_buffer) and sch.get(producer).name_hint.endswith("_pad"):
-            sch.compute_inline(producer)
-            return
-
-
-def _clamp_padded_reads(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with each padded read `if_then_else(i < M, A[.., i, ..], 0)`, M the extent of A's axis
-    indexed by i, made `A[.., min(i, M - 1), ..]`: in bounds, no branch in the hot loop, and the row
-    address computed once outside it. Only for the reads `pad_einsum` pads: a padded row or column
-    feeds only its own output row or column, which the write-back drops, so its values never matter.
-    """
-
-    def clamp(call):
-        if not (isinstance(call.op, tvm.ir.Op) and call.op.name == "prim.if_then_else"):
-            return call
-        condition, load, other = call.args
-        if not (isinstance(condition, tvm.ir.prim.expr.LT) and isinstance(load, tvm.ir.expr.TensorLoad)
-                and isinstance(other, tvm.ir.prim.expr.FloatImm) and other.value == 0):
-            return call
-        index, bound = condition.a, condition.b
-        axes = [axis for axis, value in enumerate(load.indices) if value.same_as(index)]
-        if len(axes) != 1 or not tvm_ffi.structural_equal(load.source.shape[axes[0]], bound):
-            return call
-        indices = list(load.indices)
-        indices[axes[0]] = tirx.min(index, bound - 1)
-        return tirx.BufferLoad(load.source, indices)
-
-    return tvm_ffi.structural_map(func, [(tvm.ir.expr.Call, clamp)])
-
-
 def matmul_axes(block: s_tir.SBlock) -> list[str] | None:
     """Classify the block's iter vars for C[S, I, J] += A[S, I, K] * B[S, J, K], or None.
 
@@ -167,8 +130,8 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
             C[I tile, J tile] = epilogue(acc)  # bias, GELU, residual add, ... fused, vectorised
     Each B vector load feeds mt FMAs and each A broadcast nt / lanes FMAs. Symbolic or ragged M
     (and N) are padded with `pad_einsum`, so the hot loop has no bounds checks; A's padded rows are
-    not copied but read clamped to its last row (`_clamp_padded_reads`). M = 1 (an axis of extent 1
-    is "trivial" to the analysis) runs the same nest with mt = 1.
+    not copied but read clamped to its last row (`common.read_padded_rows_in_place`). M = 1 (an
+    axis of extent 1 is "trivial" to the analysis) runs the same nest with mt = 1.
     """
     sch = s_tir.Schedule(func)
     reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
@@ -190,8 +153,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     pad_m = m is None or m % mt != 0
     if pad_m or pad_n:
         sch.pad_einsum(main, [{I: mt if pad_m else 1, J: nt if pad_n else 1}.get(kd, 1) for kd in kinds])
-    if pad_m:
-        _read_rows_in_place(sch, main)
+    activations = sch.get(main).reads[0].source  # A's zero-padded copy when pad_m
     panel_view = None if pad_n else _panel_view(sch, main, nt)
     panels = None
     if panel_view is not None:  # read the packed panels directly: B[j, k] becomes Wp[j // nt, k, j % nt]
@@ -251,7 +213,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
         loops = sch.get_loops(block)
         if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
             parallel_vectorize(sch, block, lanes)
-    func = _clamp_padded_reads(sch.mod["main"]) if pad_m else sch.mod["main"]
+    func = read_padded_rows_in_place(sch.mod["main"], activations)
     if panels is not None:
         func = prefetch_next_panel(func, k_var, tile_var, panels)
     return s_tir.Schedule(func)

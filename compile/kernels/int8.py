@@ -36,14 +36,13 @@ import functools
 from dataclasses import dataclass
 
 import tvm
-import tvm_ffi
 from tvm import s_tir, te, tirx
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 from tvm.script import tirx as T
 
 from . import amx, script
-from .common import parallelize_leftovers, prefetch_next_panel
+from .common import parallelize_leftovers, prefetch_next_panel, read_padded_rows_in_place
 from .fallback import vectorize_inner
 from .row_quantize import ACTIVATION
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
@@ -248,7 +247,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
                             unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
             y[rows, panel] = epilogue((acc - zero x column sum) * row scale * column scale)
     A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), the rows past M read clamped
-    to the last rather than from a zero-padded copy (`_read_padded_rows_in_place`), as the fp32
+    to the last rather than from a zero-padded copy (`common.read_padded_rows_in_place`), as the fp32
     kernel does.
     """
     if kernel is None:
@@ -261,7 +260,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
-    panels = sch.get(main).reads[1].source
+    activations, panels = (region.source for region in sch.get(main).reads[:2])
     jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])
     mo, mi = sch.split(m, [None, kernel.rows])
     ko, ki = sch.split(k, [None, kernel.group])
@@ -277,48 +276,5 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     sch.unroll(jv)
     sch.tensorize(jl, kernel.intrin)
     parallelize_leftovers(sch)
-    func = _read_padded_rows_in_place(sch.mod["main"])
+    func = read_padded_rows_in_place(sch.mod["main"], activations)  # each micro-kernel call reads one row
     return s_tir.Schedule(prefetch_next_panel(func, sch.get(ko).loop_var, sch.get(jo).loop_var, panels))
-
-
-def _read_padded_rows_in_place(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`func` with its micro-kernel calls reading the activations' rows themselves, clamped to the last
-    (`A[min(i, M - 1), k...]`), instead of the zero-padded copy `pad_rows_and_inline_panels` made
-    of them: a pass over the activations and a thread-pool launch per call. A padded row feeds only
-    its own output row, which the write-back drops, so its values never matter. Each micro-kernel
-    call reads one row (4 bytes); a tile kernel (tiles.py) reads whole row blocks, so it keeps the
-    copy."""
-    copies = {}  # padded buffer -> the activations it copies
-
-    def find_copy(block: s_tir.SBlock):
-        if block.name_hint.endswith("_pad") and len(block.reads) == 1 and len(block.writes) == 1:
-            copies[block.writes[0].source] = block.reads[0].source
-
-    tvm_ffi.structural_walk(func.body, [(s_tir.SBlock, find_copy)])
-
-    def clamped(region):
-        source = copies.get(region.source)
-        if source is None:
-            return region
-        row = region.region[0]
-        clamp = tvm.ir.Range.from_min_extent(tirx.min(row.min, source.shape[0] - 1), row.extent)
-        return tirx.BufferRegion(source, [clamp, *region.region[1:]])
-
-    def rewrite(block: s_tir.SBlock):
-        if any(match.source.source in copies for match in block.match_buffers):  # a micro-kernel call
-            matches = [s_tir.MatchBufferRegion(match.buffer, clamped(match.source)) for match in block.match_buffers]
-            return s_tir.SBlock(block.iter_vars, [clamped(region) for region in block.reads], block.writes,
-                                block.name_hint, block.body, block.init, block.alloc_buffers, matches,
-                                block.annotations)
-        if any(buffer in copies for buffer in block.alloc_buffers):  # the root, which allocated the copy
-            return s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body, block.init,
-                                [buffer for buffer in block.alloc_buffers if buffer not in copies],
-                                block.match_buffers, block.annotations)
-        return block
-
-    def drop_copy(realize: s_tir.SBlockRealize):  # TVM's lowering then removes the emptied loop nest
-        return tirx.Evaluate(0) if any(w.source in copies for w in realize.block.writes) else realize
-
-    if not copies:
-        return func
-    return tvm_ffi.structural_map(func, [(s_tir.SBlockRealize, drop_copy), (s_tir.SBlock, rewrite)])

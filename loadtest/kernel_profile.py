@@ -4,12 +4,17 @@ kernel, in the library that serves that shape (or the generic one with `--generi
 A Relax VM instrument times every packed function the call runs; kernels are grouped by name
 without their numeric suffix (the six `fused_attention` of six layers are one row). The
 instrument's own cost is in the per-kernel times, so the table ends with the same call timed
-without it. Full rows of random token ids, as `loadtest.bench` times `1xS`."""
+without it. Full rows of random token ids, as `loadtest.bench` times `1xS`.
+
+`--compare DIR` profiles a second artifact in the same process, the two taking turns call by call
+(the order alternating), and adds each kernel's time there and the median over those pairs of
+its time over the first's: a kernel's change between two builds, out of the machine's drift."""
 
 from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import statistics
@@ -38,6 +43,7 @@ def _at_least_one(text: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--artifacts", type=Path, required=True)
+    parser.add_argument("--compare", type=Path, help="a second artifact, profiled in turn with the first")
     parser.add_argument("--shape", default="1x128", help="batch x sequence length (default 1x128)")
     parser.add_argument("--generic", action="store_true", help="profile the generic library, not the bucket")
     parser.add_argument("--calls", type=_at_least_one, default=20, help="calls timed (default 20)")
@@ -46,49 +52,112 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def profile(model, ids, mask, generic: bool, calls: int) -> tuple[list[tuple[str, int, float]], float, float, str]:
-    """(kernel, calls per model call, ms per model call) by time, the instrumented and the plain
-    median ms of a call, and the library that ran it."""
-    run = model.run_generic if generic else model.run
-    for _ in range(3):
-        result = run(ids, mask)
-    runner = model.generic if result.bucket is None else model.runners[result.bucket]  # the planner's choice
-    seconds, counts, started = collections.defaultdict(float), collections.Counter(), {}
+class KernelTimer:
+    """One model's calls at one shape, timed kernel by kernel (a Relax VM instrument on the library
+    the planner chose for the shape) or whole."""
 
-    def instrument(_func, name, before_run, _ret, *_args):
-        if before_run:
-            started[name] = time.perf_counter()
-        else:
-            kernel = re.sub(r"\d+$", "", name)
-            seconds[kernel] += time.perf_counter() - started[name]
-            counts[kernel] += 1
-        return 0  # go on as usual
+    def __init__(self, model, ids, mask, generic: bool):
+        self._call = functools.partial(model.run_generic if generic else model.run, ids, mask)
+        for _ in range(3):
+            result = self._call()
+        self._runner = model.generic if result.bucket is None else model.runners[result.bucket]
+        self.served = result.path
+        self.kernels: dict[str, list[float]] = collections.defaultdict(list)  # seconds per call, call by call
+        self.counts: dict[str, int] = {}  # launches per call
+        self.instrumented: list[float] = []
+        self.plain: list[float] = []
 
-    def timed(times: list[float]) -> None:
+    def instrumented_call(self) -> None:
+        seconds, counts, started = collections.defaultdict(float), collections.Counter(), {}
+
+        def instrument(_func, name, before_run, _ret, *_args):
+            if before_run:
+                started[name] = time.perf_counter()
+            else:
+                kernel = re.sub(r"\d+$", "", name)
+                seconds[kernel] += time.perf_counter() - started[name]
+                counts[kernel] += 1
+            return 0  # go on as usual
+
+        self._runner.set_instrument(instrument)
+        try:
+            self.instrumented.append(self._timed())
+        finally:
+            self._runner.set_instrument(None)
+        for kernel, spent in seconds.items():
+            self.kernels[kernel].append(spent)
+        self.counts.update(counts)
+
+    def plain_call(self) -> None:
+        self.plain.append(self._timed())
+
+    def _timed(self) -> float:
         start = time.perf_counter()
-        run(ids, mask)
-        times.append(time.perf_counter() - start)
+        self._call()
+        return time.perf_counter() - start
 
-    instrumented, plain = [], []
-    runner.set_instrument(instrument)
-    try:
-        for _ in range(calls):
-            timed(instrumented)
-    finally:
-        runner.set_instrument(None)
-    for _ in range(calls):
-        timed(plain)
-    rows = sorted(((k, counts[k] // calls, seconds[k] / calls * 1e3) for k in seconds), key=lambda row: -row[2])
-    return rows, statistics.median(instrumented) * 1e3, statistics.median(plain) * 1e3, result.path
+    def by_time(self) -> list[tuple[str, int, float]]:
+        """(kernel, launches per call, mean ms per call), the slowest first."""
+        rows = ((kernel, self.counts[kernel], statistics.fmean(spent) * 1e3) for kernel, spent in self.kernels.items())
+        return sorted(rows, key=lambda row: -row[2])
+
+
+def profile(timers: list[KernelTimer], calls: int) -> None:
+    """`calls` instrumented calls of each timer, then as many plain ones, the timers taking turns
+    and the order of each turn alternating, so that both see the same drift of the machine."""
+    for step in (KernelTimer.instrumented_call, KernelTimer.plain_call):
+        for turn in range(calls):
+            for timer in (timers if turn % 2 == 0 else timers[::-1]):
+                step(timer)
+
+
+def paired_ratio(after: list[float], before: list[float]) -> float:
+    """The median over the turns of one time over the other's in the same turn."""
+    return statistics.median(a / b for a, b in zip(after, before))
+
+
+def print_profile(name: str, shape: str, threads: int, calls: int, timer: KernelTimer) -> None:
+    rows = timer.by_time()
+    total = sum(ms for _, _, ms in rows)
+    print(f"{name}, {shape} on {timer.served}, {threads} threads, {calls} calls\n")
+    print("| kernel | calls | ms per call | share |\n|---|---|---|---|")
+    for kernel, count, ms in rows:
+        print(f"| {kernel} | {count} | {ms:.3f} | {ms / total:.1%} |")
+    print(f"\nsum of kernels {total:.2f} ms; call median {statistics.median(timer.instrumented) * 1e3:.2f} ms "
+          f"instrumented, {statistics.median(timer.plain) * 1e3:.2f} ms without")
+
+
+def print_comparison(names: tuple[str, str], shape: str, threads: int, calls: int,
+                     timers: tuple[KernelTimer, KernelTimer]) -> None:
+    first, second = timers
+    print(f"{names[0]} against {names[1]}, {shape} on {first.served} and {second.served}, {threads} threads, "
+          f"{calls} calls each, taking turns\n")
+    print(f"| kernel | calls | {names[0]} ms per call | {names[1]} ms per call | {names[1]} / {names[0]}, "
+          f"median of turns |\n|---|---|---|---|---|")
+    seconds = {kernel: ms for kernel, _, ms in second.by_time()}
+    for kernel, count, ms in first.by_time():
+        if kernel in seconds:
+            ratio = paired_ratio(second.kernels[kernel], first.kernels[kernel])
+            print(f"| {kernel} | {count} | {ms:.3f} | {seconds.pop(kernel):.3f} | {ratio:.3f} |")
+        else:
+            print(f"| {kernel} | {count} | {ms:.3f} | - | - |")
+    for kernel, _, ms in second.by_time():
+        if kernel in seconds:
+            print(f"| {kernel} | {second.counts[kernel]} | - | {ms:.3f} | - |")
+    print(f"\ncall median without the instrument: {statistics.median(first.plain) * 1e3:.2f} ms and "
+          f"{statistics.median(second.plain) * 1e3:.2f} ms, {names[1]} / {names[0]} "
+          f"{paired_ratio(second.plain, first.plain):.3f} (median of turns)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    directories = [args.artifacts] + ([args.compare] if args.compare else [])
     try:
         shape = parse_bucket(args.shape)
         if isinstance(shape, PackedBucket):
             raise CompileError(f"--shape {args.shape}: expected BATCHxSEQ (e.g. 1x128)")
-        read_manifest(args.artifacts)
+        for directory in directories:
+            read_manifest(directory)
     except (ArtifactError, CompileError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -99,23 +168,19 @@ def main(argv: list[str] | None = None) -> int:
     from artifact.loader import load_artifact
 
     try:
-        model = load_artifact(args.artifacts)
-    except ArtifactError as exc:
+        models = [load_artifact(directory) for directory in directories]
+        vocab = min(model.manifest.model.vocab_size for model in models)
+        ids = np.random.default_rng(0).integers(min(1000, vocab - 1), vocab, (shape.batch, shape.seq))
+        timers = [KernelTimer(model, ids, np.ones_like(ids), args.generic) for model in models]
+        profile(timers, args.calls)
+    except (ArtifactError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    vocab = model.manifest.model.vocab_size
-    ids = np.random.default_rng(0).integers(min(1000, vocab - 1), vocab, (shape.batch, shape.seq))
-    try:
-        rows, instrumented, plain, served = profile(model, ids, np.ones_like(ids), args.generic, args.calls)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    total = sum(ms for _, _, ms in rows)
-    print(f"{args.artifacts.name}, {args.shape} on {served}, {args.threads} threads, {args.calls} calls\n")
-    print("| kernel | calls | ms per call | share |\n|---|---|---|---|")
-    for kernel, count, ms in rows:
-        print(f"| {kernel} | {count} | {ms:.3f} | {ms / total:.1%} |")
-    print(f"\nsum of kernels {total:.2f} ms; call median {instrumented:.2f} ms instrumented, {plain:.2f} ms without")
+    names = tuple(directory.name for directory in directories)
+    if args.compare:
+        print_comparison(names, args.shape, args.threads, args.calls, tuple(timers))
+    else:
+        print_profile(names[0], args.shape, args.threads, args.calls, timers[0])
     return 0
 
 

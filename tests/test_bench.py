@@ -2,6 +2,7 @@
 and artifact arguments that are not artifacts are refused in one line."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -87,6 +88,22 @@ def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(t
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     matmuls = [row for row in rows if "matmul" in row[0]]
     assert matmuls and all(int(row[1]) >= 1 and float(row[2]) > 0 for row in matmuls), out
+
+
+def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artifact, tiny_classify_artifact, capsys):
+    """Each kernel the two share gets both times and their paired ratio; one only the classifier runs
+    (its head) gets its time there and a dash for the other."""
+    argv = ["--artifacts", str(tiny_embed_artifact), "--compare", str(tiny_classify_artifact), "--shape", "1x8",
+            "--calls", "3"]
+    assert kernel_profile.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("tiny-embed against tiny-classify, 1x8 on bucket-1x8 and bucket-1x8, ")
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    shared = [row for row in rows if "-" not in row[2:]]
+    assert any("matmul" in row[0] for row in shared), out
+    assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in shared), out
+    assert any(row[2] == "-" and float(row[3]) > 0 for row in rows), out
+    assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\)$", out.strip()), out
 
 
 def test_kernel_profile_refuses_a_packed_bound_for_a_shape(tiny_embed_artifact, capsys):

@@ -3,13 +3,13 @@
 Unfused, a BERT layer's attention is a dozen kernels (gathers, transposes, two batch matmuls, the
 scale and mask, the softmax) that write the [batch, heads, seq, seq] scores and every transposed
 copy of Q, K and V to memory, each paying a parallel launch. Here one task per (sequence, head),
-with queries in the vector lanes (`lanes` of them per tile):
+with queries in the vector lanes (a tile of them: one vector, two ymm with AVX2):
 
     L = 1 + the last key whose bias marks it real     (keys after it add exactly 0 to the softmax)
     Kh[j, d] = K[row(j), k_off + h * D + d]; Vh[j, d] likewise     (j < L, zeros to a whole key tile)
-    for each tile of `lanes` queries i < L:
-        Qt[d, i] = Q[row(i), q_off + h * D + d] * scale            (a [D, lanes] transposed copy)
-        sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j]             KEYS keys x 1 vector of queries
+    for each tile of queries i < L:
+        Qt[d, i] = Q[row(i), q_off + h * D + d] * scale            (a [D, tile] transposed copy)
+        sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j]             a few keys x the tile's queries
         sT[j, i] = exp(sT[j, i] - max_j sT[j, i]); sum_i = sum_j sT[j, i]   per query, lane by lane
         out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i  QP queries x D dims in vectors
 
@@ -25,7 +25,7 @@ softmax over keys is plain vector max / exp / add down the keys, no horizontal r
 Q, K and V are read from the linear layers' outputs (the Q/K/V concatenation included: one source
 tensor, three column offsets), through `row`: a token's row in the packed layout's [tokens,
 hidden] (the `gather` input) or `b * seq + i` in the padded layout's [batch * seq, hidden].
-Scores live in a per-task buffer of `max_seq` x `lanes` floats (32 KB at 512 x 16; Kh and Vh are
+Scores live in a per-task buffer of `max_seq` x tile floats (32 KB at 512 x 16; Kh and Vh are
 64 KB each at 512 x 32), so nothing of size seq^2 reaches memory; with every key of a tile at
 hand the softmax is the exact two-pass one (online softmax over key tiles pays only when that
 buffer outgrows the caches, beyond the 512 positions of BERT-family models). Work scales with
@@ -82,7 +82,16 @@ class AttentionShape:
     offsets: tuple[int, int, int]  # where Q, K and V start in them
 
 
-KEYS = 8  # keys per register tile of scores: 8 accumulators, one vector of queries each
+KEYS = 8  # keys per register tile of scores in the bf16 and AMX products (and their staging)
+
+
+def _score_tile(lanes: int) -> tuple[int, int]:
+    """(queries, keys) of the fp32 scores' register tile, queries in the lanes. With 32 zmm: 1 vector x
+    8 keys, 8 accumulators, as many as two FMA ports of four cycles' latency keep busy. With 16 ymm:
+    2 vectors x 6 keys, 12 accumulators, and 8 loads (2 vectors of queries, 6 broadcast keys) per
+    12 FMAs where 1 x 8 took 9 per 8 (the x86-64-v3 attention kernel at 128 and 512 tokens: 0.94x
+    the time, docs/PERFORMANCE.md). The softmax x V product keeps its own tile (`_context_tile`)."""
+    return (2 * lanes, 6) if lanes == 8 else (lanes, KEYS)
 
 
 def supports(head_size: int, lanes: int) -> bool:
@@ -106,8 +115,11 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     amx = products == "amx" and attention_amx.supports(shape.head_size, lanes)
     bf16 = amx or (products in ("bf16", "amx") and attention_bf16.supports(shape.head_size, lanes))
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
-    H, D, V, KB = i64(shape.heads), i64(shape.head_size), i64(lanes), i64(KEYS)
-    STAGE = i64(attention_amx.KEY_STEP if amx else KEYS)  # keys are staged (zero) for whole tiles
+    queries_per_tile, keys_per_tile = (lanes, KEYS) if bf16 else _score_tile(lanes)
+    H, D, V = i64(shape.heads), i64(shape.head_size), i64(lanes)
+    TQ, KB = i64(queries_per_tile), i64(keys_per_tile)
+    QV = TQ // V  # vectors of queries a tile
+    STAGE = i64(attention_amx.KEY_STEP) if amx else KB  # keys are staged (zero) for whole tiles
     S_MAX = i64(-(-shape.max_seq // int(STAGE)) * int(STAGE))
     (NQ, NK, NV), (QO, KO, VO) = (i64(w) for w in shape.widths), (i64(o) for o in shape.offsets)
     B, S, R = (i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))
@@ -139,27 +151,30 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     @T.macro
     def fp32_scores(keys, queries, scores, top, key_bias, length):
         """sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key: `key_bias` is staged so,
-        and the write-back has no branch), 8 keys a tile, and top[i] = max_j sT[j, i] taken as they are
-        written: in a pass of its own over the scores each max waited on the one before it (x86-64-v3
-        MiniLM calls at 512 tokens: 0.99x the time)."""
+        and the write-back has no branch), KB keys x QV vectors of queries a tile, and top[i] = max_j sT[j, i]
+        taken as they are written: in a pass of its own over the scores each max waited on the one before it
+        (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
         for block in T.serial((length[0] + KB - i64(1)) // KB):
-            acc = T.alloc_buffer((KB, V), "float32", scope="local")
-            for key in T.unroll(KB):
+            acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
+            for key, qv in T.grid(KB, QV):
                 for lane in T.vectorized(V):
-                    acc[key, lane] = zero
+                    acc[key, qv * V + lane] = zero
             for d in T.serial(D):
                 for key in T.unroll(KB):
-                    for lane in T.vectorized(V):
-                        acc[key, lane] = acc[key, lane] + keys[block * KB + key, d] * queries[d, lane]
+                    for qv in T.unroll(QV):
+                        for lane in T.vectorized(V):
+                            acc[key, qv * V + lane] = (
+                                acc[key, qv * V + lane] + keys[block * KB + key, d] * queries[d, qv * V + lane])
             for key in T.unroll(KB):
-                for lane in T.vectorized(V):
-                    scores[block * KB + key, lane] = acc[key, lane] + key_bias[block * KB + key]
-                    top[lane] = T.max(top[lane], scores[block * KB + key, lane])
+                for qv in T.unroll(QV):
+                    for lane in T.vectorized(V):
+                        scores[block * KB + key, qv * V + lane] = acc[key, qv * V + lane] + key_bias[block * KB + key]
+                        top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
 
     @T.macro
     def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
         """out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i, QP queries' head rows a pass."""
-        for part in T.serial(V // QP):
+        for part in T.serial(TQ // QP):
             context = T.alloc_buffer((QP, D), "float32", scope="local")
             for q, dv in T.grid(QP, DV):
                 for lane in T.vectorized(V):
@@ -171,7 +186,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                             context[q, dv * V + lane] = (
                                 context[q, dv * V + lane] + scores[j, part * QP + q] * values[j, dv * V + lane])
             for q in T.serial(QP):
-                i = tile * V + part * QP + q
+                i = tile * TQ + part * QP + q
                 if i < length[0]:
                     for dv in T.unroll(DV):
                         for lane in T.vectorized(V):
@@ -181,19 +196,22 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     @T.macro
     def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
         """One tile of queries in fp32: scores, softmax, and the weighted sum of values."""
-        top = T.alloc_buffer((V,), "float32", scope="local")
-        total = T.alloc_buffer((V,), "float32", scope="local")
-        for lane in T.vectorized(V):
-            top[lane] = neg
-            total[lane] = zero
+        top = T.alloc_buffer((TQ,), "float32", scope="local")
+        total = T.alloc_buffer((TQ,), "float32", scope="local")
+        for qv in T.unroll(QV):
+            for lane in T.vectorized(V):
+                top[qv * V + lane] = neg
+                total[qv * V + lane] = zero
         fp32_scores(keys, queries, scores, top, key_bias, length)
         for j in T.serial(length[0]):
+            for qv in T.unroll(QV):
+                for lane in T.vectorized(V):
+                    scores[j, qv * V + lane] = exp_of_nonpositive(scores[j, qv * V + lane] - top[qv * V + lane])
+                    total[qv * V + lane] = total[qv * V + lane] + scores[j, qv * V + lane]
+        inverse = T.alloc_buffer((TQ,), "float32", scope="local")
+        for qv in T.unroll(QV):
             for lane in T.vectorized(V):
-                scores[j, lane] = exp_of_nonpositive(scores[j, lane] - top[lane])
-                total[lane] = total[lane] + scores[j, lane]
-        inverse = T.alloc_buffer((V,), "float32", scope="local")
-        for lane in T.vectorized(V):
-            inverse[lane] = T.float32(1) / total[lane]
+                inverse[qv * V + lane] = T.float32(1) / total[qv * V + lane]
         fp32_context(values, scores, inverse, out, gather, b, h, tile, length)
 
     @T.macro
@@ -243,7 +261,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             key_bias = T.alloc_buffer((S_MAX,), "float32")
             for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
                 key_bias[j] = T.if_then_else(j < length[0], bias[b, i64(0), i64(0), T.min(j, length[0] - i64(1))], neg)
-        scores = T.alloc_buffer((S_MAX, V), "float32")
+        scores = T.alloc_buffer((S_MAX, TQ), "float32")
         if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
             keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
             values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
@@ -261,7 +279,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             else:
                 T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
                                         staged // i64(2), D))
-        for tile in T.serial((length[0] + V - i64(1)) // V):
+        for tile in T.serial((length[0] + TQ - i64(1)) // TQ):
             if bf16:  # the scaled queries rounded into dim pairs straight from their rows
                 for lane in T.serial(V):
                     i = T.min(tile * V + lane, length[0] - i64(1))
@@ -271,9 +289,9 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                 bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
                           length)
             else:
-                queries = T.alloc_buffer((D, V), "float32")
-                for d, lane in T.grid(D, V):
-                    i = T.min(tile * V + lane, length[0] - i64(1))
+                queries = T.alloc_buffer((D, TQ), "float32")
+                for d, lane in T.grid(D, TQ):
+                    i = T.min(tile * TQ + lane, length[0] - i64(1))
                     queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * SCALE
                 fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length)
         if not packed:

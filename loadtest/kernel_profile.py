@@ -28,6 +28,7 @@ from artifact.errors import ArtifactError
 from compile.bucketing import parse_bucket
 from compile.errors import CompileError
 
+from .machine import describe, line
 from .strategy_table import read_manifest
 
 PROG = "python -m loadtest.kernel_profile"
@@ -181,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         print_comparison(names, args.shape, args.threads, args.calls, tuple(timers))
     else:
         print_profile(names[0], args.shape, args.threads, args.calls, timers[0])
+    print(f"CPU: {line(describe())}")
     return 0
 
 

@@ -103,7 +103,7 @@ def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artif
     assert any("matmul" in row[0] for row in shared), out
     assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in shared), out
     assert any(row[2] == "-" and float(row[3]) > 0 for row in rows), out
-    assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\)$", out.strip()), out
+    assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\)\nCPU: .+ \(LLVM mcpu ", out), out
 
 
 def test_kernel_profile_refuses_a_packed_bound_for_a_shape(tiny_embed_artifact, capsys):

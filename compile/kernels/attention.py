@@ -3,7 +3,7 @@
 Unfused, a BERT layer's attention is a dozen kernels (gathers, transposes, two batch matmuls, the
 scale and mask, the softmax) that write the [batch, heads, seq, seq] scores and every transposed
 copy of Q, K and V to memory, each paying a parallel launch. Here one task per (sequence, head),
-with queries in the vector lanes (a tile of them: one vector, two ymm with AVX2):
+with queries in the vector lanes (a tile of them: two vectors with AVX2 or AVX-512, else one):
 
     L = 1 + the last key whose bias marks it real     (keys after it add exactly 0 to the softmax)
     Kh[j, d] = K[row(j), k_off + h * D + d]; Vh[j, d] likewise     (j < L, zeros to a whole key tile)
@@ -25,7 +25,7 @@ softmax over keys is plain vector max / exp / add down the keys, no horizontal r
 Q, K and V are read from the linear layers' outputs (the Q/K/V concatenation included: one source
 tensor, three column offsets), through `row`: a token's row in the packed layout's [tokens,
 hidden] (the `gather` input) or `b * seq + i` in the padded layout's [batch * seq, hidden].
-Scores live in a per-task buffer of `max_seq` x tile floats (32 KB at 512 x 16; Kh and Vh are
+Scores live in a per-task buffer of `max_seq` x tile floats (64 KB at 512 x 32; Kh and Vh are
 64 KB each at 512 x 32), so nothing of size seq^2 reaches memory; with every key of a tile at
 hand the softmax is the exact two-pass one (online softmax over key tiles pays only when that
 buffer outgrows the caches, beyond the 512 positions of BERT-family models). Work scales with
@@ -86,12 +86,13 @@ KEYS = 8  # keys per register tile of scores in the bf16 and AMX products (and t
 
 
 def _score_tile(lanes: int) -> tuple[int, int]:
-    """(queries, keys) of the fp32 scores' register tile, queries in the lanes. With 32 zmm: 1 vector x
-    8 keys, 8 accumulators, as many as two FMA ports of four cycles' latency keep busy. With 16 ymm:
-    2 vectors x 6 keys, 12 accumulators, and 8 loads (2 vectors of queries, 6 broadcast keys) per
-    12 FMAs where 1 x 8 took 9 per 8 (the x86-64-v3 attention kernel at 128 and 512 tokens: 0.94x
-    the time, docs/PERFORMANCE.md). The softmax x V product keeps its own tile (`_context_tile`)."""
-    return (2 * lanes, 6) if lanes == 8 else (lanes, KEYS)
+    """(queries, keys) of the fp32 scores' register tile, queries in the lanes: two vectors of queries,
+    each key's broadcast feeding both, so that a tile reads fewer operands per FMA. With 16 ymm, 2 x 6
+    keys: 12 accumulators, 8 loads per 12 FMAs. With 32 zmm, 2 x 12 keys: 24 accumulators, 14 loads per
+    24 FMAs. One vector x 8 keys (8 accumulators) took 9 loads per 8 FMAs: against it the attention
+    kernel takes 0.93-0.95x the time at x86-64-v3 and 0.84-0.87x at x86-64-v4, at 128 and 512 tokens
+    (docs/PERFORMANCE.md). The softmax x V product keeps its own tile (`_context_tile`)."""
+    return (2 * lanes, 6) if lanes == 8 else (2 * lanes, 12) if lanes == 16 else (lanes, KEYS)
 
 
 def supports(head_size: int, lanes: int) -> bool:

@@ -154,13 +154,18 @@ def test_a_padded_matmul_reads_its_rows_in_place(m):
     assert re.search(rf"x\[T\.min\(v_\w+, {re.escape(last_row)}\), v_k\]", script), script
 
 
-@T.prim_func(private=True, s_tir=True)
-def _sums_padded_rows(x: T.Buffer((T.int64(5), T.int64(4)), "float32"), y: T.Buffer((T.int64(8),), "float32")):
-    x_pad = T.sblock_alloc_buffer((T.int64(8), T.int64(4)))
+@T.macro
+def _pad_five_rows_to_eight(x, x_pad):
     for i, k in T.grid(T.int64(8), T.int64(4)):
         with T.sblock("x_pad"):
             vi, vk = T.axis.remap("SS", [i, k])
             x_pad[vi, vk] = T.if_then_else(vi < T.int64(5), x[vi, vk], T.float32(0.0))
+
+
+@T.prim_func(private=True, s_tir=True)
+def _sums_padded_rows(x: T.Buffer((T.int64(5), T.int64(4)), "float32"), y: T.Buffer((T.int64(8),), "float32")):
+    x_pad = T.sblock_alloc_buffer((T.int64(8), T.int64(4)))
+    _pad_five_rows_to_eight(x, x_pad)
     for i, k in T.grid(T.int64(8), T.int64(4)):
         with T.sblock("row_sum"):
             vi, vk = T.axis.remap("SR", [i, k])
@@ -182,10 +187,7 @@ def _sums_rows_read_clamped(x: T.Buffer((T.int64(5), T.int64(4)), "float32"), y:
 @T.prim_func(private=True, s_tir=True)
 def _sums_padded_row_pairs(x: T.Buffer((T.int64(5), T.int64(4)), "float32"), y: T.Buffer((T.int64(4),), "float32")):
     x_pad = T.sblock_alloc_buffer((T.int64(8), T.int64(4)))
-    for i, k in T.grid(T.int64(8), T.int64(4)):
-        with T.sblock("x_pad"):
-            vi, vk = T.axis.remap("SS", [i, k])
-            x_pad[vi, vk] = T.if_then_else(vi < T.int64(5), x[vi, vk], T.float32(0.0))
+    _pad_five_rows_to_eight(x, x_pad)
     for i, k in T.grid(T.int64(4), T.int64(4)):
         with T.sblock("pair_sum"):
             vi, vk = T.axis.remap("SR", [i, k])

@@ -42,12 +42,14 @@ def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
 
     The mt x nt accumulator must fit the register file with room for the B vectors and one A
     broadcast: AVX2 has 16 ymm -> 4 x 24 (12 accumulators, measured best of 4x16, 4x24, 6x16,
-    8x16 here); AVX-512 has 32 zmm -> 8 x 32 (16 accumulators, no spills in the generated asm).
+    8x16 here); AVX-512 has 32 zmm -> 8 x 48 (24 accumulators, 3 B vectors and 8 broadcasts per 24
+    FMAs; 8 x 32 took 2 and 8 per 16, and 0.86-0.95x of its time went to 8 x 48 on an AMX Xeon's
+    MiniLM linears, against 4 x 64, 6 x 64 and 12 x 32 slower: docs/PERFORMANCE.md).
     nt is the widest candidate dividing a static N, so the N tail needs no padding; otherwise N
     is padded to 2 vectors (1 vector when N is that small).
     """
     mt = 8 if lanes >= 16 else 4
-    candidates = [2 * lanes, lanes] if lanes >= 16 else [3 * lanes, 2 * lanes, lanes]
+    candidates = [3 * lanes, 2 * lanes, lanes]
     for nt in candidates:
         if n is not None and n % nt == 0:
             return mt, nt, False

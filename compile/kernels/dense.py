@@ -43,8 +43,8 @@ def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
     The mt x nt accumulator must fit the register file with room for the B vectors and one A
     broadcast: AVX2 has 16 ymm -> 4 x 24 (12 accumulators, measured best of 4x16, 4x24, 6x16,
     8x16 here); AVX-512 has 32 zmm -> 8 x 48 (24 accumulators, 3 B vectors and 8 broadcasts per 24
-    FMAs; 8 x 32 took 2 and 8 per 16, and 0.86-0.95x of its time went to 8 x 48 on an AMX Xeon's
-    MiniLM linears, against 4 x 64, 6 x 64 and 12 x 32 slower: docs/PERFORMANCE.md).
+    FMAs, where 8 x 32 took 2 and 8 per 16: MiniLM's linears at 128-512 tokens in 0.90-0.96x its
+    time on an Intel Xeon, docs/PERFORMANCE.md; 4 x 64, 6 x 64 and 12 x 32 were slower there).
     nt is the widest candidate dividing a static N, so the N tail needs no padding; otherwise N
     is padded to 2 vectors (1 vector when N is that small).
     """

@@ -43,12 +43,14 @@ def _run_here(target) -> None:
 
 
 def test_register_tiles_follow_the_lane_count():
-    """16 ymm: 4 rows x 3 vectors (12 accumulators); 32 zmm: 8 rows x 2 vectors (16)."""
-    for target, (tile_rows, vectors) in ((V3, (4, 3)), (V4, (8, 2))):
+    """16 ymm: 4 rows x 3 vectors (12 accumulators); 32 zmm: 8 rows x 3 vectors (24). An N that 3
+    vectors do not divide takes 2 (4 x 2 x lanes: 64 columns at AVX-512)."""
+    for target, tile_rows in ((V3, 4), (V4, 8)):
         lanes = vector_lanes(target)
-        n = 2 * 3 * lanes * 4  # a multiple of both widths
-        assert dense._tile_sizes(n, lanes) == (tile_rows, vectors * lanes, False)
-        assert dense.packed_panel_width(n, lanes) == vectors * lanes
+        n = 2 * 3 * lanes * 4  # a multiple of every width
+        assert dense._tile_sizes(n, lanes) == (tile_rows, 3 * lanes, False)
+        assert dense.packed_panel_width(n, lanes) == 3 * lanes
+        assert dense._tile_sizes(4 * 2 * lanes, lanes) == (tile_rows, 2 * lanes, False)
 
 
 def test_x86_64_v3_dense_kernel_is_ymm_fma():

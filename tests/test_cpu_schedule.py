@@ -379,7 +379,7 @@ def test_vector_lanes_follow_target_features():
 
 
 def test_avx512_tile_compiles_without_running():
-    """The AVX-512 variant (8 x 32 tile) must at least build, even where it cannot run."""
+    """The AVX-512 variant (8 x 48 tile) must at least build, even where it cannot run."""
     target = _target("skylake-avx512")
     (func,) = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 64, 96))).values()
     sch = schedule_matmul(func, vector_lanes(target))

@@ -135,16 +135,16 @@ def print_comparison(names: tuple[str, str], shape: str, threads: int, calls: in
           f"{calls} calls each, taking turns\n")
     print(f"| kernel | calls | {names[0]} ms per call | {names[1]} ms per call | {names[1]} / {names[0]}, "
           f"median of turns |\n|---|---|---|---|---|")
-    seconds = {kernel: ms for kernel, _, ms in second.by_time()}
+    second_ms = {kernel: ms for kernel, _, ms in second.by_time()}
     for kernel, count, ms in first.by_time():
-        if kernel in seconds:
+        if kernel in second_ms:
             ratio = paired_ratio(second.kernels[kernel], first.kernels[kernel])
-            print(f"| {kernel} | {count} | {ms:.3f} | {seconds.pop(kernel):.3f} | {ratio:.3f} |")
+            print(f"| {kernel} | {count} | {ms:.3f} | {second_ms[kernel]:.3f} | {ratio:.3f} |")
         else:
             print(f"| {kernel} | {count} | {ms:.3f} | - | - |")
-    for kernel, _, ms in second.by_time():
-        if kernel in seconds:
-            print(f"| {kernel} | {second.counts[kernel]} | - | {ms:.3f} | - |")
+    for kernel, count, ms in second.by_time():
+        if kernel not in first.kernels:
+            print(f"| {kernel} | {count} | - | {ms:.3f} | - |")
     print(f"\ncall median without the instrument: {statistics.median(first.plain) * 1e3:.2f} ms and "
           f"{statistics.median(second.plain) * 1e3:.2f} ms, {names[1]} / {names[0]} "
           f"{paired_ratio(second.plain, first.plain):.3f} (median of turns)")

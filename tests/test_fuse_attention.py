@@ -401,3 +401,34 @@ def test_each_output_row_is_written_as_whole_vectors(layout, lanes):
                       if any(v.same_as(loop.loop_var) for v in tirx.analysis.undefined_vars(store.indices[-1]))]
     stores = output_stores(func.body)
     assert stores and all(any(store.same_as(v) for v in vector_written) for store in stores)
+
+
+
+def _nodes(stmt, node_type) -> list:
+    found = []
+    tvm_ffi.structural_map(stmt, [(node_type, lambda node: found.append(node) or node)])
+    return found
+
+
+@pytest.mark.parametrize("lanes,head_size,passes", [
+    (8, 32, [(6, 16), (5, 16), (5, 16)] * 2),  # 16 queries a tile, half a head a pass
+    (8, 64, [(6, 16), (5, 16), (5, 16)] * 4),
+    (16, 32, [(11, 32), (11, 32), (10, 32)]),  # 32 queries, the whole head
+    (4, 32, [(4, 8)] * 4),  # 4 queries (the SSE and NEON tile), 2 of the head's 8 vectors a pass
+])
+def test_softmax_times_values_passes_fill_the_register_budget(lanes, head_size, passes):
+    """Each pass of the softmax x V product accumulates a few queries x 2 vectors of dims: at most 12
+    vectors with 16 registers, 24 with AVX-512's 32, the tile's queries shared out evenly (no pass is
+    left with a few accumulators), and together the passes cover every query's head row once."""
+    shape = AttentionShape(1, 40, 40, 2, head_size, 40, 0.25, False, (3 * 2 * head_size,) * 3,
+                           (0, 2 * head_size, 4 * head_size))
+    func = attention.write_attention(shape, lanes)
+    parts = [loop for loop in _nodes(func.body, tirx.For) if loop.loop_var.name == "part"]
+    assert len(parts) == 2  # the parallel loop over (sequence, head) tasks and its serial twin
+    for part in parts:
+        accumulated = []
+        for group in (loop for loop in _nodes(part.body, tirx.For) if loop.loop_var.name == "group"):
+            (accumulator,) = {tuple(int(x) for x in store.buffer.shape)
+                              for store in _nodes(group.body, tirx.BufferStore) if store.buffer.name == "context"}
+            accumulated += [accumulator] * (int(part.extent) * int(group.extent))
+        assert sorted(accumulated) == sorted(passes)

@@ -11,7 +11,7 @@ with queries in the vector lanes (a tile of them: two vectors with AVX2 or AVX-5
         Qt[d, i] = Q[row(i), q_off + h * D + d] * scale            (a [D, tile] transposed copy)
         sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j]             a few keys x the tile's queries
         sT[j, i] = exp(sT[j, i] - max_j sT[j, i]); sum_i = sum_j sT[j, i]   per query, lane by lane
-        out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i  QP queries x D dims in vectors
+        out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i  QP queries x 2 vectors of dims
 
 The second product turns the layout around: a few queries' scores are broadcast against whole
 vectors of Vh's dims, so each output row is written as D / lanes vector stores, not lane by lane
@@ -91,7 +91,7 @@ def _score_tile(lanes: int) -> tuple[int, int]:
     keys: 12 accumulators, 8 loads per 12 FMAs. With 32 zmm, 2 x 12 keys: 24 accumulators, 14 loads per
     24 FMAs. One vector x 8 keys (8 accumulators) took 9 loads per 8 FMAs: against it the attention
     kernel takes 0.93-0.95x the time at x86-64-v3 and 0.84-0.87x at x86-64-v4, at 128 and 512 tokens
-    (docs/PERFORMANCE.md). The softmax x V product keeps its own tile (`_context_tile`)."""
+    (docs/PERFORMANCE.md). The softmax x V product has its own passes (`_context_passes`)."""
     return (2 * lanes, 6) if lanes == 8 else (2 * lanes, 12) if lanes == 16 else (lanes, KEYS)
 
 
@@ -99,13 +99,21 @@ def supports(head_size: int, lanes: int) -> bool:
     return head_size % lanes == 0
 
 
-def _context_tile(head_size: int, lanes: int) -> tuple[int, int]:
-    """(vectors per head, queries per pass) of the softmax x V accumulator: QP queries' whole
-    head rows, half the register file (16 zmm with AVX-512, 8 ymm with AVX2), the rest for the
-    value vectors and score broadcasts. QP divides the lanes, so passes tile a query tile."""
+def _context_passes(head_size: int, lanes: int, tile: int) -> tuple[int, int, int, int]:
+    """(vectors of head dims, queries, passes with that many, passes with one fewer) of the softmax x V
+    product over a tile: a pass accumulates up to 12 vectors with 16 registers (AVX2, SSE, NEON), 24
+    with AVX-512's 32, the rest holding its value vectors and a score's broadcast. Two vectors of dims
+    a pass (where they divide the head) leave room for 6 (12) queries, and the tile's queries are shared
+    out as evenly as that allows (16 as 6 + 5 + 5: a pass of 8 accumulators ran at 0.85x the rate of one
+    of 12). Against passes of whole head rows (1-2 queries, 8 ymm), the attention kernel takes 0.94-0.98x
+    the time at x86-64-v3 on MiniLM's 32-wide heads, 0.76-0.87x on bert-base's 64-wide ones, and
+    0.98-1.00x at x86-64-v4, at 128 and 512 tokens (docs/PERFORMANCE.md)."""
     vectors = head_size // lanes
-    queries = max(1, (16 if lanes >= 16 else 8) // vectors)
-    return vectors, min(lanes, 1 << (queries.bit_length() - 1))
+    per_pass = next(n for n in (2, 3, 1) if vectors % n == 0)
+    passes = -(-tile // ((24 if lanes >= 16 else 12) // per_pass))
+    queries = -(-tile // passes)
+    smaller = passes * queries - tile
+    return per_pass, queries, passes - smaller, smaller
 
 
 def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -> tirx.PrimFunc:
@@ -129,7 +137,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     packed = shape.packed
     zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
     MIN_WORK = i64(MIN_PARALLEL_WORK)
-    DV, QP = (i64(x) for x in _context_tile(shape.head_size, lanes))
+    DP, QP, LARGER, SMALLER = (i64(x) for x in _context_passes(shape.head_size, lanes, queries_per_tile))
     products_of = attention_amx if amx else attention_bf16
     scores_symbol = products_of.SCORES.format(head=shape.head_size)
     context_symbol = products_of.CONTEXT.format(head=shape.head_size)
@@ -173,26 +181,37 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                         top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
 
     @T.macro
+    def context_pass(values, scores, inverse, out, gather, b, h, tile, length, first, dims, queries):
+        """out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i for `queries` queries from the
+        tile's `first` and DP vectors of dims from `dims`: the scores broadcast, the values in vectors."""
+        context = T.alloc_buffer((queries, DP * V), "float32", scope="local")
+        for q, dv in T.grid(queries, DP):
+            for lane in T.vectorized(V):
+                context[q, dv * V + lane] = zero
+        for j in T.serial(length[0]):
+            for q in T.unroll(queries):
+                for dv in T.unroll(DP):
+                    for lane in T.vectorized(V):
+                        context[q, dv * V + lane] = context[q, dv * V + lane] + (
+                            scores[j, first + q] * values[j, dims + dv * V + lane])
+        for q in T.serial(queries):
+            i = tile * TQ + first + q
+            if i < length[0]:
+                for dv in T.unroll(DP):
+                    for lane in T.vectorized(V):
+                        out[row_of(gather, b, i, R_OUT), h * D + dims + dv * V + lane] = (
+                            context[q, dv * V + lane] * inverse[first + q])
+
+    @T.macro
     def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
-        """out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i, QP queries' head rows a pass."""
-        for part in T.serial(TQ // QP):
-            context = T.alloc_buffer((QP, D), "float32", scope="local")
-            for q, dv in T.grid(QP, DV):
-                for lane in T.vectorized(V):
-                    context[q, dv * V + lane] = zero
-            for j in T.serial(length[0]):
-                for q in T.unroll(QP):
-                    for dv in T.unroll(DV):
-                        for lane in T.vectorized(V):
-                            context[q, dv * V + lane] = (
-                                context[q, dv * V + lane] + scores[j, part * QP + q] * values[j, dv * V + lane])
-            for q in T.serial(QP):
-                i = tile * TQ + part * QP + q
-                if i < length[0]:
-                    for dv in T.unroll(DV):
-                        for lane in T.vectorized(V):
-                            out[row_of(gather, b, i, R_OUT), h * D + dv * V + lane] = (
-                                context[q, dv * V + lane] * inverse[part * QP + q])
+        """The tile's head rows in passes of DP vectors of dims x QP queries, or QP - 1 (`_context_passes`)."""
+        for part in T.serial(D // (DP * V)):
+            for group in T.serial(LARGER):
+                context_pass(values, scores, inverse, out, gather, b, h, tile, length, group * QP,
+                             part * DP * V, QP)
+            for group in T.serial(SMALLER):
+                context_pass(values, scores, inverse, out, gather, b, h, tile, length,
+                             LARGER * QP + group * (QP - i64(1)), part * DP * V, QP - i64(1))
 
     @T.macro
     def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):

@@ -45,7 +45,6 @@ from .config import RELATIVE_TOLERANCES, CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
 from .int8_plan import Int8Plan, plan_for
-from .kernels import int8
 from .kernels.common import vector_lanes
 from .opcount import tracked_counts
 from .passes import quantize
@@ -406,7 +405,7 @@ def transform(config: CompileConfig, plan: Plan, imported, strategies: list[str]
         packed, pipeline = combined, list(PASSES[strategy])
         if config.precision == "int8":  # int8 panels, smoothed; what the plan keeps out: bf16 or fp32
             packed, _ = smooth_linears(packed, plan.int8.scales)
-            packed, rewritten = quantize_linears(packed, int8.kernel_for(target), frozenset(plan.int8.fallback_keys),
+            packed, rewritten = quantize_linears(packed, target, frozenset(plan.int8.fallback_keys),
                                                  keep_in_bf16=plan.int8.fallback_precision == "bf16")
             pipeline[-1:-1] = ["SmoothLinears", "QuantizeLinearsInt8"]
         elif config.precision == "bf16":  # bf16 panels; what is left (if any) stays fp32

@@ -89,16 +89,17 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     return compile_model(config)
 
 
-def int8_linear_inputs(m, n: int, k: int, kernel) -> list:
+def int8_linear_inputs(m, n: int, k: int, kernel, panel: int | None = None) -> list:
     """The placeholders of `int8.int8_matmul_te` for M rows (an int or a var), N outputs and K inputs (the
-    activations' dims int64, as Relax writes them)."""
+    activations' dims int64, as Relax writes them), on panels `panel` columns wide (default: the kernel's)."""
     from tvm import te, tirx
 
     from compile.kernels import int8
 
+    panel = panel or kernel.panel
     return [te.placeholder((m, tirx.IntImm("int64", k)), int8.ACTIVATION, name="xq"),
             te.placeholder((m,), "float32", name="scale"), te.placeholder((m,), "int32", name="zero"),
-            te.placeholder((n // kernel.panel, k // kernel.group, kernel.panel, kernel.group), "int8", name="panels"),
+            te.placeholder((n // panel, k // kernel.group, panel, kernel.group), "int8", name="panels"),
             te.placeholder((n,), "float32", name="weight_scale"), te.placeholder((n,), "int32", name="column_sum")]
 
 
@@ -113,12 +114,14 @@ def prefetched_addresses(func) -> list:
     return indices
 
 
-def int8_weight_operands(quantized, kernel) -> tuple:
-    """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, as the int8 pass writes them."""
+def int8_weight_operands(quantized, kernel, panel: int | None = None) -> tuple:
+    """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, `panel` columns a panel (default:
+    the kernel's), as the int8 pass writes them."""
     import numpy as np
 
     n, k = quantized.shape
-    panels = quantized.reshape(n // kernel.panel, kernel.panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
+    panel = panel or kernel.panel
+    panels = quantized.reshape(n // panel, panel, k // kernel.group, kernel.group).transpose(0, 2, 1, 3)
     return np.ascontiguousarray(panels), quantized.astype(np.int32).sum(axis=1).astype(np.int32)
 
 

@@ -6,6 +6,8 @@ machine, and run where this CPU has its features."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -25,6 +27,10 @@ TARGET = make_target("cpu", "sm_90", None)
 KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.AVX_VNNI: make_target("cpu", mcpu="alderlake"),
                   int8.VNNI: make_target("cpu", mcpu="cascadelake")}
 each_kernel = pytest.mark.parametrize("kernel", list(KERNEL_TARGETS), ids=lambda kernel: kernel.name)
+# every panel width each kernel reads: VNNI's wide one (48 columns) beside its 32
+each_layout = pytest.mark.parametrize("kernel,panel", [
+    (kernel, width) for kernel in KERNEL_TARGETS for width in (kernel.panel, kernel.wide_panel) if width],
+    ids=lambda value: value.name if isinstance(value, int8.Int8Kernel) else str(value))
 
 
 def _build(func, schedule, target):
@@ -37,12 +43,12 @@ def _build(func, schedule, target):
     return lib
 
 
-def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel):
+def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel, panel: int | None = None):
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
     scale = np.abs(weight).max(axis=1) / kernel.weight_max
     quantized = np.round(weight / scale[:, None]).astype(np.int8)
-    return (weight, quantized, scale.astype("float32"), *int8_weight_operands(quantized, kernel))
+    return (weight, quantized, scale.astype("float32"), *int8_weight_operands(quantized, kernel, panel))
 
 
 def test_the_best_kernel_the_cpu_runs_is_chosen():
@@ -53,19 +59,19 @@ def test_the_best_kernel_the_cpu_runs_is_chosen():
     assert int8.kernel_for(make_target("cpu", mcpu="x86-64")) is None  # no AVX2
 
 
-@each_kernel
+@each_layout
 @pytest.mark.parametrize("rows", [8, 13, "symbolic"])
-def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
-    n, k = 2 * kernel.panel, 48
+def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel, panel):
+    n, k = 2 * panel, 48
     m = tirx.Var("m", "int64") if rows == "symbolic" else rows
-    inputs = int8_linear_inputs(m, n, k, kernel)
+    inputs = int8_linear_inputs(m, n, k, kernel, panel)
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
     lib = _build(te.create_prim_func([*inputs, bias, out]), lambda f: int8.schedule_int8_matmul(f, kernel),
                  KERNEL_TARGETS[kernel])
 
-    _, quantized, w_scale, packed, column_sum = _quantized_weight(n, k, 1, kernel)
+    _, quantized, w_scale, packed, column_sum = _quantized_weight(n, k, 1, kernel, panel)
     rng = np.random.default_rng(2)
     count = 21 if rows == "symbolic" else rows
     codes = rng.integers(0, 256, (count, k))
@@ -77,6 +83,28 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel):
     lib(*(tvm.runtime.tensor(a) for a in given), result)
     exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
     np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
+
+
+def test_panels_are_vnni_wide_where_n_allows_and_no_amx_tile_reads_them():
+    """VNNI's linears take 48-column panels (8 rows x 3 zmm: 24 accumulators) where N is a multiple of
+    48, else 32; on a CPU with AMX its tiles read the panels, 32 columns. The AVX2 kernels keep 24."""
+    assert int8.panel_width(int8.VNNI, 1152, amx_tiles=False) == 48
+    assert int8.panel_width(int8.VNNI, 1024, amx_tiles=False) == 32  # bert-large's width: 48 does not divide it
+    assert int8.panel_width(int8.VNNI, 1152, amx_tiles=True) == 32
+    assert int8.panel_width(int8.AVX2, 1152, amx_tiles=False) == int8.panel_width(int8.AVX_VNNI, 1152, False) == 24
+
+
+@pytest.mark.parametrize("panel", [32, 48])
+def test_vnni_tile_keeps_a_zmm_accumulator_per_rows_x_panel_vectors(panel):
+    """The register tile is 8 rows x panel / 16 zmm: every vpdpbusd of the k loop accumulates into its
+    own zmm (16 with 32-column panels, 24 with 48), none spilled to the stack."""
+    kernel, target = int8.VNNI, KERNEL_TARGETS[int8.VNNI]
+    inputs = int8_linear_inputs(tirx.Var("m", "int64"), 2 * panel, 64, kernel, panel)
+    sch = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel)
+    asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
+    products = re.findall(r"^\s+vpdpbusd\s+(.*)$", asm, re.MULTILINE)
+    assert products and all(operands.split(",")[-1].strip().startswith("%zmm") for operands in products)
+    assert len({operands.split(",")[-1].strip() for operands in products}) == kernel.rows * panel // kernel.lanes
 
 
 @each_kernel

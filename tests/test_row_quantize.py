@@ -105,7 +105,7 @@ def test_quantize_pass_folds_the_smoothing_multiply_into_the_row_quantizer():
     scales = {"up": rng.uniform(0.2, 5.0, 96).astype("float32"), "down": rng.uniform(0.2, 5.0, 192).astype("float32")}
     smoothed, _ = smooth_linears(SmoothedFFN, scales)
     target = LEVELS[0]  # the AVX2 kernel: TVM code only (AMX's and VNNI's tiles link C micro-kernels)
-    quantized, count = quantize_linears(smoothed, int8.kernel_for(target))
+    quantized, count = quantize_linears(smoothed, target)
     assert count == 2
     calls = [gv.name_hint for gv in quantized.get_global_vars()]
     assert sum(name.startswith(row_quantize.SMOOTHED_ROW_QUANTIZE) for name in calls) == 2

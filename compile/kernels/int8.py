@@ -63,11 +63,13 @@ class Int8Kernel:
     intrin: str
     description: str  # as the manifest records it
     weight_max: int = 127  # weights are quantized to [-weight_max, weight_max]
+    wide_panel: int | None = None  # columns of a wider panel, where N is a multiple (`panel_width`)
 
 
-# 8 x 32 tile: 16 zmm accumulators of 32, as the fp32 AVX-512 kernel
+# 8 x 48 tile where N allows: 24 zmm accumulators, as the fp32 AVX-512 kernel's; 8 x 32 (16) else and
+# wherever AMX reads the panels (its tiles take 32 columns)
 VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
-                  "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation")
+                  "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation", wide_panel=48)
 # 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
 # from memory by vpmaddubsw). 7-bit weights: a pair of u8 x s8 products is at most
 # 2 x 255 x 63 = 32130, so vpmaddubsw's saturating int16 sum is exact.
@@ -98,6 +100,15 @@ def _kernel_for(target_text: str) -> Int8Kernel | None:
     if not llvm_cpu_has_features("avx2", target):
         return None
     return AVX_VNNI if llvm_cpu_has_features("avxvnni", target) else AVX2
+
+
+def panel_width(kernel: Int8Kernel, n: int, amx_tiles: bool) -> int:
+    """Columns of the weight panels of a linear of N outputs on `kernel`: its wide panel where N is a
+    multiple and no AMX tile reads them (VNNI's 48: 3 weight vectors and 8 broadcasts per 24
+    `vpdpbusd`, where 32 columns took 2 and 8 per 16; MiniLM's int8 linears then take 0.90-0.97x the
+    time at 128-512 tokens, docs/PERFORMANCE.md), else its panel."""
+    wide = kernel.wide_panel
+    return wide if wide is not None and not on_amx(kernel, amx_tiles) and n % wide == 0 else kernel.panel
 
 
 def on_amx(kernel: Int8Kernel, amx_tiles: bool) -> bool:
@@ -217,7 +228,8 @@ def _i64(value: int) -> tirx.IntImm:
 
 
 def _int8_matmul_block(sch: s_tir.Schedule, kernel: Int8Kernel):
-    """The block accumulating quantized activations x int8 weights in int32 in `kernel`'s layouts, or None."""
+    """The block accumulating quantized activations x int8 weights in int32 in `kernel`'s layouts, and
+    its panels' width; or None."""
     for block in sch.get_child_blocks(sch.get_sblock("root")):
         stmt = sch.get(block)
         dtypes = [r.source.dtype for r in stmt.reads]
@@ -228,8 +240,8 @@ def _int8_matmul_block(sch: s_tir.Schedule, kernel: Int8Kernel):
             view = sch.get(producer)
             if view.name_hint.startswith(PANEL_VIEW) and len(view.reads[0].source.shape) == 4:
                 _, _, panel, group = (int(d) for d in view.reads[0].source.shape)
-                if (ACTIVATION, kernel.panel, kernel.group) == (dtypes[0], panel, group):
-                    return block
+                if (dtypes[0], group) == (ACTIVATION, kernel.group) and panel in (kernel.panel, kernel.wide_panel):
+                    return block, panel
     return None
 
 
@@ -253,15 +265,16 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     if kernel is None:
         return None
     sch = s_tir.Schedule(func)
-    main = _int8_matmul_block(sch, kernel)
-    if main is None:
+    found = _int8_matmul_block(sch, kernel)
+    if found is None:
         return None
+    main, panel = found
     m, j, k = sch.get_loops(main)
     if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
     activations, panels = (region.source for region in sch.get(main).reads[:2])
-    jo, jv, jl = sch.split(j, [None, kernel.panel // kernel.lanes, kernel.lanes])
+    jo, jv, jl = sch.split(j, [None, panel // kernel.lanes, kernel.lanes])
     mo, mi = sch.split(m, [None, kernel.rows])
     ko, ki = sch.split(k, [None, kernel.group])
     sch.reorder(jo, mo, ko, mi, jv, jl, ki)

@@ -27,7 +27,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels import int8, row_quantize
+from ..kernels import amx, int8, row_quantize
 from ..sentences import ACCURACY_SENTENCES
 from .bf16 import bf16_linear
 from .linears import rewrite_linears
@@ -39,12 +39,13 @@ SCHEME = ("int8: weights symmetric per output channel (compile time), activation
           "(uint8 with a zero point, run time)")
 
 
-def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset[str] = frozenset(),
+def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozenset[str] = frozenset(),
                      keep_in_bf16: bool = False) -> tuple[tvm.IRModule, int]:
-    """`mod` with `main`'s linears on int8 weights for `kernel`, and how many were quantized (run
-    before LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32).
-    A linear over a torch Linear in `keep` (its `smooth.module_key`) stays out of int8: on bf16
-    panels when `keep_in_bf16`, else fp32."""
+    """`mod` with `main`'s linears on int8 weights for `target`'s micro-kernel (`int8.kernel_for`) and
+    panels (`int8.panel_width`), and how many were quantized (run before LiftTransformParams and
+    before compile/passes/packing.py, which packs what is left in fp32). A linear over a torch Linear
+    in `keep` (its `smooth.module_key`) stays out of int8: on bf16 panels when `keep_in_bf16`, else fp32."""
+    kernel, amx_tiles = int8.kernel_for(target), amx.supported(target)
     linears = linears_on_weights(mod["main"])
     kept = {linears[var] for var, keys in linear_modules(mod["main"], linears).items() if set(keys) & keep}
 
@@ -59,8 +60,9 @@ def quantize_linears(mod: tvm.IRModule, kernel: int8.Int8Kernel, keep: frozenset
         scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
                                relax.const(float(top), "float32")))
         quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -top, top), "int8"))
+        panel = int8.panel_width(kernel, n, amx_tiles)
         panels = emit(op.permute_dims(
-            op.reshape(quantized, (n // kernel.panel, kernel.panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
+            op.reshape(quantized, (n // panel, panel, k // kernel.group, kernel.group)), [0, 2, 1, 3]))
         column_sum = emit(op.sum(op.astype(quantized, "int32"), axis=1))
         rows = quantize_rows(builder, x, k)
         return builder.emit_te(int8.int8_matmul_te, *(relax.TupleGetItem(rows, i) for i in range(3)),

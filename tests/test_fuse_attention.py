@@ -321,17 +321,20 @@ def test_amx_products_run_on_the_tiles():
         attention.write_attention(narrow, 16, "bf16"))
 
 
+def _nodes(stmt, node_type) -> list:
+    """Every node of `node_type` in `stmt`."""
+    found = []
+    tvm_ffi.structural_walk(stmt, [(node_type, found.append)])
+    return found
+
+
 def _stored(func: tirx.PrimFunc) -> set[str]:
-    names = set()
-    tvm_ffi.structural_map(func.body, [(tirx.BufferStore, lambda store: names.add(str(store.buffer.name)) or store)])
-    return names
+    return {str(store.buffer.name) for store in _nodes(func.body, tirx.BufferStore)}
 
 
 def _extern_calls(func: tirx.PrimFunc) -> set[str]:
-    names = set()
-    tvm_ffi.structural_map(func.body, [(tvm.ir.Call, lambda call: names.add(str(call.args[0].value)) or call
-                                        if call.op.same_as(tvm.ir.Op.get("tirx.call_extern")) else call)])
-    return names
+    extern = tvm.ir.Op.get("tirx.call_extern")
+    return {str(call.args[0].value) for call in _nodes(func.body, tvm.ir.Call) if call.op.same_as(extern)}
 
 
 def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
@@ -363,13 +366,9 @@ def test_each_task_reads_its_keys_and_values_once_not_per_query_tile(layout):
     func = attention.write_attention(shape, 16)
 
     def loaded(stmt) -> set[str]:
-        names = set()
-        tvm_ffi.structural_map(stmt, [(tvm.ir.expr.TensorLoad, lambda load: names.add(str(load.source.name)) or load)])
-        return names
+        return {str(load.source.name) for load in _nodes(stmt, tvm.ir.expr.TensorLoad)}
 
-    tiles = []
-    tvm_ffi.structural_map(func.body, [(tirx.For, lambda loop: tiles.append(loop) or loop)])
-    tiles = [loop for loop in tiles if loop.loop_var.name == "tile"]
+    tiles = [loop for loop in _nodes(func.body, tirx.For) if loop.loop_var.name == "tile"]
     assert tiles and {"k_src", "v_src"} <= loaded(func.body)
     for tile in tiles:
         assert {"keys", "values"} <= loaded(tile) and not {"k_src", "v_src"} & loaded(tile)
@@ -388,26 +387,14 @@ def test_each_output_row_is_written_as_whole_vectors(layout, lanes):
     func = attention.write_attention(shape, lanes)
 
     def output_stores(stmt) -> list:
-        stores = []
-        tvm_ffi.structural_map(stmt, [(tirx.BufferStore, lambda store: (
-            stores.append(store) if store.buffer.name == "out" and not isinstance(store.value, tirx.FloatImm)
-            else None) or store)])
-        return stores
+        return [store for store in _nodes(stmt, tirx.BufferStore)
+                if store.buffer.name == "out" and not isinstance(store.value, tirx.FloatImm)]
 
-    loops = []
-    tvm_ffi.structural_map(func.body, [(tirx.For, lambda loop: loops.append(loop) or loop)])
-    vector_written = [store for loop in loops if loop.kind == tirx.ForKind.VECTORIZED
+    vector_written = [store for loop in _nodes(func.body, tirx.For) if loop.kind == tirx.ForKind.VECTORIZED
                       for store in output_stores(loop.body)
                       if any(v.same_as(loop.loop_var) for v in tirx.analysis.undefined_vars(store.indices[-1]))]
     stores = output_stores(func.body)
     assert stores and all(any(store.same_as(v) for v in vector_written) for store in stores)
-
-
-
-def _nodes(stmt, node_type) -> list:
-    found = []
-    tvm_ffi.structural_map(stmt, [(node_type, lambda node: found.append(node) or node)])
-    return found
 
 
 @pytest.mark.parametrize("lanes,head_size,passes", [

@@ -67,7 +67,7 @@ class Int8Kernel:
 
 
 # 8 x 48 tile where N allows: 24 zmm accumulators, as the fp32 AVX-512 kernel's; 8 x 32 (16) else and
-# wherever AMX reads the panels (its tiles take 32 columns)
+# on CPUs with AMX, whose tiles read 32-column panels (`panel_width`)
 VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
                   "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation", wide_panel=48)
 # 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
@@ -104,9 +104,9 @@ def _kernel_for(target_text: str) -> Int8Kernel | None:
 
 def panel_width(kernel: Int8Kernel, n: int, amx_tiles: bool) -> int:
     """Columns of the weight panels of a linear of N outputs on `kernel`: its wide panel where N is a
-    multiple and no AMX tile reads them (VNNI's 48: 3 weight vectors and 8 broadcasts per 24
-    `vpdpbusd`, where 32 columns took 2 and 8 per 16; MiniLM's int8 linears then take 0.90-0.97x the
-    time at 128-512 tokens, docs/PERFORMANCE.md), else its panel."""
+    multiple and the target has no AMX tiles, which read 32-column panels (VNNI's 48: 3 weight vectors
+    and 8 broadcasts per 24 `vpdpbusd`, where 32 columns took 2 and 8 per 16; MiniLM's int8 linears
+    then take 0.90-0.99x the time at 128-512 tokens, docs/PERFORMANCE.md), else its panel."""
     wide = kernel.wide_panel
     return wide if wide is not None and not on_amx(kernel, amx_tiles) and n % wide == 0 else kernel.panel
 

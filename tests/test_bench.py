@@ -80,8 +80,9 @@ def test_bench_refuses_a_candidate_that_disagrees_with_pytorch(tiny_embed_artifa
 @pytest.mark.parametrize("shape,generic,library", [("1x8", False, "bucket-1x8"), ("1x8", True, "generic"),
                                                     ("5x20", False, "generic")])  # no bucket holds 5x20
 def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(tiny_embed_artifact, shape, generic,
-                                                                               library, capsys):
-    argv = ["--artifacts", str(tiny_embed_artifact), "--shape", shape, "--calls", "2"] + (["--generic"] if generic else [])
+                                                                               library, tmp_path, capsys):
+    artifact = with_latencies(tiny_embed_artifact, tmp_path / "tiny-embed", TINY_LATENCIES)
+    argv = ["--artifacts", str(artifact), "--shape", shape, "--calls", "2"] + (["--generic"] if generic else [])
     assert kernel_profile.main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"tiny-embed, {shape} on {library}, ")
@@ -90,11 +91,13 @@ def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(t
     assert matmuls and all(int(row[1]) >= 1 and float(row[2]) > 0 for row in matmuls), out
 
 
-def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artifact, tiny_classify_artifact, capsys):
+def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artifact, tiny_classify_artifact, tmp_path,
+                                                                capsys):
     """Each kernel the two share gets both times and their paired ratio; one only the classifier runs
     (its head) gets its time there and a dash for the other."""
-    argv = ["--artifacts", str(tiny_embed_artifact), "--compare", str(tiny_classify_artifact), "--shape", "1x8",
-            "--calls", "3"]
+    embed, classify = (with_latencies(artifact, tmp_path / artifact.name, TINY_LATENCIES)
+                       for artifact in (tiny_embed_artifact, tiny_classify_artifact))
+    argv = ["--artifacts", str(embed), "--compare", str(classify), "--shape", "1x8", "--calls", "3"]
     assert kernel_profile.main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith("tiny-embed against tiny-classify, 1x8 on bucket-1x8 and bucket-1x8, ")

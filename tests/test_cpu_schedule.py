@@ -555,3 +555,18 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     caller.join()
     assert seen.numpy()[0] == count - grain  # every iteration outside the held claim finished meanwhile
     assert sorted(seen.numpy()[1:]) == list(range(1, count)) and finished.numpy()[0] == count - 1  # each ran once
+
+
+def test_a_c_micro_kernel_object_lives_until_the_process_exits():
+    """The object file the libraries link stays for the process's compiles, and its scratch
+    directory goes when the process does (a compile leaves nothing behind in the temp dir)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("from compile.kernels.tiles import c_object\n"
+              "obj = c_object('probe', 'int probe(void) { return 1; }', ())\nassert obj.is_file()\nprint(obj)")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    obj = Path(result.stdout.strip())
+    assert obj.name == "probe.o" and not obj.parent.exists()

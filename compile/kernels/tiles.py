@@ -15,7 +15,9 @@ so `schedule_tiles` drops it.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
@@ -199,10 +201,12 @@ def _drop_init(sch: s_tir.Schedule, call) -> None:
 
 @functools.cache
 def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
-    """`source` compiled once per process, with `flags`, to an object file the libraries link."""
+    """`source` compiled once per process, with `flags`, to an object file the libraries link (kept in
+    a scratch directory until the process exits)."""
     from tvm.support import cc
 
     directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
     path, obj = directory / f"{name}.c", directory / f"{name}.o"
     path.write_text(source)
     compiler = cc.get_cc() or "gcc"

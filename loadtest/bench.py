@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .machine import describe as describe_machine
+from .machine import line as machine_line
 
 DEFAULT_SHAPES = "1x16,8x128,32x128,1x512"
 DEFAULT_GENERIC_SHAPES = "5x100"
@@ -53,9 +54,6 @@ def parse_args(argv):
                              "weights in the caches, as a server between requests (0: right after another runtime)")
     parser.add_argument("--no-onnx", action="store_true", help="skip ONNX Runtime (always skipped on CUDA)")
     parser.add_argument("--no-openvino", action="store_true", help="skip OpenVINO (always skipped on CUDA)")
-    parser.add_argument("--openvino-isa", metavar="ISA",
-                        help="hold OpenVINO's oneDNN kernels to this instruction set (ONEDNN_MAX_CPU_ISA, e.g. AVX2), "
-                             "the peer of an artifact built for that level; the kernels' ISAs it ran go into the JSON")
     parser.add_argument("--int8", action="store_true",
                         help="also the int8 peers: ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain "
                              "export and on the transformers-optimized graph, OpenVINO NNCF int8 (transformer preset)")
@@ -278,8 +276,7 @@ def load_candidates(args, scratch: Path) -> Candidates:
         _log(f"bench: OpenVINO default precision and f32{' and NNCF int8' if args.int8 else ''} ...")
         graph = scratch / "model.onnx"  # ONNX Runtime's plain export, when it ran
         graph = graph if graph.exists() else export_onnx(wrapper, graph)
-        openvino = openvino_models(graph, args.threads, args.int8, info.path / "tokenizer.json", info.max_seq,
-                                   args.openvino_isa)
+        openvino = openvino_models(graph, args.threads, args.int8, info.path / "tokenizer.json", info.max_seq)
         precisions.update({label: "int8" if label == "openvino_int8" else ov.precision()
                            for label, ov in openvino.items()})
     compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
@@ -363,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
                      "onnxruntime": _version("onnxruntime") if candidates.sessions else None,
                      "openvino": _version("openvino") if candidates.openvino else None},
         "onnxruntime_attention_fused": candidates.ort_fused_attention,
-        "openvino_isa": {"max": args.openvino_isa, **{label: ov.isa() for label, ov in candidates.openvino.items()}},
+        "openvino_isa": {label: ov.isa() for label, ov in candidates.openvino.items()},
         "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare],
         "precisions": {label: candidates.precisions[label] for label in results[0]["stats"]},
         "repeats": args.repeats, "results": results,
@@ -424,6 +421,7 @@ def markdown_table(report: dict) -> str:
         f"{row['shape']} " + ", ".join(f"{label} ({precisions[label]}) {row['least_cosine'][label]:.5f}"
                                        for label in peers)
         for row in report["results"])]
+    lines += ["", f"CPU: {machine_line(report['machine'])}"]
     return "\n".join(lines)
 
 

@@ -1,14 +1,17 @@
 """The machine a benchmark ran on, recorded next to its figures: the CPU's name (`lscpu`), the LLVM
 CPU that TVM compiles for on it, its vector features (the loader's own reading of /proc/cpuinfo),
-and the cores this process may use."""
+the cores this process may use, and the level `cpuid` was held to (`loadtest.cpuid_level`), if any."""
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 
 from artifact.cores import usable_cores
 from artifact.cpu_features import host_flags
+
+from .cpuid_level import LEVEL_ENV
 
 
 def describe() -> dict:
@@ -20,7 +23,7 @@ def describe() -> dict:
     flags = host_flags() or set()
     return {"cpu": fields.get("Model name", "").strip() or platform.processor() or platform.machine(),
             "llvm_mcpu": _llvm_cpu(), "cores": usable_cores(), "avx512": "avx512f" in flags,
-            "vnni": "avx512_vnni" in flags}
+            "vnni": "avx512_vnni" in flags, "cpuid_level": os.environ.get(LEVEL_ENV)}
 
 
 def _llvm_cpu() -> str | None:
@@ -36,7 +39,9 @@ def _llvm_cpu() -> str | None:
 
 
 def line(machine: dict) -> str:
-    """`AMD EPYC (LLVM mcpu znver4, 2 cores, AVX-512 yes, VNNI yes)`."""
+    """`AMD EPYC (LLVM mcpu znver4, 2 cores, AVX-512 yes, VNNI yes)`, and `, cpuid held to x86-64-v3`
+    after it where it was."""
     yes = lambda flag: "yes" if flag else "no"  # noqa: E731
+    held = f", cpuid held to {machine['cpuid_level']}" if machine.get("cpuid_level") else ""
     return (f"{machine['cpu']} (LLVM mcpu {machine['llvm_mcpu'] or 'n/a'}, {machine['cores']} cores, "
-            f"AVX-512 {yes(machine['avx512'])}, VNNI {yes(machine['vnni'])})")
+            f"AVX-512 {yes(machine['avx512'])}, VNNI {yes(machine['vnni'])}){held}")

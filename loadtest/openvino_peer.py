@@ -8,14 +8,12 @@
 
 Each compiled model runs with the latency hint on `threads` threads. Its idle TBB workers spin
 briefly and then sleep; the benchmark's warm call before each timed one covers the rest.
-`max_isa` holds OpenVINO's kernels to an older instruction set than the CPU's (its oneDNN's
-`ONEDNN_MAX_CPU_ISA`, e.g. AVX2 on an AVX-512 CPU), the peer of a build for that level;
-`isa()` says which kernels it then ran.
+`isa()` says which instruction sets its kernels ran: the peer of an x86-64-v3 build is OpenVINO
+under `loadtest.cpuid_level x86-64-v3`, where it runs as on an AVX2-only CPU.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -58,7 +56,7 @@ class OpenVinoModel:
 
     def isa(self) -> list[str]:
         """The instruction sets in the names of the kernels OpenVINO ran (jit_avx2, brgemm_avx512, ...), and
-        "mlas" where a linear ran on MLAS, which picks its own from the CPU whatever `max_isa` says."""
+        "mlas" where a linear ran on MLAS, which picks its own from the CPU."""
         found = set()
         for node in self.compiled.get_runtime_model().get_ordered_ops():
             info = node.get_rt_info()
@@ -71,18 +69,14 @@ class OpenVinoModel:
 
 
 def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: Path,
-                    max_seq: int, max_isa: str | None = None) -> dict[str, OpenVinoModel]:
-    """OpenVINO's f32 and default precision (and, with `int8`, NNCF int8) on `onnx_path`; with
-    `max_isa` (oneDNN's name, e.g. AVX2) its kernels are held to that level, where the default is f32."""
-    if max_isa is not None:
-        os.environ["ONEDNN_MAX_CPU_ISA"] = max_isa  # read once, when the CPU plugin first loads
+                    max_seq: int) -> dict[str, OpenVinoModel]:
+    """OpenVINO's f32 and default precision (and, with `int8`, NNCF int8) on `onnx_path`."""
     import openvino as ov
 
     core = ov.Core()
     model = core.read_model(str(onnx_path))
     models = {"openvino_f32": OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, "f32")))}
-    if max_isa is None:  # its default is bf16 on this CPU only from AVX-512 up; below, it is f32
-        models["openvino"] = OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, None)))
+    models["openvino"] = OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, None)))
     if int8:
         import nncf
 

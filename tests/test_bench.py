@@ -20,7 +20,8 @@ def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_
                  "--repeats", "2", "--compare", str(tiny_embed_artifact), "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert (out / "bench.png").stat().st_size > 0
-    assert (out / "bench.md").read_text().startswith("| shape | served by |")
+    markdown = (out / "bench.md").read_text()
+    assert markdown.startswith("| shape | served by |") and re.search(r"\nCPU: .+ \(LLVM mcpu .+\)\n$", markdown)
     assert [r["shape"] for r in report["results"]] == ["1x8", "2x16", "3x5"]
     generic_row = report["results"][-1]
     assert generic_row["kind"] == "generic" and generic_row["served_by"] == "bucket-4x16"

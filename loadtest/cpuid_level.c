@@ -1,8 +1,9 @@
-/* Preloaded by `python -m loadtest.cpuid_level`: every `cpuid` the process runs answers as an
- * x86-64-v3 CPU would (AVX2, FMA, no AVX-512, AMX or AVX-VNNI), so that the runtimes in it pick the
- * kernels they pick on such a CPU. The kernel makes `cpuid` fault (arch_prctl ARCH_SET_CPUID, kept
- * across fork and clone); the fault handler runs the real instruction and clears the bits above
- * the level. Only what software reads through `cpuid` changes: /proc/cpuinfo and the hardware do not.
+/* Preloaded by `python -m loadtest.cpuid_level`: every `cpuid` the process runs answers without the
+ * leaf-7 feature bits HIDE_7_<subleaf>_<register> (defined at compile time: the features the level
+ * lacks), so that the runtimes in it pick the kernels they pick on a CPU of that level. The kernel
+ * makes `cpuid` fault (arch_prctl ARCH_SET_CPUID, kept across fork and clone); the fault handler
+ * runs the real instruction and clears those bits. Only what software reads through `cpuid`
+ * changes: /proc/cpuinfo and the hardware do not.
  * Runtimes install SIGSEGV handlers of their own (TVM's prints a backtrace): `signal` and `sigaction`
  * are wrapped so that ours stays installed and theirs gets every fault that is not a `cpuid`. */
 #define _GNU_SOURCE
@@ -14,8 +15,6 @@
 #include <sys/syscall.h>
 #include <ucontext.h>
 #include <unistd.h>
-
-#define BIT(n) (1u << (n))
 
 static volatile unsigned long answered;
 static struct sigaction program_handler;  /* the SIGSEGV handler the program asked for (default at first) */
@@ -35,12 +34,10 @@ int sigaction(int signal_number, const struct sigaction *action, struct sigactio
 }
 
 sighandler_t signal(int signal_number, sighandler_t handler) {
+    static sighandler_t (*next)(int, sighandler_t);
     if (signal_number != SIGSEGV || !installed) {
-        struct sigaction action, old;
-        memset(&action, 0, sizeof action);
-        action.sa_handler = handler;
-        action.sa_flags = SA_RESTART;
-        return real_sigaction(signal_number, &action, &old) == 0 ? old.sa_handler : SIG_ERR;
+        if (!next) next = (sighandler_t (*)(int, sighandler_t))dlsym(RTLD_NEXT, "signal");
+        return next(signal_number, handler);
     }
     sighandler_t previous = program_handler.sa_handler;
     memset(&program_handler, 0, sizeof program_handler);
@@ -65,21 +62,10 @@ static void pass_on(int signal_number, siginfo_t *info, void *context) {
 /* How many `cpuid` the handler has answered: a benchmark checks that none come while it times. */
 unsigned long cpuid_level_answered(void) { return answered; }
 
-static void hide_features_above_v3(uint32_t leaf, uint32_t subleaf, uint32_t r[4]) {
-    if (leaf == 7 && subleaf == 0) {
-        /* EBX: AVX512 F, DQ, IFMA, PF, ER, CD, BW, VL */
-        r[1] &= ~(BIT(16) | BIT(17) | BIT(21) | BIT(26) | BIT(27) | BIT(28) | BIT(30) | BIT(31));
-        /* ECX: AVX512 VBMI, VBMI2, VNNI, BITALG, VPOPCNTDQ */
-        r[2] &= ~(BIT(1) | BIT(6) | BIT(11) | BIT(12) | BIT(14));
-        /* EDX: AVX512 4VNNIW, 4FMAPS, VP2INTERSECT, AMX BF16, AVX512 FP16, AMX TILE, AMX INT8 */
-        r[3] &= ~(BIT(2) | BIT(3) | BIT(8) | BIT(22) | BIT(23) | BIT(24) | BIT(25));
-    } else if (leaf == 7 && subleaf == 1) {
-        /* EAX: AVX-VNNI, AVX512 BF16, AMX FP16, AVX-IFMA */
-        r[0] &= ~(BIT(4) | BIT(5) | BIT(21) | BIT(23));
-        /* EDX: AVX-VNNI-INT8, AVX-NE-CONVERT, AMX COMPLEX, AVX10 */
-        r[3] &= ~(BIT(4) | BIT(5) | BIT(8) | BIT(19));
-    }
-}
+static const uint32_t hidden[2][4] = {
+    {HIDE_7_0_EAX, HIDE_7_0_EBX, HIDE_7_0_ECX, HIDE_7_0_EDX},
+    {HIDE_7_1_EAX, HIDE_7_1_EBX, HIDE_7_1_ECX, HIDE_7_1_EDX},
+};
 
 static void answer_cpuid(int signal_number, siginfo_t *info, void *context) {
     greg_t *registers = ((ucontext_t *)context)->uc_mcontext.gregs;
@@ -92,13 +78,15 @@ static void answer_cpuid(int signal_number, siginfo_t *info, void *context) {
     syscall(SYS_arch_prctl, ARCH_SET_CPUID, 1);
     __asm__ volatile("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(subleaf));
     syscall(SYS_arch_prctl, ARCH_SET_CPUID, 0);
-    hide_features_above_v3(leaf, subleaf, r);
+    if (leaf == 7 && subleaf <= 1) {
+        for (int i = 0; i < 4; i++) r[i] &= ~hidden[subleaf][i];
+    }
     registers[REG_RAX] = r[0], registers[REG_RBX] = r[1], registers[REG_RCX] = r[2], registers[REG_RDX] = r[3];
     registers[REG_RIP] += 2;
     answered++;
 }
 
-__attribute__((constructor)) static void hold_cpuid_to_v3(void) {
+__attribute__((constructor)) static void hold_cpuid(void) {
     struct sigaction action;
     memset(&action, 0, sizeof action);
     action.sa_sigaction = answer_cpuid;

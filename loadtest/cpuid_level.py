@@ -1,13 +1,14 @@
-"""`python -m loadtest.cpuid_level x86-64-v3 COMMAND...`: run COMMAND with every `cpuid` it runs
-answering as an x86-64-v3 CPU (AVX2 and FMA, no AVX-512, AMX or AVX-VNNI).
+"""`python -m loadtest.cpuid_level CPU COMMAND...`: run COMMAND with every `cpuid` it runs answering
+without the vector features LLVM's CPU `CPU` lacks (x86-64-v3: AVX2 and FMA, no AVX-512, AMX or
+AVX-VNNI; znver4: AVX-512 with VNNI and BF16, no AMX or AVX512-FP16).
 
 The runtimes we are compared with pick their kernels from `cpuid`. `ONEDNN_MAX_CPU_ISA` holds
 back only OpenVINO's oneDNN: its MLAS linears and its own JIT kernels still run AVX-512 code,
 and PyTorch and ONNX Runtime have no such switch. Held by `cpuid`, every peer in the process
-runs the code it runs on an AVX2-only CPU, on the same cores as our x86-64-v3 build. What it
-cannot change is the hardware: the AVX2 code runs on this CPU's execution units, not on an AVX2
-CPU's. `cpuid_level.c`, preloaded, does the holding (Linux, a CPU with `cpuid_fault`); it is
-compiled with the C compiler that links our libraries.
+runs the code it runs on a CPU with those features only, on the same cores as our build for that
+CPU. What it cannot change is the hardware: the code runs on this CPU's execution units, caches
+and clocks. `cpuid_level.c`, preloaded, does the holding (Linux, a CPU with `cpuid_fault`); it is
+compiled with the C compiler that links our libraries, with the bits to clear.
 """
 
 from __future__ import annotations
@@ -19,18 +20,49 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from artifact.cpu_features import host_flags
 
 PROG = "python -m loadtest.cpuid_level"
 LEVEL_ENV = "BERT_CPUID_LEVEL"  # set in the command's environment: machine.describe() records it
 SHIM_SOURCE = Path(__file__).with_name("cpuid_level.c")
-LEVEL_FLAGS = {"x86-64-v3": {"avx2", "fma", "bmi2", "movbe", "f16c"}}  # what the level keeps
+REGISTERS = ("eax", "ebx", "ecx", "edx")
+
+
+
+class CpuidBit(NamedTuple):
+    subleaf: int
+    register: str
+    bit: int
+    flag: str  # its name in /proc/cpuinfo
+
+
+# LLVM's name of each vector feature `cpuid` leaf 7 reports -> where, and Linux's name for it.
+CPUID_BITS: dict[str, CpuidBit] = {
+    "avx512f": CpuidBit(0, "ebx", 16, "avx512f"), "avx512dq": CpuidBit(0, "ebx", 17, "avx512dq"),
+    "avx512ifma": CpuidBit(0, "ebx", 21, "avx512ifma"), "avx512pf": CpuidBit(0, "ebx", 26, "avx512pf"),
+    "avx512er": CpuidBit(0, "ebx", 27, "avx512er"), "avx512cd": CpuidBit(0, "ebx", 28, "avx512cd"),
+    "avx512bw": CpuidBit(0, "ebx", 30, "avx512bw"), "avx512vl": CpuidBit(0, "ebx", 31, "avx512vl"),
+    "avx512vbmi": CpuidBit(0, "ecx", 1, "avx512vbmi"), "avx512vbmi2": CpuidBit(0, "ecx", 6, "avx512_vbmi2"),
+    "avx512vnni": CpuidBit(0, "ecx", 11, "avx512_vnni"), "avx512bitalg": CpuidBit(0, "ecx", 12, "avx512_bitalg"),
+    "avx512vpopcntdq": CpuidBit(0, "ecx", 14, "avx512_vpopcntdq"),
+    "avx5124vnniw": CpuidBit(0, "edx", 2, "avx512_4vnniw"), "avx5124fmaps": CpuidBit(0, "edx", 3, "avx512_4fmaps"),
+    "avx512vp2intersect": CpuidBit(0, "edx", 8, "avx512_vp2intersect"),
+    "amx-bf16": CpuidBit(0, "edx", 22, "amx_bf16"), "avx512fp16": CpuidBit(0, "edx", 23, "avx512_fp16"),
+    "amx-tile": CpuidBit(0, "edx", 24, "amx_tile"), "amx-int8": CpuidBit(0, "edx", 25, "amx_int8"),
+    "avxvnni": CpuidBit(1, "eax", 4, "avx_vnni"), "avx512bf16": CpuidBit(1, "eax", 5, "avx512_bf16"),
+    "amx-fp16": CpuidBit(1, "eax", 21, "amx_fp16"), "avxifma": CpuidBit(1, "eax", 23, "avx_ifma"),
+    "avxvnniint8": CpuidBit(1, "edx", 4, "avx_vnni_int8"), "avxneconvert": CpuidBit(1, "edx", 5, "avx_ne_convert"),
+    "amx-complex": CpuidBit(1, "edx", 8, "amx_complex"), "avx10.1-256": CpuidBit(1, "edx", 19, "avx10"),
+}
+# What a level must keep of this CPU's, beyond leaf 7's (Linux's flag names).
+BASE_FLAGS = {"avx2", "fma", "bmi2", "movbe", "f16c"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("level", choices=sorted(LEVEL_FLAGS), help="the level `cpuid` answers as")
+    parser.add_argument("level", help="an LLVM CPU name (x86-64-v3, znver4, ...): cpuid answers without what it lacks")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the command to run, and its arguments")
     args = parser.parse_args(argv)
     if not args.command:
@@ -38,33 +70,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def refusal(level: str, flags: set[str] | None) -> str | None:
-    """Why this host cannot run a command held to `level`, or None where it can."""
+def level_features(level: str) -> set[str]:
+    """The features of `CPUID_BITS` that LLVM's CPU `level` has. ValueError: a CPU LLVM does not
+    know, or one without AVX2 and FMA (which live outside leaf 7: they are never hidden)."""
+    import tvm
+    from tvm.target.codegen import llvm_cpu_has_features, llvm_get_cpu_archlist
+
+    if level not in llvm_get_cpu_archlist(tvm.target.Target("llvm")):
+        raise ValueError(f"{level} is not a CPU LLVM knows; e.g. x86-64-v3 (AVX2), znver4, cooperlake")
+    target = tvm.target.Target({"kind": "llvm", "mcpu": level})
+    if not all(llvm_cpu_has_features(feature, target) for feature in ("avx2", "fma")):
+        raise ValueError(f"{level} has no AVX2 and FMA: cpuid can be held to x86-64-v3 and the CPUs above it")
+    return {feature for feature in CPUID_BITS if llvm_cpu_has_features(feature, target)}
+
+
+def refusal(level: str, kept: set[str], flags: set[str] | None) -> str | None:
+    """Why this host (its /proc/cpuinfo `flags`) cannot run a command held to `level`, which keeps
+    the features `kept`; None where it can."""
     if flags is None:
         return "needs Linux on x86 with a readable /proc/cpuinfo"
     if "cpuid_fault" not in flags:
         return "this CPU (or its hypervisor) cannot make cpuid fault: no cpuid_fault in /proc/cpuinfo"
-    if missing := LEVEL_FLAGS[level] - flags:
-        return f"this CPU lacks {', '.join(sorted(missing))}: it is below {level} already"
+    kept_flags = {CPUID_BITS[feature].flag for feature in kept}
+    if missing := sorted(BASE_FLAGS - flags) + sorted(kept_flags - flags):
+        return f"this CPU lacks {', '.join(missing)}, which {level} has"
     if shutil.which("cc") is None:
         return "needs a C compiler (cc) to build the preloaded library"
     return None
 
 
-def build_shim(directory: Path) -> Path:
+def hidden_masks(kept: set[str]) -> dict[tuple[int, str], int]:
+    """(subleaf, register) -> the bits of leaf 7 to clear: every feature of `CPUID_BITS` not kept."""
+    masks = {(subleaf, register): 0 for subleaf in (0, 1) for register in REGISTERS}
+    for feature, (subleaf, register, bit, _) in CPUID_BITS.items():
+        if feature not in kept:
+            masks[subleaf, register] |= 1 << bit
+    return masks
+
+
+def build_shim(directory: Path, kept: set[str]) -> Path:
     library = directory / "cpuid_level.so"
-    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(SHIM_SOURCE)], check=True,
+    defines = [f"-DHIDE_7_{subleaf}_{register.upper()}={mask:#x}u"
+               for (subleaf, register), mask in hidden_masks(kept).items()]
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", *defines, "-o", str(library), str(SHIM_SOURCE)], check=True,
                    capture_output=True)
     return library
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if reason := refusal(args.level, host_flags()):
+    try:
+        kept = level_features(args.level)
+    except ValueError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if reason := refusal(args.level, kept, host_flags()):
         print(f"{PROG}: error: {reason}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="cpuid-level-") as scratch:
-        library = build_shim(Path(scratch))
+        library = build_shim(Path(scratch), kept)
         preload = " ".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
         env = {**os.environ, "LD_PRELOAD": preload, LEVEL_ENV: args.level}
         try:

@@ -8,8 +8,9 @@
 
 Each compiled model runs with the latency hint on `threads` threads. Its idle TBB workers spin
 briefly and then sleep; the benchmark's warm call before each timed one covers the rest.
-`isa()` says which instruction sets its kernels ran: the peer of an x86-64-v3 build is OpenVINO
-under `loadtest.cpuid_level x86-64-v3`, where it runs as on an AVX2-only CPU.
+`isa()` says which instruction sets its kernels ran: the peer of a build for another CPU than this
+one (x86-64-v3, znver4) is OpenVINO under `loadtest.cpuid_level` that CPU, where it picks the
+kernels it picks on a CPU with that CPU's features.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class OpenVinoModel:
 
     def isa(self) -> list[str]:
         """The instruction sets in the names of the kernels OpenVINO ran (jit_avx2, brgemm_avx512, ...), and
-        "mlas" where a linear ran on MLAS, which picks its own from the CPU."""
+        "mlas" where a linear ran on MLAS, which picks its own from `cpuid`."""
         found = set()
         for node in self.compiled.get_runtime_model().get_ordered_ops():
             info = node.get_rt_info()

@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         except OSError as exc:
             print(f"{PROG}: error: cannot run {args.command[0]}: {exc.strerror}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # the command had the interrupt too
+            return 130
     return 128 - status if status < 0 else status  # killed by a signal: as a shell reports it
 
 

@@ -114,6 +114,26 @@ def prefetched_addresses(func) -> list:
     return indices
 
 
+def prefetch_guards(func) -> list:
+    """For every prefetch of `func`, the loop whose first iteration alone issues it (the For of `v` in
+    an `if v == 0` around it), or None where no such `if` guards it."""
+    import tvm
+    import tvm_ffi
+    from tvm import tirx
+
+    loops, guards = {}, []
+    tvm_ffi.structural_walk(func, [(tirx.For, lambda loop: loops.update({loop.loop_var: loop}))])
+
+    def guard(branch):
+        condition = branch.condition
+        first = (isinstance(condition, tirx.EQ) and isinstance(condition.b, tirx.IntImm)
+                 and int(condition.b) == 0 and isinstance(condition.a, tirx.Var))
+        guards.extend([loops.get(condition.a) if first else None] * len(prefetched_addresses(branch.then_case)))
+
+    tvm_ffi.structural_walk(func, [(tirx.IfThenElse, guard)])
+    return guards + [None] * (len(prefetched_addresses(func)) - len(guards))
+
+
 def int8_weight_operands(quantized, kernel, panel: int | None = None) -> tuple:
     """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, `panel` columns a panel (default:
     the kernel's), as the int8 pass writes them."""

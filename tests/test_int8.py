@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import tvm
 import tvm_ffi
-from conftest import int8_linear_inputs, int8_weight_operands, prefetched_addresses
+from conftest import int8_linear_inputs, int8_weight_operands, prefetch_guards, prefetched_addresses
 from tvm import s_tir, te, tirx
+from tvm.sym import Analyzer
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
@@ -110,7 +111,8 @@ def test_vnni_tile_keeps_a_zmm_accumulator_per_rows_x_panel_vectors(panel):
 @each_kernel
 def test_each_k_step_prefetches_the_same_step_of_the_next_weight_panel(kernel):
     """Every 64-byte line of step k of panel `tile + 1` (`panel` x `group` bytes), the panel index
-    wrapping at the last: the hardware prefetcher cannot know which panel a thread reads next."""
+    wrapping at the last: the hardware prefetcher cannot know which panel a thread reads next. Only
+    the panel's first tile of rows issues them: the later ones find the panel in L2."""
     n, k = 3 * kernel.panel, 64
     inputs = int8_linear_inputs(tirx.Var("m", "int64"), n, k, kernel)
     func = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel).mod["main"]
@@ -121,6 +123,10 @@ def test_each_k_step_prefetches_the_same_step_of_the_next_weight_panel(kernel):
     for panel, step, _, _ in addresses:
         assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // kernel.panel and int(panel.a.b) == 1
         assert isinstance(step, tirx.Var)
+    rows = func.params[0].shape[0]
+    for loop in prefetch_guards(func):  # the loop over tiles of `kernel.rows` rows
+        assert loop is not None and loop.kind == tirx.ForKind.SERIAL
+        assert Analyzer().can_prove_equal(loop.extent, (rows + kernel.rows - 1) // kernel.rows)
 
 
 @each_kernel

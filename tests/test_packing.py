@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from conftest import prefetched_addresses
+from conftest import prefetch_guards, prefetched_addresses
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
+from tvm.sym import Analyzer
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
@@ -175,6 +176,10 @@ def test_the_kernel_prefetches_the_next_panel_and_accumulates_on_the_stack(m, la
     assert sorted(int(columns) for _, _, columns in rows) == list(range(0, nt, 16))  # each cache line once
     for panel, _, _ in rows:  # (tile + 1) % panels
         assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // nt and int(panel.a.b) == 1
+    tiles = [loop.extent for loop in prefetch_guards(func)]  # only the first tile of rows prefetches
+    mt = 8 if lanes == 16 else 4
+    expected = m // mt if m != "symbolic" else (func.params[0].shape[0] + mt - 1) // mt
+    assert tiles and all(Analyzer().can_prove_equal(extent, expected) for extent in tiles)
     module = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
     lower, finalize_host, _ = tvm.tirx.get_tir_pipeline(tir_pipeline(target))
     host = finalize_host()(lower(tvm.tirx.transform.BindTarget(target.with_host(target))(module))).script()

@@ -73,9 +73,13 @@ def attempt(fn, *args) -> bool:
         return False
 
 
-def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var,
-                        panels: tirx.Buffer) -> tirx.PrimFunc:
-    """`func` with step k of the next weight panel prefetched into L2 at step k of each k loop.
+def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var, panels: tirx.Buffer,
+                        rows_var: tirx.Var | None = None) -> tirx.PrimFunc:
+    """`func` with step k of the next weight panel prefetched into L2 at step k of the k loop of the
+    panel's first tile of rows (`rows_var` 0; of every k loop without it). The later tiles find it
+    there, and their prefetches only took load slots from the products: issued by the first tile
+    alone, MiniLM's x86-64-v3 int8 calls at 128-512 tokens took 0.96x the time, its fp32 calls
+    0.98-0.99x, x86-64-v4's 0.98-0.99x (docs/PERFORMANCE.md).
 
     `panels` is `[count, steps, *row]`, each panel's rows contiguous, a row per step of the k loop
     (fp32: `[N / nt, K, nt]`; int8: `[N / panel, K / group, panel, group]`). The hardware prefetcher
@@ -105,11 +109,13 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
     def add_prefetch(loop: tirx.For):
         if not loop.loop_var.same_as(k_var):
             return loop
-        prefetches = [tirx.Evaluate(tirx.call_intrin(
+        prefetches = tirx.SeqStmt([tirx.Evaluate(tirx.call_intrin(
             "void", "tirx.prefetch",
             tirx.address_of(tirx.BufferLoad(panels, [next_panel, k_var, *row_index(offset)])),
-            0, 2, 1)) for offset in range(0, row_size, per_line)]  # read, L2 (locality 2), data cache
-        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, tirx.SeqStmt([*prefetches, loop.body]),
+            0, 2, 1)) for offset in range(0, row_size, per_line)])  # read, L2 (locality 2), data cache
+        if rows_var is not None:
+            prefetches = tirx.IfThenElse(tirx.EQ(rows_var, tirx.const(0, str(rows_var.ty.dtype))), prefetches, None)
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, tirx.SeqStmt([prefetches, loop.body]),
                         loop.thread_binding, loop.annotations)
 
     return tvm_ffi.structural_map(func, [(tirx.For, add_prefetch)])

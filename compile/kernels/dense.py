@@ -127,7 +127,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
           B_pack[K, nt] = B[S, :, J tile]      # contiguous, and stays in L1/L2 for all of M
           for I / mt:
             acc[mt, nt] = 0
-            for k:  prefetch row k of the next panel (packed weights, `common.prefetch_next_panel`)
+            for k:  prefetch row k of the next panel (packed weights, first I tile: `common.prefetch_next_panel`)
                     unrolled ii < mt:  vectorised ji < nt:  acc[ii, ji] += A[ii, k] * B_pack[k, ji]
             C[I tile, J tile] = epilogue(acc)  # bias, GELU, residual add, ... fused, vectorised
     Each B vector load feeds mt FMAs and each A broadcast nt / lanes FMAs. Symbolic or ragged M
@@ -208,6 +208,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     init = sch.decompose_reduction(main, k)
     vectorize_inner(sch, init, lanes)
     k_var, tile_var = sch.get(k).loop_var, sch.get(tile).loop_var
+    rows_var = sch.get(io).loop_var if has_i else None
 
     # Whatever could not be fused (a padded copy of B, an epilogue the inliner refused) still
     # runs in parallel and vectorised.
@@ -217,5 +218,5 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
             parallel_vectorize(sch, block, lanes)
     func = read_padded_rows_in_place(sch.mod["main"], activations)
     if panels is not None:
-        func = prefetch_next_panel(func, k_var, tile_var, panels)
+        func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var)
     return s_tir.Schedule(func)

@@ -255,7 +255,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
         parallel (N / panel):
           for M / rows:
             acc[rows, panel] = 0
-            for K / group:  prefetch step k of the next panel (`common.prefetch_next_panel`)
+            for K / group:  prefetch step k of the next panel (first M tile: `common.prefetch_next_panel`)
                             unrolled rows x panel / lanes:  acc[i, lanes cols] += micro-kernel(x group, panel)
             y[rows, panel] = epilogue((acc - zero x column sum) * row scale * column scale)
     A symbolic or ragged M is padded to a multiple of rows (`pad_einsum`), the rows past M read clamped
@@ -290,4 +290,5 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     sch.tensorize(jl, kernel.intrin)
     parallelize_leftovers(sch)
     func = read_padded_rows_in_place(sch.mod["main"], activations)  # each micro-kernel call reads one row
-    return s_tir.Schedule(prefetch_next_panel(func, sch.get(ko).loop_var, sch.get(jo).loop_var, panels))
+    return s_tir.Schedule(prefetch_next_panel(func, sch.get(ko).loop_var, sch.get(jo).loop_var, panels,
+                                              sch.get(mo).loop_var))

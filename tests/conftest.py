@@ -117,7 +117,6 @@ def prefetched_addresses(func) -> list:
 def prefetch_guards(func) -> list:
     """For every prefetch of `func`, the loop whose first iteration alone issues it (the For of `v` in
     an `if v == 0` around it), or None where no such `if` guards it."""
-    import tvm
     import tvm_ffi
     from tvm import tirx
 

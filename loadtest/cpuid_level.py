@@ -128,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {reason}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="cpuid-level-") as scratch:
-        library = build_shim(Path(scratch), kept)
+        try:
+            library = build_shim(Path(scratch), kept)
+        except subprocess.CalledProcessError as exc:
+            last = exc.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {exc.returncode}"]
+            print(f"{PROG}: error: cc cannot build the preloaded library: {last[0]}", file=sys.stderr)
+            return 2
         preload = " ".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
         env = {**os.environ, "LD_PRELOAD": preload, LEVEL_ENV: args.level}
         try:

@@ -126,6 +126,17 @@ def test_a_host_that_cannot_hold_cpuid_is_refused_in_one_line(level, flags, reas
     assert capsys.readouterr().err == f"python -m loadtest.cpuid_level: error: {reason}\n"
 
 
+def test_a_shim_cc_cannot_build_is_one_line(monkeypatch, tmp_path, capsys):
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(cpuid_level, "SHIM_SOURCE", broken)
+    monkeypatch.setattr(cpuid_level, "refusal", lambda *args: None)
+    assert cpuid_level.main(["x86-64-v3", sys.executable, "-c", "raise SystemExit(0)"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m loadtest.cpuid_level: error: cc cannot build the preloaded library: ")
+    assert error.count("\n") == 1
+
+
 def test_the_host_itself_is_refused_or_held():
     """On this host, the command line either holds cpuid or says in one line why it cannot."""
     result = subprocess.run([sys.executable, "-m", "loadtest.cpuid_level", "x86-64-v3", sys.executable, "-c",

@@ -31,6 +31,19 @@ _LINUX_FLAGS = {
     "amx-int8": "amx_int8",
     "amx-bf16": "amx_bf16",
     "avxvnni": "avx_vnni",
+    # leaf-7 features beyond FEATURES, which `loadtest.cpuid_level` hides from other runtimes
+    "avx512vbmi2": "avx512_vbmi2",
+    "avx512bitalg": "avx512_bitalg",
+    "avx512vpopcntdq": "avx512_vpopcntdq",
+    "avx5124vnniw": "avx512_4vnniw",
+    "avx5124fmaps": "avx512_4fmaps",
+    "avx512vp2intersect": "avx512_vp2intersect",
+    "amx-fp16": "amx_fp16",
+    "amx-complex": "amx_complex",
+    "avxifma": "avx_ifma",
+    "avxvnniint8": "avx_vnni_int8",
+    "avxneconvert": "avx_ne_convert",
+    "avx10.1-256": "avx10",
 }
 
 CPUINFO = Path("/proc/cpuinfo")

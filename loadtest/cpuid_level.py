@@ -20,41 +20,25 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
 
-from artifact.cpu_features import host_flags
+from artifact.cpu_features import host_flags, linux_flag
 
 PROG = "python -m loadtest.cpuid_level"
 LEVEL_ENV = "BERT_CPUID_LEVEL"  # set in the command's environment: machine.describe() records it
 SHIM_SOURCE = Path(__file__).with_name("cpuid_level.c")
 REGISTERS = ("eax", "ebx", "ecx", "edx")
 
-
-
-class CpuidBit(NamedTuple):
-    subleaf: int
-    register: str
-    bit: int
-    flag: str  # its name in /proc/cpuinfo
-
-
-# LLVM's name of each vector feature `cpuid` leaf 7 reports -> where, and Linux's name for it.
-CPUID_BITS: dict[str, CpuidBit] = {
-    "avx512f": CpuidBit(0, "ebx", 16, "avx512f"), "avx512dq": CpuidBit(0, "ebx", 17, "avx512dq"),
-    "avx512ifma": CpuidBit(0, "ebx", 21, "avx512ifma"), "avx512pf": CpuidBit(0, "ebx", 26, "avx512pf"),
-    "avx512er": CpuidBit(0, "ebx", 27, "avx512er"), "avx512cd": CpuidBit(0, "ebx", 28, "avx512cd"),
-    "avx512bw": CpuidBit(0, "ebx", 30, "avx512bw"), "avx512vl": CpuidBit(0, "ebx", 31, "avx512vl"),
-    "avx512vbmi": CpuidBit(0, "ecx", 1, "avx512vbmi"), "avx512vbmi2": CpuidBit(0, "ecx", 6, "avx512_vbmi2"),
-    "avx512vnni": CpuidBit(0, "ecx", 11, "avx512_vnni"), "avx512bitalg": CpuidBit(0, "ecx", 12, "avx512_bitalg"),
-    "avx512vpopcntdq": CpuidBit(0, "ecx", 14, "avx512_vpopcntdq"),
-    "avx5124vnniw": CpuidBit(0, "edx", 2, "avx512_4vnniw"), "avx5124fmaps": CpuidBit(0, "edx", 3, "avx512_4fmaps"),
-    "avx512vp2intersect": CpuidBit(0, "edx", 8, "avx512_vp2intersect"),
-    "amx-bf16": CpuidBit(0, "edx", 22, "amx_bf16"), "avx512fp16": CpuidBit(0, "edx", 23, "avx512_fp16"),
-    "amx-tile": CpuidBit(0, "edx", 24, "amx_tile"), "amx-int8": CpuidBit(0, "edx", 25, "amx_int8"),
-    "avxvnni": CpuidBit(1, "eax", 4, "avx_vnni"), "avx512bf16": CpuidBit(1, "eax", 5, "avx512_bf16"),
-    "amx-fp16": CpuidBit(1, "eax", 21, "amx_fp16"), "avxifma": CpuidBit(1, "eax", 23, "avx_ifma"),
-    "avxvnniint8": CpuidBit(1, "edx", 4, "avx_vnni_int8"), "avxneconvert": CpuidBit(1, "edx", 5, "avx_ne_convert"),
-    "amx-complex": CpuidBit(1, "edx", 8, "amx_complex"), "avx10.1-256": CpuidBit(1, "edx", 19, "avx10"),
+# LLVM's name of each vector feature `cpuid` leaf 7 reports -> (subleaf, register, bit).
+CPUID_BITS: dict[str, tuple[int, str, int]] = {
+    "avx512f": (0, "ebx", 16), "avx512dq": (0, "ebx", 17), "avx512ifma": (0, "ebx", 21), "avx512pf": (0, "ebx", 26),
+    "avx512er": (0, "ebx", 27), "avx512cd": (0, "ebx", 28), "avx512bw": (0, "ebx", 30), "avx512vl": (0, "ebx", 31),
+    "avx512vbmi": (0, "ecx", 1), "avx512vbmi2": (0, "ecx", 6), "avx512vnni": (0, "ecx", 11),
+    "avx512bitalg": (0, "ecx", 12), "avx512vpopcntdq": (0, "ecx", 14),
+    "avx5124vnniw": (0, "edx", 2), "avx5124fmaps": (0, "edx", 3), "avx512vp2intersect": (0, "edx", 8),
+    "amx-bf16": (0, "edx", 22), "avx512fp16": (0, "edx", 23), "amx-tile": (0, "edx", 24), "amx-int8": (0, "edx", 25),
+    "avxvnni": (1, "eax", 4), "avx512bf16": (1, "eax", 5), "amx-fp16": (1, "eax", 21), "avxifma": (1, "eax", 23),
+    "avxvnniint8": (1, "edx", 4), "avxneconvert": (1, "edx", 5), "amx-complex": (1, "edx", 8),
+    "avx10.1-256": (1, "edx", 19),
 }
 # What a level must keep of this CPU's, beyond leaf 7's (Linux's flag names).
 BASE_FLAGS = {"avx2", "fma", "bmi2", "movbe", "f16c"}
@@ -91,7 +75,7 @@ def refusal(level: str, kept: set[str], flags: set[str] | None) -> str | None:
         return "needs Linux on x86 with a readable /proc/cpuinfo"
     if "cpuid_fault" not in flags:
         return "this CPU (or its hypervisor) cannot make cpuid fault: no cpuid_fault in /proc/cpuinfo"
-    kept_flags = {CPUID_BITS[feature].flag for feature in kept}
+    kept_flags = {linux_flag(feature) for feature in kept}
     if missing := sorted(BASE_FLAGS - flags) + sorted(kept_flags - flags):
         return f"this CPU lacks {', '.join(missing)}, which {level} has"
     if shutil.which("cc") is None:
@@ -102,7 +86,7 @@ def refusal(level: str, kept: set[str], flags: set[str] | None) -> str | None:
 def hidden_masks(kept: set[str]) -> dict[tuple[int, str], int]:
     """(subleaf, register) -> the bits of leaf 7 to clear: every feature of `CPUID_BITS` not kept."""
     masks = {(subleaf, register): 0 for subleaf in (0, 1) for register in REGISTERS}
-    for feature, (subleaf, register, bit, _) in CPUID_BITS.items():
+    for feature, (subleaf, register, bit) in CPUID_BITS.items():
         if feature not in kept:
             masks[subleaf, register] |= 1 << bit
     return masks

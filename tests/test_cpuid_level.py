@@ -108,7 +108,8 @@ def test_a_level_hides_exactly_the_leaf_7_features_its_cpu_lacks():
     assert masks[0, "edx"] & (1 << 24) and masks[0, "edx"] & (1 << 23)  # AMX tiles and AVX512-FP16 hidden
     assert not masks[0, "ebx"] & (1 << 16) and not masks[1, "eax"] & (1 << 5)  # AVX512F and BF16 kept
     assert masks[1, "eax"] & (1 << 4)  # AVX-VNNI, which znver4 lacks, hidden
-    assert all(mask == sum(1 << b.bit for b in cpuid_level.CPUID_BITS.values() if (b.subleaf, b.register) == key)
+    assert all(mask == sum(1 << bit for subleaf, register, bit in cpuid_level.CPUID_BITS.values()
+                           if (subleaf, register) == key)
                for key, mask in cpuid_level.hidden_masks(v3).items())
 
 

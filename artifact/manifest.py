@@ -174,6 +174,17 @@ class PrecisionCandidate(_Strict):
     gate_failures: list[str] = []
 
 
+class AttentionProductsEntry(_Strict):
+    """The arithmetic of attention's two products beside bf16 or int8 linears (fp32 libraries keep
+    fp32): `requested` auto timed the fused kernel in each candidate on the compiling CPU
+    (compile/attention_products.py), `times_ms` per candidate and sequence length."""
+
+    products: Literal["fp32", "bf16", "amx"]
+    requested: Literal["auto", "fp32", "bf16"]
+    reason: str
+    times_ms: dict[str, dict[str, float]] = {}
+
+
 class PrecisionEntry(_Strict):
     """What the linear layers compute in, and how it was chosen: `requested` auto measured every
     candidate this CPU runs and shipped the fastest that kept its gate (compile/precision.py)."""
@@ -184,6 +195,7 @@ class PrecisionEntry(_Strict):
     linears: int = 0  # linear layers in this precision (the rest, if any, stay fp32)
     candidates: list[PrecisionCandidate] = []  # empty: nothing measured (not validated, or one precision asked)
     reason: str | None = None
+    attention: AttentionProductsEntry | None = None  # None: fp32 asked (attention's products are fp32)
 
 
 class LinearChoice(_Strict):

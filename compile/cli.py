@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="bf16 / int8: fail when embeddings fall under this cosine to the fp32 model's (int8 "
                              "first keeps its most sensitive linears out of int8 to keep it); auto: ship no bf16 or "
                              "int8 candidate under it")
+    parser.add_argument("--attention-products", dest="attention_products", choices=["auto", "fp32", "bf16"],
+                        help="attention's products beside bf16 / int8 linears: auto (default) times fp32 against the "
+                             "CPU's bf16 and keeps bf16 only where it is faster; fp32 or bf16 force one")
     parser.add_argument("--tune", type=float, metavar="SECONDS",
                         help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
                              "only where it was faster in a timed run; the kept schedules ship in tuning/")
@@ -87,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
-                    "strategy", "strategy_margin", "sparsity", "block", "precision", "min_cosine", "tune", "out",
-                    "validate")
+                    "strategy", "strategy_margin", "sparsity", "block", "precision", "min_cosine", "attention_products",
+                    "tune", "out", "validate")
     }
     for key in ("buckets", "sparse_layers"):
         if getattr(args, key) is not None:

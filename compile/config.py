@@ -58,6 +58,10 @@ class CompileConfig(BaseModel):
                                      "fall under this cosine to the fp32 model's on the shipped sentences (int8 "
                                      "first keeps its most sensitive linears out of int8 until it is kept); auto: "
                                      "ship no bf16 or int8 candidate under it")
+    attention_products: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="the arithmetic of attention's two products in bf16 and int8 libraries (cpu): auto times "
+        "the fused kernel in fp32 and in the CPU's bf16 (AMX tiles where it has them) and keeps bf16 only where it is "
+        "faster; fp32 and bf16 force one (bf16 needs AVX512_BF16)")
     mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's. Several, comma-separated "
                              "(e.g. x86-64-v3,x86-64-v4): one artifact with libraries for each, the loader picks "
                              "the most demanding level the CPU it runs on has")
@@ -172,6 +176,8 @@ class CompileConfig(BaseModel):
             raise ValueError("layout packed does not combine with sparsity")
         if self.precision != "fp32" and (self.target != "cpu" or self.sparsity is not None):
             raise ValueError(f"precision {self.precision} is built for target cpu, without sparsity")
+        if self.attention_products == "bf16" and self.precision == "fp32":
+            raise ValueError("attention_products bf16 is for bf16 and int8 linears (precision bf16, int8 or auto)")
         if self.pooling == "none" and (self.task != "embed" or self.precision == "int8"):
             raise ValueError("pooling none (token embeddings) is built for task embed, without int8")
         if self.pooling == "splade" and self.task == "embed":

@@ -38,7 +38,7 @@ from artifact.manifest import (
     WeightsEntry,
 )
 
-from . import precision
+from . import attention_products, precision
 from .build import build_library, check_mcpu, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import RELATIVE_TOLERANCES, CompileConfig
@@ -199,8 +199,9 @@ class LibraryBuilder:
 
     def __init__(self, config: CompileConfig, target: tvm.target.Target, staging: Path,
                  variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
-                 vocab_size: int, can_run: bool | None = None):
+                 vocab_size: int, can_run: bool | None = None, attention: str = "fp32"):
         self.config = config
+        self.attention = attention  # attention's products (attention_products.py)
         self.staging = staging
         self.variants = variants
         self.wrapper = wrapper
@@ -238,7 +239,7 @@ class LibraryBuilder:
                 self.tuner.tune(name, module, self.config.tune / len(self.variants))
             build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
                           tuned=self.tuner.database if self.tuner is not None else None,
-                          attention=precision.attention_products(self.config.precision, self.target))
+                          attention=self.attention)
             libraries[strategy] = library
         strategy_ms = self._time_strategies(libraries, workloads[0])
         return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
@@ -348,6 +349,7 @@ class Plan:
     can_run: bool
     strategies: list[str]
     int8: Int8Plan | None = None  # which linears int8 smooths and keeps out (measured once the model loads)
+    attention: attention_products.AttentionChoice | None = None  # beside bf16 / int8 linears (None: fp32 only)
 
 
 def plan_compile(config: CompileConfig) -> Plan:
@@ -363,6 +365,8 @@ def plan_compile(config: CompileConfig) -> Plan:
     check_mcpu(config.mcpu)
     target = make_target(config.target, config.cuda_arch, config.mcpu)
     if config.precision != "auto" and (problem := precision.refusal(config.precision, target)):
+        raise CompileError(problem)
+    if problem := attention_products.refusal(config.attention_products, target):
         raise CompileError(problem)
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
@@ -460,7 +464,7 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
         variants, _, _ = transform(candidate, plan, imported, [strategy], None)
         weights = {strategy: save_weights(directory, strategy, variants[strategy])}
         builder = LibraryBuilder(candidate, plan.target, directory, variants, weights, reference, vocab_size,
-                                 plan.can_run)
+                                 plan.can_run, plan.attention.for_precision(name))
         built = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False)
         library = built.libraries[strategy]
         measured.append(Measured(name, builder.agreement(library, strategy, plan.info), {}, config.min_cosine))
@@ -480,6 +484,18 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
         PrecisionCandidate(precision=m.precision, times_ms=m.times_ms, gate_failures=m.failures, **m.accuracy)
         for m in measured])
     return config.model_copy(update={"precision": chosen.precision}), entry
+
+
+def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.AttentionChoice:
+    """The arithmetic of attention's products beside bf16 / int8 linears: timed on this CPU where
+    the libraries run here and are validated (as the strategies are), else as asked or the rule."""
+    timed = plan.can_run and config.validate_artifacts
+    if timed:
+        use_all_cores()
+    geometry = attention_products.Geometry.of(plan.info.config, plan.info.max_seq)
+    choice = attention_products.choose(plan.target, geometry, config.attention_products, timed)
+    log.info("attention products: %s", choice.reason)
+    return choice
 
 
 def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,
@@ -518,7 +534,9 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     plans_int8 = config.precision == "int8" or (  # auto's int8 candidate, where auto measures candidates
         config.precision == "auto" and not config.token_outputs and plan.can_run and config.validate_artifacts
         and "int8" in precision.available(plan.target))
-    progress.set_total(5 + 2 * (len(plan.buckets) + 1) + (config.precision == "auto") + plans_int8)
+    chooses_attention = config.target == "cpu" and config.precision != "fp32"
+    progress.set_total(5 + 2 * (len(plan.buckets) + 1) + (config.precision == "auto") + plans_int8
+                       + chooses_attention)
     vocab_size = int(info.config["vocab_size"])
 
     with atomic_directory(config.out) as staging:
@@ -534,6 +552,9 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
             if refused:
                 raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
+        if chooses_attention:
+            with progress.step(f"attention's products beside bf16 / int8 linears ({config.attention_products})"):
+                plan.attention = choose_attention(config, plan)
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging)
@@ -544,11 +565,14 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
         builder = LibraryBuilder(config, plan.target, staging, variants, weight_files, reference, vocab_size,
-                                 plan.can_run)
+                                 plan.can_run, plan.attention.for_precision(config.precision) if plan.attention
+                                 else "fp32")
         records, shared_strategy = build_libraries(builder, config, plan, progress)
         with progress.step(f"{config.precision} accuracy against the fp32 model on the shipped sentences"):
             precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision,
                                                                      plan.int8)
+        if plan.attention is not None and config.precision in ("bf16", "int8"):  # auto may have shipped fp32
+            precision_entry = precision_entry.model_copy(update={"attention": plan.attention.entry()})
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()

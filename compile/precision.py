@@ -82,16 +82,6 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
     return gate.failures(accuracy) if gate is not None else []
 
 
-def attention_products(precision: str, target: tvm.target.Target) -> str:
-    """The arithmetic of attention's two products in a `precision` library for `target`: bf16
-    beside bf16 linears and beside int8 ones (its error, ~1e-4 in cosine, is within either's gate,
-    which the built library is measured against), on AMX tiles where the CPU has them, else
-    AVX512_BF16; fp32 in fp32 libraries and where the CPU has no AVX512_BF16."""
-    if precision not in ("bf16", "int8") or refusal("bf16", target) is not None:
-        return "fp32"
-    return "amx" if amx.supported(target) else "bf16"
-
-
 def under_cosine_floor(precision: str, accuracy: dict, min_cosine: float | None) -> bool:
     """Whether a rounded precision's least cosine to the fp32 model is under `--min-cosine`."""
     cosine = accuracy.get("cosine_min")

@@ -172,7 +172,7 @@ def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=3, config={
         **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "bf16", ["packed-16"], layout="packed", precision="bf16",
-                                   generic_shapes=["3x20"])
+                                   attention_products="bf16", generic_shapes=["3x20"])
     assert [passes.attention_fused for passes in manifest.passes.strategies.values()] == [2]
     symbols = subprocess.run(["nm", str(tmp_path / "bf16" / manifest.buckets[0].library)], capture_output=True,
                              text=True, check=True).stdout

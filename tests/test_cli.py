@@ -45,6 +45,11 @@ def gpt2_dir(tmp_path):
          "packed is built for target cpu"),
         (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"],
          "does not combine with sparsity"),
+        (lambda t, m, g: ["--model", str(m), "--attention-products", "bf16"],
+         "attention_products bf16 is for bf16 and int8 linears"),
+        (lambda t, m, g: ["--model", str(m), "--precision", "int8", "--attention-products", "bf16", "--buckets",
+                          "1x8", "--mcpu", "x86-64-v3"],
+         "--attention-products bf16 needs a CPU with AVX512_BF16; mcpu x86-64-v3"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make_args, message):

@@ -114,8 +114,8 @@ BERT_AMX_TILE(bert_amx_int8_tile_32x32, int32_t, uint8_t, int8_t, 4, _tile_dpbus
 
 BF16 = Tile("bert_amx_bf16_tile_32x32", ROWS, PANEL, 2, 32, "uint16", "uint16", "float32", row_block=16)
 INT8 = Tile("bert_amx_int8_tile_32x32", ROWS, PANEL, 4, 64, "uint8", "int8", "int32", row_block=16)
-BF16_DESCRIPTION = ("amx tdpbf16ps (bf16 activations x bf16 weights in 32 x 32 tiles, and attention's Q K^T and P V; "
-                    "avx512 vdpbf16ps where K or the head size is not a multiple of 32), fp32 accumulation")
+BF16_DESCRIPTION = ("amx tdpbf16ps (bf16 activations x bf16 weights in 32 x 32 tiles; avx512 vdpbf16ps where K is "
+                    "not a multiple of 32), fp32 accumulation")
 INT8_DESCRIPTION = ("amx tdpbusd (uint8 activations x int8 weights, 32 x 32 tiles; avx512 vnni vpdpbusd where K is "
                     "not a multiple of 64), int32 accumulation")
 

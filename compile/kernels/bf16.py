@@ -36,8 +36,7 @@ ROW_VIEW = "bf16_row_view"
 TILE_SYMBOL = "bert_bf16_tile_8x32"
 TILE = Tile(TILE_SYMBOL, ROWS, PANEL, PAIR, PAIR, STORAGE, STORAGE, "float32")
 REQUIRED_FEATURES = ("avx512f", "avx512bf16")
-DESCRIPTION = ("avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights; attention's Q K^T and P V likewise), "
-               "fp32 accumulation")
+DESCRIPTION = "avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights), fp32 accumulation"
 
 TILE_SOURCE = r"""
 #include <immintrin.h>

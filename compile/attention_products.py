@@ -1,0 +1,179 @@
+"""The arithmetic of attention's two products in a bf16 or int8 library, chosen by timing.
+
+Rounding the products' operands to bf16 pays where the CPU's bf16 units outrun its fp32 FMAs,
+as AMX tiles do, and costs where they do not: on an AMX Xeon, MiniLM's attention kernel (12 heads
+of 32) took 0.40x the fp32 kernel's time on the tiles, and 1.22x on AVX512_BF16 `vdpbf16ps`
+(`--mcpu cooperlake` code), which issues there at the FMA's rate (geometric means over one
+sequence of 128 and of 512 tokens). Only the compiling CPU knows which, so the compile builds the
+kernel at the model's head geometry in fp32 and in the CPU's bf16 arithmetic, times both, and
+keeps bf16 only when it is faster by `precision.PRECISION_MARGIN`: fp32 is the more accurate, and
+a difference within noise is no reason to round. Where the libraries cannot run here
+(cross-compiled, not validated), nothing is timed and bf16 is kept where the CPU has it. fp32
+libraries keep fp32 products.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from artifact.manifest import AttentionProductsEntry
+
+from . import precision
+from .kernels import amx, attention, bf16
+from .kernels.attention import AttentionShape
+from .kernels.common import vector_lanes
+from .lowering import tir_pipeline
+from .schedule import cpu_pipeline
+from .timing import interleaved_medians
+
+TIMED_SEQS = (128, 512)  # one sequence of each, clipped to the model's bound: where attention weighs
+TIMED_ROUNDS = 15  # interleaved rounds per length: the kernel takes 0.1-10 ms
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the timed kernel is written for: the model's heads and their width, its longest sequence."""
+
+    heads: int
+    head_size: int
+    max_seq: int
+
+    @classmethod
+    def of(cls, config: dict, max_seq: int) -> "Geometry":
+        heads = int(config["num_attention_heads"])
+        return cls(heads, int(config["hidden_size"]) // heads, max_seq)
+
+
+@dataclass
+class AttentionChoice:
+    """Which arithmetic attention's products run in beside bf16 or int8 linears, what was asked,
+    why (one line) and the time of each candidate per timed sequence length (empty: not timed)."""
+
+    products: str  # "fp32", "bf16" or "amx"
+    requested: str  # "auto", "fp32" or "bf16"
+    reason: str
+    times_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def for_precision(self, name: str) -> str:
+        """The products of a library whose linears are in `name`: fp32 ones keep fp32."""
+        return self.products if name in ("bf16", "int8") else "fp32"
+
+    def entry(self) -> AttentionProductsEntry:
+        return AttentionProductsEntry(products=self.products, requested=self.requested, reason=self.reason,
+                                      times_ms=self.times_ms)
+
+
+def rounded_products(target: tvm.target.Target) -> str | None:
+    """The bf16 arithmetic the target's CPU can run attention's products in: "amx" on AMX tiles,
+    "bf16" on AVX512_BF16, None without it (or where the micro-kernels cannot be built)."""
+    if precision.refusal("bf16", target) is not None:
+        return None
+    return "amx" if amx.supported(target) else "bf16"
+
+
+def refusal(requested: str, target: tvm.target.Target) -> str | None:
+    """Why `target` cannot run attention's products as `requested` (one line), or None."""
+    if requested == "bf16" and (problem := precision.refusal("bf16", target)):
+        return problem.replace("--precision bf16", "--attention-products bf16").replace(
+            " (use fp32, int8 or auto)", " (use fp32 or auto)")
+    return None
+
+
+def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
+    """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in the CPU's bf16
+    arithmetic (when `timed`: the libraries run here), the faster kept (`decide`), else the CPU's
+    bf16 where it has it."""
+    rounded = rounded_products(target)
+    lanes = vector_lanes(target)
+    if requested == "fp32" or rounded is None:
+        return AttentionChoice("fp32", requested, "fp32: asked for" if requested == "fp32"
+                               else "fp32: the CPU has no AVX512_BF16")
+    if not attention.supports(geometry.head_size, lanes):
+        return AttentionChoice("fp32", requested, f"fp32: the fused kernel does not take {geometry.head_size}-wide "
+                               f"heads at {lanes} lanes")
+    if requested == "bf16":
+        return AttentionChoice(rounded, requested, f"{rounded}: asked for")
+    if not timed:
+        return AttentionChoice(rounded, requested, f"{rounded}: the CPU has it (not timed: the libraries do not "
+                               "run here)")
+    return decide(rounded, _time_kernels(target, geometry, ("fp32", rounded)))
+
+
+def decide(rounded: str, times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
+    """fp32 unless `rounded`'s time (geometric mean over the timed lengths) is under fp32's by
+    `PRECISION_MARGIN`: fp32 is the more accurate, and noise is no reason to round."""
+    ratio = _geometric_mean(times_ms[rounded]) / _geometric_mean(times_ms["fp32"])
+    if ratio < 1 - precision.PRECISION_MARGIN:
+        return AttentionChoice(rounded, "auto", f"{rounded}: {ratio:.2f}x the fp32 kernel's time", times_ms)
+    return AttentionChoice("fp32", "auto", f"fp32: {rounded} takes {ratio:.2f}x its time", times_ms)
+
+
+def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...]
+                  ) -> dict[str, dict[str, float]]:
+    """Median ms of each candidate's kernel per timed length, interleaved."""
+    seqs = sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS})
+    times = {products: {} for products in candidates}
+    with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch:
+        kernels = {products: _timed_kernel(target, geometry, products, Path(scratch)) for products in candidates}
+        for seq in seqs:
+            calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
+            for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
+                times[products][f"1x{seq}"] = round(stats["median_s"] * 1e3, 4)
+    return times
+
+
+def _geometric_mean(times: dict[str, float]) -> float:
+    return math.exp(sum(math.log(ms) for ms in times.values()) / len(times))
+
+
+class _TimedKernel:
+    """The fused attention kernel alone (padded rows, one sequence of any length up to the
+    model's), built and loaded as a library is, with random queries, keys and values."""
+
+    def __init__(self, path: Path, geometry: Geometry):
+        self.geometry = geometry
+        self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+
+    def call_at(self, seq: int):
+        hidden = self.geometry.heads * self.geometry.head_size
+        rng = np.random.default_rng(seq)
+        qkv = tvm.runtime.tensor(rng.standard_normal((seq, 3 * hidden), dtype=np.float32))
+        bias = tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))
+        return lambda: self.vm["main"](qkv, bias)
+
+
+def _timed_kernel(target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path) -> _TimedKernel:
+    mod = kernel_module(geometry, vector_lanes(target), products)
+    built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, attention=None),
+                        tir_pipeline=tir_pipeline(target))
+    path = scratch / f"attention-{products}.so"
+    built.export_library(str(path), addons=bf16.linked_objects(mod, products)
+                         + amx.linked_objects(mod, target, products))
+    return _TimedKernel(path, geometry)
+
+
+def kernel_module(geometry: Geometry, lanes: int, products: str) -> tvm.IRModule:
+    """`main(qkv, bias)`: one call of the kernel on Q, K and V at their offsets in one projection."""
+    heads, width = geometry.heads, geometry.head_size
+    hidden = heads * width
+    seq = tirx.Var("seq", "int64")
+    shape = AttentionShape(batch=1, seq=tirx.Var("s", "int64"), rows=tirx.Var("rows", "int64"), heads=heads,
+                           head_size=width, max_seq=geometry.max_seq, scale=1 / math.sqrt(width), packed=False,
+                           widths=(3 * hidden,) * 3, offsets=(0, hidden, 2 * hidden))
+    bb = relax.BlockBuilder()
+    qkv = relax.Var("qkv", relax.TensorType((seq, 3 * hidden), "float32"))
+    bias = relax.Var("bias", relax.TensorType((1, 1, 1, seq), "float32"))
+    with bb.function("main", [qkv, bias]):
+        with bb.dataflow():
+            kernel = bb.add_func(attention.write_attention(shape, lanes, products), attention.KERNEL_NAME)
+            out = bb.emit_output(relax.call_tir(kernel, [qkv, qkv, qkv, bias],
+                                                relax.TensorType((seq, hidden), "float32")))
+        bb.emit_func_output(out)
+    return bb.get()

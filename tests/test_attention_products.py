@@ -1,0 +1,154 @@
+"""compile/attention_products.py: the arithmetic of attention's products beside bf16 and int8
+linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
+itself), the timed kernel's answers against numpy, and the compile recording and building what
+was chosen. Timing and bf16 execution need a CPU with AVX512_BF16 and skip elsewhere."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tvm
+
+from artifact.cpu_features import missing_on_host, target_features
+from compile import attention_products, pipeline
+from compile.attention_products import Geometry
+from compile.build import make_target
+from compile.kernels import amx, bf16
+from compile.kernels.common import vector_lanes
+from compile.lowering import tir_pipeline
+from compile.schedule import cpu_pipeline
+
+HOST = make_target("cpu")
+HOST_ROUNDED = attention_products.rounded_products(HOST)  # None: no AVX512_BF16 here
+RUNS_ROUNDED = HOST_ROUNDED is not None and not missing_on_host(target_features(HOST))
+SMALL = Geometry(heads=2, head_size=32, max_seq=64)
+
+
+def _times(fp32: float, rounded: float, name: str = "bf16") -> dict[str, dict[str, float]]:
+    return {"fp32": {"1x128": fp32, "1x512": fp32 * 10}, name: {"1x128": rounded, "1x512": rounded * 10}}
+
+
+@pytest.mark.parametrize("rounded", ["bf16", "amx"])
+def test_rounded_products_are_kept_only_when_faster_by_the_margin(rounded):
+    faster = attention_products.decide(rounded, _times(1.0, 0.5, rounded))
+    assert (faster.products, faster.requested) == (rounded, "auto")
+    assert faster.reason == f"{rounded}: 0.50x the fp32 kernel's time"
+    assert faster.times_ms == _times(1.0, 0.5, rounded)
+    within_noise = attention_products.decide(rounded, _times(1.0, 0.98, rounded))  # 2% < PRECISION_MARGIN
+    assert within_noise.products == "fp32"
+    slower = attention_products.decide(rounded, _times(1.0, 1.22, rounded))
+    assert (slower.products, slower.reason) == ("fp32", f"fp32: {rounded} takes 1.22x its time")
+
+
+def test_the_choice_by_geometric_mean_weighs_every_length_alike():
+    times = {"fp32": {"1x128": 1.0, "1x512": 4.0}, "bf16": {"1x128": 2.0, "1x512": 1.6}}  # 1.79 against 2.0
+    assert attention_products.decide("bf16", times).products == "bf16"
+
+
+@pytest.mark.parametrize("mcpu,expected", [("x86-64-v3", None), ("znver4", "bf16"), ("sapphirerapids", "amx")])
+def test_the_rounded_arithmetic_is_the_cpus_best(mcpu, expected):
+    assert attention_products.rounded_products(make_target("cpu", mcpu=mcpu)) == expected
+
+
+def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
+    def no_timing(*_args):
+        raise AssertionError("timed")
+
+    monkeypatch.setattr(attention_products, "_time_kernels", no_timing)
+    znver4, v3 = make_target("cpu", mcpu="znver4"), make_target("cpu", mcpu="x86-64-v3")
+    choose = attention_products.choose
+    assert choose(znver4, SMALL, "fp32", timed=True).reason == "fp32: asked for"
+    assert choose(znver4, SMALL, "bf16", timed=True).products == "bf16"
+    assert choose(make_target("cpu", mcpu="sapphirerapids"), SMALL, "bf16", timed=True).products == "amx"
+    untimed = choose(znver4, SMALL, "auto", timed=False)
+    assert (untimed.products, untimed.times_ms) == ("bf16", {})
+    assert choose(v3, SMALL, "auto", timed=True).reason == "fp32: the CPU has no AVX512_BF16"
+    narrow = choose(znver4, Geometry(heads=4, head_size=24, max_seq=64), "auto", timed=True)
+    assert narrow.reason == "fp32: the fused kernel does not take 24-wide heads at 16 lanes"
+
+
+def test_only_bf16_and_int8_libraries_take_the_choice():
+    choice = attention_products.AttentionChoice("amx", "auto", "amx: 0.40x the fp32 kernel's time")
+    assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "amx", "amx"]
+
+
+def test_asking_bf16_products_of_a_cpu_without_avx512_bf16_is_refused():
+    assert attention_products.refusal("bf16", make_target("cpu", mcpu="x86-64-v3")) == (
+        "--attention-products bf16 needs a CPU with AVX512_BF16; mcpu x86-64-v3 has none (use fp32 or auto)")
+    assert attention_products.refusal("auto", make_target("cpu", mcpu="x86-64-v3")) is None
+    assert attention_products.refusal("bf16", make_target("cpu", mcpu="znver4")) is None
+
+
+def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
+    hidden = heads * head_size
+    q, k, v = (qkv[:, i * hidden:(i + 1) * hidden].reshape(-1, heads, head_size).transpose(1, 0, 2) for i in range(3))
+    scores = q @ k.transpose(0, 2, 1) / math.sqrt(head_size)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return (weights @ v).transpose(1, 0, 2).reshape(-1, hidden)
+
+
+@pytest.mark.parametrize("products", ["fp32", "rounded"])
+@pytest.mark.parametrize("seq", [9, 64])
+def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
+    """What is timed is attention: the kernel module's answers against numpy (bf16 rounds each
+    product's operands to 8 significant bits: 2e-2 of values of order 1)."""
+    products = HOST_ROUNDED if products == "rounded" else products
+    if products is None or not RUNS_ROUNDED and products != "fp32":
+        pytest.skip("this CPU has no AVX512_BF16")
+    mod = attention_products.kernel_module(SMALL, vector_lanes(HOST), products)
+    built = tvm.compile(mod, HOST, relax_pipeline=cpu_pipeline(HOST, attention=None), tir_pipeline=tir_pipeline(HOST))
+    built.export_library(str(tmp_path / "k.so"), addons=bf16.linked_objects(mod, products)
+                         + amx.linked_objects(mod, HOST, products))
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
+    qkv = np.random.default_rng(seq).standard_normal((seq, 3 * 64), dtype=np.float32)
+    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))).numpy()
+    if products == "fp32":
+        np.testing.assert_allclose(out, _reference(qkv, 2, 32), rtol=1e-4, atol=1e-5)
+    else:
+        rounded = qkv.astype(ml_dtypes.bfloat16).astype(np.float32)
+        np.testing.assert_allclose(out, _reference(rounded, 2, 32), rtol=2e-2, atol=2e-2)
+
+
+def test_a_timed_choice_is_the_faster_of_both_kernels_on_this_cpu():
+    """Real timing of both kernels (not of which wins: that is this CPU's), and the choice is
+    what `decide` makes of the times it recorded."""
+    if not RUNS_ROUNDED:
+        pytest.skip("this CPU has no AVX512_BF16")
+    choice = attention_products.choose(HOST, SMALL, "auto", timed=True)
+    assert set(choice.times_ms) == {"fp32", HOST_ROUNDED}
+    assert all(set(times) == {"1x64"} and min(times.values()) > 0 for times in choice.times_ms.values())
+    assert choice.products == attention_products.decide(HOST_ROUNDED, choice.times_ms).products
+
+
+def test_the_compile_builds_every_library_with_the_chosen_products_and_records_why(tmp_path, monkeypatch):
+    """int8 (any AVX2 CPU) with 32-wide heads, auto's timing injected so that fp32 wins: every
+    library is built with fp32 products, and the manifest says what was timed and why."""
+    from conftest import TINY_SIZES, compile_artifact
+
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    injected = _times(1.0, 1.3, HOST_ROUNDED or "bf16")
+    monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
+    built_with = []
+    real_build = pipeline.build_library
+
+    def spy(*args, **kwargs):
+        built_with.append(kwargs["attention"])
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "build_library", spy)
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={
+        **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
+                                   generic_shapes=["3x20"])
+    assert built_with == ["fp32", "fp32"]  # the bucket, the generic library
+    recorded = manifest.precision.attention
+    assert (recorded.products, recorded.requested) == ("fp32", "auto")
+    if HOST_ROUNDED is None:
+        assert (recorded.reason, recorded.times_ms) == ("fp32: the CPU has no AVX512_BF16", {})
+    else:
+        assert recorded.times_ms == injected and recorded.reason == f"fp32: {HOST_ROUNDED} takes 1.30x its time"

@@ -26,11 +26,11 @@ from tvm import relax, tirx
 from artifact.manifest import AttentionProductsEntry
 
 from . import precision
-from .kernels import amx, attention, bf16
+from .build import build_library
+from .checkpoint import CheckpointInfo
+from .kernels import amx, attention
 from .kernels.attention import AttentionShape
 from .kernels.common import vector_lanes
-from .lowering import tir_pipeline
-from .schedule import cpu_pipeline
 from .timing import interleaved_medians
 
 TIMED_SEQS = (128, 512)  # one sequence of each, clipped to the model's bound: where attention weighs
@@ -46,9 +46,8 @@ class Geometry:
     max_seq: int
 
     @classmethod
-    def of(cls, config: dict, max_seq: int) -> "Geometry":
-        heads = int(config["num_attention_heads"])
-        return cls(heads, int(config["hidden_size"]) // heads, max_seq)
+    def of(cls, info: CheckpointInfo) -> "Geometry":
+        return cls(info.attention_heads, info.hidden_size // info.attention_heads, info.max_seq)
 
 
 @dataclass
@@ -150,17 +149,14 @@ class _TimedKernel:
 
 
 def _timed_kernel(target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path) -> _TimedKernel:
-    mod = kernel_module(geometry, vector_lanes(target), products)
-    built = tvm.compile(mod, target, relax_pipeline=cpu_pipeline(target, attention=None),
-                        tir_pipeline=tir_pipeline(target))
     path = scratch / f"attention-{products}.so"
-    built.export_library(str(path), addons=bf16.linked_objects(mod, products)
-                         + amx.linked_objects(mod, target, products))
+    build_library(kernel_module(geometry, vector_lanes(target), products), target, path, attention=products)
     return _TimedKernel(path, geometry)
 
 
 def kernel_module(geometry: Geometry, lanes: int, products: str) -> tvm.IRModule:
-    """`main(qkv, bias)`: one call of the kernel on Q, K and V at their offsets in one projection."""
+    """`main(qkv, bias)`: one call of the kernel on Q, K and V at their offsets in one projection
+    (built by `build.build_library`, whose pipeline leaves a written kernel as it is)."""
     heads, width = geometry.heads, geometry.head_size
     hidden = heads * width
     seq = tirx.Var("seq", "int64")

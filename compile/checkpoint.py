@@ -59,6 +59,10 @@ class CheckpointInfo:
         return int(self.config[self.family.hidden_size_key])
 
     @property
+    def attention_heads(self) -> int:
+        return int(self.config[self.family.heads_key])
+
+    @property
     def output_dim(self) -> int:
         """One input's output row: a classifier's labels, SPLADE's vocabulary, else the hidden size."""
         if self.labels:

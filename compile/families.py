@@ -62,6 +62,7 @@ class Family:
     """One member of the BERT family; the defaults are BERT's, which the others are told against."""
 
     hidden_size_key = "hidden_size"
+    heads_key = "num_attention_heads"
     base_model_options = {"add_pooling_layer": False}  # an embedding model has no use for the pooler
 
     def __init__(self, model_type: str, classifier: str):
@@ -133,6 +134,7 @@ class DistilBert(Family):
     """DistilBERT: no token types, its own module names, a pre-classifier with ReLU."""
 
     hidden_size_key = "dim"
+    heads_key = "n_heads"
     base_model_options = {}
 
     def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:

@@ -492,8 +492,8 @@ def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.At
     timed = plan.can_run and config.validate_artifacts
     if timed:
         use_all_cores()
-    geometry = attention_products.Geometry.of(plan.info.config, plan.info.max_seq)
-    choice = attention_products.choose(plan.target, geometry, config.attention_products, timed)
+    choice = attention_products.choose(plan.target, attention_products.Geometry.of(plan.info),
+                                       config.attention_products, timed)
     log.info("attention products: %s", choice.reason)
     return choice
 

@@ -204,6 +204,14 @@ class Candidates:
             calls[label] = lambda model=model: model(feed)
         return calls
 
+    def aliases(self) -> dict[str, str]:
+        """{label: the label timed for it}: candidates that are one model under two names (OpenVINO's
+        default where it is f32) are timed once."""
+        first = {}
+        for label, model in self.openvino.items():
+            first.setdefault(id(model), label)
+        return {label: first[id(model)] for label, model in self.openvino.items() if first[id(model)] != label}
+
 
 def check_arguments(args) -> list[tuple[object, str]] | str:
     """The shapes to time, or why the arguments cannot be benchmarked (one line)."""
@@ -308,8 +316,11 @@ def time_shape(args, candidates: Candidates, shape, kind: str, seed: int, tolera
                 f"{tolerance:g} ({manifest.dtype}); nothing timed")
     _log(f"bench {shape.name} ({kind}, served by {served_by}), fp32 candidates agree within "
          f"{max(d for k, d in diffs.items() if candidates.precisions[k] == 'fp32'):.1e}, {args.repeats} rounds ...")
+    aliases = candidates.aliases()
     with torch.no_grad():
-        stats = interleaved_medians(calls, args.repeats, warm_calls=args.warm_calls)
+        stats = interleaved_medians({k: v for k, v in calls.items() if k not in aliases}, args.repeats,
+                                    warm_calls=args.warm_calls)
+    stats.update({alias: stats[timed] for alias, timed in aliases.items()})
     flops = bert_flops(candidates.info.config, [int(length) for length in mask.sum(axis=1)])
     row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
            "agreement": diffs, "least_cosine": cosines, "stats": stats}

@@ -15,11 +15,8 @@ import tvm
 from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, pipeline
 from compile.attention_products import Geometry
-from compile.build import make_target
-from compile.kernels import amx, bf16
+from compile.build import build_library, make_target
 from compile.kernels.common import vector_lanes
-from compile.lowering import tir_pipeline
-from compile.schedule import cpu_pipeline
 
 HOST = make_target("cpu")
 HOST_ROUNDED = attention_products.rounded_products(HOST)  # None: no AVX512_BF16 here
@@ -99,10 +96,8 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     products = HOST_ROUNDED if products == "rounded" else products
     if products is None or not RUNS_ROUNDED and products != "fp32":
         pytest.skip("this CPU has no AVX512_BF16")
-    mod = attention_products.kernel_module(SMALL, vector_lanes(HOST), products)
-    built = tvm.compile(mod, HOST, relax_pipeline=cpu_pipeline(HOST, attention=None), tir_pipeline=tir_pipeline(HOST))
-    built.export_library(str(tmp_path / "k.so"), addons=bf16.linked_objects(mod, products)
-                         + amx.linked_objects(mod, HOST, products))
+    build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), products), HOST, tmp_path / "k.so",
+                  attention=products)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(seq).standard_normal((seq, 3 * 64), dtype=np.float32)
     out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))).numpy()

@@ -150,3 +150,20 @@ def test_fp32_candidates_are_held_to_the_tolerance_and_reduced_precisions_to_the
                           {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.98, "openvino_int8": 0.85}, 1e-3)
     assert wrong == ["tvm_bucket (max abs diff 0.002)", "tvm_bucket[bf16] (bf16 cosine 0.9800 < 0.99)",
                      "openvino_int8 (int8 cosine 0.8500 < 0.9)"]
+
+
+def test_openvinos_default_at_f32_is_timed_once_under_both_names(tiny_embed_artifact, tmp_path, monkeypatch):
+    """Where OpenVINO's default precision is f32 (CPUs without AVX512_BF16 or AMX; injected here),
+    `openvino` and `openvino_f32` are one compiled model, timed once: the two share every statistic."""
+    from loadtest import openvino_peer
+
+    monkeypatch.setattr(openvino_peer.OpenVinoModel, "precision", lambda self: "fp32")
+    out, artifact = tmp_path / "bench", with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES)
+    assert main(["--artifacts", str(artifact), "--shapes", "1x8", "--generic-shapes", "3x5", "--repeats", "3",
+                 "--no-onnx", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["precisions"]["openvino"] == report["precisions"]["openvino_f32"] == "fp32"
+    for row in report["results"]:
+        assert row["stats"]["openvino"] == row["stats"]["openvino_f32"]
+        assert row["stats"]["openvino"]["runs"] == 3
+        assert row["least_cosine"]["openvino"] == row["least_cosine"]["openvino_f32"]

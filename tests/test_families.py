@@ -212,6 +212,16 @@ def test_other_model_types_and_heads_are_refused(tmp_path, checkpoints):
         compile_artifact(checkpoints["roberta", "embed"], tmp_path / "out", [f"1x{MAX_SEQ + 1}"])
 
 
+def test_the_attention_geometry_is_read_from_each_familys_config(checkpoints):
+    """What `--attention-products auto` times its kernel at: DistilBERT names heads and width its own way."""
+    from compile.attention_products import Geometry
+    from compile.checkpoint import inspect_checkpoint
+
+    for family in FAMILIES:
+        info = inspect_checkpoint(checkpoints[(family, "embed")], "embed", "auto")
+        assert Geometry.of(info) == Geometry(heads=2, head_size=16, max_seq=MAX_SEQ)
+
+
 def test_distilbert_linears_are_pruned_by_kind(checkpoints):
     from compile.passes.sparsity import block_density, prune_model
 

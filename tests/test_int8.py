@@ -6,6 +6,7 @@ machine, and run where this CPU has its features."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -127,6 +128,16 @@ def test_each_k_step_prefetches_the_same_step_of_the_next_weight_panel(kernel):
     for loop in prefetch_guards(func):  # the loop over tiles of `kernel.rows` rows
         assert loop is not None and loop.kind == tirx.ForKind.SERIAL
         assert Analyzer().can_prove_equal(loop.extent, (rows + kernel.rows - 1) // kernel.rows)
+
+
+def test_a_panel_step_of_one_line_is_one_prefetch():
+    """A panel whose k step is one 64-byte line (16 columns x 4 k) gets one prefetch a step, as wider ones
+    get one a line."""
+    kernel = dataclasses.replace(int8.AVX2, panel=16)
+    inputs = int8_linear_inputs(tirx.Var("m", "int64"), 3 * kernel.panel, 64, kernel)
+    func = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel).mod["main"]
+    assert [(column, byte) for _, _, column, byte in prefetched_addresses(func)] == [(0, 0)]
+    assert len(prefetch_guards(func)) == 1 and prefetch_guards(func)[0] is not None
 
 
 @each_kernel

@@ -109,10 +109,11 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
     def add_prefetch(loop: tirx.For):
         if not loop.loop_var.same_as(k_var):
             return loop
-        prefetches = tirx.SeqStmt([tirx.Evaluate(tirx.call_intrin(
+        lines = [tirx.Evaluate(tirx.call_intrin(
             "void", "tirx.prefetch",
             tirx.address_of(tirx.BufferLoad(panels, [next_panel, k_var, *row_index(offset)])),
-            0, 2, 1)) for offset in range(0, row_size, per_line)])  # read, L2 (locality 2), data cache
+            0, 2, 1)) for offset in range(0, row_size, per_line)]  # read, L2 (locality 2), data cache
+        prefetches = lines[0] if len(lines) == 1 else tirx.SeqStmt(lines)  # a panel step of one line: no sequence
         if rows_var is not None:
             prefetches = tirx.IfThenElse(tirx.EQ(rows_var, tirx.const(0, str(rows_var.ty.dtype))), prefetches, None)
         return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, tirx.SeqStmt([prefetches, loop.body]),

@@ -60,6 +60,12 @@ class AttentionChoice:
     reason: str
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    @property
+    def bf16_pays(self) -> bool | None:
+        """Whether bf16 arithmetic outran fp32 in this CPU's timing (None: not timed), which the int8
+        plan's units kept out of int8 follow too (int8_plan.kept_precision)."""
+        return self.products != "fp32" if self.times_ms else None
+
     def for_precision(self, name: str) -> str:
         """The products of a library whose linears are in `name`: fp32 ones keep fp32."""
         return self.products if name in ("bf16", "int8") else "fp32"

@@ -71,7 +71,7 @@ class Int8Plan:
     simulated: dict  # cosine_min, cosine_mean of the plan, simulated
     alphas: dict[float, dict] = field(default_factory=dict)  # alpha -> simulated accuracy, nothing kept
     sensitivity: list[Sensitivity] = field(default_factory=list)
-    fallback_precision: str = "fp32"  # what the kept units run in: bf16 where the CPU has it
+    fallback_precision: str = "fp32"  # what the kept units run in (`kept_precision`)
 
     def refusal(self, min_cosine: float | None) -> str | None:
         """Why this int8 has nothing to offer (one line): no linear fits the kernel, or keeping the
@@ -303,20 +303,27 @@ def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:
             if int8.quantizable(*(int(d) for d in linears[var].ty.shape), kernel) for key in keys}
 
 
+def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> str:
+    """What units kept out of int8 run in: bf16 where the target's CPU has it, unless this CPU timed
+    bf16 arithmetic slower than fp32 (`bf16_pays` False: attention_products.py's timing, as on Intel
+    CPUs with AVX512_BF16 and no AMX, where `vdpbf16ps` issues at the FMA's rate); else fp32."""
+    from . import precision
+
+    return "bf16" if precision.refusal("bf16", target) is None and bf16_pays is not False else "fp32"
+
+
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
              max_seq: int, task: str, min_cosine: float | None = None,
-             report: Callable[[str], None] = lambda text: None) -> Int8Plan:
+             report: Callable[[str], None] = lambda text: None, bf16_pays: bool | None = None) -> Int8Plan:
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
     `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
-    `min_cosine`; units left out of int8 run bf16 where the target has it, else fp32; `report`
-    hears its progress."""
+    `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
     from . import precision
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
     kernel = int8.kernel_for(target)
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    fallback_precision = "bf16" if precision.refusal("bf16", target) is None else "fp32"
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
                      lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                     kernel.weight_max, report, fallback_precision)
+                     kernel.weight_max, report, kept_precision(target, bf16_pays))

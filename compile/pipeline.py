@@ -545,16 +545,17 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step("torch.export + Relax import (dynamic batch, seq)"):
             imported = export_and_import(wrapper, config.max_batch, info.max_seq, vocab_size, config.layout)
         chosen_precision = None
-        if plans_int8:
-            with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
-                plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
-                                     info.max_seq, config.model_task, config.min_cosine, progress.note)
-            refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
-            if refused:
-                raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
         if chooses_attention:
             with progress.step(f"attention's products beside bf16 / int8 linears ({config.attention_products})"):
                 plan.attention = choose_attention(config, plan)
+        if plans_int8:
+            with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
+                plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
+                                     info.max_seq, config.model_task, config.min_cosine, progress.note,
+                                     bf16_pays=plan.attention.bf16_pays)
+            refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
+            if refused:
+                raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging)

@@ -1,7 +1,7 @@
 """compile/attention_products.py: the arithmetic of attention's products beside bf16 and int8
 linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
-itself), the timed kernel's answers against numpy, and the compile recording and building what
-was chosen. Timing and bf16 execution need a CPU with AVX512_BF16 and skip elsewhere."""
+itself), the timed kernel's answers against numpy, the compile recording and building what was
+chosen, and the int8 plan's kept units following the same timing. Timing and bf16 execution need a CPU with AVX512_BF16 and skip elsewhere."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.int8_plan import kept_precision
 from compile.kernels.common import vector_lanes
 
 HOST = make_target("cpu")
@@ -70,6 +71,16 @@ def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
 def test_only_bf16_and_int8_libraries_take_the_choice():
     choice = attention_products.AttentionChoice("amx", "auto", "amx: 0.40x the fp32 kernel's time")
     assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "amx", "amx"]
+
+
+def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
+    """The int8 plan's kept units run bf16 where the CPU has it, unless this CPU timed bf16 slower."""
+    znver4, v3 = make_target("cpu", mcpu="znver4"), make_target("cpu", mcpu="x86-64-v3")
+    assert [kept_precision(znver4, pays) for pays in (None, True, False)] == ["bf16", "bf16", "fp32"]
+    assert [kept_precision(v3, pays) for pays in (None, True)] == ["fp32", "fp32"]
+    assert attention_products.decide("bf16", _times(1.0, 0.5)).bf16_pays is True
+    assert attention_products.decide("bf16", _times(1.0, 1.2)).bf16_pays is False
+    assert attention_products.choose(znver4, SMALL, "auto", timed=False).bf16_pays is None
 
 
 def test_asking_bf16_products_of_a_cpu_without_avx512_bf16_is_refused():
@@ -136,11 +147,19 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
         return real_build(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "build_library", spy)
+    planned_with, real_plan = [], pipeline.plan_for
+
+    def plan_spy(*args, **kwargs):
+        planned_with.append(kwargs["bf16_pays"])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "plan_for", plan_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={
         **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])
     assert built_with == ["fp32", "fp32"]  # the bucket, the generic library
+    assert planned_with == [None if HOST_ROUNDED is None else False]  # kept units: fp32 where bf16 was slower
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")
     if HOST_ROUNDED is None:

@@ -1,7 +1,8 @@
 """compile/attention_products.py: the arithmetic of attention's products beside bf16 and int8
 linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
-itself), the timed kernel's answers against numpy, the compile recording and building what was
-chosen, and the int8 plan's kept units following the same timing. Timing and bf16 execution need a CPU with AVX512_BF16 and skip elsewhere."""
+itself), the timed kernel's answers against numpy, the compile recording and building what
+was chosen, and the int8 plan's kept units following the same timing. Timing and bf16 execution
+need a CPU with AVX512_BF16 and skip elsewhere."""
 
 from __future__ import annotations
 

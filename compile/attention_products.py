@@ -68,7 +68,7 @@ class AttentionChoice:
 
     def for_precision(self, name: str) -> str:
         """The products of a library whose linears are in `name`: fp32 ones keep fp32."""
-        return self.products if name in ("bf16", "int8") else "fp32"
+        return self.products if name in precision.ROUNDED else "fp32"
 
     def entry(self) -> AttentionProductsEntry:
         return AttentionProductsEntry(products=self.products, requested=self.requested, reason=self.reason,
@@ -85,10 +85,7 @@ def rounded_products(target: tvm.target.Target) -> str | None:
 
 def refusal(requested: str, target: tvm.target.Target) -> str | None:
     """Why `target` cannot run attention's products as `requested` (one line), or None."""
-    if requested == "bf16" and (problem := precision.refusal("bf16", target)):
-        return problem.replace("--precision bf16", "--attention-products bf16").replace(
-            " (use fp32, int8 or auto)", " (use fp32 or auto)")
-    return None
+    return precision.bf16_refusal("--attention-products bf16", "fp32 or auto", target) if requested == "bf16" else None
 
 
 def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
@@ -126,7 +123,7 @@ def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tup
     seqs = sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS})
     times = {products: {} for products in candidates}
     with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch:
-        kernels = {products: _timed_kernel(target, geometry, products, Path(scratch)) for products in candidates}
+        kernels = {products: _TimedKernel(target, geometry, products, Path(scratch)) for products in candidates}
         for seq in seqs:
             calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
             for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
@@ -142,7 +139,9 @@ class _TimedKernel:
     """The fused attention kernel alone (padded rows, one sequence of any length up to the
     model's), built and loaded as a library is, with random queries, keys and values."""
 
-    def __init__(self, path: Path, geometry: Geometry):
+    def __init__(self, target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path):
+        path = scratch / f"attention-{products}.so"
+        build_library(kernel_module(geometry, vector_lanes(target), products), target, path, attention=products)
         self.geometry = geometry
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
 
@@ -152,12 +151,6 @@ class _TimedKernel:
         qkv = tvm.runtime.tensor(rng.standard_normal((seq, 3 * hidden), dtype=np.float32))
         bias = tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))
         return lambda: self.vm["main"](qkv, bias)
-
-
-def _timed_kernel(target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path) -> _TimedKernel:
-    path = scratch / f"attention-{products}.so"
-    build_library(kernel_module(geometry, vector_lanes(target), products), target, path, attention=products)
-    return _TimedKernel(path, geometry)
 
 
 def kernel_module(geometry: Geometry, lanes: int, products: str) -> tvm.IRModule:

@@ -572,7 +572,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step(f"{config.precision} accuracy against the fp32 model on the shipped sentences"):
             precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision,
                                                                      plan.int8)
-        if plan.attention is not None and config.precision in ("bf16", "int8"):  # auto may have shipped fp32
+        if plan.attention is not None and config.precision in precision.ROUNDED:  # auto may have shipped fp32
             precision_entry = precision_entry.model_copy(update={"attention": plan.attention.entry()})
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:

@@ -52,19 +52,27 @@ GATES = {
     "bf16": Gate(cosine_min=0.999, cosine_mean=0.9995, top1_agreement=0.995, max_probability_diff=0.01),
     "int8": Gate(cosine_min=0.99, cosine_mean=0.997, top1_agreement=0.995, max_probability_diff=0.05),
 }
+ROUNDED = tuple(GATES)  # the precisions that round the linears' operands, each held to its gate
+
+
+def bf16_refusal(option: str, alternatives: str, target: tvm.target.Target) -> str | None:
+    """Why `target` cannot run what `option` asks in bf16 (one line, naming `alternatives`), or None."""
+    if not bf16.supported(target):
+        mcpu = (target.host or target).attrs.get("mcpu", "?")
+        return f"{option} needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use {alternatives})"
+    try:
+        bf16.kernels_object()  # the micro-kernels every bf16 library links
+    except RuntimeError as exc:
+        return f"{option}: {exc}"
+    return None
 
 
 def refusal(precision: str, target: tvm.target.Target) -> str | None:
     """Why `target` cannot run `precision` (one line), or None when it can."""
-    mcpu = (target.host or target).attrs.get("mcpu", "?")
-    if precision == "bf16" and not bf16.supported(target):
-        return f"--precision bf16 needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use fp32, int8 or auto)"
     if precision == "bf16":
-        try:
-            bf16.kernels_object()  # the micro-kernels every bf16 library links
-        except RuntimeError as exc:
-            return f"--precision bf16: {exc}"
+        return bf16_refusal("--precision bf16", "fp32, int8 or auto", target)
     if precision == "int8" and int8.kernel_for(target) is None:
+        mcpu = (target.host or target).attrs.get("mcpu", "?")
         return f"--precision int8 needs a CPU with AVX2; mcpu {mcpu} has none"
     return None
 
@@ -85,7 +93,7 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
 def under_cosine_floor(precision: str, accuracy: dict, min_cosine: float | None) -> bool:
     """Whether a rounded precision's least cosine to the fp32 model is under `--min-cosine`."""
     cosine = accuracy.get("cosine_min")
-    return precision in GATES and None not in (min_cosine, cosine) and cosine < min_cosine
+    return precision in ROUNDED and None not in (min_cosine, cosine) and cosine < min_cosine
 
 
 def accuracy_failures(precision: str, accuracy: dict, min_cosine: float | None) -> list[str]:

@@ -13,7 +13,7 @@ from artifact.bucketing import AnyBucket, Bucket
 
 from .errors import CompileError
 from .importer import symbolic_dims
-from .kernels import amx, bf16
+from .kernels import amx, bf16, launch
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
@@ -90,5 +90,6 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned, attention),
                                  tir_pipeline=tir_pipeline(target))
-    addons = bf16.linked_objects(mod, attention) + amx.linked_objects(mod, target, attention)
+    addons = launch.linked_objects(target) + bf16.linked_objects(mod, attention) + amx.linked_objects(
+        mod, target, attention)
     executable.export_library(str(path), addons=addons)

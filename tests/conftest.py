@@ -127,7 +127,8 @@ def prefetch_guards(func) -> list:
         condition = branch.condition
         first = (isinstance(condition, tirx.EQ) and isinstance(condition.b, tirx.IntImm)
                  and int(condition.b) == 0 and isinstance(condition.a, tirx.Var))
-        guards.extend([loops.get(condition.a) if first else None] * len(prefetched_addresses(branch.then_case)))
+        if first:  # other branches around prefetches (a claimed loop's) guard every iteration alike
+            guards.extend([loops.get(condition.a)] * len(prefetched_addresses(branch.then_case)))
 
     tvm_ffi.structural_walk(func, [(tirx.IfThenElse, guard)])
     return guards + [None] * (len(prefetched_addresses(func)) - len(guards))

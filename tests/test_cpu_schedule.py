@@ -524,7 +524,7 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     outside its claim. With TVM's fixed shares the held thread's own share would wait for it (and
     iteration 0 would give up after 10 s, having seen fewer finish)."""
     from compile.kernels.launch import CLAIM_SOURCE, claim_iterations
-    from compile.kernels.tiles import c_object
+    from compile.kernels.objects import c_object
 
     count = 10
 
@@ -564,9 +564,37 @@ def test_a_c_micro_kernel_object_lives_until_the_process_exits():
     import sys
     from pathlib import Path
 
-    script = ("from compile.kernels.tiles import c_object\n"
+    script = ("from compile.kernels.objects import c_object\n"
               "obj = c_object('probe', 'int probe(void) { return 1; }', ())\nassert obj.is_file()\nprint(obj)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     obj = Path(result.stdout.strip())
     assert obj.name == "probe.o" and not obj.parent.exists()
+
+
+def test_a_library_carries_the_claim_counter_its_linears_call(tmp_path):
+    """A linear's panels are claimed by the threads as they come free (its nest calls the counter),
+    and a library from build_library runs in a process that never built a kernel: it links the
+    counter itself (a fresh interpreter, where no JIT build has loaded it)."""
+    import os
+    import subprocess
+    import sys
+
+    from compile.build import build_library
+    from compile.kernels.launch import CLAIM
+
+    module = _dense_module(tirx.Var("m", "int64"), 384, 96)
+    (scheduled,) = [f for name, f in _prim_funcs(cpu_schedule_pass(TARGET)(_fused(module))).items() if "matmul" in name]
+    assert f'"{CLAIM}"' in scheduled.script()
+    build_library(module, TARGET, tmp_path / "dense.so")
+    x, w, b = _rand(37, 384), _rand(384, 96), _rand(96)
+    np.save(tmp_path / "x.npy", x), np.save(tmp_path / "w.npy", w), np.save(tmp_path / "b.npy", b)
+    script = ("import numpy as np, sys, tvm\n"
+              "d = sys.argv[1]\n"
+              "vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(d + '/dense.so'), tvm.cpu())\n"
+              "args = [tvm.runtime.tensor(np.load(f'{d}/{n}.npy')) for n in 'xwb']\n"
+              "np.save(d + '/y.npy', vm['main'](*args).numpy())\n")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "TVM_NUM_THREADS": "2"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), x @ w + b, **TOL)

@@ -292,7 +292,7 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 def test_bf16_products_run_on_the_micro_kernels():
     """A bf16 kernel calls the micro-kernels for its head size (the softmax's exp included: none is
     left in TIR), its threads claiming the tasks; a head size they are not compiled for keeps the
-    fp32 kernel, with fixed shares (an fp32 library links no C object)."""
+    fp32 kernel, whose threads claim the tasks too."""
     shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, 24, 0.25, True,
                            (3 * HEADS * HEAD_SIZE,) * 3, (0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
     called = _extern_calls(attention.write_attention(shape, 16, "bf16"))
@@ -301,9 +301,9 @@ def test_bf16_products_run_on_the_micro_kernels():
             attention_bf16.SOFTMAX_PAIRS, CLAIM} == called
     assert "scores" not in _stored(attention.write_attention(shape, 16, "bf16"))  # TIR has no softmax pass left
     assert "scores" in _stored(attention.write_attention(shape, 16, "fp32"))
-    assert not _extern_calls(attention.write_attention(shape, 16, "fp32"))
-    assert not _extern_calls(attention.write_attention(dataclasses.replace(shape, head_size=48,
-                                                                           widths=(3 * HEADS * 48,) * 3), 16, "bf16"))
+    assert _extern_calls(attention.write_attention(shape, 16, "fp32")) == {CLAIM}
+    wide = dataclasses.replace(shape, head_size=48, widths=(3 * HEADS * 48,) * 3)
+    assert _extern_calls(attention.write_attention(wide, 16, "bf16")) == {CLAIM}
 
 
 def test_amx_products_run_on_the_tiles():

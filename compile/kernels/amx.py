@@ -26,8 +26,9 @@ from pathlib import Path
 
 import tvm
 
-from . import attention_amx, launch
-from .tiles import Tile, c_object
+from . import attention_amx
+from .objects import c_object
+from .tiles import Tile
 
 REQUIRED_FEATURES = ("amx-tile", "amx-bf16", "amx-int8", "avx512bw", "avx512bf16")
 ROWS = 32  # activation rows per call: two row tiles
@@ -146,7 +147,7 @@ def _supported(llvm: tvm.target.Target) -> bool:
 
 def kernels_object() -> Path:
     """The tiles, compiled once per process to an object file the libraries link."""
-    return c_object("amx_tiles", SOURCE + attention_amx.SOURCE + launch.CLAIM_SOURCE,
+    return c_object("amx_tiles", SOURCE + attention_amx.SOURCE,
                     ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512bf16"))
 
 

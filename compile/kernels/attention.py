@@ -36,9 +36,8 @@ In bf16 libraries (and int8 ones on AVX512_BF16 CPUs) the two products and the s
 them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
 straight from their rows into the dim pairs the products read), or with the products on AMX tiles
 (attention_amx.py, keys and values then staged to whole 32-key tiles), with the same staging,
-tiles and row maps around them. There the threads claim the (sequence, head) tasks as they come
-free (launch.claim_iterations), where fp32 libraries, which link no C object, share them out in
-fixed halves: a mixed batch's long sequences no longer land on one thread.
+tiles and row maps around them. In every library the threads claim the (sequence, head) tasks as
+they come free (launch.claim_iterations): a mixed batch's long sequences do not land on one thread.
 
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
@@ -332,7 +331,6 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                 task(q_src, k_src, v_src, bias, gather, out, bh)
 
     func = attention if packed else without_param(attention, "gather")  # the padded row map needs none
-    if bf16:  # tasks claimed as threads come free; the micro-kernels' object, linked, has the counter
-        func = claim_iterations(func, i64(1))
+    func = claim_iterations(func, i64(1))  # tasks claimed as threads come free
     return prescheduled(fast_math(func))
 

@@ -22,8 +22,9 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, te, tirx
 
-from . import amx, attention_bf16, launch
-from .tiles import Tile, c_object, schedule_tiles
+from . import amx, attention_bf16
+from .objects import c_object
+from .tiles import Tile, schedule_tiles
 
 PANEL = 32  # output columns per weight panel: two zmm of fp32
 ROWS = 8  # activation rows per tile: 8 x 2 accumulators of 32 zmm
@@ -85,7 +86,7 @@ def supported(target: tvm.target.Target) -> bool:
 def kernels_object() -> Path:
     """The micro-kernels (the linears' tile, attention's products) compiled once per process to an
     object file the libraries link."""
-    return c_object("bf16_micro_kernels", TILE_SOURCE + attention_bf16.SOURCE + launch.CLAIM_SOURCE,
+    return c_object("bf16_micro_kernels", TILE_SOURCE + attention_bf16.SOURCE,
                     ("-mavx512f", "-mavx512bw", "-mavx512bf16"))
 
 

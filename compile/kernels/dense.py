@@ -14,6 +14,7 @@ from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
 
 from .common import is_reduction, prefetch_next_panel, read_padded_rows_in_place, root_blocks, static_extent
 from .fallback import parallel_vectorize, vectorize_inner
+from .launch import claim_grain, claim_iterations
 
 KERNEL_NAME = "packed_matmul"
 PANEL_VIEW = "panel_view"  # the block the kernel reads packed weights through (inlined by the schedule)
@@ -123,7 +124,8 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     """Schedule C[S, I, J] += A[S, I, K] * B[S, J, K] (any operand layout) plus its epilogue.
 
     Loop nest produced (S = batch axes, I = M, J = N, K = reduction):
-        parallel (S, J / nt):                  # enough tasks for all cores even at M = 16
+        parallel (S, J / nt):                  # enough tasks for all cores even at M = 16, claimed
+                                               # by the threads as they come free (launch.claim_iterations)
           B_pack[K, nt] = B[S, :, J tile]      # contiguous, and stays in L1/L2 for all of M
           for I / mt:
             acc[mt, nt] = 0
@@ -207,8 +209,9 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     sch.vectorize(jl)
     init = sch.decompose_reduction(main, k)
     vectorize_inner(sch, init, lanes)
-    k_var, tile_var = sch.get(k).loop_var, sch.get(tile).loop_var
+    k_var, tile_var, k_extent = sch.get(k).loop_var, sch.get(tile).loop_var, sch.get(k).extent
     rows_var = sch.get(io).loop_var if has_i else None
+    row_tiles = sch.get(io).extent if has_i else 1
 
     # Whatever could not be fused (a padded copy of B, an epilogue the inliner refused) still
     # runs in parallel and vectorised.
@@ -219,4 +222,5 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     func = read_padded_rows_in_place(sch.mod["main"], activations)
     if panels is not None:
         func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var)
-    return s_tir.Schedule(func)
+    grain = claim_grain(row_tiles * mt * nt * k_extent, sch.get(tile).extent if panels is not None else None)
+    return s_tir.Schedule(claim_iterations(func, grain, tile_var))

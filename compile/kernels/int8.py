@@ -44,6 +44,7 @@ from tvm.script import tirx as T
 from . import amx, script
 from .common import parallelize_leftovers, prefetch_next_panel, read_padded_rows_in_place
 from .fallback import vectorize_inner
+from .launch import claim_grain, claim_iterations
 from .row_quantize import ACTIVATION
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
@@ -252,7 +253,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     Where `amx_tiles` (the target has them, `amx.supported`), VNNI's layouts are read by AMX's 32 x 32
     tile in whole-K calls (`tiles.schedule_tiles`) when K is a multiple of its step; else:
 
-        parallel (N / panel):
+        parallel (N / panel, claimed by the threads as they come free: launch.claim_iterations):
           for M / rows:
             acc[rows, panel] = 0
             for K / group:  prefetch step k of the next panel (first M tile: `common.prefetch_next_panel`)
@@ -273,6 +274,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     if on_amx(kernel, amx_tiles) and amx.INT8.fits(sch.get(k).extent):
         return schedule_tiles(sch, main, amx.INT8, PANEL_VIEW)
     m, j, k = pad_rows_and_inline_panels(sch, main, kernel.rows, PANEL_VIEW)
+    k_size = sch.get(k).extent
     activations, panels = (region.source for region in sch.get(main).reads[:2])
     jo, jv, jl = sch.split(j, [None, panel // kernel.lanes, kernel.lanes])
     mo, mi = sch.split(m, [None, kernel.rows])
@@ -290,5 +292,7 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     sch.tensorize(jl, kernel.intrin)
     parallelize_leftovers(sch)
     func = read_padded_rows_in_place(sch.mod["main"], activations)  # each micro-kernel call reads one row
-    return s_tir.Schedule(prefetch_next_panel(func, sch.get(ko).loop_var, sch.get(jo).loop_var, panels,
-                                              sch.get(mo).loop_var))
+    panel_var = sch.get(jo).loop_var
+    func = prefetch_next_panel(func, sch.get(ko).loop_var, panel_var, panels, sch.get(mo).loop_var)
+    grain = claim_grain(sch.get(mo).extent * kernel.rows * panel * k_size, sch.get(jo).extent)
+    return s_tir.Schedule(claim_iterations(func, grain, panel_var))

@@ -12,16 +12,21 @@ extents, known only at run time for a symbolic token count) is under `MIN_PARALL
 TVM's pool hands each thread a fixed share of a parallel loop's iterations, so a thread that runs
 slower for a while (a shared host: another tenant on its core) leaves the other waiting at the
 join. perf of a bf16 MiniLM call at 512 tokens on a shared 2-core host found each thread idle
-10-18% of the time, most of it waiting for the other to finish its share of a linear's panels. `claim_iterations`
-lets the threads take the iterations of such a loop as they come free instead (one atomic
-increment per claim, `CLAIM_SOURCE`), as TBB's and OpenMP's dynamic schedules do. With the tile
-linears' panels and the bf16 attention's tasks claimed, bf16 MiniLM calls took 0.89-0.95x the
-time in a paired comparison (1x16 to 8x128), their fastest calls unchanged.
+10-18% of the time, most of it waiting for the other to finish its share of a linear's panels, and
+of an fp32 one at 128 tokens (x86-64-v3 code) the second thread idle 22% while the first ran the
+same panels 19% slower. `claim_iterations` lets the threads take the iterations of such a loop as
+they come free instead (one atomic increment per claim, `CLAIM_SOURCE`), as TBB's and OpenMP's
+dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every CPU
+library, which links the counter (`claims_object`). Paired against fixed shares on that host:
+bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.93-1.02x
+and 0.90-1.00x at 1x128 and 8x128, 0.85-0.98x on mixed lengths (docs/PERFORMANCE.md); the
+fastest calls unchanged.
 """
 
 from __future__ import annotations
 
 import collections
+from pathlib import Path
 
 import tvm_ffi
 from tvm import s_tir, tirx
@@ -29,6 +34,7 @@ from tvm.script import tirx as T
 from tvm.sym import Analyzer, ConstIntBound
 
 from . import script
+from .objects import c_object, load_in_process
 
 # Iterations of a loop nest below which it runs on the calling thread. A power of two between the
 # two ways it can be wrong, on MiniLM's packed libraries at 16-128 tokens on 2 threads: lower, the
@@ -39,13 +45,43 @@ MIN_PARALLEL_WORK = 1 << 16
 
 CLAIM = "bert_claim"
 _BODY = "claimed iterations"  # the placeholder `claim_iterations` puts the loop's body in
-# The claim counter's increment, in C (TIR has no atomics on the CPU); weak, as each micro-kernel
-# object that schedules claims carries a copy and a library may link several.
+# Work a thread claims at once at the least: 14-28 us of an AVX-512 / AVX2 core's fp32 multiply-adds
+CLAIMED_MULTIPLY_ADDS = 1 << 20
+CLAIMS_PER_LOOP = 16  # claims a loop of prefetched panels is cut into at the most: its imbalance at the join
+# The claim counter's increment, in C (TIR has no atomics on the CPU)
 CLAIM_SOURCE = r"""
-__attribute__((weak)) int64_t bert_claim(int64_t *claims) {
+#include <stdint.h>
+int64_t bert_claim(int64_t *claims) {
   return __atomic_fetch_add(claims, 1, __ATOMIC_RELAXED);
 }
 """
+
+
+def claims_object() -> Path:
+    """The claim counter compiled to an object file, which every CPU library links."""
+    return c_object("claims", CLAIM_SOURCE, ())
+
+
+def linked_objects(target) -> list[str]:
+    """The objects a library for `target` links for its claimed loops: the counter, on CPUs."""
+    return [str(claims_object())] if target.kind.name == "llvm" else []
+
+
+def claim_grain(multiply_adds_per_iteration, prefetched_iterations=None) -> tirx.PrimExpr:
+    """Iterations per claim of a loop whose iterations each compute `multiply_adds_per_iteration`: at
+    least CLAIMED_MULTIPLY_ADDS a claim, so the counter's cache line, which moves between the cores
+    at each claim, is not paid every few microseconds (a linear of 16 tokens). Where each iteration
+    prefetches the next one's weight panel (common.prefetch_next_panel) over `prefetched_iterations`,
+    also at least 1 / CLAIMS_PER_LOOP of them: claimed one at a time, the two threads' panels
+    alternate and each prefetches the panel the other one runs."""
+    grain = tirx.IntImm("int64", CLAIMED_MULTIPLY_ADDS) // _int64(multiply_adds_per_iteration)
+    if prefetched_iterations is not None:
+        grain = tirx.max(grain, _int64(prefetched_iterations) // tirx.IntImm("int64", CLAIMS_PER_LOOP))
+    return tirx.max(tirx.IntImm("int64", 1), grain)
+
+
+def _int64(value) -> tirx.PrimExpr:
+    return tirx.IntImm("int64", value) if isinstance(value, int) else tirx.Cast("int64", value)
 
 
 def _work(stmt) -> tirx.PrimExpr | None:
@@ -214,7 +250,8 @@ def _is_placeholder(stmt: tirx.Evaluate) -> bool:
 def claim_iterations(func: tirx.PrimFunc, grain: tirx.PrimExpr, loop_var: tirx.Var | None = None) -> tirx.PrimFunc:
     """`func` with the parallel loop over `loop_var` (by default its only parallel loop; from 0) shared
     by claims of `grain` iterations: each thread runs the next unclaimed ones as soon as it is free.
-    Its library must link `CLAIM_SOURCE` (the micro-kernel objects carry it)."""
+    Its library must link `claims_object` (build_library does); this process may JIT and run it."""
+    load_in_process(claims_object())
     loops = []
     tvm_ffi.structural_map(func.body, [(tirx.For, lambda loop: loops.append(loop) or loop)])
     (loop,) = [loop for loop in loops if (loop.loop_var.same_as(loop_var) if loop_var is not None

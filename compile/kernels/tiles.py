@@ -15,13 +15,7 @@ so `schedule_tiles` drops it.
 
 from __future__ import annotations
 
-import atexit
-import functools
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from tvm import s_tir, tirx
 from tvm.s_tir import TensorIntrin
@@ -31,9 +25,7 @@ from tvm.script import tirx as T
 from . import script
 from .common import parallelize_leftovers
 from .fallback import vectorize_inner
-from .launch import claim_iterations
-
-CLAIMED_TILES = 2  # tile calls a thread claims at once at the least (one atomic per claim)
+from .launch import claim_grain, claim_iterations
 
 
 @dataclass(frozen=True)
@@ -173,8 +165,7 @@ def schedule_tiles(sch: s_tir.Schedule, main, tile: Tile, panel_view: str, lanes
     sch.tensorize(call, tile_intrinsic(tile, k_size))
     _drop_init(sch, call)
     parallelize_leftovers(sch)
-    row_blocks = sch.get(mo).extent
-    grain = tirx.max(tirx.IntImm("int64", 1), tirx.IntImm("int64", CLAIMED_TILES) // row_blocks)
+    grain = claim_grain(sch.get(mo).extent * tile.rows * tile.panel * k_size)
     return s_tir.Schedule(claim_iterations(sch.mod["main"], grain, sch.get(jo).loop_var))
 
 
@@ -197,22 +188,3 @@ def _drop_init(sch: s_tir.Schedule, call) -> None:
     bare = s_tir.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, block.body, None,
                         block.alloc_buffers, block.match_buffers, block.annotations)
     sch.state.replace(sch.get_sref(call), bare, {block: bare})
-
-
-@functools.cache
-def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
-    """`source` compiled once per process, with `flags`, to an object file the libraries link (kept in
-    a scratch directory until the process exits)."""
-    from tvm.support import cc
-
-    directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    path, obj = directory / f"{name}.c", directory / f"{name}.o"
-    path.write_text(source)
-    compiler = cc.get_cc() or "gcc"
-    result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", *flags, "-c", str(path), "-o", str(obj)],
-                            capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
-        raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")
-    return obj

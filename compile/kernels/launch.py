@@ -18,8 +18,8 @@ same panels 19% slower. `claim_iterations` lets the threads take the iterations 
 they come free instead (one atomic increment per claim, `CLAIM_SOURCE`), as TBB's and OpenMP's
 dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every CPU
 library, which links the counter (`claims_object`). Paired against fixed shares on that host:
-bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.93-1.02x
-and 0.90-1.00x at 1x128 and 8x128, 0.85-0.98x on mixed lengths (docs/PERFORMANCE.md); the
+bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.91-0.97x
+at 1x128 and 8x128 (alternating calls), 0.85-0.98x on mixed lengths (docs/PERFORMANCE.md); the
 fastest calls unchanged.
 """
 

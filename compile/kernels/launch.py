@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
+import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
@@ -62,7 +63,7 @@ def claims_object() -> Path:
     return c_object("claims", CLAIM_SOURCE, ())
 
 
-def linked_objects(target) -> list[str]:
+def linked_objects(target: tvm.target.Target) -> list[str]:
     """The objects a library for `target` links for its claimed loops: the counter, on CPUs."""
     return [str(claims_object())] if target.kind.name == "llvm" else []
 

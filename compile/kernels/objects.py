@@ -19,11 +19,18 @@ from pathlib import Path
 def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
     """`source` compiled once per process, with `flags`, to an object file the libraries link (kept in
     a scratch directory until the process exits)."""
+    from tvm.support import cc
+
     directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     path, obj = directory / f"{name}.c", directory / f"{name}.o"
     path.write_text(source)
-    _run_compiler(name, ["-x", "c", "-O3", "-fPIC", *flags, "-c", str(path), "-o", str(obj)])
+    compiler = cc.get_cc() or "gcc"
+    result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", *flags, "-c", str(path), "-o", str(obj)],
+                            capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
+        raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")
     return obj
 
 
@@ -31,16 +38,8 @@ def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
 def load_in_process(obj: Path) -> None:
     """Make the symbols `obj` defines resolvable by code this process JIT-compiles (linked to a shared
     library beside it, loaded with RTLD_GLOBAL): without them, calling such code ends the process."""
-    shared = obj.with_suffix(".so")
-    _run_compiler(obj.stem, ["-shared", str(obj), "-o", str(shared)])
-    ctypes.CDLL(str(shared), mode=ctypes.RTLD_GLOBAL)
-
-
-def _run_compiler(name: str, arguments: list[str]) -> None:
     from tvm.support import cc
 
-    compiler = cc.get_cc() or "gcc"
-    result = subprocess.run([compiler, *arguments], capture_output=True, text=True, check=False)
-    if result.returncode != 0:
-        last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
-        raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")
+    shared = obj.with_suffix(".so")
+    cc.create_shared(str(shared), [str(obj)])  # as export_library links a library
+    ctypes.CDLL(str(shared), mode=ctypes.RTLD_GLOBAL)

@@ -96,11 +96,22 @@ class Int8Plan:
                                 for s in self.sensitivity]}
 
 
+def weight_scales(weight: torch.Tensor, int16_pairs: bool) -> torch.Tensor:
+    """[N, 1]: compile/passes/quantize.py's `weight_scales` in PyTorch, for a kernel that sums pairs
+    of products in int16 (`int8.Int8Kernel.int16_pairs`) or not."""
+    if int16_pairs:
+        pairs = weight.reshape(weight.shape[0], -1, 2)
+        largest = torch.maximum(pairs.clamp(min=0).sum(-1), (-pairs).clamp(min=0).sum(-1)).amax(-1, keepdim=True)
+    else:
+        largest = weight.abs().amax(1, keepdim=True)
+    return largest.clamp(min=1e-30) / int8.WEIGHT_CODES
+
+
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
-                          weight_max: int = 127) -> torch.Tensor:
+                          int16_pairs: bool = False) -> torch.Tensor:
     """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing,
-    per-token asymmetric u8 activations, per-output-channel weights (to the kernel's
-    `weight_max`), exact integer products (`integer_matmul`: no rounding of large sums)."""
+    per-token asymmetric u8 activations, per-output-channel weights (`weight_scales`), exact
+    integer products (`integer_matmul`: no rounding of large sums)."""
     weight = module.weight
     if scale is not None:
         x, weight = x / scale, weight * scale
@@ -109,9 +120,9 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     inverse = 1.0 / x_scale
     zero = torch.round(-low * inverse)
     xq = (torch.round(x * inverse) + zero).clamp(0, row_quantize.ACTIVATION_CODES) - zero
-    w_scale = weight.abs().amax(1, keepdim=True).clamp(min=1e-30) / weight_max
+    w_scale = weight_scales(weight, int16_pairs)
     wq = torch.round(weight / w_scale)
-    y = integer_matmul(xq, wq, row_quantize.ACTIVATION_CODES * weight_max).mul_(x_scale).mul_(w_scale.T)
+    y = integer_matmul(xq, wq, row_quantize.ACTIVATION_CODES * int8.WEIGHT_CODES).mul_(x_scale).mul_(w_scale.T)
     return y.add_(module.bias) if module.bias is not None else y
 
 
@@ -146,10 +157,10 @@ class Simulation:
     `fallback_precision` (fp32 or bf16), run on the shipped sentence rows."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
-                 agreement: Callable[[np.ndarray, np.ndarray], dict], weight_max: int = 127,
+                 agreement: Callable[[np.ndarray, np.ndarray], dict], int16_pairs: bool = False,
                  fallback_precision: str = "fp32"):
         self.wrapper = wrapper
-        self.weight_max = weight_max
+        self.int16_pairs = int16_pairs
         self.fallback_precision = fallback_precision
         self.agreement = agreement
         self.rows = tuple(torch.from_numpy(x) for x in rows)
@@ -210,7 +221,7 @@ class Simulation:
                 return bf16_linear(module, inputs[0])
             if module not in self.state:
                 return None
-            return fake_quantized_linear(module, inputs[0], self.state[module], self.weight_max)
+            return fake_quantized_linear(module, inputs[0], self.state[module], self.int16_pairs)
 
         with torch.no_grad(), self._hooks(replace):
             return self.wrapper(*self.rows).float().numpy()
@@ -248,13 +259,14 @@ def unit_name(module_names: list[str]) -> str:
 
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
-              weight_max: int = 127, report: Callable[[str], None] = lambda text: None,
+              int16_pairs: bool = False, report: Callable[[str], None] = lambda text: None,
               fallback_precision: str = "fp32") -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is what the plan must
-    keep; `weight_max`, the int8 kernel's weight range; `report(line)` hears how far it is (a
-    12-layer BERT takes minutes); `fallback_precision`, what the linears kept out of int8 run in."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, weight_max, fallback_precision)
+    keep; `int16_pairs`, whether the int8 kernel sums pairs of products in int16 (`weight_scales`);
+    `report(line)` hears how far it is (a 12-layer BERT takes minutes); `fallback_precision`, what
+    the linears kept out of int8 run in."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
@@ -326,4 +338,4 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
                      lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                     kernel.weight_max, report, kept_precision(target, bf16_pays))
+                     kernel.int16_pairs, report, kept_precision(target, bf16_pays))

@@ -84,11 +84,20 @@ def _exact_int8_products(kernel: int8.Int8Kernel, lib, x: np.ndarray, weights: n
     np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
 
 
-def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
-    """The largest pair sums 8-bit activations and 7-bit weights allow (u8 = 255 against weights
-    of +-weight_max of the same sign) must come out exact: one more bit of weight would saturate."""
+def _pairs_summing_to(total: int, n: int, k: int, rng) -> np.ndarray:
+    """[n, k] weight codes whose every pair (k = 2i, 2i + 1) has one sign and sums to +-`total` in
+    magnitude, each code within int8's [-127, 127]."""
+    first = rng.integers(total - 127, 128, (n, k // 2))
+    signs = rng.choice([-1, 1], (n, k // 2))
+    return (np.stack([first, total - first], axis=-1) * signs[..., None]).reshape(n, k)
+
+
+def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_pair_bound():
+    """Codes whose pairs of one sign sum to `PAIR_CODES` (128) against u8 activations of 255 are the
+    largest int16 pair sums the weight scales allow (compile/passes/quantize.py): they must come out
+    exact. One code more, and vpmaddubsw saturates: the bound is the instruction's."""
     kernel = int8.kernel_for(V3)
-    assert kernel.weight_max == 63
+    assert kernel.int16_pairs and int8.PAIR_CODES == 128
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
     lib = _int8_library(kernel, rows, n, k)
     instructions, asm = _instructions(lib)
@@ -97,17 +106,17 @@ def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_bound():
     _run_here(V3)
     rng = np.random.default_rng(1)
     x = rng.choice([-128, 127], (rows, k))  # u8 = 0 or 255
-    top = kernel.weight_max
-    # half the columns have the sign of row 0's activations throughout: its largest possible pair sums
-    weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * top, rng.integers(-top, top + 1, (n, k)))
-    _exact_int8_products(kernel, lib, x, weights.astype(np.int8))
+    x[0] = 127  # every product of row 0 at its largest
+    _exact_int8_products(kernel, lib, x, _pairs_summing_to(int8.PAIR_CODES, n, k, rng).astype(np.int8))
+    with pytest.raises(AssertionError):
+        _exact_int8_products(kernel, lib, x, _pairs_summing_to(int8.PAIR_CODES + 1, n, k, rng).astype(np.int8))
 
 
 def test_avx_vnni_int8_kernel_is_vex_vpdpbusd_on_ymm_and_exact_over_the_int8_range():
     """A CPU with AVX-VNNI and no AVX-512 takes VNNI's dot product on ymm, with 8-bit weights:
     vpdpbusd sums in int32 and never saturates."""
     kernel = int8.kernel_for(AVX_VNNI_CPU)
-    assert kernel is int8.AVX_VNNI and kernel.weight_max == 127
+    assert kernel is int8.AVX_VNNI and not kernel.int16_pairs
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
     lib = _int8_library(kernel, rows, n, k, AVX_VNNI_CPU)
     instructions, asm = _instructions(lib)

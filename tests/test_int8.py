@@ -11,17 +11,20 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import tvm
 import tvm_ffi
 from conftest import int8_linear_inputs, int8_weight_operands, prefetch_guards, prefetched_addresses
-from tvm import s_tir, te, tirx
+from tvm import relax, s_tir, te, tirx
 from tvm.sym import Analyzer
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
 from compile.build import make_target
+from compile.int8_plan import weight_scales
 from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
+from compile.passes.quantize import weight_scales as weight_scales_pass
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -48,9 +51,48 @@ def _build(func, schedule, target):
 def _quantized_weight(n: int, k: int, seed: int, kernel: int8.Int8Kernel, panel: int | None = None):
     rng = np.random.default_rng(seed)
     weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
-    scale = np.abs(weight).max(axis=1) / kernel.weight_max
+    scale = weight_scales(torch.from_numpy(weight), kernel.int16_pairs).numpy()[:, 0]
     quantized = np.round(weight / scale[:, None]).astype(np.int8)
     return (weight, quantized, scale.astype("float32"), *int8_weight_operands(quantized, kernel, panel))
+
+
+def _pass_weight_scales(weight: np.ndarray, kernel: int8.Int8Kernel) -> np.ndarray:
+    """compile/passes/quantize.py's weight scales of `weight`, built and run."""
+    n, k = weight.shape
+    builder = relax.BlockBuilder()
+    w = relax.Var("w", relax.TensorType((n, k), "float32"))
+    with builder.function("main", [w]):
+        with builder.dataflow():
+            scales = builder.emit_output(builder.normalize(weight_scales_pass(w, n, k, kernel)))
+        builder.emit_func_output(scales)
+    vm = relax.VirtualMachine(tvm.compile(builder.get(), "llvm"), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(weight)).numpy()
+
+
+@pytest.mark.parametrize("kernel", [int8.AVX2, int8.VNNI], ids=lambda kernel: kernel.name)
+def test_weight_scales_bound_avx2_pairs_and_keep_eight_bits_elsewhere(kernel):
+    """The compile scales each output channel (the pass's Relax, the same as the simulation's PyTorch).
+    For AVX2, every pair of one channel's codes of one sign sums to at most `PAIR_CODES`, the bound its
+    kernel is exact at (test_avx2_kernels.py); a channel whose largest weight stands alone in its pair
+    keeps all 8 bits (127 codes, where 7-bit weights gave it 63), and one whose two largest weights of
+    one sign are a pair gets half its range. Kernels that sum in int32 map the largest |w| onto 127."""
+    rng = np.random.default_rng(3)
+    n, k = 6, 64
+    weight = (rng.standard_normal((n, k)) * 0.05).astype("float32")
+    weight[0, 10], weight[0, 11] = 1.0, -0.01  # an outlier beside a small weight of the other sign
+    weight[1, 20], weight[1, 21] = 1.0, 0.9  # two large weights of one sign in one pair
+    weight[2, 30], weight[2, 31] = -1.0, -1.0
+    scales = _pass_weight_scales(weight, kernel)
+    np.testing.assert_allclose(scales, weight_scales(torch.from_numpy(weight), kernel.int16_pairs).numpy()[:, 0],
+                               rtol=1e-6)
+    codes = np.round(weight / scales[:, None])
+    if not kernel.int16_pairs:
+        assert (np.abs(codes).max(axis=1) == int8.WEIGHT_CODES).all()
+        return
+    pairs = codes.reshape(n, k // 2, 2)
+    assert np.maximum(np.clip(pairs, 0, None).sum(-1), np.clip(-pairs, 0, None).sum(-1)).max() <= int8.PAIR_CODES
+    assert codes[0, 10] == int8.WEIGHT_CODES  # 8 bits
+    assert codes[1, 20] == round(127 / 1.9) and codes[2, 30] == -64  # the pair's sum onto 127
 
 
 def test_the_best_kernel_the_cpu_runs_is_chosen():

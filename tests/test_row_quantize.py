@@ -121,8 +121,8 @@ def test_quantize_pass_folds_the_smoothing_multiply_into_the_row_quantizer():
     linear = {name: torch.nn.Linear(*w.shape[::-1], bias=False) for name, w in (("up", up), ("down", down))}
     for name, w in (("up", up), ("down", down)):
         linear[name].weight.data = w
-    weight_max, scale = int8.AVX2.weight_max, {name: torch.from_numpy(v) for name, v in scales.items()}
+    pairs, scale = int8.AVX2.int16_pairs, {name: torch.from_numpy(v) for name, v in scales.items()}
     with torch.no_grad():  # the kernels' arithmetic, smoothing by the same vectors (compile/int8_plan.py)
-        hidden = torch.nn.functional.gelu(fake_quantized_linear(linear["up"], h, scale["up"], weight_max))
-        expected = fake_quantized_linear(linear["down"], hidden, scale["down"], weight_max).numpy()
+        hidden = torch.nn.functional.gelu(fake_quantized_linear(linear["up"], h, scale["up"], pairs))
+        expected = fake_quantized_linear(linear["down"], hidden, scale["down"], pairs).numpy()
     np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())

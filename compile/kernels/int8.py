@@ -1,7 +1,7 @@
 """The int8 kernel family for x86 CPUs: linears over int8 weights with int32 accumulation.
 
-Weights are quantized symmetrically per output channel at compile time to [-weight_max, weight_max]
-(127; 63 for AVX2, below) and stored int8, in panels of `panel` output columns with the reduction
+Weights are quantized symmetrically per output channel at compile time to [-127, 127] (for AVX2
+with a bound on pairs, below) and stored int8, in panels of `panel` output columns with the reduction
 axis in groups of `group`, `Wp[N / panel, K / group, panel, group]`, so that one register's worth
 of columns x `group` k of a panel are contiguous bytes. Activations are quantized per row (token)
 at run time, asymmetrically to unsigned bytes: the row's range [min(x, 0), max(x, 0)] onto
@@ -19,14 +19,17 @@ Three micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
 - `AVX_VNNI` (AVX-VNNI, `vpdpbusd` on ymm: Intel Alder Lake and Sierra Forest, CPUs without
   AVX-512): VNNI's arithmetic in 8 int32 lanes, on AVX2's 4 x 24 register tile and panels.
 - `AVX2` (`vpmaddubsw` + `vpmaddwd`), as oneDNN and MLAS do without VNNI: 8 columns x 4 k of the
-  panel times 4 broadcast activation bytes; `vpmaddubsw` sums each pair of u8 x s8 products into
-  int16 (saturating), `vpmaddwd` by ones sums those pairs into 8 int32 lanes, `vpaddd` accumulates:
-  32 multiply-adds in 3 instructions (fp32 FMA: 8 in 1), half the time of the fp32 kernel on a
-  MiniLM linear, where `vpmaddwd` on int16-widened activations (16 in 2) ran at 0.95x fp32. Exact:
-  weights are quantized to 7 bits (|w| <= 63, ONNX Runtime's `reduce_range`), activations keep
-  8, so a pair sum is at most 2 x 255 x 63 = 32130 < 32767. The lost bit goes to the weights,
-  not the activations: weights have a scale per output channel and no per-token outliers, and
-  on MiniLM the int8 plan keeps fewer linears out of int8 this way than with 7-bit activations
+  panel times 4 broadcast activation bytes; `vpmaddubsw` sums each pair of u8 x s8 products (k = 2i,
+  2i + 1) into int16 (saturating), `vpmaddwd` by ones sums those pairs into 8 int32 lanes, `vpaddd`
+  accumulates: 32 multiply-adds in 3 instructions (fp32 FMA: 8 in 1), half the time of the fp32
+  kernel on a MiniLM linear, where `vpmaddwd` on int16-widened activations (16 in 2) ran at 0.95x
+  fp32. Exact where every pair of one column's codes of one sign sums to at most 128
+  (`PAIR_CODES`): 255 x 128 = 32640 < 32767. oneDNN and ONNX Runtime (`reduce_range`) get there by
+  quantizing every weight to 7 bits; the compile knows the weights, so it scales each output channel
+  by its largest same-sign pair sum instead (`int16_pairs`, `weight_scales` in
+  compile/passes/quantize.py): 8-bit codes where a channel's large weights of one sign are not
+  adjacent, 7-bit at worst (MiniLM's channels: 7.65 bits at the median). On MiniLM that took the
+  plan's least cosine from 0.987 to 0.994 before any linear was kept out of int8, and none is now
   (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
 """
 
@@ -45,7 +48,7 @@ from . import amx, script
 from .common import parallelize_leftovers, prefetch_next_panel, read_padded_rows_in_place
 from .fallback import vectorize_inner
 from .launch import claim_grain, claim_iterations
-from .row_quantize import ACTIVATION
+from .row_quantize import ACTIVATION, ACTIVATION_CODES
 from .tiles import pad_rows_and_inline_panels, schedule_tiles
 
 MATMUL = "int8_matmul"
@@ -63,7 +66,7 @@ class Int8Kernel:
     rows: int  # activation rows per register tile
     intrin: str
     description: str  # as the manifest records it
-    weight_max: int = 127  # weights are quantized to [-weight_max, weight_max]
+    int16_pairs: bool = False  # pairs of products summed in saturating int16 (`PAIR_CODES`)
     wide_panel: int | None = None  # columns of a wider panel, where N is a multiple (`panel_width`)
 
 
@@ -72,15 +75,18 @@ class Int8Kernel:
 VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
                   "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation", wide_panel=48)
 # 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
-# from memory by vpmaddubsw). 7-bit weights: a pair of u8 x s8 products is at most
-# 2 x 255 x 63 = 32130, so vpmaddubsw's saturating int16 sum is exact.
+# from memory by vpmaddubsw); weights scaled so that each pair's int16 sum is exact
 AVX2 = Int8Kernel("avx2", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
-                  "avx2 vpmaddubsw + vpmaddwd (uint8 activations x 7-bit int8 weights), int32 accumulation",
-                  weight_max=63)
+                  "avx2 vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
+                  "summing to at most 128), int32 accumulation", int16_pairs=True)
 # AVX2's tile and panels, one vpdpbusd per 8 columns x 4 k (AVX2: three instructions), 8-bit weights
 AVX_VNNI = Int8Kernel("avxvnni", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
                       "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
 KERNELS = (VNNI, AVX_VNNI, AVX2)  # the best first
+WEIGHT_CODES = 127  # weights symmetric onto [-127, 127]
+# vpmaddubsw: the largest sum of a pair's codes of one sign whose products with u8 activations stay
+# within int16 (128)
+PAIR_CODES = 32767 // ACTIVATION_CODES
 
 
 def kernel_for(target: tvm.target.Target) -> Int8Kernel | None:

@@ -3,7 +3,8 @@
 The pass rewrites `matmul(x, permute_dims(W))`, for weights computed from parameters only (as
 compile/passes/packing.py finds them, Q/K/V concatenations included), into
 
-    scale_w = max |W[n, :]| / weight_max                (per output channel; 127, AVX2's 63)
+    scale_w = weight_scales(W)                          (per output channel: max |W[n, :]| / 127, or AVX2's
+                                                          largest same-sign pair sum / 127)
     Wq      = int8(round(W / scale_w))
     panels  = Wq in the kernel's [N / panel, K / group, panel, group] layout
     colsum  = sum_k Wq[n, k]
@@ -56,9 +57,8 @@ def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozens
             return None
         quantized_count[0] += 1
         emit, op = builder.emit, relax.op
-        top = kernel.weight_max
-        scale = emit(op.divide(op.maximum(op.max(op.abs(w), axis=1), relax.const(1e-30, "float32")),
-                               relax.const(float(top), "float32")))
+        top = int8.WEIGHT_CODES
+        scale = emit(weight_scales(w, n, k, kernel))
         quantized = emit(op.astype(op.clip(op.round(op.divide(w, op.expand_dims(scale, 1))), -top, top), "int8"))
         panel = int8.panel_width(kernel, n, amx_tiles)
         panels = emit(op.permute_dims(
@@ -70,6 +70,24 @@ def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozens
 
     quantized_count = [0]
     return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]
+
+
+def weight_scales(w: relax.Expr, n: int, k: int, kernel: int8.Int8Kernel) -> relax.Expr:
+    """Per output channel of `w` [n, k], the scale of its int8 codes: its largest |w| onto 127 codes, or
+    where `kernel` sums pairs of products in int16 (AVX2), its largest sum of a pair's (k = 2i, 2i + 1)
+    weights of one sign onto 127. Rounding adds at most one code to a pair, so no pair of codes of one
+    sign sums past `int8.PAIR_CODES`, and no code past 127 (a pair's sum bounds each of its weights).
+    compile/int8_plan.py's simulation (`weight_scales` there) is the same rule in PyTorch."""
+    op = relax.op
+    if kernel.int16_pairs:
+        pairs, nothing = op.reshape(w, (n, k // 2, 2)), relax.const(0.0, "float32")
+        one_sign = op.maximum(op.sum(op.maximum(pairs, nothing), axis=2),
+                              op.sum(op.maximum(op.negative(pairs), nothing), axis=2))
+        largest = op.max(one_sign, axis=1)
+    else:
+        largest = op.max(op.abs(w), axis=1)
+    codes = relax.const(float(int8.WEIGHT_CODES), "float32")
+    return op.divide(op.maximum(largest, relax.const(1e-30, "float32")), codes)
 
 
 def quantize_rows(builder: relax.BlockBuilder, x: relax.Expr, k: int) -> relax.Expr:

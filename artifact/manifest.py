@@ -157,7 +157,7 @@ class QuantizationEntry(_Strict):
     smoothing_alpha: float | None = None  # SmoothQuant strength (0: none; compile/passes/smooth.py)
     smoothed: int = 0  # linears whose input channels are rescaled
     kept: list[KeptLinear] = []  # linears left out of int8 ("mixed int8")
-    sensitivity: list[LinearSensitivity] = []  # most sensitive first
+    sensitivity: list[LinearSensitivity] = []  # most sensitive first; measured where a fallback was needed
 
 
 class PrecisionCandidate(_Strict):

@@ -9,10 +9,12 @@ second on MiniLM, where building and running a library takes a minute, so the pl
 
 1. calibration: each linear's largest |activation| per input channel;
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
-3. sensitivity: for each linear, the accuracy with it alone kept in the higher precision;
+3. sensitivity, where every linear in int8 misses the int8 gate (compile/precision.py) or
+   `--min-cosine`: for each linear, the accuracy with it alone kept in the higher precision (one
+   pass per linear group: 7 minutes of a 12-layer BERT's plan, not spent where nothing is kept);
 4. fallback: the most sensitive linears, one at a time, kept in bf16 (where the CPU has it) or
-   fp32 until the simulation keeps the int8 gate (compile/precision.py) and `--min-cosine`; the
-   kept linears are simulated in their own precision (bf16 rounds too).
+   fp32 until the simulation keeps the gate and `--min-cosine`; the kept linears are simulated in
+   their own precision (bf16 rounds too).
 
 Linears that read the same input (Q, K and V) form one unit: they share a smoothing vector (one
 concatenated projection needs one) and a precision.
@@ -70,15 +72,16 @@ class Int8Plan:
     fallback_keys: set[str]
     simulated: dict  # cosine_min, cosine_mean of the plan, simulated
     alphas: dict[float, dict] = field(default_factory=dict)  # alpha -> simulated accuracy, nothing kept
-    sensitivity: list[Sensitivity] = field(default_factory=list)
+    sensitivity: list[Sensitivity] = field(default_factory=list)  # measured where a fallback was needed
     fallback_precision: str = "fp32"  # what the kept units run in (`kept_precision`)
+    units: int = 0  # linear groups the int8 kernel fits
 
     def refusal(self, min_cosine: float | None) -> str | None:
         """Why this int8 has nothing to offer (one line): no linear fits the kernel, or keeping the
         gate, and `min_cosine` where given, took every linear out of int8."""
-        if not self.sensitivity:
+        if not self.units:
             return "no linear fits the int8 kernel's panels"
-        if len(self.fallback) < len(self.sensitivity):
+        if len(self.fallback) < self.units:
             return None
         wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:g}"
         return f"int8 cannot keep {wanted} with any linear in int8 (simulated on the shipped sentences)"
@@ -272,17 +275,9 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
     alpha = max(alphas, key=lambda a: score(alphas[a]))
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
     report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
-    sensitivity = []
-    quarters = {len(simulation.units) * q // 4 for q in (1, 2, 3, 4)}
-    for done, unit in enumerate(simulation.units, 1):
-        sensitivity.append(Sensitivity(unit.name, simulation.accuracy(alpha, {unit.name})))
-        if done in quarters:
-            report(f"sensitivity: {done}/{len(simulation.units)} linear groups")
-    sensitivity.sort(key=lambda s: score(s.accuracy), reverse=True)
-    log.info("int8 sensitivity (with the unit kept out of int8): %s",
-             ", ".join(f"{s.unit} {score(s.accuracy)[0]:.4f}" for s in sensitivity[:4]))
-    kept: list[str] = []
     accuracy = alphas[alpha]
+    sensitivity = [] if passes_gate(accuracy) else measure_sensitivity(simulation, alpha, report)
+    kept: list[str] = []
     for candidate in sensitivity:
         if passes_gate(accuracy):
             break
@@ -303,7 +298,22 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
              ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float)))
     return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
                     fallback_keys={key for name in kept for key in units[name].keys},
-                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=fallback_precision)
+                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=fallback_precision,
+                    units=len(units))
+
+
+def measure_sensitivity(simulation: Simulation, alpha: float, report: Callable[[str], None]) -> list[Sensitivity]:
+    """Each unit's accuracy with it alone out of int8, the least harmed by int8 last."""
+    sensitivity = []
+    quarters = {len(simulation.units) * q // 4 for q in (1, 2, 3, 4)}
+    for done, unit in enumerate(simulation.units, 1):
+        sensitivity.append(Sensitivity(unit.name, simulation.accuracy(alpha, {unit.name})))
+        if done in quarters:
+            report(f"sensitivity: {done}/{len(simulation.units)} linear groups")
+    sensitivity.sort(key=lambda s: score(s.accuracy), reverse=True)
+    log.info("int8 sensitivity (with the unit kept out of int8): %s",
+             ", ".join(f"{s.unit} {score(s.accuracy)[0]:.4f}" for s in sensitivity[:4]))
+    return sensitivity
 
 
 def quantizable_modules(mod: tvm.IRModule, kernel: int8.Int8Kernel) -> set[str]:

@@ -1,6 +1,6 @@
 """The x86-64-v3 (AVX2 + FMA) level's kernels, built for that level on any x86-64 machine: the
-instructions in their assembly, the int8 kernel's exactness at its saturation bound (and
-AVX-VNNI's, an alderlake level's, over the whole int8 range), and the
+instructions in their assembly, the int8 kernels' exactness at their saturation bound (x86-64-v4's
+too, AVX2's arithmetic on zmm; and AVX-VNNI's, an alderlake level's, over the whole int8 range), and the
 register tiles each level's dense kernel takes (the AVX-512 one included, which must not move).
 Numbers are checked where this CPU runs x86-64-v3 code (every x86-64 CPU the suite runs on)."""
 
@@ -92,18 +92,20 @@ def _pairs_summing_to(total: int, n: int, k: int, rng) -> np.ndarray:
     return (np.stack([first, total - first], axis=-1) * signs[..., None]).reshape(n, k)
 
 
-def test_x86_64_v3_int8_kernel_is_vpmaddubsw_and_exact_at_its_pair_bound():
-    """Codes whose pairs of one sign sum to `PAIR_CODES` (128) against u8 activations of 255 are the
+@pytest.mark.parametrize("target,register", [(V3, "ymm"), (V4, "zmm")], ids=["x86-64-v3", "x86-64-v4"])
+def test_int8_kernels_without_vnni_are_vpmaddubsw_and_exact_at_their_pair_bound(target, register):
+    """x86-64-v3 takes AVX2's kernel, x86-64-v4 (AVX-512 without VNNI) the same arithmetic on zmm.
+    Codes whose pairs of one sign sum to `PAIR_CODES` (128) against u8 activations of 255 are the
     largest int16 pair sums the weight scales allow (compile/passes/quantize.py): they must come out
     exact. One code more, and vpmaddubsw saturates: the bound is the instruction's."""
-    kernel = int8.kernel_for(V3)
+    kernel = int8.kernel_for(target)
     assert kernel.int16_pairs and int8.PAIR_CODES == 128
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
-    lib = _int8_library(kernel, rows, n, k)
+    lib = _int8_library(kernel, rows, n, k, target)
     instructions, asm = _instructions(lib)
-    assert {"vpmaddubsw", "vpmaddwd"} <= instructions
-    assert "zmm" not in asm and not any(i.startswith("vpdpbusd") for i in instructions)
-    _run_here(V3)
+    assert {"vpmaddubsw", "vpmaddwd"} <= instructions and re.search(rf"vpmaddubsw\s+[^\n]*%{register}", asm)
+    assert ("zmm" in asm) == (register == "zmm") and not any(i.startswith("vpdpbusd") for i in instructions)
+    _run_here(target)
     rng = np.random.default_rng(1)
     x = rng.choice([-128, 127], (rows, k))  # u8 = 0 or 255
     x[0] = 127  # every product of row 0 at its largest

@@ -1,8 +1,8 @@
-"""The int8 kernels (compile/kernels/int8.py) against numpy: the three matmul micro-kernels (AVX2
-vpmaddubsw + vpmaddwd, AVX-VNNI and AVX-512 VNNI vpdpbusd) with their epilogue, at static and
-symbolic row counts (ragged ones included). Each kernel is compiled for a CPU that has it
-(x86-64-v3; alderlake, AVX-VNNI without AVX-512; cascadelake, the first with AVX-512 VNNI) on any
-machine, and run where this CPU has its features."""
+"""The int8 kernels (compile/kernels/int8.py) against numpy: the four matmul micro-kernels (AVX2 and
+AVX-512BW vpmaddubsw + vpmaddwd, AVX-VNNI and AVX-512 VNNI vpdpbusd) with their epilogue, at static
+and symbolic row counts (ragged ones included). Each kernel is compiled for a CPU that has it
+(x86-64-v3; x86-64-v4, AVX-512 without VNNI; alderlake, AVX-VNNI without AVX-512; cascadelake, the
+first with AVX-512 VNNI) on any machine, and run where this CPU has its features."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
 TARGET = make_target("cpu", "sm_90", None)
 KERNEL_TARGETS = {int8.AVX2: make_target("cpu", mcpu="x86-64-v3"), int8.AVX_VNNI: make_target("cpu", mcpu="alderlake"),
-                  int8.VNNI: make_target("cpu", mcpu="cascadelake")}
+                  int8.VNNI: make_target("cpu", mcpu="cascadelake"),
+                  int8.AVX512BW: make_target("cpu", mcpu="x86-64-v4")}
 each_kernel = pytest.mark.parametrize("kernel", list(KERNEL_TARGETS), ids=lambda kernel: kernel.name)
 # every panel width each kernel reads: VNNI's wide one (48 columns) beside its 32
 each_layout = pytest.mark.parametrize("kernel,panel", [
@@ -99,7 +100,8 @@ def test_the_best_kernel_the_cpu_runs_is_chosen():
     assert int8.kernel_for(KERNEL_TARGETS[int8.VNNI]) is int8.VNNI
     assert int8.kernel_for(KERNEL_TARGETS[int8.AVX2]) is int8.AVX2
     assert int8.kernel_for(KERNEL_TARGETS[int8.AVX_VNNI]) is int8.AVX_VNNI  # AVX-VNNI without AVX-512
-    assert int8.kernel_for(make_target("cpu", mcpu="x86-64-v4")) is int8.AVX2  # AVX-512 without VNNI
+    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX512BW]) is int8.AVX512BW  # AVX-512 without VNNI
+    assert int8.kernel_for(make_target("cpu", mcpu="skylake-avx512")) is int8.AVX512BW
     assert int8.kernel_for(make_target("cpu", mcpu="x86-64")) is None  # no AVX2
 
 
@@ -135,6 +137,7 @@ def test_panels_are_vnni_wide_where_n_allows_and_no_amx_tile_reads_them():
     assert int8.panel_width(int8.VNNI, 1152, amx_tiles=False) == 48
     assert int8.panel_width(int8.VNNI, 1024, amx_tiles=False) == 32  # bert-large's width: 48 does not divide it
     assert int8.panel_width(int8.VNNI, 1152, amx_tiles=True) == 32
+    assert int8.panel_width(int8.AVX512BW, 1152, amx_tiles=False) == 48  # VNNI's panels, AVX2's arithmetic
     assert int8.panel_width(int8.AVX2, 1152, amx_tiles=False) == int8.panel_width(int8.AVX_VNNI, 1152, False) == 24
 
 

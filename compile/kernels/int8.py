@@ -11,7 +11,7 @@ the inputs of the FFN's second linear. The kernel subtracts zero x the weight co
 (computed at compile time) from each accumulator: exact in int32. The loop nest is the fp32
 kernel's (`dense.schedule_matmul`): parallel over panels, a `rows` x `panel` int32 accumulator in
 registers, the dequantisation and any fused epilogue (bias, GELU, residual) applied on write-back.
-Three micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
+Four micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
 
 - `VNNI` (AVX-512 VNNI, `vpdpbusd`): 16 columns x 4 k of the panel times 4 broadcast activation
   bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16),
@@ -31,6 +31,9 @@ Three micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
   adjacent, 7-bit at worst (MiniLM's channels: 7.65 bits at the median). On MiniLM that took the
   plan's least cosine from 0.987 to 0.994 before any linear was kept out of int8, and none is now
   (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
+- `AVX512BW` (`vpmaddubsw` + `vpmaddwd` on zmm): AVX2's arithmetic and weight scales in 16 int32
+  lanes, on VNNI's 8-row tile and panels, for AVX-512 CPUs without VNNI (Skylake-SP) and for the
+  `x86-64-v4` level, which every AVX-512 CPU loads and which names no VNNI.
 """
 
 from __future__ import annotations
@@ -82,7 +85,12 @@ AVX2 = Int8Kernel("avx2", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
 # AVX2's tile and panels, one vpdpbusd per 8 columns x 4 k (AVX2: three instructions), 8-bit weights
 AVX_VNNI = Int8Kernel("avxvnni", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
                       "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
-KERNELS = (VNNI, AVX_VNNI, AVX2)  # the best first
+# VNNI's tile and panels (8 x 48: 24 zmm accumulators, the ones vector, a broadcast, a product), AVX2's
+# arithmetic: three instructions per 16 columns x 4 k where VNNI takes one
+AVX512BW = Int8Kernel("avx512bw", 4, 16, 32, 8, "bert_dot_16x4_u8i8_avx512bw",
+                      "avx512bw vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
+                      "summing to at most 128), int32 accumulation", int16_pairs=True, wide_panel=48)
+KERNELS = (VNNI, AVX512BW, AVX_VNNI, AVX2)  # the best first
 WEIGHT_CODES = 127  # weights symmetric onto [-127, 127]
 # vpmaddubsw: the largest sum of a pair's codes of one sign whose products with u8 activations stay
 # within int16 (128)
@@ -102,8 +110,8 @@ def _kernel_for(target_text: str) -> Int8Kernel | None:
     target = tvm.target.Target(target_text)
     if target.kind.name != "llvm":
         return None
-    if all(llvm_cpu_has_features(feature, target) for feature in ("avx512vnni", "avx512bw")):
-        return VNNI
+    if llvm_cpu_has_features("avx512bw", target):
+        return VNNI if llvm_cpu_has_features("avx512vnni", target) else AVX512BW
     if not llvm_cpu_has_features("avx2", target):
         return None
     return AVX_VNNI if llvm_cpu_has_features("avxvnni", target) else AVX2
@@ -167,25 +175,34 @@ def _quads_vpdpbusd(lanes: int, intrinsic: str):
     return impl
 
 
-@script.prim_func(s_tir=True)
-def _quads_avx2(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((8, 4), "int8", offset_factor=1),
-                C: T.Buffer((8,), "int32", offset_factor=1)) -> None:
-    with T.sblock("root"):
-        T.reads(C[0:8], A[0:4], B[0:8, 0:4])
-        T.writes(C[0:8])
-        quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-        pairs = T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.pmadd.ub.sw"),
-            T.reinterpret(T.broadcast(quad, 8), dtype="int8x32"),
-            B.vload([0, 0], dtype="int8x32"),
-            dtype="int16x16")
-        C[T.ramp(T.int32(0), 1, 8)] += T.call_llvm_pure_intrin(
-            T.llvm_lookup_intrinsic_id("llvm.x86.avx2.pmadd.wd"), pairs, T.broadcast(T.int16(1), 16),
-            dtype="int32x8")
+def _quads_pmaddubsw(lanes: int, pairs_intrinsic: str, quads_intrinsic: str):
+    """`lanes` columns x 4 k in `vpmaddubsw` (pairs of u8 x s8 products, summed in saturating int16)
+    and `vpmaddwd` by ones (the pairs' sums, in int32), accumulated by `vpaddd`."""
+    bytes_, words = f"int8x{4 * lanes}", f"int16x{2 * lanes}"
+
+    @script.prim_func(s_tir=True)
+    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
+             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
+        with T.sblock("root"):
+            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
+            T.writes(C[0:lanes])
+            quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
+            pairs = T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(pairs_intrinsic),
+                T.reinterpret(T.broadcast(quad, lanes), dtype=bytes_),
+                B.vload([0, 0], dtype=bytes_),
+                dtype=words)
+            C[T.ramp(T.int32(0), 1, lanes)] += T.call_llvm_pure_intrin(
+                T.llvm_lookup_intrinsic_id(quads_intrinsic), pairs, T.broadcast(T.int16(1), 2 * lanes),
+                dtype=f"int32x{lanes}")
+
+    return impl
 
 
 for _kernel, _impl in ((VNNI, _quads_vpdpbusd(16, "llvm.x86.avx512.vpdpbusd.512")),
-                       (AVX_VNNI, _quads_vpdpbusd(8, "llvm.x86.avx512.vpdpbusd.256")), (AVX2, _quads_avx2)):
+                       (AVX512BW, _quads_pmaddubsw(16, "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")),
+                       (AVX_VNNI, _quads_vpdpbusd(8, "llvm.x86.avx512.vpdpbusd.256")),
+                       (AVX2, _quads_pmaddubsw(8, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"))):
     if TensorIntrin.get(_kernel.intrin, allow_missing=True) is None:
         TensorIntrin.register(_kernel.intrin, _quads_desc(_kernel.lanes), _impl)
 

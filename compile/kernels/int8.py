@@ -200,7 +200,8 @@ def _quads_pmaddubsw(lanes: int, pairs_intrinsic: str, quads_intrinsic: str):
 
 
 for _kernel, _impl in ((VNNI, _quads_vpdpbusd(16, "llvm.x86.avx512.vpdpbusd.512")),
-                       (AVX512BW, _quads_pmaddubsw(16, "llvm.x86.avx512.pmaddubs.w.512", "llvm.x86.avx512.pmaddw.d.512")),
+                       (AVX512BW, _quads_pmaddubsw(16, "llvm.x86.avx512.pmaddubs.w.512",
+                                                   "llvm.x86.avx512.pmaddw.d.512")),
                        (AVX_VNNI, _quads_vpdpbusd(8, "llvm.x86.avx512.vpdpbusd.256")),
                        (AVX2, _quads_pmaddubsw(8, "llvm.x86.avx2.pmadd.ub.sw", "llvm.x86.avx2.pmadd.wd"))):
     if TensorIntrin.get(_kernel.intrin, allow_missing=True) is None:

@@ -153,9 +153,9 @@ def _quads_desc(lanes: int):
     return desc
 
 
-def _quads_vpdpbusd(lanes: int, intrinsic: str):
-    """`lanes` columns x 4 k in one vpdpbusd (AVX-512 VNNI on zmm; on ymm, LLVM selects the VEX,
-    AVX-VNNI, encoding on a CPU without AVX-512 VL)."""
+def _quads_impl(lanes: int, accumulate):
+    """The micro-kernel whose `lanes` int32 sums become `accumulate(sums, broadcast activation bytes,
+    weight bytes)`, each operand a vector of the whole register."""
     accumulators, products = f"int32x{lanes}", f"int8x{4 * lanes}"
 
     @script.prim_func(s_tir=True)
@@ -165,38 +165,29 @@ def _quads_vpdpbusd(lanes: int, intrinsic: str):
             T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
             T.writes(C[0:lanes])
             quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-            C[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id(intrinsic),
-                C.vload([0], dtype=accumulators),
-                T.reinterpret(T.broadcast(quad, lanes), dtype=products),
-                B.vload([0, 0], dtype=products),
-                dtype=accumulators)
+            C[T.ramp(T.int32(0), 1, lanes)] = accumulate(
+                C.vload([0], dtype=accumulators), T.reinterpret(T.broadcast(quad, lanes), dtype=products),
+                B.vload([0, 0], dtype=products))
 
     return impl
+
+
+def _quads_vpdpbusd(lanes: int, intrinsic: str):
+    """`lanes` columns x 4 k in one vpdpbusd (AVX-512 VNNI on zmm; on ymm, LLVM selects the VEX,
+    AVX-VNNI, encoding on a CPU without AVX-512 VL)."""
+    return _quads_impl(lanes, lambda sums, activations, weights: tirx.call_llvm_pure_intrin(
+        f"int32x{lanes}", intrinsic, sums, activations, weights))
 
 
 def _quads_pmaddubsw(lanes: int, pairs_intrinsic: str, quads_intrinsic: str):
     """`lanes` columns x 4 k in `vpmaddubsw` (pairs of u8 x s8 products, summed in saturating int16)
     and `vpmaddwd` by ones (the pairs' sums, in int32), accumulated by `vpaddd`."""
-    bytes_, words = f"int8x{4 * lanes}", f"int16x{2 * lanes}"
+    def accumulate(sums, activations, weights):
+        pairs = tirx.call_llvm_pure_intrin(f"int16x{2 * lanes}", pairs_intrinsic, activations, weights)
+        ones = tirx.Broadcast(tirx.const(1, "int16"), 2 * lanes)
+        return sums + tirx.call_llvm_pure_intrin(f"int32x{lanes}", quads_intrinsic, pairs, ones)
 
-    @script.prim_func(s_tir=True)
-    def impl(A: T.Buffer((4,), "uint8", offset_factor=1), B: T.Buffer((lanes, 4), "int8", offset_factor=1),
-             C: T.Buffer((lanes,), "int32", offset_factor=1)) -> None:
-        with T.sblock("root"):
-            T.reads(C[0:lanes], A[0:4], B[0:lanes, 0:4])
-            T.writes(C[0:lanes])
-            quad = T.reinterpret(A.vload([0], "uint8x4"), dtype="int32")
-            pairs = T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id(pairs_intrinsic),
-                T.reinterpret(T.broadcast(quad, lanes), dtype=bytes_),
-                B.vload([0, 0], dtype=bytes_),
-                dtype=words)
-            C[T.ramp(T.int32(0), 1, lanes)] += T.call_llvm_pure_intrin(
-                T.llvm_lookup_intrinsic_id(quads_intrinsic), pairs, T.broadcast(T.int16(1), 2 * lanes),
-                dtype=f"int32x{lanes}")
-
-    return impl
+    return _quads_impl(lanes, accumulate)
 
 
 for _kernel, _impl in ((VNNI, _quads_vpdpbusd(16, "llvm.x86.avx512.vpdpbusd.512")),

@@ -179,7 +179,7 @@ class AttentionProductsEntry(_Strict):
     fp32): `requested` auto timed the fused kernel in each candidate on the compiling CPU
     (compile/attention_products.py), `times_ms` per candidate and sequence length."""
 
-    products: Literal["fp32", "bf16", "amx"]
+    products: Literal["fp32", "bf16", "amx", "int8"]
     requested: Literal["auto", "fp32", "bf16"]
     reason: str
     times_ms: dict[str, dict[str, float]] = {}

@@ -10,6 +10,10 @@ keeps bf16 only when it is faster by `precision.PRECISION_MARGIN`: fp32 is the m
 a difference within noise is no reason to round. Where the libraries cannot run here
 (cross-compiled, not validated), nothing is timed and bf16 is kept where the CPU has it. fp32
 libraries keep fp32 products.
+
+Where the CPU has no AVX512_BF16, int8 libraries at AVX2 (the x86-64-v3 and alderlake levels) have
+int8 products instead (`vpmaddubsw`, kernels/attention_int8.py), chosen the same way, and the int8
+plan simulates them (int8_plan.Simulation): they cost accuracy where bf16 ones do not.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from artifact.manifest import AttentionProductsEntry
 from . import precision
 from .build import build_library
 from .checkpoint import CheckpointInfo
-from .kernels import amx, attention
+from .kernels import amx, attention, attention_int8, int8
 from .kernels.attention import AttentionShape
 from .kernels.common import vector_lanes
 from .timing import interleaved_medians
@@ -55,7 +59,7 @@ class AttentionChoice:
     """Which arithmetic attention's products run in beside bf16 or int8 linears, what was asked,
     why (one line) and the time of each candidate per timed sequence length (empty: not timed)."""
 
-    products: str  # "fp32", "bf16" or "amx"
+    products: str  # "fp32", "bf16", "amx" or "int8"
     requested: str  # "auto", "fp32" or "bf16"
     reason: str
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -64,10 +68,13 @@ class AttentionChoice:
     def bf16_pays(self) -> bool | None:
         """Whether bf16 arithmetic outran fp32 in this CPU's timing (None: not timed), which the int8
         plan's units kept out of int8 follow too (int8_plan.kept_precision)."""
-        return self.products != "fp32" if self.times_ms else None
+        return self.products in ("bf16", "amx") if self.times_ms else None
 
     def for_precision(self, name: str) -> str:
-        """The products of a library whose linears are in `name`: fp32 ones keep fp32."""
+        """The products of a library whose linears are in `name`: fp32 ones keep fp32, int8 products
+        are for int8 ones."""
+        if self.products == "int8":
+            return "int8" if name == "int8" else "fp32"
         return self.products if name in precision.ROUNDED else "fp32"
 
     def entry(self) -> AttentionProductsEntry:
@@ -75,12 +82,12 @@ class AttentionChoice:
                                       times_ms=self.times_ms)
 
 
-def rounded_products(target: tvm.target.Target) -> str | None:
-    """The bf16 arithmetic the target's CPU can run attention's products in: "amx" on AMX tiles,
-    "bf16" on AVX512_BF16, None without it (or where the micro-kernels cannot be built)."""
-    if precision.refusal("bf16", target) is not None:
-        return None
-    return "amx" if amx.supported(target) else "bf16"
+def reduced_products(target: tvm.target.Target) -> str | None:
+    """The arithmetic below fp32 the target's CPU can run attention's products in: "amx" on AMX
+    tiles, "bf16" on AVX512_BF16, else "int8" at AVX2's 8 lanes, None without any of them."""
+    if precision.refusal("bf16", target) is None:
+        return "amx" if amx.supported(target) else "bf16"
+    return "int8" if vector_lanes(target) == attention_int8.LANES and int8.kernel_for(target) else None
 
 
 def refusal(requested: str, target: tvm.target.Target) -> str | None:
@@ -89,17 +96,18 @@ def refusal(requested: str, target: tvm.target.Target) -> str | None:
 
 
 def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
-    """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in the CPU's bf16
-    arithmetic (when `timed`: the libraries run here), the faster kept (`decide`), else the CPU's
-    bf16 where it has it."""
-    rounded = rounded_products(target)
+    """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in the CPU's
+    reduced arithmetic (when `timed`: the libraries run here), the faster kept (`decide`), else the
+    CPU's reduced arithmetic where it has it."""
+    rounded = reduced_products(target)
     lanes = vector_lanes(target)
     if requested == "fp32" or rounded is None:
         return AttentionChoice("fp32", requested, "fp32: asked for" if requested == "fp32"
-                               else "fp32: the CPU has no AVX512_BF16")
-    if not attention.supports(geometry.head_size, lanes):
-        return AttentionChoice("fp32", requested, f"fp32: the fused kernel does not take {geometry.head_size}-wide "
-                               f"heads at {lanes} lanes")
+                               else "fp32: no bf16 or int8 products here (AVX512_BF16, or AVX2 without AVX-512)")
+    if not attention.supports(geometry.head_size, lanes) or (
+            rounded == "int8" and not attention_int8.supports(geometry.head_size, lanes)):
+        return AttentionChoice("fp32", requested, f"fp32: the fused kernel's {rounded} products do not take "
+                               f"{geometry.head_size}-wide heads at {lanes} lanes")
     if requested == "bf16":
         return AttentionChoice(rounded, requested, f"{rounded}: asked for")
     if not timed:

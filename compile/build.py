@@ -13,7 +13,7 @@ from artifact.bucketing import AnyBucket, Bucket
 
 from .errors import CompileError
 from .importer import symbolic_dims
-from .kernels import amx, bf16, launch
+from .kernels import amx, attention_int8, bf16, launch
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
@@ -84,12 +84,13 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
                   tuned=None, attention: str = "fp32") -> None:
     """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph;
     `tuned` (CPU) replaces hand schedules with the tuned ones it holds; `attention` is the
-    arithmetic of the fused attention kernel's products (CPU: "fp32", "bf16" or "amx", precision.attention_products)."""
+    arithmetic of the fused attention kernel's products (CPU: "fp32", "bf16", "amx" or "int8":
+    attention_products.py)."""
     if target.kind.name == "cuda":
         import_cuda_tensor_intrinsics()
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned, attention),
                                  tir_pipeline=tir_pipeline(target))
-    addons = launch.linked_objects(target) + bf16.linked_objects(mod, attention) + amx.linked_objects(
-        mod, target, attention)
+    addons = (launch.linked_objects(target) + bf16.linked_objects(mod, attention)
+              + amx.linked_objects(mod, target, attention) + attention_int8.linked_objects(attention))
     executable.export_library(str(path), addons=addons)

@@ -17,13 +17,14 @@ second on MiniLM, where building and running a library takes a minute, so the pl
    their own precision (bf16 rounds too).
 
 Linears that read the same input (Q, K and V) form one unit: they share a smoothing vector (one
-concatenated projection needs one) and a precision.
+concatenated projection needs one) and a precision. Where attention's products run in int8 too
+(attention_products.py), every pass simulates them as well (`fake_quantized_attention`).
 """
 
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -32,7 +33,8 @@ import numpy as np
 import torch
 import tvm
 
-from .kernels import int8, row_quantize
+from .kernels import attention_int8, int8, row_quantize
+from .kernels.attention import REAL_KEY_BIAS
 from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules, module_key, smoothing_scales
 
@@ -129,6 +131,63 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     return y.add_(module.bias) if module.bias is not None else y
 
 
+def fake_quantized_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                             **_kwargs) -> tuple[torch.Tensor, None]:
+    """The int8 attention products' arithmetic (compile/kernels/attention_int8.py) as a transformers
+    attention function: scaled queries symmetric per query, keys per key and values per head dim
+    with `weight_scales`' pair bound (padding keys left out, as the kernel stages only real ones),
+    probabilities exp(s - max) onto 0..255, the context divided by their sum. Integer products
+    of at most 2^24 (32 dims of 127 x 127, 512 keys of 255 x 127) are exact in fp32."""
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    if attention_mask is None:
+        attention_mask = torch.zeros(query.shape[0], 1, 1, key.shape[-2])
+    elif attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape).masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+    real = (attention_mask[..., :1, :] > REAL_KEY_BIAS).to(key.dtype).transpose(-1, -2)  # [b, 1, keys, 1]
+    key, value = key * real, value * real
+    queries = query * scaling
+    query_step = queries.abs().amax(-1, keepdim=True) / int8.WEIGHT_CODES
+    query_step = torch.where(query_step > 0, query_step, 1.0)
+    key_step = weight_scales(key.reshape(-1, key.shape[-1]), True).reshape(*key.shape[:-1], 1)
+    scores = torch.round(queries / query_step) @ torch.round(key / key_step).transpose(-1, -2)
+    scores = scores * query_step * key_step.transpose(-1, -2) + attention_mask
+    codes = torch.round(torch.exp(scores - scores.amax(-1, keepdim=True)) * attention_int8.PROBABILITY_CODES)
+    by_dim = torch.nn.functional.pad(value.transpose(-1, -2), (0, value.shape[-2] % 2))  # whole key pairs
+    value_step = weight_scales(by_dim.reshape(-1, by_dim.shape[-1]), True).reshape(*by_dim.shape[:-1], 1)
+    values = torch.round(by_dim / value_step)[..., :value.shape[-2]].transpose(-1, -2)
+    context = (codes @ values) * value_step.transpose(-1, -2) / codes.sum(-1, keepdim=True)
+    return context.transpose(1, 2).contiguous(), None
+
+
+def _register_attention(name: str, function: Callable) -> None:
+    """`function` as the attention transformers runs where a model's config names `name`, with the
+    additive float mask its eager attention gets."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(name, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+SIMULATED_ATTENTION = "bert-int8-products"
+_register_attention(SIMULATED_ATTENTION, fake_quantized_attention)
+
+
+@contextmanager
+def simulated_attention(model: torch.nn.Module):
+    """`model`'s attention run as `fake_quantized_attention` inside the block."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
+    before = [config._attn_implementation for config in configs]
+    for config in configs:
+        config._attn_implementation = SIMULATED_ATTENTION
+    try:
+        yield
+    finally:
+        for config, implementation in zip(configs, before):
+            config._attn_implementation = implementation
+
+
 def bf16_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The bf16 kernels' arithmetic (compile/kernels/bf16.py): operands rounded to bf16 (nearest
     even), products summed in fp32."""
@@ -157,14 +216,16 @@ def score(accuracy: dict) -> tuple[float, float]:
 
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
-    `fallback_precision` (fp32 or bf16), run on the shipped sentence rows."""
+    `fallback_precision` (fp32 or bf16), run on the shipped sentence rows; with attention's
+    products in int8 where `attention_products` is "int8"."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
                  agreement: Callable[[np.ndarray, np.ndarray], dict], int16_pairs: bool = False,
-                 fallback_precision: str = "fp32"):
+                 fallback_precision: str = "fp32", attention_products: str = "fp32"):
         self.wrapper = wrapper
         self.int16_pairs = int16_pairs
         self.fallback_precision = fallback_precision
+        self.attention_products = attention_products
         self.agreement = agreement
         self.rows = tuple(torch.from_numpy(x) for x in rows)
         names = {module: name for name, module in wrapper.named_modules()}
@@ -173,7 +234,7 @@ class Simulation:
         self.units = self._units(names)
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
         self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
-        self.reference = self.run()
+        self.reference = self.run(reference=True)
 
     @contextmanager
     def _hooks(self, hook):
@@ -218,7 +279,8 @@ class Simulation:
         for unit in self.units:
             unit.activation_max = maxima[unit.modules[0]].numpy()
 
-    def run(self) -> np.ndarray:
+    def run(self, reference: bool = False) -> np.ndarray:
+        """The model's outputs on the rows: the fp32 `reference`, or as the int8 library computes them."""
         def replace(module, inputs, output):
             if module in self.rounded:
                 return bf16_linear(module, inputs[0])
@@ -226,7 +288,9 @@ class Simulation:
                 return None
             return fake_quantized_linear(module, inputs[0], self.state[module], self.int16_pairs)
 
-        with torch.no_grad(), self._hooks(replace):
+        quantized_attention = self.attention_products == "int8" and not reference
+        with torch.no_grad(), self._hooks(replace), (simulated_attention(self.wrapper) if quantized_attention
+                                                      else nullcontext()):
             return self.wrapper(*self.rows).float().numpy()
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
@@ -263,13 +327,15 @@ def unit_name(module_names: list[str]) -> str:
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
               int16_pairs: bool = False, report: Callable[[str], None] = lambda text: None,
-              fallback_precision: str = "fp32") -> Int8Plan:
+              fallback_precision: str = "fp32", attention_products: str = "fp32") -> Int8Plan:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is what the plan must
     keep; `int16_pairs`, whether the int8 kernel sums pairs of products in int16 (`weight_scales`);
     `report(line)` hears how far it is (a 12-layer BERT takes minutes); `fallback_precision`, what
-    the linears kept out of int8 run in."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision)
+    the linears kept out of int8 run in; `attention_products`, the arithmetic of attention's products
+    in the int8 library (attention_products.py)."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision,
+                            attention_products)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
@@ -336,7 +402,8 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
 
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
              max_seq: int, task: str, min_cosine: float | None = None,
-             report: Callable[[str], None] = lambda text: None, bf16_pays: bool | None = None) -> Int8Plan:
+             report: Callable[[str], None] = lambda text: None, bf16_pays: bool | None = None,
+             attention_products: str = "fp32") -> Int8Plan:
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
     `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
     `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
@@ -348,4 +415,4 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
                      lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                     kernel.int16_pairs, report, kept_precision(target, bf16_pays))
+                     kernel.int16_pairs, report, kept_precision(target, bf16_pays), attention_products)

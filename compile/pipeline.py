@@ -552,7 +552,8 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
                 plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
                                      info.max_seq, config.model_task, config.min_cosine, progress.note,
-                                     bf16_pays=plan.attention.bf16_pays)
+                                     bf16_pays=plan.attention.bf16_pays,
+                                     attention_products=plan.attention.for_precision("int8"))
             refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
             if refused:
                 raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")

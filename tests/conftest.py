@@ -64,6 +64,16 @@ def tiny_bert_dir(tmp_path_factory) -> Path:
     return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-bert"), seed=0)
 
 
+WHOLE_PANELS = {"hidden_size": 96, "num_attention_heads": 3, "intermediate_size": 192}  # every int8 kernel's
+
+
+@pytest.fixture(scope="session")
+def whole_panels_bert_dir(tmp_path_factory) -> Path:
+    """A tiny BERT whose widths are whole weight panels of every int8 kernel (AVX2's 24 columns, VNNI's
+    32 and 48), so that int8 quantizes its linears on any CPU: TINY_SIZES' 32 and 64 fit AVX-512's only."""
+    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("whole-panels-bert"), seed=0, config=WHOLE_PANELS)
+
+
 @pytest.fixture(scope="session")
 def tiny_classifier_dir(tmp_path_factory) -> Path:
     """A 2-layer BertForSequenceClassification with three named labels."""

@@ -1,8 +1,8 @@
 """compile/attention_products.py: the arithmetic of attention's products beside bf16 and int8
 linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
 itself), the timed kernel's answers against numpy, the compile recording and building what
-was chosen, and the int8 plan's kept units following the same timing. Timing and bf16 execution
-need a CPU with AVX512_BF16 and skip elsewhere."""
+was chosen, and the int8 plan's kept units following the same timing. bf16 execution needs a CPU
+with AVX512_BF16 and skips elsewhere; the int8 products (AVX2) have tests/test_attention_int8.py."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from compile.int8_plan import kept_precision
 from compile.kernels.common import vector_lanes
 
 HOST = make_target("cpu")
-HOST_ROUNDED = attention_products.rounded_products(HOST)  # None: no AVX512_BF16 here
-RUNS_ROUNDED = HOST_ROUNDED is not None and not missing_on_host(target_features(HOST))
+HOST_REDUCED = attention_products.reduced_products(HOST)  # int8 where the CPU has AVX2 only
+RUNS_REDUCED = HOST_REDUCED is not None and not missing_on_host(target_features(HOST))
 SMALL = Geometry(heads=2, head_size=32, max_seq=64)
 
 
@@ -30,8 +30,8 @@ def _times(fp32: float, rounded: float, name: str = "bf16") -> dict[str, dict[st
     return {"fp32": {"1x128": fp32, "1x512": fp32 * 10}, name: {"1x128": rounded, "1x512": rounded * 10}}
 
 
-@pytest.mark.parametrize("rounded", ["bf16", "amx"])
-def test_rounded_products_are_kept_only_when_faster_by_the_margin(rounded):
+@pytest.mark.parametrize("rounded", ["bf16", "amx", "int8"])
+def test_reduced_products_are_kept_only_when_faster_by_the_margin(rounded):
     faster = attention_products.decide(rounded, _times(1.0, 0.5, rounded))
     assert (faster.products, faster.requested) == (rounded, "auto")
     assert faster.reason == f"{rounded}: 0.50x the fp32 kernel's time"
@@ -47,9 +47,12 @@ def test_the_choice_by_geometric_mean_weighs_every_length_alike():
     assert attention_products.decide("bf16", times).products == "bf16"
 
 
-@pytest.mark.parametrize("mcpu,expected", [("x86-64-v3", None), ("znver4", "bf16"), ("sapphirerapids", "amx")])
-def test_the_rounded_arithmetic_is_the_cpus_best(mcpu, expected):
-    assert attention_products.rounded_products(make_target("cpu", mcpu=mcpu)) == expected
+@pytest.mark.parametrize("mcpu,expected", [("x86-64-v3", "int8"), ("alderlake", "int8"), ("x86-64-v4", None),
+                                           ("znver4", "bf16"), ("sapphirerapids", "amx")])
+def test_the_reduced_arithmetic_is_the_cpus_best(mcpu, expected):
+    """bf16 where the CPU has it (on AMX tiles where it has them), else int8 at AVX2's lanes; the
+    x86-64-v4 level's 16 lanes keep fp32 (the int8 products are written for ymm)."""
+    assert attention_products.reduced_products(make_target("cpu", mcpu=mcpu)) == expected
 
 
 def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
@@ -64,14 +67,20 @@ def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
     assert choose(make_target("cpu", mcpu="sapphirerapids"), SMALL, "bf16", timed=True).products == "amx"
     untimed = choose(znver4, SMALL, "auto", timed=False)
     assert (untimed.products, untimed.times_ms) == ("bf16", {})
-    assert choose(v3, SMALL, "auto", timed=True).reason == "fp32: the CPU has no AVX512_BF16"
+    assert choose(make_target("cpu", mcpu="x86-64-v4"), SMALL, "auto", timed=True).reason == (
+        "fp32: no bf16 or int8 products here (AVX512_BF16, or AVX2 without AVX-512)")
     narrow = choose(znver4, Geometry(heads=4, head_size=24, max_seq=64), "auto", timed=True)
-    assert narrow.reason == "fp32: the fused kernel does not take 24-wide heads at 16 lanes"
+    assert narrow.reason == "fp32: the fused kernel's bf16 products do not take 24-wide heads at 16 lanes"
+    narrow = choose(v3, Geometry(heads=4, head_size=24, max_seq=64), "auto", timed=True)
+    assert narrow.reason == "fp32: the fused kernel's int8 products do not take 24-wide heads at 8 lanes"
+    assert choose(v3, SMALL, "auto", timed=False).products == "int8"
 
 
 def test_only_bf16_and_int8_libraries_take_the_choice():
     choice = attention_products.AttentionChoice("amx", "auto", "amx: 0.40x the fp32 kernel's time")
     assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "amx", "amx"]
+    choice = attention_products.AttentionChoice("int8", "auto", "int8: 0.70x the fp32 kernel's time")
+    assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "fp32", "int8"]
 
 
 def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
@@ -81,6 +90,7 @@ def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
     assert [kept_precision(v3, pays) for pays in (None, True)] == ["fp32", "fp32"]
     assert attention_products.decide("bf16", _times(1.0, 0.5)).bf16_pays is True
     assert attention_products.decide("bf16", _times(1.0, 1.2)).bf16_pays is False
+    assert attention_products.decide("int8", _times(1.0, 0.5, "int8")).bf16_pays is False
     assert attention_products.choose(znver4, SMALL, "auto", timed=False).bf16_pays is None
 
 
@@ -105,9 +115,9 @@ def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
 def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     """What is timed is attention: the kernel module's answers against numpy (bf16 rounds each
     product's operands to 8 significant bits: 2e-2 of values of order 1)."""
-    products = HOST_ROUNDED if products == "rounded" else products
-    if products is None or not RUNS_ROUNDED and products != "fp32":
-        pytest.skip("this CPU has no AVX512_BF16")
+    products = HOST_REDUCED if products == "rounded" else products
+    if products is None or products == "int8" or not RUNS_REDUCED and products != "fp32":
+        pytest.skip("this CPU has no AVX512_BF16 (int8 products: tests/test_attention_int8.py)")
     build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), products), HOST, tmp_path / "k.so",
                   attention=products)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
@@ -123,22 +133,22 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
 def test_a_timed_choice_is_the_faster_of_both_kernels_on_this_cpu():
     """Real timing of both kernels (not of which wins: that is this CPU's), and the choice is
     what `decide` makes of the times it recorded."""
-    if not RUNS_ROUNDED:
-        pytest.skip("this CPU has no AVX512_BF16")
+    if not RUNS_REDUCED:
+        pytest.skip("this CPU has neither AVX512_BF16 nor AVX2")
     choice = attention_products.choose(HOST, SMALL, "auto", timed=True)
-    assert set(choice.times_ms) == {"fp32", HOST_ROUNDED}
+    assert set(choice.times_ms) == {"fp32", HOST_REDUCED}
     assert all(set(times) == {"1x64"} and min(times.values()) > 0 for times in choice.times_ms.values())
-    assert choice.products == attention_products.decide(HOST_ROUNDED, choice.times_ms).products
+    assert choice.products == attention_products.decide(HOST_REDUCED, choice.times_ms).products
 
 
 def test_the_compile_builds_every_library_with_the_chosen_products_and_records_why(tmp_path, monkeypatch):
     """int8 (any AVX2 CPU) with 32-wide heads, auto's timing injected so that fp32 wins: every
     library is built with fp32 products, and the manifest says what was timed and why."""
-    from conftest import TINY_SIZES, compile_artifact
+    from conftest import TINY_SIZES, WHOLE_PANELS, compile_artifact
 
     from loadtest.random_checkpoint import save_sentence_transformer
 
-    injected = _times(1.0, 1.3, HOST_ROUNDED or "bf16")
+    injected = _times(1.0, 1.3, HOST_REDUCED or "bf16")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with = []
     real_build = pipeline.build_library
@@ -155,15 +165,11 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(pipeline, "plan_for", plan_spy)
-    checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={
-        **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])
     assert built_with == ["fp32", "fp32"]  # the bucket, the generic library
-    assert planned_with == [None if HOST_ROUNDED is None else False]  # kept units: fp32 where bf16 was slower
+    assert planned_with == [False]  # kept units: fp32 where bf16 was slower (or int8 products timed instead)
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")
-    if HOST_ROUNDED is None:
-        assert (recorded.reason, recorded.times_ms) == ("fp32: the CPU has no AVX512_BF16", {})
-    else:
-        assert recorded.times_ms == injected and recorded.reason == f"fp32: {HOST_ROUNDED} takes 1.30x its time"
+    assert recorded.times_ms == injected and recorded.reason == f"fp32: {HOST_REDUCED} takes 1.30x its time"

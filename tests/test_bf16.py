@@ -270,10 +270,10 @@ def test_a_candidate_refused_before_it_was_built_is_never_shipped():
     assert reason == f"fp32: the fastest that keeps its gate; failed the gate: int8 ({why})"
 
 
-def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, tmp_path):
+def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_bert_dir, tmp_path):
     from conftest import compile_artifact
 
-    manifest, _ = compile_artifact(tiny_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
+    manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
                                    precision="auto", generic_shapes=["3x20"])
     entry = manifest.precision
     assert entry.requested == "auto"
@@ -287,11 +287,12 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(tiny_bert_dir, 
     assert load_artifact(tmp_path / "auto").manifest.precision == entry
 
 
-def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_keeps_it(tiny_bert_dir, tmp_path):
+def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_keeps_it(whole_panels_bert_dir,
+                                                                                         tmp_path):
     from conftest import compile_artifact
 
     floor = 0.9999999  # above what bf16 or int8 rounding keeps; fp32, the reference's arithmetic, is exempt
-    manifest, _ = compile_artifact(tiny_bert_dir, tmp_path / "floor", ["packed-16"], layout="packed",
+    manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "floor", ["packed-16"], layout="packed",
                                    precision="auto", min_cosine=floor, generic_shapes=["3x20"])
     entry = manifest.precision
     assert entry.precision == manifest.linear_precision == "fp32"

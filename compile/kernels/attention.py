@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from tvm import tirx
 from tvm.script import tirx as T
 
-from . import attention_amx, attention_bf16, script
+from . import attention_amx, attention_bf16, attention_int8, script
 from .common import prescheduled, without_param
 from .fast_math import exp_of_nonpositive, fast_math
 from .launch import MIN_PARALLEL_WORK, claim_iterations
@@ -119,11 +119,13 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
     `products` "bf16" runs its two products on attention_bf16's micro-kernels, "amx" on
     attention_amx's tiles (each where it supports the head size and lanes, else the next of
-    amx, bf16, fp32), "fp32" in the loops below."""
+    amx, bf16, fp32), "int8" on attention_int8's (else fp32), "fp32" in the loops below."""
     amx = products == "amx" and attention_amx.supports(shape.head_size, lanes)
     bf16 = amx or (products in ("bf16", "amx") and attention_bf16.supports(shape.head_size, lanes))
+    int8 = products == "int8" and attention_int8.supports(shape.head_size, lanes)
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
-    queries_per_tile, keys_per_tile = (lanes, KEYS) if bf16 else _score_tile(lanes)
+    queries_per_tile, keys_per_tile = ((lanes, KEYS) if bf16 else (attention_int8.QUERIES, attention_int8.KEY_STEP)
+                                       if int8 else _score_tile(lanes))
     H, D, V = i64(shape.heads), i64(shape.head_size), i64(lanes)
     TQ, KB = i64(queries_per_tile), i64(keys_per_tile)
     QV = TQ // V  # vectors of queries a tile
@@ -140,6 +142,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     products_of = attention_amx if amx else attention_bf16
     scores_symbol = products_of.SCORES.format(head=shape.head_size)
     context_symbol = products_of.CONTEXT.format(head=shape.head_size)
+    int8_tile_symbol = attention_int8.TILE.format(head=shape.head_size)
 
     def start(buffer, access):
         """The whole of `buffer` for a bf16 micro-kernel that reads ("r") or writes ("w") it. Its bf16
@@ -257,6 +260,26 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                     out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
 
     @T.macro
+    def int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows, scores,
+                  probs_q, context, q_src, bias, out, gather, b, h, tile, length):
+        """One tile of queries with the products in int8 (attention_int8.py): its scaled queries quantized
+        into dim quads straight from their rows, then scores, softmax and the normalised context in one call."""
+        for lane in T.serial(TQ):
+            i = T.min(tile * TQ + lane, length[0] - i64(1))
+            query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+        T.evaluate(micro_kernel(attention_int8.QUERY_QUADS, start(queries_q, "w"), start(query_scales, "w"),
+                                q_src.access_ptr("r"), query_rows.access_ptr("r"), SCALE, D))
+        T.evaluate(micro_kernel(int8_tile_symbol, start(context, "w"), start(queries_q, "r"), start(query_scales, "r"),
+                                start(keys_q, "r"), start(key_init, "r"), start(key_scales, "r"), start(values_q, "r"),
+                                start(value_scales, "r"), bias.access_ptr("r", offset=b * S), length[0],
+                                start(scores, "w"), start(probs_q, "w")))
+        for q in T.serial(TQ):
+            i = tile * TQ + q
+            if i < length[0]:
+                for d in T.vectorized(D):
+                    out[row_of(gather, b, i, R_OUT), h * D + d] = context[q, d]
+
+    @T.macro
     def task(q_src, k_src, v_src, bias, gather, out, bh):
         b = bh // H
         h = bh % H
@@ -276,7 +299,7 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                     gather, b, T.min(j, length[0] - i64(1)), R), KO + h * D + d], zero)
                 values[j, d] = T.if_then_else(j < length[0], v_src[row_of(
                     gather, b, T.min(j, length[0] - i64(1)), R), VO + h * D + d], zero)
-        if not bf16:  # the mask of the fp32 products' keys, -inf past the last key (a whole tile staged)
+        if not (bf16 or int8):  # the mask of the fp32 products' keys, -inf past the last key (a whole tile staged)
             key_bias = T.alloc_buffer((S_MAX,), "float32")
             for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
                 key_bias[j] = T.if_then_else(j < length[0], bias[b, i64(0), i64(0), T.min(j, length[0] - i64(1))], neg)
@@ -298,8 +321,27 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             else:
                 T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
                                         staged // i64(2), D))
+        if int8:  # the products' operands, quantized: bytes in 32-bit words typed float32, as the bf16 ones
+            keys_q = T.alloc_buffer((S_MAX * D // i64(4),), "float32")
+            key_init = T.alloc_buffer((S_MAX,), "float32")  # int32
+            key_scales = T.alloc_buffer((S_MAX,), "float32")
+            values_q = T.alloc_buffer((S_MAX * D // i64(4),), "float32")
+            value_scales = T.alloc_buffer((D,), "float32")
+            queries_q = T.alloc_buffer((D * TQ // i64(4),), "float32")  # u8
+            query_scales = T.alloc_buffer((TQ,), "float32")
+            query_rows_q = T.alloc_buffer((TQ,), "int64", scope="local")
+            probs_q = T.alloc_buffer((S_MAX // i64(4) * TQ,), "float32")  # u8 quads
+            context_q = T.alloc_buffer((TQ, D), "float32")
+            staged_q = (length[0] + STAGE - i64(1)) // STAGE * STAGE
+            T.evaluate(micro_kernel(attention_int8.STAGE_KEYS, start(keys_q, "w"), start(key_init, "w"),
+                                    start(key_scales, "w"), start(keys, "r"), staged_q, D))
+            T.evaluate(micro_kernel(attention_int8.STAGE_VALUES, start(values_q, "w"), start(value_scales, "w"),
+                                    start(values, "r"), staged_q, D))
         for tile in T.serial((length[0] + TQ - i64(1)) // TQ):
-            if bf16:  # the scaled queries rounded into dim pairs straight from their rows
+            if int8:
+                int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows_q,
+                          scores, probs_q, context_q, q_src, bias, out, gather, b, h, tile, length)
+            elif bf16:  # the scaled queries rounded into dim pairs straight from their rows
                 for lane in T.serial(V):
                     i = T.min(tile * V + lane, length[0] - i64(1))
                     query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D

@@ -34,10 +34,10 @@ SOFTMAX_PAIRS = "bert_bf16_softmax_pairs"
 # and its polynomial's coefficients (highest power first), given to the C source as macros.
 EXP_FLOOR, EXP_LOG2E, EXP_LN2 = -87.0, 1.44269504088896341, 0.693147180559945
 EXP_POLYNOMIAL = (0.16566843, 0.50496332, 1.00016419, 0.99992807)
-_EXP_MACROS = {"BERT_EXP_FLOOR": EXP_FLOOR, "BERT_EXP_LOG2E": EXP_LOG2E, "BERT_EXP_LN2": EXP_LN2,
+EXP_MACROS = {"BERT_EXP_FLOOR": EXP_FLOOR, "BERT_EXP_LOG2E": EXP_LOG2E, "BERT_EXP_LN2": EXP_LN2,
                **{f"BERT_EXP_P{3 - i}": c for i, c in enumerate(EXP_POLYNOMIAL)}}
 
-SOURCE = "".join(f"#define {name} {value!r}f\n" for name, value in _EXP_MACROS.items()) + r"""
+SOURCE = "".join(f"#define {name} {value!r}f\n" for name, value in EXP_MACROS.items()) + r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

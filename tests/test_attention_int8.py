@@ -1,0 +1,142 @@
+"""compile/kernels/attention_int8.py: attention's two products in int8 at AVX2 (x86-64-v3 code, which
+every machine of ours runs), against the int8 plan's PyTorch simulation of them
+(int8_plan.fake_quantized_attention) and against fp32 attention; the plan simulating them; a
+compile that times, builds, validates and records them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import tvm
+
+from artifact.cpu_features import missing_on_host, target_features
+from compile import attention_products, int8_plan, pipeline
+from compile.attention_products import Geometry
+from compile.build import build_library, make_target
+
+V3 = make_target("cpu", mcpu="x86-64-v3")
+MASKED = float(np.finfo(np.float32).min)  # the additive bias of a padding key
+pytestmark = pytest.mark.skipif(bool(missing_on_host(target_features(V3))), reason="this CPU has no AVX2")
+
+
+def _attention_inputs(seq: int, length: int, heads: int, head_size: int, seed: int):
+    """Q, K and V of one sequence side by side (values of order 1, a few of 4 as activations have),
+    and the bias that marks keys from `length` on as padding."""
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((seq, 3 * heads * head_size), dtype=np.float32)
+    qkv[rng.random(qkv.shape) < 0.02] *= 4
+    bias = np.where(np.arange(seq) < length, 0.0, MASKED).astype(np.float32).reshape(1, 1, 1, seq)
+    return qkv, bias
+
+
+def _heads(qkv: np.ndarray, heads: int, head_size: int) -> list[torch.Tensor]:
+    """Q, K and V as [1, heads, seq, head_size], as transformers hands them to its attention."""
+    hidden = heads * head_size
+    return [torch.from_numpy(qkv[:, i * hidden:(i + 1) * hidden]).reshape(1, -1, heads, head_size).transpose(1, 2)
+            for i in range(3)]
+
+
+@pytest.mark.parametrize("head_size,seq,length", [(16, 64, 37), (32, 9, 9), (32, 64, 37), (64, 64, 37),
+                                                  (128, 64, 64)])
+def test_int8_products_compute_what_the_plan_simulates(head_size, seq, length, tmp_path):
+    """The kernel against the simulation: the same codes, so the same answers up to the exp (a
+    polynomial there, torch's here), which now and then moves a probability code by one; and
+    against fp32 attention, the loss the int8 gate then weighs (least row cosine 0.995 on these)."""
+    heads = 2
+    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), 8, "int8"), V3,
+                  tmp_path / "k.so", attention="int8")
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
+    qkv, bias = _attention_inputs(seq, length, heads, head_size, seed=head_size + seq)
+    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
+    query, key, value = _heads(qkv, heads, head_size)
+    mask = torch.from_numpy(bias)
+    simulated, _ = int8_plan.fake_quantized_attention(None, query, key, value, mask)
+    simulated = simulated.reshape(seq, heads * head_size).numpy()
+    difference = np.abs(out[:length] - simulated[:length])
+    assert np.median(difference) < 1e-5 and difference.max() < 4e-3 * np.abs(simulated).max()
+    assert not out[length:].any()  # padded layout: the padding rows are zeros
+    exact = torch.softmax(query @ key.transpose(-1, -2) / math.sqrt(head_size) + mask, -1) @ value
+    exact = exact.transpose(1, 2).reshape(seq, heads * head_size).numpy()[:length]
+    cosines = (out[:length] * exact).sum(1) / np.linalg.norm(out[:length], axis=1) / np.linalg.norm(exact, axis=1)
+    assert cosines.min() > 0.995
+
+
+def test_values_are_scaled_by_their_pair_bound():
+    """A value column whose two 1s sit in one key pair is quantized with twice the step of one whose
+    1s sit in different pairs: the bound `vpmaddubsw` needs (kernels/int8.py), and no tighter. All
+    the attention on key 0 reads its value back: 1 as code 64 of step 2/127, and exactly."""
+    value = torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]).reshape(1, 1, 4, 2)
+    query = torch.ones(1, 1, 4, 2)
+    key = torch.zeros(1, 1, 4, 2)
+    key[0, 0, 0] = 100.0  # key 0's score 141, the others' 0: their probability codes round to 0
+    context, _ = int8_plan.fake_quantized_attention(None, query, key, value, None)
+    torch.testing.assert_close(context[0, :, 0], torch.tensor([[64 * 2 / 127, 1.0]]).expand(4, 2))
+
+
+def test_the_plan_simulates_the_int8_products_where_the_library_runs_them():
+    """With no linear in int8 the fp32 model's answers are kept exactly; with the products in int8
+    they move, and the plan's accuracy says by how much."""
+    import transformers
+    from conftest import TINY_SIZES
+
+    from compile.passes.quantize import embedding_agreement
+
+    config = transformers.BertConfig(**{**TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2,
+                                        "intermediate_size": 128, "initializer_range": 0.3})  # attention that weighs
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=False).eval()
+    model.config._attn_implementation = "eager"
+
+    class Embedder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, ids, mask):
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state.mean(1)
+
+    ids = torch.randint(1000, 2000, (4, 12)).numpy()
+    mask = (np.arange(12)[None] < np.array([[12], [7], [3], [1]])).astype(np.int64)
+    rows = (ids, mask)
+    fp32 = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement).accuracy(0.0, set())
+    int8 = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement,
+                                attention_products="int8").accuracy(0.0, set())
+    assert fp32["cosine_min"] == pytest.approx(1.0, abs=1e-6)
+    assert 0.99 < int8["cosine_min"] < 1 - 1e-6
+    assert model.config._attn_implementation == "eager"  # restored after each pass
+
+
+def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, monkeypatch):
+    """x86-64-v3 int8 with auto's timing injected so that int8 products win: every library is built
+    with them, the plan simulated them, the validation kept the gate, and the manifest says why."""
+    from conftest import TINY_SIZES, WHOLE_PANELS, compile_artifact
+
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    injected = {"fp32": {"1x64": 1.0}, "int8": {"1x64": 0.6}}
+    monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
+    built_with, planned_with = [], []
+    real_build, real_plan = pipeline.build_library, pipeline.plan_for
+
+    def build_spy(*args, **kwargs):
+        built_with.append(kwargs["attention"])
+        return real_build(*args, **kwargs)
+
+    def plan_spy(*args, **kwargs):
+        planned_with.append(kwargs["attention_products"])
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "build_library", build_spy)
+    monkeypatch.setattr(pipeline, "plan_for", plan_spy)
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=6, config={**TINY_SIZES, **WHOLE_PANELS})
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
+                                   mcpu="x86-64-v3", generic_shapes=["3x20"])
+    assert built_with == ["int8", "int8"] and planned_with == ["int8"]
+    recorded = manifest.precision.attention
+    assert (recorded.products, recorded.reason, recorded.times_ms) == ("int8", "int8: 0.60x the fp32 kernel's time",
+                                                                      injected)
+    measured = manifest.precision.candidates[0]
+    assert measured.cosine_min >= 0.99 and not measured.gate_failures

@@ -498,6 +498,23 @@ def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.At
     return choice
 
 
+def plan_int8_linears(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module,
+                      progress: Progress) -> None:
+    """The int8 plan (`plan.int8`), simulated with attention's products as chosen; int8 products that
+    would cost a linear group its int8 give way to fp32 ones (`plan.attention`), planned again."""
+    def planned(products: str) -> Int8Plan:
+        return plan_for(imported.mod, plan.target, reference, plan.info.path / "tokenizer.json", plan.info.max_seq,
+                        config.model_task, config.min_cosine, progress.note, bf16_pays=plan.attention.bf16_pays,
+                        attention_products=products)
+
+    plan.int8 = planned(plan.attention.for_precision("int8"))
+    if plan.int8.fallback and plan.attention.products == "int8":
+        plan.attention = plan.attention.without_int8(len(plan.int8.fallback))
+        log.info("attention products: %s", plan.attention.reason)
+        progress.note(plan.attention.reason)
+        plan.int8 = planned("fp32")
+
+
 def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,
                     progress: Progress) -> tuple[list[BuildRecord], str]:
     """Every bucket's library and the generic one, built per strategy, the strategy chosen,
@@ -550,10 +567,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
                 plan.attention = choose_attention(config, plan)
         if plans_int8:
             with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
-                plan.int8 = plan_for(imported.mod, plan.target, reference, info.path / "tokenizer.json",
-                                     info.max_seq, config.model_task, config.min_cosine, progress.note,
-                                     bf16_pays=plan.attention.bf16_pays,
-                                     attention_products=plan.attention.for_precision("int8"))
+                plan_int8_linears(config, plan, imported, reference, progress)
             refused = plan.int8.refusal(config.min_cosine) if config.precision == "int8" else None
             if refused:
                 raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")

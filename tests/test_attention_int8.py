@@ -6,6 +6,7 @@ compile that times, builds, validates and records them."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -140,3 +141,29 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
                                                                       injected)
     measured = manifest.precision.candidates[0]
     assert measured.cosine_min >= 0.99 and not measured.gate_failures
+
+
+def test_int8_products_that_cost_a_linear_its_int8_give_way_to_fp32(monkeypatch):
+    """Where the plan simulated with int8 products must keep a linear group out of int8, the compile
+    plans again with fp32 products and says why; where it keeps none, the int8 products stay."""
+    from types import SimpleNamespace
+
+    from compile.int8_plan import Int8Plan
+
+    def fake_plan(*_args, attention_products, **_kwargs):
+        planned.append(attention_products)
+        kept = ["encoder.layer.0.output.dense"] if attention_products == "int8" and keeps else []
+        return Int8Plan(alpha=0.5, scales={}, fallback=kept, fallback_keys=set(), simulated={}, units=4)
+
+    monkeypatch.setattr(pipeline, "plan_for", fake_plan)
+    timed = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}
+    info = SimpleNamespace(path=Path("model"), max_seq=128)
+    config = SimpleNamespace(model_task="embed", min_cosine=0.999)
+    progress = SimpleNamespace(note=lambda text: None)
+    for keeps, products, plans in ((False, "int8", ["int8"]), (True, "fp32", ["int8", "fp32"])):
+        planned = []
+        plan = SimpleNamespace(info=info, target=V3, attention=attention_products.decide("int8", timed), int8=None)
+        pipeline.plan_int8_linears(config, plan, SimpleNamespace(mod=None), None, progress)
+        assert (plan.attention.products, planned, plan.int8.fallback) == (products, plans, [])
+    assert plan.attention.reason == "fp32: with int8 products the int8 plan kept 1 linear group(s) out of int8"
+    assert plan.attention.times_ms == timed

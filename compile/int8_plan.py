@@ -137,8 +137,8 @@ def fake_quantized_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     """The int8 attention products' arithmetic (compile/kernels/attention_int8.py) as a transformers
     attention function: scaled queries symmetric per query, keys per key and values per head dim
     with `weight_scales`' pair bound (padding keys left out, as the kernel stages only real ones),
-    probabilities exp(s - max) onto 0..255, the context divided by their sum. Integer products
-    of at most 2^24 (32 dims of 127 x 127, 512 keys of 255 x 127) are exact in fp32."""
+    probabilities exp(s - max) onto 0..255, the context divided by their sum. Its integer products
+    sum to under 2^24 (a head's dims of 127 x 127, 512 keys of 255 x 127), so fp32 holds them exactly."""
     scaling = query.size(-1) ** -0.5 if scaling is None else scaling
     if attention_mask is None:
         attention_mask = torch.zeros(query.shape[0], 1, 1, key.shape[-2])

@@ -13,8 +13,8 @@ libraries keep fp32 products.
 
 Where the CPU has no AVX512_BF16, int8 libraries at AVX2 (the x86-64-v3 and alderlake levels) have
 int8 products instead (`vpmaddubsw`, kernels/attention_int8.py), chosen the same way, and the int8
-plan simulates them (int8_plan.Simulation): they cost accuracy where bf16 ones do not, so where the
-plan would keep a linear group out of int8 with them, the compile keeps fp32 products instead
+plan simulates them (int8_plan.Simulation): they cost accuracy where bf16 ones do not, so where
+every linear in int8 beside them misses the gate, the compile keeps fp32 products instead
 (`AttentionChoice.without_int8`, pipeline.plan_int8_linears).
 """
 
@@ -79,11 +79,11 @@ class AttentionChoice:
             return "int8" if name == "int8" else "fp32"
         return self.products if name in precision.ROUNDED else "fp32"
 
-    def without_int8(self, kept: int) -> "AttentionChoice":
-        """fp32 products where the int8 plan, simulating int8 ones, had to keep `kept` linear groups out
-        of int8 to hold its gate: a kept linear costs more than the products save."""
-        return AttentionChoice("fp32", self.requested, f"fp32: with int8 products the int8 plan kept {kept} linear "
-                               "group(s) out of int8", self.times_ms)
+    def without_int8(self) -> "AttentionChoice":
+        """fp32 products where the int8 plan, simulating int8 ones, misses its gate with every linear
+        in int8: keeping a linear out would cost more than the products save."""
+        return AttentionChoice("fp32", self.requested, "fp32: with int8 products, int8 linears miss the gate",
+                               self.times_ms)
 
     def entry(self) -> AttentionProductsEntry:
         return AttentionProductsEntry(products=self.products, requested=self.requested, reason=self.reason,

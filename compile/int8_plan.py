@@ -327,13 +327,15 @@ def unit_name(module_names: list[str]) -> str:
 def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
               agreement: Callable[[np.ndarray, np.ndarray], dict], passes_gate: Callable[[dict], bool],
               int16_pairs: bool = False, report: Callable[[str], None] = lambda text: None,
-              fallback_precision: str = "fp32", attention_products: str = "fp32") -> Int8Plan:
+              fallback_precision: str = "fp32", attention_products: str = "fp32",
+              keep_out: bool = True) -> Int8Plan | None:
     """Smoothing and fallback for the linears `quantized_keys` (the ones the int8 pass can
     quantize), measured on `rows` by `agreement`; `passes_gate(accuracy)` is what the plan must
     keep; `int16_pairs`, whether the int8 kernel sums pairs of products in int16 (`weight_scales`);
     `report(line)` hears how far it is (a 12-layer BERT takes minutes); `fallback_precision`, what
     the linears kept out of int8 run in; `attention_products`, the arithmetic of attention's products
-    in the int8 library (attention_products.py)."""
+    in the int8 library (attention_products.py); `keep_out` False: no fallback, None where every
+    linear in int8 misses the gate."""
     simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision,
                             attention_products)
     simulation.calibrate()
@@ -342,6 +344,8 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
     report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
     accuracy = alphas[alpha]
+    if not keep_out and not passes_gate(accuracy):
+        return None
     sensitivity = [] if passes_gate(accuracy) else measure_sensitivity(simulation, alpha, report)
     kept: list[str] = []
     for candidate in sensitivity:
@@ -403,7 +407,7 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
              max_seq: int, task: str, min_cosine: float | None = None,
              report: Callable[[str], None] = lambda text: None, bf16_pays: bool | None = None,
-             attention_products: str = "fp32") -> Int8Plan:
+             attention_products: str = "fp32", keep_out: bool = True) -> Int8Plan | None:
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
     `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
     `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
@@ -415,4 +419,4 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
                      lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                     kernel.int16_pairs, report, kept_precision(target, bf16_pays), attention_products)
+                     kernel.int16_pairs, report, kept_precision(target, bf16_pays), attention_products, keep_out)

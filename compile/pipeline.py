@@ -500,19 +500,22 @@ def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.At
 
 def plan_int8_linears(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module,
                       progress: Progress) -> None:
-    """The int8 plan (`plan.int8`), simulated with attention's products as chosen; int8 products that
-    would cost a linear group its int8 give way to fp32 ones (`plan.attention`), planned again."""
-    def planned(products: str) -> Int8Plan:
+    """The int8 plan (`plan.int8`), simulated with attention's products as chosen. int8 products stay
+    only where every linear group keeps its int8 beside them (a kept linear costs more than they
+    save); else fp32 products (`plan.attention`), and the plan keeps out what the gate needs."""
+    def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
         return plan_for(imported.mod, plan.target, reference, plan.info.path / "tokenizer.json", plan.info.max_seq,
                         config.model_task, config.min_cosine, progress.note, bf16_pays=plan.attention.bf16_pays,
-                        attention_products=products)
+                        attention_products=products, keep_out=keep_out)
 
-    plan.int8 = planned(plan.attention.for_precision("int8"))
-    if plan.int8.fallback and plan.attention.products == "int8":
-        plan.attention = plan.attention.without_int8(len(plan.int8.fallback))
+    if plan.attention.for_precision("int8") == "int8":
+        plan.int8 = planned("int8", keep_out=False)
+        if plan.int8 is not None:
+            return
+        plan.attention = plan.attention.without_int8()
         log.info("attention products: %s", plan.attention.reason)
         progress.note(plan.attention.reason)
-        plan.int8 = planned("fp32")
+    plan.int8 = planned(plan.attention.for_precision("int8"))
 
 
 def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,

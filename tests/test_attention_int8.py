@@ -143,27 +143,31 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     assert measured.cosine_min >= 0.99 and not measured.gate_failures
 
 
-def test_int8_products_that_cost_a_linear_its_int8_give_way_to_fp32(monkeypatch):
-    """Where the plan simulated with int8 products must keep a linear group out of int8, the compile
-    plans again with fp32 products and says why; where it keeps none, the int8 products stay."""
+def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way_to_fp32(monkeypatch):
+    """The plan with int8 products may keep no linear out of int8 (None where every linear in int8
+    misses the gate: no sensitivity passes); then the compile plans with fp32 products, keeping out
+    what the gate needs, and says why. Where int8 linears hold the gate, the int8 products stay."""
     from types import SimpleNamespace
 
     from compile.int8_plan import Int8Plan
 
-    def fake_plan(*_args, attention_products, **_kwargs):
-        planned.append(attention_products)
-        kept = ["encoder.layer.0.output.dense"] if attention_products == "int8" and keeps else []
-        return Int8Plan(alpha=0.5, scales={}, fallback=kept, fallback_keys=set(), simulated={}, units=4)
+    def fake_plan(*_args, attention_products, keep_out, **_kwargs):
+        planned.append((attention_products, keep_out))
+        if attention_products == "int8" and misses:
+            return None
+        return Int8Plan(alpha=0.5, scales={}, fallback=["encoder.layer.0.output.dense"] if misses else [],
+                        fallback_keys=set(), simulated={}, units=4)
 
     monkeypatch.setattr(pipeline, "plan_for", fake_plan)
     timed = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}
     info = SimpleNamespace(path=Path("model"), max_seq=128)
     config = SimpleNamespace(model_task="embed", min_cosine=0.999)
     progress = SimpleNamespace(note=lambda text: None)
-    for keeps, products, plans in ((False, "int8", ["int8"]), (True, "fp32", ["int8", "fp32"])):
+    for misses, products, plans in ((False, "int8", [("int8", False)]),
+                                    (True, "fp32", [("int8", False), ("fp32", True)])):
         planned = []
         plan = SimpleNamespace(info=info, target=V3, attention=attention_products.decide("int8", timed), int8=None)
         pipeline.plan_int8_linears(config, plan, SimpleNamespace(mod=None), None, progress)
-        assert (plan.attention.products, planned, plan.int8.fallback) == (products, plans, [])
-    assert plan.attention.reason == "fp32: with int8 products the int8 plan kept 1 linear group(s) out of int8"
+        assert (plan.attention.products, planned, len(plan.int8.fallback)) == (products, plans, int(misses))
+    assert plan.attention.reason == "fp32: with int8 products, int8 linears miss the gate"
     assert plan.attention.times_ms == timed

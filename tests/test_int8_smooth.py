@@ -150,7 +150,7 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return _planted(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
-def _plan(checkpoint: Path, gate, report=lambda text: None):
+def _plan(checkpoint: Path, gate, report=lambda text: None, keep_out: bool = True):
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.int8_plan import plan_int8
 
@@ -158,7 +158,7 @@ def _plan(checkpoint: Path, gate, report=lambda text: None):
     wrapper = load_wrapper(info, "embed")
     keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
     return plan_int8(wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys,
-                     embedding_agreement, gate, report=report)
+                     embedding_agreement, gate, report=report, keep_out=keep_out)
 
 
 def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
@@ -217,6 +217,11 @@ def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoin
     assert plan.fallback == [SENSITIVE] and plan.fallback_keys == {module_key(SENSITIVE)}
     assert plan.simulated["cosine_min"] >= 0.9999
     assert module_key(SENSITIVE) not in plan.scales  # a kept linear is not smoothed either
+    # a plan that may keep nothing out has nothing to offer here, and runs no sensitivity pass for it
+    reported.clear()
+    assert _plan(cancelling_checkpoint, lambda accuracy: not strict.failures(accuracy), reported.append,
+                 keep_out=False) is None
+    assert len(reported) == 1 and reported[0].startswith("smoothing:")
 
 
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):

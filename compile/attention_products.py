@@ -107,21 +107,21 @@ def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed:
     """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in the CPU's
     reduced arithmetic (when `timed`: the libraries run here), the faster kept (`decide`), else the
     CPU's reduced arithmetic where it has it."""
-    rounded = reduced_products(target)
+    reduced = reduced_products(target)
     lanes = vector_lanes(target)
-    if requested == "fp32" or rounded is None:
+    if requested == "fp32" or reduced is None:
         return AttentionChoice("fp32", requested, "fp32: asked for" if requested == "fp32"
                                else "fp32: no bf16 or int8 products here (AVX512_BF16, or AVX2 without AVX-512)")
     if not attention.supports(geometry.head_size, lanes) or (
-            rounded == "int8" and not attention_int8.supports(geometry.head_size, lanes)):
-        return AttentionChoice("fp32", requested, f"fp32: the fused kernel's {rounded} products do not take "
+            reduced == "int8" and not attention_int8.supports(geometry.head_size, lanes)):
+        return AttentionChoice("fp32", requested, f"fp32: the fused kernel's {reduced} products do not take "
                                f"{geometry.head_size}-wide heads at {lanes} lanes")
     if requested == "bf16":
-        return AttentionChoice(rounded, requested, f"{rounded}: asked for")
+        return AttentionChoice(reduced, requested, f"{reduced}: asked for")
     if not timed:
-        return AttentionChoice(rounded, requested, f"{rounded}: the CPU has it (not timed: the libraries do not "
+        return AttentionChoice(reduced, requested, f"{reduced}: the CPU has it (not timed: the libraries do not "
                                "run here)")
-    return decide(rounded, _time_kernels(target, geometry, ("fp32", rounded)))
+    return decide(reduced, _time_kernels(target, geometry, ("fp32", reduced)))
 
 
 def decide(rounded: str, times_ms: dict[str, dict[str, float]]) -> AttentionChoice:

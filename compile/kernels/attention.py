@@ -262,13 +262,19 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
                     out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
 
     @T.macro
+    def query_offsets(query_rows, gather, b, h, tile, length):
+        """Where each query of the tile starts in q_src (the last real one repeated past the sequence's
+        end), for the C routines that round or quantize a tile's queries straight from their rows."""
+        for lane in T.serial(TQ):
+            i = T.min(tile * TQ + lane, length[0] - i64(1))
+            query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+
+    @T.macro
     def int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows, scores,
                   probs_q, context, q_src, bias, out, gather, b, h, tile, length):
         """One tile of queries with the products in int8 (attention_int8.py): its scaled queries quantized
         into dim quads straight from their rows, then scores, softmax and the normalised context in one call."""
-        for lane in T.serial(TQ):
-            i = T.min(tile * TQ + lane, length[0] - i64(1))
-            query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+        query_offsets(query_rows, gather, b, h, tile, length)
         T.evaluate(micro_kernel(attention_int8.QUERY_QUADS, start(queries_q, "w"), start(query_scales, "w"),
                                 q_src.access_ptr("r"), query_rows.access_ptr("r"), SCALE, D))
         T.evaluate(micro_kernel(int8_tile_symbol, start(context, "w"), start(queries_q, "r"), start(query_scales, "r"),
@@ -343,10 +349,8 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
             if int8:
                 int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows_q,
                           scores, probs_q, context_q, q_src, bias, out, gather, b, h, tile, length)
-            elif bf16:  # the scaled queries rounded into dim pairs straight from their rows
-                for lane in T.serial(V):
-                    i = T.min(tile * V + lane, length[0] - i64(1))
-                    query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+            elif bf16:  # the scaled queries rounded into dim pairs straight from their rows (a tile is V queries)
+                query_offsets(query_rows, gather, b, h, tile, length)
                 T.evaluate(micro_kernel(attention_bf16.QUERY_PAIRS, start(queries_b, "w"), q_src.access_ptr("r"),
                                         query_rows.access_ptr("r"), SCALE, D))
                 bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,

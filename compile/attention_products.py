@@ -11,11 +11,13 @@ a difference within noise is no reason to round. Where the libraries cannot run 
 (cross-compiled, not validated), nothing is timed and bf16 is kept where the CPU has it. fp32
 libraries keep fp32 products.
 
-Where the CPU has no AVX512_BF16, int8 libraries at AVX2 (the x86-64-v3 and alderlake levels) have
-int8 products instead (`vpmaddubsw`, kernels/attention_int8.py), chosen the same way, and the int8
-plan simulates them (int8_plan.Simulation): they cost accuracy where bf16 ones do not, so where
-every linear in int8 beside them misses the gate, the compile keeps fp32 products instead
-(`AttentionChoice.without_int8`, pipeline.plan_int8_linears).
+int8 libraries may also have int8 products (kernels/attention_int8.py: `vpmaddubsw` at AVX2,
+`vpdpbusd` on zmm with AVX512_VNNI), timed beside fp32 and bf16 and kept where fastest: on the
+same Xeon with znver4's code the int8 kernel took 0.53-0.71x the fp32 kernel's time at heads of
+32 and 64, where bf16 took 1.25x. The int8 plan simulates them (int8_plan.Simulation): they cost
+accuracy where bf16 ones do not, so where every linear in int8 beside them misses the gate, the
+compile gives int8 libraries the products bf16 ones have instead (`AttentionChoice.without_int8`,
+pipeline.plan_int8_linears).
 """
 
 from __future__ import annotations
@@ -56,46 +58,59 @@ class Geometry:
         return cls(info.attention_heads, info.hidden_size // info.attention_heads, info.max_seq)
 
 
+# The products each library precision's linears may sit beside: bf16 ones keep bf16 answers (int8
+# products would cost the accuracy bf16 keeps); int8 ones any.
+BESIDE = {"bf16": ("bf16", "amx"), "int8": ("bf16", "amx", "int8")}
+
+
 @dataclass
 class AttentionChoice:
-    """Which arithmetic attention's products run in beside bf16 or int8 linears, what was asked,
-    why (one line) and the time of each candidate per timed sequence length (empty: not timed)."""
+    """Which arithmetic attention's products run in beside bf16 and beside int8 linears (by the
+    linears' precision: "fp32", "bf16", "amx" or "int8"), what was asked, why (one line each) and the
+    time of each candidate per timed sequence length (empty: not timed)."""
 
-    products: str  # "fp32", "bf16", "amx" or "int8"
+    products: dict[str, str]
     requested: str  # "auto", "fp32" or "bf16"
-    reason: str
+    reasons: dict[str, str]
     times_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @classmethod
+    def alike(cls, products: str, requested: str, reason: str,
+              times_ms: dict[str, dict[str, float]] | None = None) -> "AttentionChoice":
+        """The same products, for the same reason, beside bf16 and int8 linears."""
+        return cls(dict.fromkeys(BESIDE, products), requested, dict.fromkeys(BESIDE, reason), times_ms or {})
 
     @property
     def bf16_pays(self) -> bool | None:
         """Whether bf16 arithmetic outran fp32 in this CPU's timing (None: not timed), which the int8
         plan's units kept out of int8 follow too (int8_plan.kept_precision)."""
-        return self.products in ("bf16", "amx") if self.times_ms else None
+        return self.products["bf16"] in ("bf16", "amx") if self.times_ms else None
 
     def for_precision(self, name: str) -> str:
-        """The products of a library whose linears are in `name`: fp32 ones keep fp32, int8 products
-        are for int8 ones."""
-        if self.products == "int8":
-            return "int8" if name == "int8" else "fp32"
-        return self.products if name in precision.ROUNDED else "fp32"
+        """The products of a library whose linears are in `name` (fp32 ones keep fp32)."""
+        return self.products.get(name, "fp32")
 
     def without_int8(self) -> "AttentionChoice":
-        """fp32 products where the int8 plan, simulating int8 ones, misses its gate with every linear
-        in int8: keeping a linear out would cost more than the products save."""
-        return AttentionChoice("fp32", self.requested, "fp32: with int8 products, int8 linears miss the gate",
-                               self.times_ms)
+        """Beside int8 linears, the products bf16 ones have (fp32, or bf16 where it paid) where the int8
+        plan, simulating int8 ones, misses its gate with every linear in int8: keeping a linear out
+        would cost more than the products save."""
+        fallback = self.products["bf16"]
+        return AttentionChoice({**self.products, "int8": fallback}, self.requested, {
+            **self.reasons, "int8": f"{fallback}: with int8 products, int8 linears miss the gate"}, self.times_ms)
 
-    def entry(self) -> AttentionProductsEntry:
-        return AttentionProductsEntry(products=self.products, requested=self.requested, reason=self.reason,
-                                      times_ms=self.times_ms)
+    def entry(self, name: str) -> AttentionProductsEntry:
+        """The manifest's record for a library whose linears are in `name`."""
+        return AttentionProductsEntry(products=self.for_precision(name), requested=self.requested,
+                                      reason=self.reasons[name], times_ms=self.times_ms)
 
 
-def reduced_products(target: tvm.target.Target) -> str | None:
+def reduced_products(target: tvm.target.Target) -> tuple[str, ...]:
     """The arithmetic below fp32 the target's CPU can run attention's products in: "amx" on AMX
-    tiles, "bf16" on AVX512_BF16, else "int8" at AVX2's 8 lanes, None without any of them."""
-    if precision.refusal("bf16", target) is None:
-        return "amx" if amx.supported(target) else "bf16"
-    return "int8" if vector_lanes(target) == attention_int8.LANES and int8.kernel_for(target) else None
+    tiles or else "bf16" on AVX512_BF16, and "int8" where the int8 linears' kernel works on the
+    target's full vector width (AVX2, or AVX512BW: kernels/attention_int8.py)."""
+    rounded = () if precision.refusal("bf16", target) else ("amx" if amx.supported(target) else "bf16",)
+    kernel = int8.kernel_for(target)
+    return rounded + (("int8",) if kernel is not None and kernel.lanes == vector_lanes(target) else ())
 
 
 def refusal(requested: str, target: tvm.target.Target) -> str | None:
@@ -103,34 +118,52 @@ def refusal(requested: str, target: tvm.target.Target) -> str | None:
     return precision.bf16_refusal("--attention-products bf16", "fp32 or auto", target) if requested == "bf16" else None
 
 
+def _kernel_supports(products: str, head_size: int, lanes: int) -> bool:
+    return attention.supports(head_size, lanes) and (products != "int8" or attention_int8.supports(head_size, lanes))
+
+
 def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
-    """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in the CPU's
-    reduced arithmetic (when `timed`: the libraries run here), the faster kept (`decide`), else the
-    CPU's reduced arithmetic where it has it."""
-    reduced = reduced_products(target)
+    """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in each reduced
+    arithmetic of the CPU (when `timed`: the libraries run here), the fastest kept per library
+    precision (`decide`), else the CPU's bf16 where it has it, int8 beside int8 linears where not."""
     lanes = vector_lanes(target)
-    if requested == "fp32" or reduced is None:
-        return AttentionChoice("fp32", requested, "fp32: asked for" if requested == "fp32"
-                               else "fp32: no bf16 or int8 products here (AVX512_BF16, or AVX2 without AVX-512)")
-    if not attention.supports(geometry.head_size, lanes) or (
-            reduced == "int8" and not attention_int8.supports(geometry.head_size, lanes)):
-        return AttentionChoice("fp32", requested, f"fp32: the fused kernel's {reduced} products do not take "
-                               f"{geometry.head_size}-wide heads at {lanes} lanes")
+    reduced = reduced_products(target)
+    if requested == "fp32" or not reduced:
+        return AttentionChoice.alike("fp32", requested, "fp32: asked for" if requested == "fp32" else
+                                     "fp32: no bf16 or int8 products here (AVX512_BF16, AVX2 or AVX512BW)")
+    offered = tuple(products for products in reduced if requested == "auto" or products != "int8")
+    candidates = tuple(products for products in offered if _kernel_supports(products, geometry.head_size, lanes))
+    if not candidates:
+        return AttentionChoice.alike("fp32", requested, f"fp32: the fused kernel's {' and '.join(offered)} products "
+                                     f"do not take {geometry.head_size}-wide heads at {lanes} lanes")
     if requested == "bf16":
-        return AttentionChoice(reduced, requested, f"{reduced}: asked for")
+        return AttentionChoice.alike(candidates[0], requested, f"{candidates[0]}: asked for")
     if not timed:
-        return AttentionChoice(reduced, requested, f"{reduced}: the CPU has it (not timed: the libraries do not "
-                               "run here)")
-    return decide(reduced, _time_kernels(target, geometry, ("fp32", reduced)))
+        why = "the CPU has it (not timed: the libraries do not run here)"
+        products = {linears: next((p for p in candidates if p in allowed), "fp32")
+                    for linears, allowed in BESIDE.items()}
+        return AttentionChoice(products, requested, {linears: f"{p}: {why}" if p != "fp32" else
+                                                     "fp32: no bf16 products here" for linears, p in products.items()})
+    return decide(_time_kernels(target, geometry, ("fp32", *candidates)))
 
 
-def decide(rounded: str, times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
-    """fp32 unless `rounded`'s time (geometric mean over the timed lengths) is under fp32's by
-    `PRECISION_MARGIN`: fp32 is the more accurate, and noise is no reason to round."""
-    ratio = _geometric_mean(times_ms[rounded]) / _geometric_mean(times_ms["fp32"])
-    if ratio < 1 - precision.PRECISION_MARGIN:
-        return AttentionChoice(rounded, "auto", f"{rounded}: {ratio:.2f}x the fp32 kernel's time", times_ms)
-    return AttentionChoice("fp32", "auto", f"fp32: {rounded} takes {ratio:.2f}x its time", times_ms)
+def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
+    """Per library precision, fp32 unless the fastest of the products it may take (`BESIDE`; time:
+    geometric mean over the timed lengths) is under fp32's by `PRECISION_MARGIN`: fp32 is the more
+    accurate, and noise is no reason to round."""
+    fp32 = _geometric_mean(times_ms["fp32"])
+    products, reasons = {}, {}
+    for linears, allowed in BESIDE.items():
+        ratios = {name: _geometric_mean(times_ms[name]) / fp32 for name in allowed if name in times_ms}
+        if not ratios:
+            products[linears], reasons[linears] = "fp32", f"fp32: no {linears} products here"
+            continue
+        fastest = min(ratios, key=ratios.get)
+        if ratios[fastest] < 1 - precision.PRECISION_MARGIN:
+            products[linears], reasons[linears] = fastest, f"{fastest}: {ratios[fastest]:.2f}x the fp32 kernel's time"
+        else:
+            products[linears], reasons[linears] = "fp32", f"fp32: {fastest} takes {ratios[fastest]:.2f}x its time"
+    return AttentionChoice(products, "auto", reasons, times_ms)
 
 
 def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...]

@@ -92,5 +92,5 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
         executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, tuned, attention),
                                  tir_pipeline=tir_pipeline(target))
     addons = (launch.linked_objects(target) + bf16.linked_objects(mod, attention)
-              + amx.linked_objects(mod, target, attention) + attention_int8.linked_objects(attention))
+              + amx.linked_objects(mod, target, attention) + attention_int8.linked_objects(target, attention))
     executable.export_library(str(path), addons=addons)

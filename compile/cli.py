@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "int8 candidate under it")
     parser.add_argument("--attention-products", dest="attention_products", choices=["auto", "fp32", "bf16"],
                         help="attention's products beside bf16 / int8 linears: auto (default) times fp32 against the "
-                             "CPU's bf16 (int8 libraries at AVX2: int8) and keeps that only where it is faster; "
-                             "fp32 or bf16 force one")
+                             "CPU's bf16 and (int8 libraries) int8 and keeps the fastest, fp32 unless another is "
+                             "faster; fp32 or bf16 force one")
     parser.add_argument("--tune", type=float, metavar="SECONDS",
                         help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
                              "only where it was faster in a timed run; the kept schedules ship in tuning/")

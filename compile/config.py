@@ -60,8 +60,8 @@ class CompileConfig(BaseModel):
                                      "ship no bf16 or int8 candidate under it")
     attention_products: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="the arithmetic of attention's two products in bf16 and int8 libraries (cpu): auto times "
-        "the fused kernel in fp32 and in the CPU's bf16 (AMX tiles where it has them; int8 libraries at AVX2: int8) "
-        "and keeps the latter only where it is faster; fp32 and bf16 force one (bf16 needs AVX512_BF16)")
+        "the fused kernel in fp32, in the CPU's bf16 (AMX tiles where it has them) and, for int8 libraries, in int8, "
+        "and keeps the fastest, fp32 unless another is faster; fp32 and bf16 force one (bf16 needs AVX512_BF16)")
     mcpu: str | None = Field(None, description="LLVM CPU name; default: this machine's. Several, comma-separated "
                              "(e.g. x86-64-v3,x86-64-v4): one artifact with libraries for each, the loader picks "
                              "the most demanding level the CPU it runs on has")

@@ -494,7 +494,8 @@ def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.At
         use_all_cores()
     choice = attention_products.choose(plan.target, attention_products.Geometry.of(plan.info),
                                        config.attention_products, timed)
-    log.info("attention products: %s", choice.reason)
+    log.info("attention products: beside bf16 linears %s; beside int8 linears %s", choice.reasons["bf16"],
+             choice.reasons["int8"])
     return choice
 
 
@@ -513,8 +514,8 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, imported, reference: to
         if plan.int8 is not None:
             return
         plan.attention = plan.attention.without_int8()
-        log.info("attention products: %s", plan.attention.reason)
-        progress.note(plan.attention.reason)
+        log.info("attention products: %s", plan.attention.reasons["int8"])
+        progress.note(plan.attention.reasons["int8"])
     plan.int8 = planned(plan.attention.for_precision("int8"))
 
 
@@ -591,7 +592,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision,
                                                                      plan.int8)
         if plan.attention is not None and config.precision in precision.ROUNDED:  # auto may have shipped fp32
-            precision_entry = precision_entry.model_copy(update={"attention": plan.attention.entry()})
+            precision_entry = precision_entry.model_copy(update={"attention": plan.attention.entry(config.precision)})
         used = {r.strategy for r in records}
         for strategy in set(weight_files) - used:
             (staging / weight_files.pop(strategy).file).unlink()

@@ -1,11 +1,13 @@
 """compile/kernels/attention_int8.py: attention's two products in int8 at AVX2 (x86-64-v3 code, which
-every machine of ours runs), against the int8 plan's PyTorch simulation of them
-(int8_plan.fake_quantized_attention) and against fp32 attention; the plan simulating them; a
-compile that times, builds, validates and records them."""
+every machine of ours runs) and on zmm (`vpmaddubsw` at x86-64-v4, `vpdpbusd` at icelake-server:
+skipped where the CPU lacks AVX512BW / VNNI), against the int8 plan's PyTorch simulation of them
+(int8_plan.fake_quantized_attention), against fp32 attention and each other; the plan simulating
+them; a compile that times, builds, validates and records them."""
 
 from __future__ import annotations
 
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -17,8 +19,11 @@ from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, int8_plan, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.kernels import attention_int8, int8
+from compile.kernels.common import vector_lanes
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
+ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
 MASKED = float(np.finfo(np.float32).min)  # the additive bias of a padding key
 pytestmark = pytest.mark.skipif(bool(missing_on_host(target_features(V3))), reason="this CPU has no AVX2")
 
@@ -40,18 +45,35 @@ def _heads(qkv: np.ndarray, heads: int, head_size: int) -> list[torch.Tensor]:
             for i in range(3)]
 
 
+def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias: np.ndarray, directory: Path):
+    """The fused kernel with int8 products built for `mcpu` (its vector width), run on qkv; None where
+    this CPU cannot run that level's code."""
+    target = make_target("cpu", mcpu=mcpu)
+    if missing_on_host(target_features(target)):
+        return None
+    lanes = vector_lanes(target)
+    path = directory / f"{mcpu}-{head_size}.so"
+    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), lanes, "int8"), target, path,
+                  attention="int8")
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
+    return vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
+
+
 @pytest.mark.parametrize("head_size,seq,length", [(16, 64, 37), (32, 9, 9), (32, 64, 37), (64, 64, 37),
                                                   (128, 64, 64)])
 def test_int8_products_compute_what_the_plan_simulates(head_size, seq, length, tmp_path):
-    """The kernel against the simulation: the same codes, so the same answers up to the exp (a
+    """The AVX2 kernel against the simulation: the same codes, so the same answers up to the exp (a
     polynomial there, torch's here), which now and then moves a probability code by one; and
-    against fp32 attention, the loss the int8 gate then weighs (least row cosine 0.995 on these)."""
+    against fp32 attention, the loss the int8 gate then weighs (least row cosine 0.995 on these).
+    The zmm kernels, where this CPU runs them, give the AVX2 kernel's answers: the same codes and
+    the same exp, summed exactly in int32 (to float rounding in the normalisation)."""
     heads = 2
-    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), 8, "int8"), V3,
-                  tmp_path / "k.so", attention="int8")
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv, bias = _attention_inputs(seq, length, heads, head_size, seed=head_size + seq)
-    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
+    out = _int8_attention("x86-64-v3", head_size, heads, qkv, bias, tmp_path)
+    for mcpu in ZMM:
+        on_zmm = _int8_attention(mcpu, head_size, heads, qkv, bias, tmp_path)
+        if on_zmm is not None:
+            np.testing.assert_allclose(on_zmm, out, rtol=1e-5, atol=1e-6)
     query, key, value = _heads(qkv, heads, head_size)
     mask = torch.from_numpy(bias)
     simulated, _ = int8_plan.fake_quantized_attention(None, query, key, value, mask)
@@ -63,6 +85,20 @@ def test_int8_products_compute_what_the_plan_simulates(head_size, seq, length, t
     exact = exact.transpose(1, 2).reshape(seq, heads * head_size).numpy()[:length]
     cosines = (out[:length] * exact).sum(1) / np.linalg.norm(out[:length], axis=1) / np.linalg.norm(exact, axis=1)
     assert cosines.min() > 0.995
+
+
+@pytest.mark.parametrize("kernel", [int8.AVX2, int8.AVX_VNNI, int8.AVX512BW, int8.VNNI])
+def test_each_cpus_products_run_on_its_int8_instructions(kernel):
+    """The object a library links for its int8 products (kernels_object): AVX2's `vpmaddubsw` on ymm
+    (also at the AVX-VNNI level: `vpdpbusd` on ymm was no faster there), on zmm where the CPU has
+    AVX512BW, and `vpdpbusd` on zmm where it has VNNI."""
+    assembly = subprocess.run(["objdump", "-d", str(attention_int8.kernels_object(kernel))], capture_output=True,
+                              text=True, check=True).stdout
+    register = "%zmm" if kernel.lanes == 16 else "%ymm"
+    instruction = "vpdpbusd" if kernel is int8.VNNI else "vpmaddubsw"
+    used = [line for line in assembly.splitlines() if instruction in line]
+    assert used and all(register in line for line in used)
+    assert (kernel is int8.VNNI) == ("vpdpbusd" in assembly)
 
 
 def test_values_are_scaled_by_their_pair_bound():
@@ -103,10 +139,10 @@ def test_the_plan_simulates_the_int8_products_where_the_library_runs_them():
     mask = (np.arange(12)[None] < np.array([[12], [7], [3], [1]])).astype(np.int64)
     rows = (ids, mask)
     fp32 = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement).accuracy(0.0, set())
-    int8 = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement,
-                                attention_products="int8").accuracy(0.0, set())
+    quantized = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement,
+                                     attention_products="int8").accuracy(0.0, set())
     assert fp32["cosine_min"] == pytest.approx(1.0, abs=1e-6)
-    assert 0.99 < int8["cosine_min"] < 1 - 1e-6
+    assert 0.99 < quantized["cosine_min"] < 1 - 1e-6
     assert model.config._attn_implementation == "eager"  # restored after each pass
 
 
@@ -143,10 +179,11 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     assert measured.cosine_min >= 0.99 and not measured.gate_failures
 
 
-def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way_to_fp32(monkeypatch):
+def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypatch):
     """The plan with int8 products may keep no linear out of int8 (None where every linear in int8
-    misses the gate: no sensitivity passes); then the compile plans with fp32 products, keeping out
-    what the gate needs, and says why. Where int8 linears hold the gate, the int8 products stay."""
+    misses the gate: no sensitivity passes); then the compile plans with the products bf16 linears
+    have (fp32, or bf16 where those were timed faster than fp32), keeping out what the gate needs,
+    and says why. Where int8 linears hold the gate, the int8 products stay."""
     from types import SimpleNamespace
 
     from compile.int8_plan import Int8Plan
@@ -159,15 +196,20 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way_to_fp32(
                         fallback_keys=set(), simulated={}, units=4)
 
     monkeypatch.setattr(pipeline, "plan_for", fake_plan)
-    timed = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}
     info = SimpleNamespace(path=Path("model"), max_seq=128)
     config = SimpleNamespace(model_task="embed", min_cosine=0.999)
     progress = SimpleNamespace(note=lambda text: None)
-    for misses, products, plans in ((False, "int8", [("int8", False)]),
-                                    (True, "fp32", [("int8", False), ("fp32", True)])):
+    without_bf16 = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}
+    slower_bf16 = {**without_bf16, "bf16": {"1x128": 1.2}}
+    faster_bf16 = {**without_bf16, "bf16": {"1x128": 0.8}}
+    for timed, misses, products, plans in ((without_bf16, False, "int8", [("int8", False)]),
+                                           (without_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
+                                           (slower_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
+                                           (faster_bf16, True, "bf16", [("int8", False), ("bf16", True)])):
         planned = []
-        plan = SimpleNamespace(info=info, target=V3, attention=attention_products.decide("int8", timed), int8=None)
+        plan = SimpleNamespace(info=info, target=V3, attention=attention_products.decide(timed), int8=None)
         pipeline.plan_int8_linears(config, plan, SimpleNamespace(mod=None), None, progress)
-        assert (plan.attention.products, planned, len(plan.int8.fallback)) == (products, plans, int(misses))
-    assert plan.attention.reason == "fp32: with int8 products, int8 linears miss the gate"
-    assert plan.attention.times_ms == timed
+        assert (plan.attention.products["int8"], planned, len(plan.int8.fallback)) == (products, plans, int(misses))
+        assert plan.attention.reasons["int8"] == (f"{products}: with int8 products, int8 linears miss the gate"
+                                                  if misses else "int8: 0.70x the fp32 kernel's time")
+        assert plan.attention.times_ms == timed

@@ -2,7 +2,7 @@
 linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
 itself), the timed kernel's answers against numpy, the compile recording and building what
 was chosen, and the int8 plan's kept units following the same timing. bf16 execution needs a CPU
-with AVX512_BF16 and skips elsewhere; the int8 products (AVX2) have tests/test_attention_int8.py."""
+with AVX512_BF16 and skips elsewhere; the int8 products have tests/test_attention_int8.py."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ from compile.int8_plan import kept_precision
 from compile.kernels.common import vector_lanes
 
 HOST = make_target("cpu")
-HOST_REDUCED = attention_products.reduced_products(HOST)  # int8 where the CPU has AVX2 only
-RUNS_REDUCED = HOST_REDUCED is not None and not missing_on_host(target_features(HOST))
+HOST_REDUCED = attention_products.reduced_products(HOST)  # ("int8",) where the CPU has AVX2 only
+HOST_ROUNDED = next((products for products in HOST_REDUCED if products != "int8"), None)  # bf16 / amx
+RUNS_REDUCED = bool(HOST_REDUCED) and not missing_on_host(target_features(HOST))
 SMALL = Geometry(heads=2, head_size=32, max_seq=64)
 
 
@@ -32,26 +33,40 @@ def _times(fp32: float, rounded: float, name: str = "bf16") -> dict[str, dict[st
 
 @pytest.mark.parametrize("rounded", ["bf16", "amx", "int8"])
 def test_reduced_products_are_kept_only_when_faster_by_the_margin(rounded):
-    faster = attention_products.decide(rounded, _times(1.0, 0.5, rounded))
-    assert (faster.products, faster.requested) == (rounded, "auto")
-    assert faster.reason == f"{rounded}: 0.50x the fp32 kernel's time"
-    assert faster.times_ms == _times(1.0, 0.5, rounded)
-    within_noise = attention_products.decide(rounded, _times(1.0, 0.98, rounded))  # 2% < PRECISION_MARGIN
-    assert within_noise.products == "fp32"
-    slower = attention_products.decide(rounded, _times(1.0, 1.22, rounded))
-    assert (slower.products, slower.reason) == ("fp32", f"fp32: {rounded} takes 1.22x its time")
+    """bf16 or AMX products beside bf16 and int8 linears alike; int8 ones beside int8 linears only."""
+    beside = ["bf16", "int8"] if rounded != "int8" else ["int8"]
+    faster = attention_products.decide(_times(1.0, 0.5, rounded))
+    assert [faster.for_precision(p) for p in ("fp32", "bf16", "int8")] == [
+        "fp32", rounded if "bf16" in beside else "fp32", rounded]
+    assert faster.requested == "auto" and faster.times_ms == _times(1.0, 0.5, rounded)
+    assert all(faster.reasons[linears] == f"{rounded}: 0.50x the fp32 kernel's time" for linears in beside)
+    within_noise = attention_products.decide(_times(1.0, 0.98, rounded))  # 2% < PRECISION_MARGIN
+    assert within_noise.products == {"bf16": "fp32", "int8": "fp32"}
+    slower = attention_products.decide(_times(1.0, 1.22, rounded))
+    assert slower.products == {"bf16": "fp32", "int8": "fp32"}
+    assert slower.reasons["int8"] == f"fp32: {rounded} takes 1.22x its time"
+
+
+def test_int8_linears_take_the_fastest_products_and_bf16_ones_never_int8():
+    slow_bf16 = attention_products.decide({"fp32": {"1x128": 1.0}, "bf16": {"1x128": 1.25}, "int8": {"1x128": 0.6}})
+    assert slow_bf16.products == {"bf16": "fp32", "int8": "int8"}
+    assert slow_bf16.reasons == {"bf16": "fp32: bf16 takes 1.25x its time",
+                                 "int8": "int8: 0.60x the fp32 kernel's time"}
+    tiles = attention_products.decide({"fp32": {"1x128": 1.0}, "amx": {"1x128": 0.4}, "int8": {"1x128": 0.6}})
+    assert tiles.products == {"bf16": "amx", "int8": "amx"}
 
 
 def test_the_choice_by_geometric_mean_weighs_every_length_alike():
     times = {"fp32": {"1x128": 1.0, "1x512": 4.0}, "bf16": {"1x128": 2.0, "1x512": 1.6}}  # 1.79 against 2.0
-    assert attention_products.decide("bf16", times).products == "bf16"
+    assert attention_products.decide(times).products["bf16"] == "bf16"
 
 
-@pytest.mark.parametrize("mcpu,expected", [("x86-64-v3", "int8"), ("alderlake", "int8"), ("x86-64-v4", None),
-                                           ("znver4", "bf16"), ("sapphirerapids", "amx")])
-def test_the_reduced_arithmetic_is_the_cpus_best(mcpu, expected):
-    """bf16 where the CPU has it (on AMX tiles where it has them), else int8 at AVX2's lanes; the
-    x86-64-v4 level's 16 lanes keep fp32 (the int8 products are written for ymm)."""
+@pytest.mark.parametrize("mcpu,expected", [("x86-64-v3", ("int8",)), ("alderlake", ("int8",)),
+                                           ("x86-64-v4", ("int8",)), ("znver4", ("bf16", "int8")),
+                                           ("sapphirerapids", ("amx", "int8")), ("x86-64-v2", ())])
+def test_the_reduced_arithmetic_is_the_cpus(mcpu, expected):
+    """bf16 where the CPU has it (on AMX tiles where it has them), and int8 wherever the int8 linears'
+    kernel fills the target's vectors (AVX2's ymm, AVX512BW's zmm)."""
     assert attention_products.reduced_products(make_target("cpu", mcpu=mcpu)) == expected
 
 
@@ -62,25 +77,27 @@ def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
     monkeypatch.setattr(attention_products, "_time_kernels", no_timing)
     znver4, v3 = make_target("cpu", mcpu="znver4"), make_target("cpu", mcpu="x86-64-v3")
     choose = attention_products.choose
-    assert choose(znver4, SMALL, "fp32", timed=True).reason == "fp32: asked for"
-    assert choose(znver4, SMALL, "bf16", timed=True).products == "bf16"
-    assert choose(make_target("cpu", mcpu="sapphirerapids"), SMALL, "bf16", timed=True).products == "amx"
+    assert choose(znver4, SMALL, "fp32", timed=True).reasons == {"bf16": "fp32: asked for", "int8": "fp32: asked for"}
+    assert choose(znver4, SMALL, "bf16", timed=True).products == {"bf16": "bf16", "int8": "bf16"}
+    assert choose(make_target("cpu", mcpu="sapphirerapids"), SMALL, "bf16", timed=True).products["int8"] == "amx"
     untimed = choose(znver4, SMALL, "auto", timed=False)
-    assert (untimed.products, untimed.times_ms) == ("bf16", {})
-    assert choose(make_target("cpu", mcpu="x86-64-v4"), SMALL, "auto", timed=True).reason == (
-        "fp32: no bf16 or int8 products here (AVX512_BF16, or AVX2 without AVX-512)")
+    assert (untimed.products, untimed.times_ms) == ({"bf16": "bf16", "int8": "bf16"}, {})
+    assert choose(make_target("cpu", mcpu="x86-64-v2"), SMALL, "auto", timed=True).reasons["int8"] == (
+        "fp32: no bf16 or int8 products here (AVX512_BF16, AVX2 or AVX512BW)")
     narrow = choose(znver4, Geometry(heads=4, head_size=24, max_seq=64), "auto", timed=True)
-    assert narrow.reason == "fp32: the fused kernel's bf16 products do not take 24-wide heads at 16 lanes"
+    assert narrow.reasons["int8"] == "fp32: the fused kernel's bf16 and int8 products do not take 24-wide heads " \
+        "at 16 lanes"
     narrow = choose(v3, Geometry(heads=4, head_size=24, max_seq=64), "auto", timed=True)
-    assert narrow.reason == "fp32: the fused kernel's int8 products do not take 24-wide heads at 8 lanes"
-    assert choose(v3, SMALL, "auto", timed=False).products == "int8"
+    assert narrow.reasons["int8"] == "fp32: the fused kernel's int8 products do not take 24-wide heads at 8 lanes"
+    assert choose(v3, SMALL, "auto", timed=False).products == {"bf16": "fp32", "int8": "int8"}
 
 
 def test_only_bf16_and_int8_libraries_take_the_choice():
-    choice = attention_products.AttentionChoice("amx", "auto", "amx: 0.40x the fp32 kernel's time")
+    choice = attention_products.AttentionChoice.alike("amx", "auto", "amx: 0.40x the fp32 kernel's time")
     assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "amx", "amx"]
-    choice = attention_products.AttentionChoice("int8", "auto", "int8: 0.70x the fp32 kernel's time")
+    choice = attention_products.decide({"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}})
     assert [choice.for_precision(p) for p in ("fp32", "bf16", "int8")] == ["fp32", "fp32", "int8"]
+    assert choice.entry("int8").reason == "int8: 0.70x the fp32 kernel's time"
 
 
 def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
@@ -88,9 +105,9 @@ def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
     znver4, v3 = make_target("cpu", mcpu="znver4"), make_target("cpu", mcpu="x86-64-v3")
     assert [kept_precision(znver4, pays) for pays in (None, True, False)] == ["bf16", "bf16", "fp32"]
     assert [kept_precision(v3, pays) for pays in (None, True)] == ["fp32", "fp32"]
-    assert attention_products.decide("bf16", _times(1.0, 0.5)).bf16_pays is True
-    assert attention_products.decide("bf16", _times(1.0, 1.2)).bf16_pays is False
-    assert attention_products.decide("int8", _times(1.0, 0.5, "int8")).bf16_pays is False
+    assert attention_products.decide(_times(1.0, 0.5)).bf16_pays is True
+    assert attention_products.decide(_times(1.0, 1.2)).bf16_pays is False
+    assert attention_products.decide(_times(1.0, 0.5, "int8")).bf16_pays is False
     assert attention_products.choose(znver4, SMALL, "auto", timed=False).bf16_pays is None
 
 
@@ -115,8 +132,8 @@ def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
 def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     """What is timed is attention: the kernel module's answers against numpy (bf16 rounds each
     product's operands to 8 significant bits: 2e-2 of values of order 1)."""
-    products = HOST_REDUCED if products == "rounded" else products
-    if products is None or products == "int8" or not RUNS_REDUCED and products != "fp32":
+    products = HOST_ROUNDED if products == "rounded" else products
+    if products is None or not RUNS_REDUCED and products != "fp32":
         pytest.skip("this CPU has no AVX512_BF16 (int8 products: tests/test_attention_int8.py)")
     build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), products), HOST, tmp_path / "k.so",
                   attention=products)
@@ -130,15 +147,15 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
         np.testing.assert_allclose(out, _reference(rounded, 2, 32), rtol=2e-2, atol=2e-2)
 
 
-def test_a_timed_choice_is_the_faster_of_both_kernels_on_this_cpu():
+def test_a_timed_choice_is_the_fastest_kernel_on_this_cpu():
     """Real timing of both kernels (not of which wins: that is this CPU's), and the choice is
     what `decide` makes of the times it recorded."""
     if not RUNS_REDUCED:
         pytest.skip("this CPU has neither AVX512_BF16 nor AVX2")
     choice = attention_products.choose(HOST, SMALL, "auto", timed=True)
-    assert set(choice.times_ms) == {"fp32", HOST_REDUCED}
+    assert set(choice.times_ms) == {"fp32", *HOST_REDUCED}
     assert all(set(times) == {"1x64"} and min(times.values()) > 0 for times in choice.times_ms.values())
-    assert choice.products == attention_products.decide(HOST_REDUCED, choice.times_ms).products
+    assert choice.products == attention_products.decide(choice.times_ms).products
 
 
 def test_the_compile_builds_every_library_with_the_chosen_products_and_records_why(tmp_path, monkeypatch):
@@ -148,7 +165,7 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
 
     from loadtest.random_checkpoint import save_sentence_transformer
 
-    injected = _times(1.0, 1.3, HOST_REDUCED or "bf16")
+    injected = _times(1.0, 1.3, "int8")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with = []
     real_build = pipeline.build_library
@@ -172,4 +189,4 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     assert planned_with == [False]  # kept units: fp32 where bf16 was slower (or int8 products timed instead)
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")
-    assert recorded.times_ms == injected and recorded.reason == f"fp32: {HOST_REDUCED} takes 1.30x its time"
+    assert recorded.times_ms == injected and recorded.reason == "fp32: int8 takes 1.30x its time"

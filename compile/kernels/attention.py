@@ -32,11 +32,11 @@ buffer outgrows the caches, beyond the 512 positions of BERT-family models). Wor
 each sequence's own length, not the bound: keys and queries past a sequence's last real token
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
-In bf16 libraries (and int8 ones on AVX512_BF16 CPUs) the two products and the softmax between
+In bf16 libraries (and int8 ones, where timed faster) the two products and the softmax between
 them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
 straight from their rows into the dim pairs the products read), or with the products on AMX tiles
 (attention_amx.py, keys and values then staged to whole 32-key tiles), with the same staging,
-tiles and row maps around them. int8 libraries at AVX2 run them in int8 instead (attention_int8.py:
+tiles and row maps around them. int8 libraries may run them in int8 instead (attention_int8.py, ymm or zmm:
 the staged keys and values, each tile's queries and its probabilities quantized, 16 queries a
 tile, keys staged to whole quads). In every library the threads claim the (sequence, head) tasks as
 they come free (launch.claim_iterations): a mixed batch's long sequences do not land on one thread.

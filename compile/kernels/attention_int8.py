@@ -1,16 +1,16 @@
-"""Attention's two products in int8 on AVX2 (`vpmaddubsw` + `vpmaddwd`), for int8 libraries on
-CPUs without AVX512_BF16.
+"""Attention's two products in int8, for int8 libraries: `vpmaddubsw` + `vpmaddwd` on ymm (AVX2)
+or zmm (AVX512BW), `vpdpbusd` on zmm where the CPU has AVX512_VNNI.
 
 The fp32 kernel (attention.py) spends about 80% of its time in two products per (sequence, head)
 and tile of 16 queries: scores = K Q^T over the head's dims, and context = P V over the keys.
-Here both run as u8 x s8 products summed in int32, four multiply-adds per lane and three
-instructions per 32 of them, where fp32 FMAs take four; the bias, the softmax's max and exp, and
-the normalisation stay in fp32.
+Here both run as u8 x s8 products summed in int32, four multiply-adds per lane: at AVX2 three
+instructions per 32 of them, where fp32 FMAs take four; with VNNI one per 64, where they take
+four. The bias, the softmax's max and exp, and the normalisation stay in fp32.
 
 The operands, each quantized once, as the int8 linears' are (kernels/int8.py):
 - the tile's scaled queries per query, symmetric onto -127..127 and offset by 128 into u8 (the
-  `vpmaddubsw` operand that must be unsigned), in dim quads `[dims / 4][16][4]`: one register is 8
-  queries' quads. The offset's share, 128 x the key's sum of codes, starts each key's accumulator;
+  operand that must be unsigned), in dim quads `[dims / 4][16][4]`: one ymm is 8 queries' quads,
+  one zmm 16. The offset's share, 128 x the key's sum of codes, starts each key's accumulator;
 - the keys per key, s8, scaled so that no pair of same-sign codes in a quad sums past 128 (pairs
   of products are summed in saturating int16: `int8.PAIR_CODES`), broadcast one quad at a time;
 - the probabilities exp(s - max) in [0, 1] onto 0..255 (a fixed step of 1/255: the largest is 1),
@@ -21,9 +21,13 @@ product's. Accuracy: MiniLM's x86-64-v3 int8 library keeps least cosine 0.9922 t
 shipped sentences, where with fp32 products it kept 0.9941, under the 0.99 gate the int8 plan
 simulates it against (int8_plan.Simulation).
 
-The same kernel serves the AVX-VNNI level (`--mcpu alderlake`): `vpdpbusd` in place of the three
-instructions was no faster (its 5-cycle latency on the context's 4 accumulator chains, where
-`vpaddd`'s is 1).
+Every instruction set computes the same codes and sums them exactly, so one simulation serves
+all. On zmm the scores take 16 keys a block and the context 16 accumulators: `vpdpbusd`'s 5-cycle
+latency wants at least 10 independent chains. With znver4's code on an AMX Xeon the zmm kernel
+took 0.62-0.68x the fp32 kernel's time at MiniLM's and bert-base's heads (the compile's timing,
+one sequence of 128 and of 512 tokens), and MiniLM's library kept least cosine 0.9943 on the
+shipped sentences (0.9944 with fp32 products). The AVX-VNNI level (`--mcpu alderlake`) keeps the
+ymm `vpmaddubsw` kernel: `vpdpbusd` in its place was no faster (4 accumulator chains there).
 
 Why C: the quads, the broadcast words and the saturating pairs are one intrinsic each here; the
 products are specialised per head size (16, 32, 64, 128) and called from the TIR kernel with
@@ -35,13 +39,16 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import tvm
+
+from . import int8
 from .attention_bf16 import EXP_MACROS
 from .int8 import PAIR_CODES, WEIGHT_CODES
 from .objects import c_object
 
 HEAD_SIZES = (16, 32, 64, 128)  # head sizes the products are compiled for (the staging takes multiples of 16)
-LANES = 8  # fp32 / int32 lanes of a ymm register
-QUERIES = 2 * LANES  # queries per tile: two registers
+LANES = (8, 16)  # fp32 / int32 lanes of a ymm (AVX2) or a zmm (AVX512BW) register
+QUERIES = 16  # queries per tile: two ymm registers, one zmm
 KEY_STEP = 4  # keys are staged (zero past the last) to whole quads
 TILE = "bert_int8_attention_d{head}"
 STAGE_KEYS = "bert_int8_stage_keys"
@@ -174,6 +181,121 @@ int32_t bert_int8_query_quads(uint8_t *dst, float *scales, const float *src, con
   return 0;
 }
 
+#ifdef __AVX512BW__
+static inline __m512i bert_word16_at(const void *p) {
+  int32_t word;
+  memcpy(&word, p, sizeof word);
+  return _mm512_set1_epi32(word);
+}
+
+/* The same tile on zmm registers (AVX512BW; `vpdpbusd` where the CPU has AVX512_VNNI): one register is the
+   tile's 16 queries. The scores take 16 keys a block (then 4), each key's broadcast quad folded into its
+   product; the context 16 accumulators, QP queries x DP registers of 16 dims a pass. */
+static inline __m512i bert_quads16(__m512i acc, __m512i u8, __m512i s8) {
+#ifdef __AVX512VNNI__
+  return _mm512_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __m512 bert_exp16(__m512 x) {  /* bert_exp8 on zmm, the same values */
+  const __m512 shift = _mm512_set1_ps(12582912.0f + 127.0f);
+  x = _mm512_max_ps(x, _mm512_set1_ps(BERT_EXP_FLOOR));
+  __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(BERT_EXP_LOG2E), shift);
+  __m512 r = _mm512_fnmadd_ps(_mm512_sub_ps(shifted, shift), _mm512_set1_ps(BERT_EXP_LN2), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(BERT_EXP_P3), r, _mm512_set1_ps(BERT_EXP_P2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P0));
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(shifted), 23)));
+}
+
+static inline __m512i bert_quad_words16(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i byte = _mm512_set1_epi32(0xFF);
+  return _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(a, byte), _mm512_slli_epi32(_mm512_and_si512(b, byte), 8)),
+                         _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, byte), 16), _mm512_slli_epi32(d, 24)));
+}
+
+/* keys first .. first + N - 1 against the tile's queries: their scores written and the running max. */
+static inline __attribute__((always_inline)) __m512 bert_score_block16(
+    float *scores, const uint8_t *queries, const int8_t *keys, const int32_t *key_init, const float *key_scales,
+    const float *bias, __m512 scale, __m512 top, int64_t first, int64_t length, const int N, const int head) {
+  __m512i acc[16];
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_epi32(key_init[first + i]);
+  const int8_t *k = keys + first * head;
+  for (int t = 0; t < head / 4; ++t) {
+    __m512i q = _mm512_loadu_si512((const void *)(queries + 64 * t));
+    _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i)
+      acc[i] = bert_quads16(acc[i], q, bert_word16_at(k + i * head + 4 * t));
+  }
+  _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
+    int64_t j = first + i;
+    __m512 s = _mm512_set1_ps(-__FLT_MAX__);  /* past the last key: a score whose probability code is 0 */
+    if (j < length) {
+      s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(scale, _mm512_set1_ps(key_scales[j])),
+                          _mm512_set1_ps(bias[j]));
+      top = _mm512_max_ps(top, s);
+    }
+    _mm512_storeu_ps(scores + 16 * j, s);
+  }
+  return top;
+}
+
+#define TILE(HEAD)                                                                                          \
+  int32_t bert_int8_attention_d##HEAD(float *context, const uint8_t *queries, const float *query_scales,   \
+                                      const int8_t *keys, const int32_t *key_init, const float *key_scales, \
+                                      const int8_t *values, const float *value_scales, const float *bias,  \
+                                      int64_t length, float *scores, uint32_t *probs) {                    \
+    enum { DV = HEAD / 16, DP = DV < 4 ? DV : 4, QP = 16 / DP };                                           \
+    const __m512 scale = _mm512_loadu_ps(query_scales);                                                    \
+    __m512 top = _mm512_set1_ps(-__FLT_MAX__);                                                             \
+    const int64_t staged = (length + 3) / 4 * 4;                                                           \
+    int64_t first = 0;                                                                                     \
+    for (; first + 16 <= staged; first += 16)                                                              \
+      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, scale, top, first, length, 16,  \
+                               HEAD);                                                                      \
+    for (; first < staged; first += 4)                                                                     \
+      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, scale, top, first, length, 4,   \
+                               HEAD);                                                                      \
+    top = _mm512_sub_ps(top, _mm512_set1_ps(BERT_LOG_PROBABILITY_CODES)); /* exp(s - top) x 255 */        \
+    __m512i sum = _mm512_setzero_si512();                                                                  \
+    for (int64_t p = 0; p < staged / 4; ++p) {                                                             \
+      __m512i c[4];                                                                                        \
+      _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                                \
+        c[i] = _mm512_cvtps_epi32(bert_exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + 16 * (4 * p + i)), top))); \
+        sum = _mm512_add_epi32(sum, c[i]);                                                                 \
+      }                                                                                                    \
+      _mm512_storeu_si512((void *)(probs + 16 * p), bert_quad_words16(c[0], c[1], c[2], c[3]));           \
+    }                                                                                                      \
+    float inverse[16];                                                                                     \
+    _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(sum)));               \
+    for (int part = 0; part < DV / DP; ++part)                                                             \
+      for (int first_q = 0; first_q < 16; first_q += QP) {                                                 \
+        __m512i acc[QP][DP];                                                                               \
+        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q)                                              \
+          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) acc[q][d] = _mm512_setzero_si512();         \
+        for (int64_t p = 0; p < staged / 4; ++p) {                                                         \
+          const int8_t *v = values + (p * HEAD + 16 * DP * part) * 4;                                      \
+          __m512i w[DP];                                                                                   \
+          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) w[d] = _mm512_loadu_si512((const void *)(v + 64 * d)); \
+          _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {                                          \
+            __m512i u = _mm512_set1_epi32((int32_t)probs[16 * p + first_q + q]);                           \
+            _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) acc[q][d] = bert_quads16(acc[q][d], u, w[d]); \
+          }                                                                                                \
+        }                                                                                                  \
+        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {                                            \
+          __m512 norm = _mm512_set1_ps(inverse[first_q + q]);                                              \
+          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) {                                           \
+            int dim = 16 * (DP * part + d);                                                                \
+            _mm512_storeu_ps(context + (first_q + q) * HEAD + dim,                                         \
+                             _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[q][d]), norm),             \
+                                           _mm512_loadu_ps(value_scales + dim)));                          \
+          }                                                                                                \
+        }                                                                                                  \
+      }                                                                                                    \
+    return 0;                                                                                              \
+  }
+#else
 /* exp(x) for x <= ln 255 (attention_bf16.py's bert_exp on ymm: 2^n x p(r)). Adding 1.5 x 2^23 + 127 rounds
    x / ln 2 to the nearest integer n and leaves n + 127, the exponent field of 2^n, in the sum's low bits
    (fast_math.py's reduction): one shift makes 2^n. */
@@ -290,22 +412,29 @@ static inline __m256i bert_word_at(const void *p) {
     return 0;                                                                                              \
   }
 
+#endif
+
 TILE(16) TILE(32) TILE(64) TILE(128)
 """
 
 
 def supports(head_size: int, lanes: int) -> bool:
-    """Whether the int8 products are compiled for this head size (and the lanes are AVX2's)."""
-    return lanes == LANES and head_size in HEAD_SIZES
+    """Whether the int8 products are compiled for this head size and vector width (AVX2's ymm or
+    AVX-512's zmm)."""
+    return lanes in LANES and head_size in HEAD_SIZES
 
 
-def kernels_object() -> Path:
-    """The products and their staging compiled once per process to an object file the libraries link.
-    Without -fno-tree-coalesce-vars GCC 12 copies each accumulator to a fresh register every step of
-    the products' loops, and spills two of them."""
-    return c_object("int8_attention", SOURCE, ("-mavx2", "-mfma", "-fno-tree-coalesce-vars"))
+def kernels_object(kernel: int8.Int8Kernel) -> Path:
+    """The products and their staging for the CPUs of an int8 linear `kernel`, compiled once per process to an
+    object file the libraries link: zmm tiles where it has AVX512BW (with `vpdpbusd` where VNNI), else ymm.
+    Without -fno-tree-coalesce-vars GCC 12 copies each accumulator to a fresh register every step of the
+    ymm products' loops, and spills two of them."""
+    isa = {int8.VNNI: ("-mavx512f", "-mavx512bw", "-mavx512vnni"),
+           int8.AVX512BW: ("-mavx512f", "-mavx512bw")}.get(kernel, ("-mavx2",))
+    return c_object(f"int8_attention_{kernel.name}", SOURCE, (*isa, "-mfma", "-fno-tree-coalesce-vars"))
 
 
-def linked_objects(attention: str) -> list[str]:
-    """What a library whose attention products are `attention` must link for them."""
-    return [str(kernels_object())] if attention == "int8" else []
+def linked_objects(target: tvm.target.Target, attention: str) -> list[str]:
+    """What a library for `target` whose attention products are `attention` must link for them."""
+    kernel = int8.kernel_for(target)
+    return [str(kernels_object(kernel))] if attention == "int8" and kernel is not None else []

@@ -60,6 +60,75 @@ QUERY_OFFSET = 128  # a query code's offset into u8
 _MACROS = {**EXP_MACROS, "BERT_PAIR_CODES": PAIR_CODES, "BERT_CODES": WEIGHT_CODES,
            "BERT_LOG_PROBABILITY_CODES": math.log(PROBABILITY_CODES), "BERT_QUERY_OFFSET": QUERY_OFFSET}
 
+
+def _for_width(template: str, bits: int) -> str:
+    """C written once for `bits`-wide registers (256: ymm, 512: zmm): @mm the intrinsics' prefix, @vi and @vf
+    the integer and float register types, @si the integer intrinsics' suffix, @lanes the 32-bit lanes."""
+    return (template.replace("@mm", f"_mm{bits}").replace("@vi", f"__m{bits}i").replace("@vf", f"__m{bits}")
+            .replace("@si", f"si{bits}").replace("@lanes", str(bits // 32)))
+
+
+# The low byte of each 32-bit lane of a, b, c, d as one word per lane ((a, b, c, d) from the lowest byte).
+_QUAD_WORDS = r"""
+static inline @vi bert_quad_words@lanes(@vi a, @vi b, @vi c, @vi d) {
+  const @vi byte = @mm_set1_epi32(0xFF);
+  return @mm_or_@si(@mm_or_@si(@mm_and_@si(a, byte), @mm_slli_epi32(@mm_and_@si(b, byte), 8)),
+                    @mm_or_@si(@mm_slli_epi32(@mm_and_@si(c, byte), 16), @mm_slli_epi32(d, 24)));
+}
+"""
+
+# exp(x) for x <= ln 255 (attention_bf16.py's bert_exp: 2^n x p(r)), the same values at either width. Adding
+# 1.5 x 2^23 + 127 rounds x / ln 2 to the nearest integer n and leaves n + 127, the exponent field of 2^n, in the
+# sum's low bits (fast_math.py's reduction): one shift makes 2^n.
+_EXP = r"""
+static inline @vf bert_exp@lanes(@vf x) {
+  const @vf shift = @mm_set1_ps(12582912.0f + 127.0f);
+  x = @mm_max_ps(x, @mm_set1_ps(BERT_EXP_FLOOR));
+  @vf shifted = @mm_fmadd_ps(x, @mm_set1_ps(BERT_EXP_LOG2E), shift);
+  @vf r = @mm_fnmadd_ps(@mm_sub_ps(shifted, shift), @mm_set1_ps(BERT_EXP_LN2), x);
+  @vf p = @mm_fmadd_ps(@mm_set1_ps(BERT_EXP_P3), r, @mm_set1_ps(BERT_EXP_P2));
+  p = @mm_fmadd_ps(p, r, @mm_set1_ps(BERT_EXP_P1));
+  p = @mm_fmadd_ps(p, r, @mm_set1_ps(BERT_EXP_P0));
+  return @mm_mul_ps(p, @mm_cast@si_ps(@mm_slli_epi32(@mm_castps_@si(shifted), 23)));
+}
+"""
+
+# context[16][head] = probs x values x value_scales x inverse (each query's 1 / its sum of codes), over `quads`
+# key quads: QP queries x DP registers of @lanes dims a pass, in 16 accumulators on zmm (vpdpbusd's 5-cycle
+# latency wants 10 or more independent chains), 4 on ymm (which leaves registers for the ones vector, the values
+# and a broadcast).
+_CONTEXT = r"""
+static inline __attribute__((always_inline)) void bert_context(float *context, const uint32_t *probs,
+                                                               const int8_t *values, const float *value_scales,
+                                                               const float *inverse, int64_t quads, const int head) {
+  enum { LANES = @lanes, ACCS = @lanes == 16 ? 16 : 4 };
+  const int DV = head / LANES, DP = DV < 4 ? DV : 4, QP = ACCS / DP;
+  for (int part = 0; part < DV / DP; ++part)
+    for (int first = 0; first < 16; first += QP) {
+      @vi acc[ACCS], w[4];
+      _Pragma("GCC unroll 16") for (int i = 0; i < QP * DP; ++i) acc[i] = @mm_setzero_@si();
+      for (int64_t p = 0; p < quads; ++p) {
+        const int8_t *v = values + (p * head + LANES * DP * part) * 4;
+        _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) w[d] = @mm_loadu_@si((const void *)(v + 4 * LANES * d));
+        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {
+          @vi u8 = @mm_set1_epi32((int32_t)probs[16 * p + first + q]);
+          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d)
+            acc[q * DP + d] = bert_dot@lanes(acc[q * DP + d], u8, w[d]);
+        }
+      }
+      _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {
+        @vf norm = @mm_set1_ps(inverse[first + q]);
+        _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) {
+          int dim = LANES * (DP * part + d);
+          @mm_storeu_ps(context + (first + q) * head + dim,
+                        @mm_mul_ps(@mm_mul_ps(@mm_cvtepi32_ps(acc[q * DP + d]), norm),
+                                   @mm_loadu_ps(value_scales + dim)));
+        }
+      }
+    }
+}
+"""
+
 SOURCE = "".join(f"#define {name} {value!r}{'f' if isinstance(value, float) else ''}\n"
                  for name, value in _MACROS.items()) + r"""
 #include <immintrin.h>
@@ -85,13 +154,7 @@ static inline __m256 bert_pair_bound(__m256 bound, __m256 a, __m256 b) {
    after rounding: the bound onto BERT_CODES (rounding adds at most one code to a pair). */
 static inline float bert_step(float bound) { return bound > 0.0f ? bound / BERT_CODES : 1.0f; }
 
-/* The low byte of each 32-bit lane of a, b, c, d as one word per lane: (a, b, c, d) from the lowest byte. */
-static inline __m256i bert_quad_words(__m256i a, __m256i b, __m256i c, __m256i d) {
-  const __m256i byte = _mm256_set1_epi32(0xFF);
-  return _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(a, byte), _mm256_slli_epi32(_mm256_and_si256(b, byte), 8)),
-                         _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(c, byte), 16), _mm256_slli_epi32(d, 24)));
-}
-
+""" + _for_width(_QUAD_WORDS, 256) + r"""
 /* 16 int32 codes (a, then b), each in -128..255, as 16 bytes in order. */
 static inline void bert_store_bytes(void *dst, __m256i a, __m256i b, int unsigned_codes) {
   __m256i halves = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
@@ -146,7 +209,7 @@ int32_t bert_int8_stage_values(int8_t *codes, float *scales, const float *values
       __m256i c[4];
       for (int i = 0; i < 4; ++i)
         c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(values + (j + i) * head + d), inverse));
-      _mm256_storeu_si256((__m256i *)(codes + ((j / 4) * head + d) * 4), bert_quad_words(c[0], c[1], c[2], c[3]));
+      _mm256_storeu_si256((__m256i *)(codes + ((j / 4) * head + d) * 4), bert_quad_words8(c[0], c[1], c[2], c[3]));
     }
   }
   return 0;
@@ -187,33 +250,13 @@ static inline __m512i bert_word16_at(const void *p) {
   memcpy(&word, p, sizeof word);
   return _mm512_set1_epi32(word);
 }
-
-/* The same tile on zmm registers (AVX512BW; `vpdpbusd` where the CPU has AVX512_VNNI): one register is the
-   tile's 16 queries. The scores take 16 keys a block (then 4), each key's broadcast quad folded into its
-   product; the context 16 accumulators, QP queries x DP registers of 16 dims a pass. */
-static inline __m512i bert_quads16(__m512i acc, __m512i u8, __m512i s8) {
+""" + _for_width(_EXP, 512) + _for_width(_QUAD_WORDS, 512) + r"""
+static inline __m512i bert_dot16(__m512i acc, __m512i u8, __m512i s8) {
 #ifdef __AVX512VNNI__
   return _mm512_dpbusd_epi32(acc, u8, s8);
 #else
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
 #endif
-}
-
-static inline __m512 bert_exp16(__m512 x) {  /* bert_exp8 on zmm, the same values */
-  const __m512 shift = _mm512_set1_ps(12582912.0f + 127.0f);
-  x = _mm512_max_ps(x, _mm512_set1_ps(BERT_EXP_FLOOR));
-  __m512 shifted = _mm512_fmadd_ps(x, _mm512_set1_ps(BERT_EXP_LOG2E), shift);
-  __m512 r = _mm512_fnmadd_ps(_mm512_sub_ps(shifted, shift), _mm512_set1_ps(BERT_EXP_LN2), x);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(BERT_EXP_P3), r, _mm512_set1_ps(BERT_EXP_P2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(BERT_EXP_P0));
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(shifted), 23)));
-}
-
-static inline __m512i bert_quad_words16(__m512i a, __m512i b, __m512i c, __m512i d) {
-  const __m512i byte = _mm512_set1_epi32(0xFF);
-  return _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(a, byte), _mm512_slli_epi32(_mm512_and_si512(b, byte), 8)),
-                         _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, byte), 16), _mm512_slli_epi32(d, 24)));
 }
 
 /* keys first .. first + N - 1 against the tile's queries: their scores written and the running max. */
@@ -226,7 +269,7 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
   for (int t = 0; t < head / 4; ++t) {
     __m512i q = _mm512_loadu_si512((const void *)(queries + 64 * t));
     _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i)
-      acc[i] = bert_quads16(acc[i], q, bert_word16_at(k + i * head + 4 * t));
+      acc[i] = bert_dot16(acc[i], q, bert_word16_at(k + i * head + 4 * t));
   }
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
     int64_t j = first + i;
@@ -241,12 +284,14 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
   return top;
 }
 
+/* The same tile on zmm registers (AVX512BW; `vpdpbusd` where the CPU has AVX512_VNNI): one register is the
+   tile's 16 queries. The scores take 16 keys a block (then 4), each key's broadcast quad folded into its
+   product; the context 16 accumulators, QP queries x DP registers of 16 dims a pass. */
 #define TILE(HEAD)                                                                                          \
   int32_t bert_int8_attention_d##HEAD(float *context, const uint8_t *queries, const float *query_scales,   \
                                       const int8_t *keys, const int32_t *key_init, const float *key_scales, \
                                       const int8_t *values, const float *value_scales, const float *bias,  \
                                       int64_t length, float *scores, uint32_t *probs) {                    \
-    enum { DV = HEAD / 16, DP = DV < 4 ? DV : 4, QP = 16 / DP };                                           \
     const __m512 scale = _mm512_loadu_ps(query_scales);                                                    \
     __m512 top = _mm512_set1_ps(-__FLT_MAX__);                                                             \
     const int64_t staged = (length + 3) / 4 * 4;                                                           \
@@ -269,51 +314,19 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
     }                                                                                                      \
     float inverse[16];                                                                                     \
     _mm512_storeu_ps(inverse, _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(sum)));               \
-    for (int part = 0; part < DV / DP; ++part)                                                             \
-      for (int first_q = 0; first_q < 16; first_q += QP) {                                                 \
-        __m512i acc[QP][DP];                                                                               \
-        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q)                                              \
-          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) acc[q][d] = _mm512_setzero_si512();         \
-        for (int64_t p = 0; p < staged / 4; ++p) {                                                         \
-          const int8_t *v = values + (p * HEAD + 16 * DP * part) * 4;                                      \
-          __m512i w[DP];                                                                                   \
-          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) w[d] = _mm512_loadu_si512((const void *)(v + 64 * d)); \
-          _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {                                          \
-            __m512i u = _mm512_set1_epi32((int32_t)probs[16 * p + first_q + q]);                           \
-            _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) acc[q][d] = bert_quads16(acc[q][d], u, w[d]); \
-          }                                                                                                \
-        }                                                                                                  \
-        _Pragma("GCC unroll 16") for (int q = 0; q < QP; ++q) {                                            \
-          __m512 norm = _mm512_set1_ps(inverse[first_q + q]);                                              \
-          _Pragma("GCC unroll 4") for (int d = 0; d < DP; ++d) {                                           \
-            int dim = 16 * (DP * part + d);                                                                \
-            _mm512_storeu_ps(context + (first_q + q) * HEAD + dim,                                         \
-                             _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[q][d]), norm),             \
-                                           _mm512_loadu_ps(value_scales + dim)));                          \
-          }                                                                                                \
-        }                                                                                                  \
-      }                                                                                                    \
+    bert_context(context, probs, values, value_scales, inverse, staged / 4, HEAD);                        \
     return 0;                                                                                              \
   }
 #else
-/* exp(x) for x <= ln 255 (attention_bf16.py's bert_exp on ymm: 2^n x p(r)). Adding 1.5 x 2^23 + 127 rounds
-   x / ln 2 to the nearest integer n and leaves n + 127, the exponent field of 2^n, in the sum's low bits
-   (fast_math.py's reduction): one shift makes 2^n. */
-static inline __m256 bert_exp8(__m256 x) {
-  const __m256 shift = _mm256_set1_ps(12582912.0f + 127.0f);
-  x = _mm256_max_ps(x, _mm256_set1_ps(BERT_EXP_FLOOR));
-  __m256 shifted = _mm256_fmadd_ps(x, _mm256_set1_ps(BERT_EXP_LOG2E), shift);
-  __m256 r = _mm256_fnmadd_ps(_mm256_sub_ps(shifted, shift), _mm256_set1_ps(BERT_EXP_LN2), x);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(BERT_EXP_P3), r, _mm256_set1_ps(BERT_EXP_P2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BERT_EXP_P1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(BERT_EXP_P0));
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(shifted), 23)));
-}
-
+""" + _for_width(_EXP, 256) + r"""
 /* acc + the 4 u8 x s8 products of each 32-bit lane: pairs in saturating int16 (`vpmaddubsw`, exact under the
    pair bound), then pairs of those in int32 (`vpmaddwd` by ones). */
 static inline __m256i bert_quads(__m256i acc, __m256i u8, __m256i s8, __m256i ones) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), ones));
+}
+
+static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
+  return bert_quads(acc, u8, s8, _mm256_set1_epi16(1));
 }
 
 static inline __m256i bert_word_at(const void *p) {
@@ -332,7 +345,7 @@ static inline __m256i bert_word_at(const void *p) {
                                       const int8_t *keys, const int32_t *key_init, const float *key_scales, \
                                       const int8_t *values, const float *value_scales, const float *bias,  \
                                       int64_t length, float *scores, uint32_t *probs) {                    \
-    enum { QUADS = HEAD / 4, DV = HEAD / 8, DP = DV < 4 ? DV : 4, QP = 4 / DP };                          \
+    enum { QUADS = HEAD / 4 };                                                                             \
     const __m256i ones = _mm256_set1_epi16(1);                                                             \
     const __m256 scale_lo = _mm256_loadu_ps(query_scales), scale_hi = _mm256_loadu_ps(query_scales + 8);    \
     __m256 top_lo = _mm256_set1_ps(-__FLT_MAX__), top_hi = top_lo;                                         \
@@ -380,39 +393,20 @@ static inline __m256i bert_word_at(const void *p) {
         sum_lo = _mm256_add_epi32(sum_lo, c_lo[i]);                                                        \
         sum_hi = _mm256_add_epi32(sum_hi, c_hi[i]);                                                        \
       }                                                                                                    \
-      _mm256_storeu_si256((__m256i *)(probs + 16 * p), bert_quad_words(c_lo[0], c_lo[1], c_lo[2], c_lo[3])); \
-      _mm256_storeu_si256((__m256i *)(probs + 16 * p + 8), bert_quad_words(c_hi[0], c_hi[1], c_hi[2], c_hi[3])); \
+      _mm256_storeu_si256((__m256i *)(probs + 16 * p), bert_quad_words8(c_lo[0], c_lo[1], c_lo[2], c_lo[3])); \
+      _mm256_storeu_si256((__m256i *)(probs + 16 * p + 8), bert_quad_words8(c_hi[0], c_hi[1], c_hi[2], c_hi[3])); \
     }                                                                                                      \
     float inverse[16];                                                                                     \
     _mm256_storeu_ps(inverse, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_cvtepi32_ps(sum_lo)));            \
     _mm256_storeu_ps(inverse + 8, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_cvtepi32_ps(sum_hi)));        \
-    for (int part = 0; part < DV / DP; ++part)                                                             \
-      for (int first = 0; first < 16; first += QP) {                                                       \
-        __m256i acc[QP][DP];                                                                               \
-        _Pragma("GCC unroll 8") for (int q = 0; q < QP; ++q)                                               \
-          _Pragma("GCC unroll 8") for (int d = 0; d < DP; ++d) acc[q][d] = _mm256_setzero_si256();         \
-        for (int64_t p = 0; p < quads; ++p) {                                                              \
-          const int8_t *v = values + (p * HEAD + 8 * DP * part) * 4;                                       \
-          _Pragma("GCC unroll 8") for (int q = 0; q < QP; ++q) {                                           \
-            __m256i w = _mm256_set1_epi32((int32_t)probs[16 * p + first + q]);                             \
-            _Pragma("GCC unroll 8") for (int d = 0; d < DP; ++d)                                           \
-              acc[q][d] = bert_quads(acc[q][d], w, _mm256_loadu_si256((const __m256i *)(v + 32 * d)), ones); \
-          }                                                                                                \
-        }                                                                                                  \
-        _Pragma("GCC unroll 8") for (int q = 0; q < QP; ++q) {                                             \
-          __m256 norm = _mm256_set1_ps(inverse[first + q]);                                                \
-          _Pragma("GCC unroll 8") for (int d = 0; d < DP; ++d) {                                           \
-            int dim = 8 * (DP * part + d);                                                                 \
-            _mm256_storeu_ps(context + (first + q) * HEAD + dim,                                           \
-                             _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[q][d]), norm),             \
-                                           _mm256_loadu_ps(value_scales + dim)));                          \
-          }                                                                                                \
-        }                                                                                                  \
-      }                                                                                                    \
+    bert_context(context, probs, values, value_scales, inverse, quads, HEAD);                             \
     return 0;                                                                                              \
   }
 
 #endif
+#ifdef __AVX512BW__
+""" + _for_width(_CONTEXT, 512) + r"""#else
+""" + _for_width(_CONTEXT, 256) + r"""#endif
 
 TILE(16) TILE(32) TILE(64) TILE(128)
 """

@@ -150,9 +150,13 @@ static inline __m256 bert_pair_bound(__m256 bound, __m256 a, __m256 b) {
   return _mm256_max_ps(bound, _mm256_max_ps(_mm256_max_ps(positive, _mm256_andnot_ps(sign, negative)), single));
 }
 
-/* The step that puts values of that bound onto s8 codes whose same-sign pairs sum to at most BERT_PAIR_CODES
-   after rounding: the bound onto BERT_CODES (rounding adds at most one code to a pair). */
-static inline float bert_step(float bound) { return bound > 0.0f ? bound / BERT_CODES : 1.0f; }
+/* The steps that put values of 8 bounds onto s8 codes whose same-sign pairs sum to at most BERT_PAIR_CODES
+   after rounding: each bound onto BERT_CODES (rounding adds at most one code to a pair), 1 for a bound of 0.
+   Eight at a time: a division's latency, paid per row, cost as much as a short row's codes. */
+static inline __m256 bert_steps8(__m256 bound) {
+  return _mm256_blendv_ps(_mm256_set1_ps(1.0f), _mm256_div_ps(bound, _mm256_set1_ps(BERT_CODES)),
+                          _mm256_cmp_ps(bound, _mm256_setzero_ps(), _CMP_GT_OQ));
+}
 
 """ + _for_width(_QUAD_WORDS, 256) + r"""
 /* 16 int32 codes (a, then b), each in -128..255, as 16 bytes in order. */
@@ -167,16 +171,25 @@ static inline void bert_store_bytes(void *dst, __m256i a, __m256i b, int unsigne
 int32_t bert_int8_stage_keys(int8_t *codes, int32_t *init, float *scales, const float *keys, int64_t count,
                              int64_t head) {
   const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  float steps[8], inverses[8];
   for (int64_t j = 0; j < count; ++j) {
     const float *row = keys + j * head;
-    __m256 bound = _mm256_setzero_ps();
-    for (int64_t d = 0; d < head; d += 16) {  /* dims 2i and 2i + 1 paired, 8 pairs a step */
-      __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row + d), even);
-      __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row + d + 8), even);
-      bound = bert_pair_bound(bound, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    if (j % 8 == 0) {  /* the steps of keys j .. j + 7 */
+      float bounds[8] = {0};
+      for (int64_t i = j; i < j + 8 && i < count; ++i) {
+        __m256 bound = _mm256_setzero_ps();
+        for (int64_t d = 0; d < head; d += 16) {  /* dims 2i and 2i + 1 paired, 8 pairs a step */
+          __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(keys + i * head + d), even);
+          __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(keys + i * head + d + 8), even);
+          bound = bert_pair_bound(bound, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+        bounds[i - j] = bert_hmax(bound);
+      }
+      __m256 step = bert_steps8(_mm256_loadu_ps(bounds));
+      _mm256_storeu_ps(steps, step);
+      _mm256_storeu_ps(inverses, _mm256_div_ps(_mm256_set1_ps(1.0f), step));
     }
-    const float step = bert_step(bert_hmax(bound));
-    const __m256 inverse = _mm256_set1_ps(1.0f / step);
+    const __m256 inverse = _mm256_set1_ps(inverses[j % 8]);
     __m256i sum = _mm256_setzero_si256();
     for (int64_t d = 0; d < head; d += 16) {
       __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + d), inverse));
@@ -187,7 +200,7 @@ int32_t bert_int8_stage_keys(int8_t *codes, int32_t *init, float *scales, const 
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s = _mm_hadd_epi32(s, s);
     s = _mm_hadd_epi32(s, s);
-    scales[j] = step;
+    scales[j] = steps[j % 8];
     init[j] = -BERT_QUERY_OFFSET * _mm_cvtsi128_si32(s);
   }
   return 0;
@@ -201,10 +214,9 @@ int32_t bert_int8_stage_values(int8_t *codes, float *scales, const float *values
     for (int64_t j = 0; j < count; j += 2)
       bound = bert_pair_bound(bound, _mm256_loadu_ps(values + j * head + d),
                               _mm256_loadu_ps(values + (j + 1) * head + d));
-    __m256 step = _mm256_div_ps(bound, _mm256_set1_ps(BERT_CODES)), one = _mm256_set1_ps(1.0f);
-    step = _mm256_blendv_ps(one, step, _mm256_cmp_ps(bound, _mm256_setzero_ps(), _CMP_GT_OQ)); /* bert_step */
+    const __m256 step = bert_steps8(bound);
     _mm256_storeu_ps(scales + d, step);
-    const __m256 inverse = _mm256_div_ps(one, step);
+    const __m256 inverse = _mm256_div_ps(_mm256_set1_ps(1.0f), step);
     for (int64_t j = 0; j < count; j += 4) {
       __m256i c[4];
       for (int i = 0; i < 4; ++i)
@@ -222,14 +234,21 @@ int32_t bert_int8_query_quads(uint8_t *dst, float *scales, const float *src, con
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i offset = _mm256_set1_epi32(BERT_QUERY_OFFSET);
   uint32_t words[32];
+  float bounds[16], inverses[16];
   for (int q = 0; q < 16; ++q) {
-    const float *row = src + offsets[q];
     __m256 largest = _mm256_setzero_ps();
     for (int64_t d = 0; d < head; d += 8)
-      largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_loadu_ps(row + d)));
-    const float step = bert_step(bert_hmax(largest) * scale);
-    const __m256 inverse = _mm256_set1_ps(scale / step);
-    scales[q] = step;
+      largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, _mm256_loadu_ps(src + offsets[q] + d)));
+    bounds[q] = bert_hmax(largest) * scale;
+  }
+  for (int q = 0; q < 16; q += 8) {
+    const __m256 step = bert_steps8(_mm256_loadu_ps(bounds + q));
+    _mm256_storeu_ps(scales + q, step);
+    _mm256_storeu_ps(inverses + q, _mm256_div_ps(_mm256_set1_ps(scale), step));
+  }
+  for (int q = 0; q < 16; ++q) {
+    const float *row = src + offsets[q];
+    const __m256 inverse = _mm256_set1_ps(inverses[q]);
     for (int64_t d = 0; d < head; d += 128) {  /* 32 quads a block */
       const int64_t n = head - d < 128 ? head - d : 128;
       for (int64_t e = 0; e < n; e += 16) {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,19 +28,37 @@ LOGS = REPO / "build" / "logs"  # the benchmarks' server logs (git-ignored)
 
 
 _HANDED_OUT: set[int] = set()  # every port free_port gave this process
+_PORTS = random.SystemRandom()  # not the `random` module's state, which a test may seed
+FIRST_FREE_PORT = 10000  # free_port's candidates start here: above the well-known and common service ports
+
+
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands out by itself (a bind to port 0, an outgoing connection)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def free_port() -> int:
-    """A port nothing listens on now that this process was not given before: the probe socket is
-    closed before the caller binds, so two calls in a row (a server's HTTP and gRPC ports) could
-    otherwise get the same one."""
+    """A port nothing listens on now, below the kernel's ephemeral range, that this process was not
+    given before. The probe is closed before the caller binds: below that range no other process's
+    port-0 bind or outgoing connection can take the port in between (Ray's services, started between
+    the probe and Ray's HTTP proxy, once did), and two calls in a row (a server's HTTP and gRPC ports)
+    never get the same one."""
+    floor = ephemeral_floor()
+    first = min(FIRST_FREE_PORT, floor // 2)
     while True:
+        port = _PORTS.randrange(first, floor)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # in use
+                continue
+        _HANDED_OUT.add(port)
+        return port
 
 
 class PeakMemory:

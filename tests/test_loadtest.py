@@ -104,12 +104,13 @@ def test_peak_memory_is_the_high_water_mark_not_the_current_size():
         child.wait()
 
 
-def test_free_port_never_hands_out_a_port_twice(monkeypatch):
-    """The OS may give two probes in a row the same ephemeral port (the probe is closed before the
-    server binds): a server's HTTP and gRPC ports would then collide."""
+def test_free_port_never_hands_out_a_port_twice_nor_a_busy_one(monkeypatch):
+    """The probe is closed before the server binds: two probes in a row must not give a server's HTTP
+    and gRPC ports the same port, and a port some process holds is skipped."""
     from loadtest import servers
 
-    offered = iter([1, 1, 2])  # what the OS answers the probes: the same port twice, then another
+    candidates = iter([20001, 20001, 20002, 20003])  # the same port twice, a busy one, another
+    monkeypatch.setattr(servers._PORTS, "randrange", lambda *_args: next(candidates))
 
     class Probe:
         def __enter__(self):
@@ -119,10 +120,22 @@ def test_free_port_never_hands_out_a_port_twice(monkeypatch):
             return False
 
         def bind(self, address):
-            self.port = next(offered)
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
+            if address[1] == 20002:
+                raise OSError(98, "Address already in use")
 
     monkeypatch.setattr(servers.socket, "socket", Probe)
-    assert [servers.free_port(), servers.free_port()] == [1, 2]
+    assert [servers.free_port(), servers.free_port()] == [20001, 20003]
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    """No port-0 bind or outgoing connection of another process (Ray starts many) can take the port
+    between the probe and the server's bind; and it is free: this test binds it."""
+    import socket
+
+    from loadtest import servers
+
+    for _ in range(20):
+        port = servers.free_port()
+        assert port < servers.ephemeral_floor()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))

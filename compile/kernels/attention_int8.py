@@ -77,6 +77,15 @@ static inline @vi bert_quad_words@lanes(@vi a, @vi b, @vi c, @vi d) {
 }
 """
 
+# The 4 bytes at p broadcast to every 32-bit lane (an unaligned word: memcpy, not a cast).
+_WORD_AT = r"""
+static inline @vi bert_word_at@lanes(const void *p) {
+  int32_t word;
+  memcpy(&word, p, sizeof word);
+  return @mm_set1_epi32(word);
+}
+"""
+
 # exp(x) for x <= ln 255 (attention_bf16.py's bert_exp: 2^n x p(r)), the same values at either width. Adding
 # 1.5 x 2^23 + 127 rounds x / ln 2 to the nearest integer n and leaves n + 127, the exponent field of 2^n, in the
 # sum's low bits (fast_math.py's reduction): one shift makes 2^n.
@@ -264,12 +273,7 @@ int32_t bert_int8_query_quads(uint8_t *dst, float *scales, const float *src, con
 }
 
 #ifdef __AVX512BW__
-static inline __m512i bert_word16_at(const void *p) {
-  int32_t word;
-  memcpy(&word, p, sizeof word);
-  return _mm512_set1_epi32(word);
-}
-""" + _for_width(_EXP, 512) + _for_width(_QUAD_WORDS, 512) + r"""
+""" + _for_width(_EXP, 512) + _for_width(_QUAD_WORDS, 512) + _for_width(_WORD_AT, 512) + r"""
 static inline __m512i bert_dot16(__m512i acc, __m512i u8, __m512i s8) {
 #ifdef __AVX512VNNI__
   return _mm512_dpbusd_epi32(acc, u8, s8);
@@ -288,7 +292,7 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
   for (int t = 0; t < head / 4; ++t) {
     __m512i q = _mm512_loadu_si512((const void *)(queries + 64 * t));
     _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i)
-      acc[i] = bert_dot16(acc[i], q, bert_word16_at(k + i * head + 4 * t));
+      acc[i] = bert_dot16(acc[i], q, bert_word_at16(k + i * head + 4 * t));
   }
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) {
     int64_t j = first + i;
@@ -337,7 +341,7 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
     return 0;                                                                                              \
   }
 #else
-""" + _for_width(_EXP, 256) + r"""
+""" + _for_width(_EXP, 256) + _for_width(_WORD_AT, 256) + r"""
 /* acc + the 4 u8 x s8 products of each 32-bit lane: pairs in saturating int16 (`vpmaddubsw`, exact under the
    pair bound), then pairs of those in int32 (`vpmaddwd` by ones). */
 static inline __m256i bert_quads(__m256i acc, __m256i u8, __m256i s8, __m256i ones) {
@@ -348,11 +352,6 @@ static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
   return bert_quads(acc, u8, s8, _mm256_set1_epi16(1));
 }
 
-static inline __m256i bert_word_at(const void *p) {
-  int32_t word;
-  memcpy(&word, p, sizeof word);
-  return _mm256_set1_epi32(word);
-}
 
 /* One tile of 16 queries: scores[j][16] = (keys[j] . queries) x the two scales + bias[j] for the keys
    j < length (4 keys x 2 registers of queries a block), each query's largest; probs[j / 4][16] = the
@@ -376,7 +375,7 @@ static inline __m256i bert_word_at(const void *p) {
         __m256i q_lo = _mm256_loadu_si256((const __m256i *)(queries + 64 * t));                            \
         __m256i q_hi = _mm256_loadu_si256((const __m256i *)(queries + 64 * t + 32));                       \
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                              \
-          __m256i w = bert_word_at(k + i * HEAD + 4 * t);                                                  \
+          __m256i w = bert_word_at8(k + i * HEAD + 4 * t);                                                 \
           lo[i] = bert_quads(lo[i], q_lo, w, ones);                                                        \
           hi[i] = bert_quads(hi[i], q_hi, w, ones);                                                        \
         }                                                                                                  \

@@ -10,11 +10,13 @@ Each compiled model runs with the latency hint on `threads` threads. Its idle TB
 briefly and then sleep; the benchmark's warm call before each timed one covers the rest.
 `isa()` says which instruction sets its kernels ran: the peer of a build for another CPU than this
 one (x86-64-v3, znver4) is OpenVINO under `loadtest.cpuid_level` that CPU, where it picks the
-kernels it picks on a CPU with that CPU's features.
+kernels it picks on a CPU with that CPU's features. Where `cpuid` cannot be held (no `cpuid_fault`,
+as on AMD's VMs), `ONEDNN_MAX_CPU_ISA=AVX2` holds its oneDNN kernels alone (`default_hint`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,17 @@ import numpy as np
 from compile.checkpoint import INPUT_NAMES
 
 PRECISION_OF = {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}
+# `ONEDNN_MAX_CPU_ISA` values (oneDNN's names) whose kernels have no bf16
+ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def default_hint() -> str | None:
+    """The precision hint that gives OpenVINO's default: none, except where `ONEDNN_MAX_CPU_ISA` holds
+    oneDNN to an instruction set without bf16 on a CPU that has it. OpenVINO still reads bf16 from
+    `cpuid` there and its bf16 graph fails to compile (a softmax with no kernel); on a CPU of that
+    instruction set its default is f32, so f32 is asked for."""
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    return "f32" if held in ISAS_WITHOUT_BF16 else None
 
 
 def _properties(threads: int, hint: str | None) -> dict:
@@ -77,7 +90,8 @@ def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: P
 
     core = ov.Core()
     model = core.read_model(str(onnx_path))
-    default = OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, None)))
+    hint = default_hint()
+    default = OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, hint)))
     f32 = default if default.precision() == "fp32" else OpenVinoModel(
         core.compile_model(model, "CPU", _properties(threads, "f32")))
     models = {"openvino_f32": f32, "openvino": default}
@@ -87,5 +101,5 @@ def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: P
         samples = calibration_rows(tokenizer_file, max_seq)
         quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
                                   subset_size=len(samples))
-        models["openvino_int8"] = OpenVinoModel(core.compile_model(quantized, "CPU", _properties(threads, None)))
+        models["openvino_int8"] = OpenVinoModel(core.compile_model(quantized, "CPU", _properties(threads, hint)))
     return models

@@ -2,8 +2,11 @@
 and artifact arguments that are not artifacts are refused in one line."""
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import TINY_LATENCIES, with_latencies
@@ -150,6 +153,22 @@ def test_fp32_candidates_are_held_to_the_tolerance_and_reduced_precisions_to_the
                           {"tvm_bucket": 1.0, "tvm_bucket[bf16]": 0.98, "openvino_int8": 0.85}, 1e-3)
     assert wrong == ["tvm_bucket (max abs diff 0.002)", "tvm_bucket[bf16] (bf16 cosine 0.9800 < 0.99)",
                      "openvino_int8 (int8 cosine 0.8500 < 0.9)"]
+
+
+def test_openvino_held_to_avx2_by_onednn_runs_at_f32(tiny_embed_artifact, tmp_path):
+    """Peers of an AVX2 build where `cpuid` cannot be held: with `ONEDNN_MAX_CPU_ISA=AVX2` (read once per
+    process, hence a child process) OpenVINO's default and NNCF int8 compile and run at f32, as on an
+    AVX2 CPU, where its bf16 default would not compile on a CPU that has bf16."""
+    out, artifact = tmp_path / "bench", with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-m", "loadtest.bench", "--artifacts", str(artifact), "--shapes", "1x8",
+                           "--generic-shapes", "3x5", "--repeats", "1", "--no-onnx", "--int8", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert report["precisions"]["openvino"] == report["precisions"]["openvino_f32"] == "fp32"
+    assert report["precisions"]["openvino_int8"] == "int8"
+    assert report["results"][0]["least_cosine"]["openvino"] >= 0.9999
 
 
 def test_openvinos_default_at_f32_is_timed_once_under_both_names(tiny_embed_artifact, tmp_path, monkeypatch):

@@ -175,42 +175,47 @@ static inline void bert_store_bytes(void *dst, __m256i a, __m256i b, int unsigne
   _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(_mm256_permute4x64_epi64(bytes, 0x08)));
 }
 
+/* A key's bound: bert_pair_bound over its pairs of dims 2i and 2i + 1, 8 pairs a step. */
+static inline float bert_key_bound(const float *row, int64_t head) {
+  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  __m256 bound = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head; d += 16) {
+    __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row + d), even);
+    __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(row + d + 8), even);
+    bound = bert_pair_bound(bound, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+  return bert_hmax(bound);
+}
+
 /* codes[count][head] = keys[count][head] in s8, pair-bounded per key (scales[j]); init[j] = -128 x the
    key's sum of codes, where its accumulator starts (the queries' u8 offset taken out). head % 16 == 0. */
 int32_t bert_int8_stage_keys(int8_t *codes, int32_t *init, float *scales, const float *keys, int64_t count,
                              int64_t head) {
-  const __m256i even = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-  float steps[8], inverses[8];
-  for (int64_t j = 0; j < count; ++j) {
-    const float *row = keys + j * head;
-    if (j % 8 == 0) {  /* the steps of keys j .. j + 7 */
-      float bounds[8] = {0};
-      for (int64_t i = j; i < j + 8 && i < count; ++i) {
-        __m256 bound = _mm256_setzero_ps();
-        for (int64_t d = 0; d < head; d += 16) {  /* dims 2i and 2i + 1 paired, 8 pairs a step */
-          __m256 lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(keys + i * head + d), even);
-          __m256 hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(keys + i * head + d + 8), even);
-          bound = bert_pair_bound(bound, _mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
-        }
-        bounds[i - j] = bert_hmax(bound);
+  for (int64_t first = 0; first < count; first += 8) {  /* 8 keys a block: their steps' divisions at once */
+    const int64_t n = count - first < 8 ? count - first : 8;
+    float bounds[8] = {0}, steps[8], inverses[8];
+    for (int64_t i = 0; i < n; ++i)
+      bounds[i] = bert_key_bound(keys + (first + i) * head, head);
+    const __m256 step = bert_steps8(_mm256_loadu_ps(bounds));
+    _mm256_storeu_ps(steps, step);
+    _mm256_storeu_ps(inverses, _mm256_div_ps(_mm256_set1_ps(1.0f), step));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t j = first + i;
+      const float *row = keys + j * head;
+      const __m256 inverse = _mm256_set1_ps(inverses[i]);
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t d = 0; d < head; d += 16) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + d), inverse));
+        __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + d + 8), inverse));
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
+        bert_store_bytes(codes + j * head + d, a, b, 0);
       }
-      __m256 step = bert_steps8(_mm256_loadu_ps(bounds));
-      _mm256_storeu_ps(steps, step);
-      _mm256_storeu_ps(inverses, _mm256_div_ps(_mm256_set1_ps(1.0f), step));
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s = _mm_hadd_epi32(s, s);
+      s = _mm_hadd_epi32(s, s);
+      scales[j] = steps[i];
+      init[j] = -BERT_QUERY_OFFSET * _mm_cvtsi128_si32(s);
     }
-    const __m256 inverse = _mm256_set1_ps(inverses[j % 8]);
-    __m256i sum = _mm256_setzero_si256();
-    for (int64_t d = 0; d < head; d += 16) {
-      __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + d), inverse));
-      __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(row + d + 8), inverse));
-      sum = _mm256_add_epi32(sum, _mm256_add_epi32(a, b));
-      bert_store_bytes(codes + j * head + d, a, b, 0);
-    }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s = _mm_hadd_epi32(s, s);
-    s = _mm_hadd_epi32(s, s);
-    scales[j] = steps[j % 8];
-    init[j] = -BERT_QUERY_OFFSET * _mm_cvtsi128_si32(s);
   }
   return 0;
 }
@@ -281,7 +286,7 @@ static inline __m512i bert_dot16(__m512i acc, __m512i u8, __m512i s8) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u8, s8), _mm512_set1_epi16(1)));
 #endif
 }
-
+""" + _for_width(_CONTEXT, 512) + r"""
 /* keys first .. first + N - 1 against the tile's queries: their scores written and the running max. */
 static inline __attribute__((always_inline)) __m512 bert_score_block16(
     float *scores, const uint8_t *queries, const int8_t *keys, const int32_t *key_init, const float *key_scales,
@@ -344,15 +349,10 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
 """ + _for_width(_EXP, 256) + _for_width(_WORD_AT, 256) + r"""
 /* acc + the 4 u8 x s8 products of each 32-bit lane: pairs in saturating int16 (`vpmaddubsw`, exact under the
    pair bound), then pairs of those in int32 (`vpmaddwd` by ones). */
-static inline __m256i bert_quads(__m256i acc, __m256i u8, __m256i s8, __m256i ones) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), ones));
-}
-
 static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
-  return bert_quads(acc, u8, s8, _mm256_set1_epi16(1));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
 }
-
-
+""" + _for_width(_CONTEXT, 256) + r"""
 /* One tile of 16 queries: scores[j][16] = (keys[j] . queries) x the two scales + bias[j] for the keys
    j < length (4 keys x 2 registers of queries a block), each query's largest; probs[j / 4][16] = the
    quads of exp(scores - largest) onto 0..255 (keys past `length` 0), with each query's sum of codes;
@@ -364,7 +364,6 @@ static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
                                       const int8_t *values, const float *value_scales, const float *bias,  \
                                       int64_t length, float *scores, uint32_t *probs) {                    \
     enum { QUADS = HEAD / 4 };                                                                             \
-    const __m256i ones = _mm256_set1_epi16(1);                                                             \
     const __m256 scale_lo = _mm256_loadu_ps(query_scales), scale_hi = _mm256_loadu_ps(query_scales + 8);    \
     __m256 top_lo = _mm256_set1_ps(-__FLT_MAX__), top_hi = top_lo;                                         \
     for (int64_t block = 0; block < (length + 3) / 4; ++block) {                                           \
@@ -376,8 +375,8 @@ static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
         __m256i q_hi = _mm256_loadu_si256((const __m256i *)(queries + 64 * t + 32));                       \
         _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                              \
           __m256i w = bert_word_at8(k + i * HEAD + 4 * t);                                                 \
-          lo[i] = bert_quads(lo[i], q_lo, w, ones);                                                        \
-          hi[i] = bert_quads(hi[i], q_hi, w, ones);                                                        \
+          lo[i] = bert_dot8(lo[i], q_lo, w);                                                               \
+          hi[i] = bert_dot8(hi[i], q_hi, w);                                                               \
         }                                                                                                  \
       }                                                                                                    \
       _Pragma("GCC unroll 4") for (int i = 0; i < 4; ++i) {                                                \
@@ -422,9 +421,6 @@ static inline __m256i bert_dot8(__m256i acc, __m256i u8, __m256i s8) {
   }
 
 #endif
-#ifdef __AVX512BW__
-""" + _for_width(_CONTEXT, 512) + r"""#else
-""" + _for_width(_CONTEXT, 256) + r"""#endif
 
 TILE(16) TILE(32) TILE(64) TILE(128)
 """

@@ -124,7 +124,7 @@ class PassesEntry(_Strict):
 
 class LinearSensitivity(_Strict):
     """A unit of linears (Q, K and V read one input: one unit) and the simulated agreement with
-    the fp32 model when it alone stays out of int8 (compile/int8_plan.py)."""
+    the fp32 model when it alone is in int8, the rest in the higher precision (compile/int8_plan.py)."""
 
     unit: str
     cosine_min: float | None = None
@@ -157,7 +157,7 @@ class QuantizationEntry(_Strict):
     smoothing_alpha: float | None = None  # SmoothQuant strength (0: none; compile/passes/smooth.py)
     smoothed: int = 0  # linears whose input channels are rescaled
     kept: list[KeptLinear] = []  # linears left out of int8 ("mixed int8")
-    sensitivity: list[LinearSensitivity] = []  # most sensitive first; measured where a fallback was needed
+    sensitivity: list[LinearSensitivity] = []  # most lost per multiply-add first; measured where a fallback was needed
 
 
 class PrecisionCandidate(_Strict):

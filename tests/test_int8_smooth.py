@@ -224,6 +224,42 @@ def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoin
     assert len(reported) == 1 and reported[0].startswith("smoothing:")
 
 
+class _AdditiveSimulation:
+    """Injected accuracies: each unit in int8 takes its own loss off the least cosine of the units
+    kept out (every unit kept: 1.0), as independent rounding errors do."""
+
+    def __init__(self, units: dict[str, tuple[int, float]]):  # name -> (multiply-adds per token, loss)
+        from types import SimpleNamespace
+
+        self.units = [SimpleNamespace(name=name, multiply_adds=lambda m=m: m) for name, (m, _) in units.items()]
+        self.loss = {name: loss for name, (_, loss) in units.items()}
+        self.runs = 0
+
+    def accuracy(self, alpha: float, kept: set[str]) -> dict:
+        self.runs += 1
+        least = 1.0 - sum(loss for name, loss in self.loss.items() if name not in kept)
+        return {"cosine_min": least, "cosine_mean": least}
+
+
+def test_the_fallback_admits_the_least_loss_per_multiply_add_to_int8_while_the_gate_holds():
+    """int8's error spread over every unit (as on MiniLM's shortest sentences): the units admitted
+    are those that lose least per multiply-add saved, one that would break the gate is passed over
+    for later, cheaper ones, and the record lists the costliest first."""
+    from compile.int8_plan import admit, measure_sensitivity
+
+    simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
+                                      "tiny": (1, 0.0)})
+    reported = []
+    sensitivity = measure_sensitivity(simulation, 0.5, reported.append)
+    # losses per multiply-add: out 2e-4, down 1.5e-4, qkv 1e-4, up 0.5e-4, tiny 0
+    assert [s.unit for s in sensitivity] == ["out", "down", "qkv", "up", "tiny"]
+    assert reported[-1] == "sensitivity: 5/5 linear groups"
+    accuracy, kept = admit(simulation, 0.5, sensitivity, lambda accuracy: accuracy["cosine_min"] >= 1 - 7e-4)
+    # tiny, up (2e-4) and qkv (5e-4 in all) are admitted; down would lose 11e-4, out fits after it (7e-4)
+    assert kept == ["down"] and accuracy["cosine_min"] == pytest.approx(1 - 7e-4)
+    assert simulation.runs == 1 + 5 + 5  # every unit kept, each alone in int8, one trial per unit
+
+
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
     """Kept in fp32, the model is the reference itself; kept in bf16, the simulation rounds their
     operands as the bf16 kernels do, so the plan's numbers include bf16's error."""

@@ -11,8 +11,8 @@ second on MiniLM, where building and running a library takes a minute, so the pl
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
 3. sensitivity, where every linear in int8 misses the int8 gate (compile/precision.py) or
    `--min-cosine`: for each linear group, the accuracy with it alone in int8 and the rest in the
-   higher precision (one pass per group: 7 minutes of a 12-layer BERT's plan, not spent where
-   nothing is kept);
+   higher precision (one pass per group, and one more per group in 4.: about 15 minutes of a
+   12-layer BERT's plan, not spent where nothing is kept);
 4. fallback: starting from every group in the higher precision (bf16 where the CPU has it, else
    fp32; simulated in it, bf16 rounds too), the groups are admitted to int8 one at a time, the
    least accuracy lost per multiply-add saved first, each only where the simulation still keeps

@@ -79,7 +79,7 @@ class Int8Plan:
 
     alpha: float
     scales: dict[str, np.ndarray]
-    fallback: list[str]  # unit names, most sensitive first
+    fallback: list[str]  # unit names, the most accuracy lost per multiply-add first
     fallback_keys: set[str]
     simulated: dict  # cosine_min, cosine_mean of the plan, simulated
     alphas: dict[float, dict] = field(default_factory=dict)  # alpha -> simulated accuracy, nothing kept
@@ -102,7 +102,7 @@ class Int8Plan:
         from artifact.manifest import KeptLinear, LinearSensitivity
 
         numbers = ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")
-        reason = "the most sensitive left while the simulated int8 missed its gate or --min-cosine"
+        reason = "not admitted to int8: there it took the simulation under its gate or --min-cosine"
         return {"smoothing_alpha": self.alpha, "smoothed": quantized if self.alpha > 0 else 0,
                 "kept": [KeptLinear(unit=unit, precision=self.fallback_precision, reason=reason)
                          for unit in self.fallback],

@@ -17,7 +17,7 @@ Four micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
   bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16),
   summed in int32 without saturating.
 - `AVX_VNNI` (AVX-VNNI, `vpdpbusd` on ymm: Intel Alder Lake and Sierra Forest, CPUs without
-  AVX-512): VNNI's arithmetic in 8 int32 lanes, on AVX2's 4 x 24 register tile and panels.
+  AVX-512): VNNI's arithmetic in 8 int32 lanes, on the fp32 AVX2 kernel's 4 x 24 register tile.
 - `AVX2` (`vpmaddubsw` + `vpmaddwd`), as oneDNN and MLAS do without VNNI: 8 columns x 4 k of the
   panel times 4 broadcast activation bytes; `vpmaddubsw` sums each pair of u8 x s8 products (k = 2i,
   2i + 1) into int16 (saturating), `vpmaddwd` by ones sums those pairs into 8 int32 lanes, `vpaddd`
@@ -77,12 +77,15 @@ class Int8Kernel:
 # on CPUs with AMX, whose tiles read 32-column panels (`panel_width`)
 VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
                   "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation", wide_panel=48)
-# 4 x 24 tile: 12 ymm accumulators, the ones vector, a broadcast and a product (weights are read
-# from memory by vpmaddubsw); weights scaled so that each pair's int16 sum is exact
-AVX2 = Int8Kernel("avx2", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avx2",
+# 4 x 16 tile: 8 ymm accumulators, 2 weight vectors, the ones vector, a broadcast and a product (LLVM
+# keeps each weight vector in a register for the 4 rows: a 4 x 24 tile then needs 18 of the 16 ymm and
+# spilled two accumulators at every k step; MiniLM's x86-64-v3 int8 calls at 16-512 tokens, paired
+# against it, 0.96-1.00x the time, docs/PERFORMANCE.md); weights scaled so that each pair's int16 sum is exact
+AVX2 = Int8Kernel("avx2", 4, 8, 16, 4, "bert_dot_8x4_u8i8_avx2",
                   "avx2 vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
                   "summing to at most 128), int32 accumulation", int16_pairs=True)
-# AVX2's tile and panels, one vpdpbusd per 8 columns x 4 k (AVX2: three instructions), 8-bit weights
+# 4 x 24 (12 accumulators, 3 weight vectors, a broadcast: vpdpbusd needs no product), one vpdpbusd per
+# 8 columns x 4 k (AVX2: three instructions), 8-bit weights
 AVX_VNNI = Int8Kernel("avxvnni", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
                       "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
 # VNNI's tile and panels (8 x 48: 24 zmm accumulators, the ones vector, a broadcast, a product), AVX2's

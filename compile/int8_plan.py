@@ -22,8 +22,10 @@ second on MiniLM, where building and running a library takes a minute, so the pl
    int8 at least cosine 0.999, where admission puts 14 in int8 (49% of the multiply-adds).
 
 Linears that read the same input (Q, K and V) form one unit: they share a smoothing vector (one
-concatenated projection needs one) and a precision. Where attention's products run in int8 too
-(attention_products.py), every pass simulates them as well (`fake_quantized_attention`).
+concatenated projection needs one) and a precision. Where attention's products run in int8 or bf16
+(attention_products.py), every pass simulates them as well (`fake_quantized_attention`,
+`fake_bf16_attention`), so that the plan, which admits groups down to the floor, stops where the
+built library does.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import numpy as np
 import torch
 import tvm
 
-from .kernels import attention_int8, int8, row_quantize
+from .kernels import attention_bf16, attention_int8, int8, row_quantize
 from .kernels.attention import REAL_KEY_BIAS
 from .passes.packing import linears_on_weights
-from .passes.smooth import linear_modules, module_key, smoothing_scales
+from .passes.smooth import linear_modules, module_key, smoothing_scales, value_projection
 
 ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # 0: no smoothing
 EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
@@ -122,13 +124,14 @@ def weight_scales(weight: torch.Tensor, int16_pairs: bool) -> torch.Tensor:
 
 
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
-                          int16_pairs: bool = False) -> torch.Tensor:
-    """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing,
-    per-token asymmetric u8 activations, per-output-channel weights (`weight_scales`), exact
-    integer products (`integer_matmul`: no rounding of large sums)."""
+                          int16_pairs: bool = False, arrives_smoothed: bool = False) -> torch.Tensor:
+    """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing (x / scale,
+    unless x `arrives_smoothed`: divided upstream), per-token asymmetric u8 activations,
+    per-output-channel weights (`weight_scales`), exact integer products (`integer_matmul`: no
+    rounding of large sums)."""
     weight = module.weight
     if scale is not None:
-        x, weight = x / scale, weight * scale
+        x, weight = x if arrives_smoothed else x / scale, weight * scale
     low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
     x_scale = (high - low).clamp(min=1e-30) / row_quantize.ACTIVATION_CODES
     inverse = 1.0 / x_scale
@@ -140,20 +143,42 @@ def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch
     return y.add_(module.bias) if module.bias is not None else y
 
 
+def _additive_bias(attention_mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> tuple:
+    """(the additive float bias of the scores, the real keys `[b, 1, keys, 1]` as 1 and padding as 0) of
+    the mask transformers hands an attention function (None, additive float or boolean)."""
+    if attention_mask is None:
+        attention_mask = torch.zeros(query.shape[0], 1, 1, key.shape[-2])
+    elif attention_mask.dtype == torch.bool:
+        attention_mask = torch.zeros(attention_mask.shape).masked_fill(~attention_mask, torch.finfo(torch.float32).min)
+    return attention_mask, (attention_mask[..., :1, :] > REAL_KEY_BIAS).to(key.dtype).transpose(-1, -2)
+
+
+def kernel_exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x), x <= 0, as the bf16 and int8 attention kernels compute their softmax's (`bert_exp` in
+    kernels/attention_bf16.py: 2^n times a cubic in the remainder, 1e-4 from exp): each fused
+    multiply-add rounded once, as the kernel's are, by taking it in float64."""
+    log2e, ln2, p3, p2, p1, p0 = (float(np.float32(c)) for c in (  # the C source's float constants
+        attention_bf16.EXP_LOG2E, attention_bf16.EXP_LN2, *attention_bf16.EXP_POLYNOMIAL))
+    x = x.clamp(min=attention_bf16.EXP_FLOOR).double()
+    n = torch.round(x * log2e)
+    r = (x - n * ln2).float().double()
+    p = (p3 * r + p2).float().double()
+    p = (p * r + p1).float().double()
+    p = (p * r + p0).float()
+    return p * torch.exp2(n.float())
+
+
 def fake_quantized_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                              **_kwargs) -> tuple[torch.Tensor, None]:
     """The int8 attention products' arithmetic (compile/kernels/attention_int8.py) as a transformers
     attention function: scaled queries symmetric per query, keys per key and values per head dim
     with `weight_scales`' pair bound (padding keys left out, as the kernel stages only real ones),
-    probabilities exp(s - max) onto 0..255, the context divided by their sum. Its integer products
-    sum to under 2^24 (a head's dims of 127 x 127, 512 keys of 255 x 127), so fp32 holds them exactly."""
+    probabilities exp(s - max) (`kernel_exp`) onto 0..255, the context divided by their sum. Its
+    integer products sum to under 2^24 (a head's dims of 127 x 127, 512 keys of 255 x 127), so fp32
+    holds them exactly."""
     scaling = query.size(-1) ** -0.5 if scaling is None else scaling
-    if attention_mask is None:
-        attention_mask = torch.zeros(query.shape[0], 1, 1, key.shape[-2])
-    elif attention_mask.dtype == torch.bool:
-        attention_mask = torch.zeros(attention_mask.shape).masked_fill(~attention_mask, torch.finfo(torch.float32).min)
-    real = (attention_mask[..., :1, :] > REAL_KEY_BIAS).to(key.dtype).transpose(-1, -2)  # [b, 1, keys, 1]
+    attention_mask, real = _additive_bias(attention_mask, query, key)
     key, value = key * real, value * real
     queries = query * scaling
     query_step = queries.abs().amax(-1, keepdim=True) / int8.WEIGHT_CODES
@@ -161,11 +186,30 @@ def fake_quantized_attention(module: torch.nn.Module, query: torch.Tensor, key: 
     key_step = weight_scales(key.reshape(-1, key.shape[-1]), True).reshape(*key.shape[:-1], 1)
     scores = torch.round(queries / query_step) @ torch.round(key / key_step).transpose(-1, -2)
     scores = scores * query_step * key_step.transpose(-1, -2) + attention_mask
-    codes = torch.round(torch.exp(scores - scores.amax(-1, keepdim=True)) * attention_int8.PROBABILITY_CODES)
+    codes = torch.round(kernel_exp(scores - scores.amax(-1, keepdim=True)) * attention_int8.PROBABILITY_CODES)
     by_dim = torch.nn.functional.pad(value.transpose(-1, -2), (0, value.shape[-2] % 2))  # whole key pairs
     value_step = weight_scales(by_dim.reshape(-1, by_dim.shape[-1]), True).reshape(*by_dim.shape[:-1], 1)
     values = torch.round(by_dim / value_step)[..., :value.shape[-2]].transpose(-1, -2)
     context = (codes @ values) * value_step.transpose(-1, -2) / codes.sum(-1, keepdim=True)
+    return context.transpose(1, 2).contiguous(), None
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).float()  # nearest even, as `vcvtneps2bf16`
+
+
+def fake_bf16_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                        **_kwargs) -> tuple[torch.Tensor, None]:
+    """The bf16 attention products' arithmetic (compile/kernels/attention_bf16.py; AMX's tiles round the
+    same operands) as a transformers attention function: scaled queries, keys, values and the
+    probabilities exp(s - max) (`kernel_exp`, padding keys left out) rounded to bf16, products summed
+    in fp32, the context divided by the sum of the unrounded probabilities."""
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    attention_mask, real = _additive_bias(attention_mask, query, key)
+    scores = _bf16(query * scaling) @ _bf16(key).transpose(-1, -2) + attention_mask
+    probabilities = kernel_exp(scores - scores.amax(-1, keepdim=True)) * real.transpose(-1, -2)
+    context = (_bf16(probabilities) @ _bf16(value)) / probabilities.sum(-1, keepdim=True)
     return context.transpose(1, 2).contiguous(), None
 
 
@@ -179,17 +223,19 @@ def _register_attention(name: str, function: Callable) -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
-SIMULATED_ATTENTION = "bert-int8-products"
-_register_attention(SIMULATED_ATTENTION, fake_quantized_attention)
+# The attention function simulating each arithmetic of the products (attention_products.py) but fp32's
+SIMULATED_PRODUCTS = {"int8": "bert-int8-products", "bf16": "bert-bf16-products", "amx": "bert-bf16-products"}
+_register_attention(SIMULATED_PRODUCTS["int8"], fake_quantized_attention)
+_register_attention(SIMULATED_PRODUCTS["bf16"], fake_bf16_attention)
 
 
 @contextmanager
-def simulated_attention(model: torch.nn.Module):
-    """`model`'s attention run as `fake_quantized_attention` inside the block."""
+def simulated_attention(model: torch.nn.Module, products: str):
+    """`model`'s attention run as the simulation of `products` (a key of SIMULATED_PRODUCTS) inside the block."""
     configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values()
     before = [config._attn_implementation for config in configs]
     for config in configs:
-        config._attn_implementation = SIMULATED_ATTENTION
+        config._attn_implementation = SIMULATED_PRODUCTS[products]
     try:
         yield
     finally:
@@ -197,11 +243,14 @@ def simulated_attention(model: torch.nn.Module):
             config._attn_implementation = implementation
 
 
-def bf16_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def bf16_linear(module: torch.nn.Linear, x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The bf16 kernels' arithmetic (compile/kernels/bf16.py): operands rounded to bf16 (nearest
-    even), products summed in fp32."""
-    weight = module.weight.to(torch.bfloat16).float()
-    return torch.nn.functional.linear(x.to(torch.bfloat16).float(), weight, module.bias)
+    even), products summed in fp32; the weight's rows and the bias first scaled by `row_scale` where
+    given (a folded smoothing: passes/smooth.py), before the rounding, as the compile scales them."""
+    weight, bias = module.weight, module.bias
+    if row_scale is not None:
+        weight, bias = weight * row_scale[:, None], None if bias is None else bias * row_scale
+    return torch.nn.functional.linear(_bf16(x), _bf16(weight), bias)
 
 
 def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
@@ -226,7 +275,7 @@ def score(accuracy: dict) -> tuple[float, float]:
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
     `fallback_precision` (fp32 or bf16), run on the shipped sentence rows; with attention's
-    products in int8 where `attention_products` is "int8"."""
+    products in `attention_products` (fp32, or simulated: SIMULATED_PRODUCTS)."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
                  agreement: Callable[[np.ndarray, np.ndarray], dict], int16_pairs: bool = False,
@@ -243,6 +292,12 @@ class Simulation:
         self.units = self._units(names)
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
         self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
+        # output projection -> the V projection its smoothing is folded into (passes/smooth.py), which
+        # the library's bf16 products and bf16 V weights then round scaled
+        values = {key: self.linears.get(value_projection(key)) for key in self.linears}
+        self.values = {self.linears[key]: value for key, value in values.items()
+                       if value is not None and value.bias is not None}
+        self.folded: dict[torch.nn.Module, torch.Tensor] = {}  # V projection -> 1 / s of its output channels
         self.reference = self.run(reference=True)
 
     @contextmanager
@@ -291,15 +346,17 @@ class Simulation:
     def run(self, reference: bool = False) -> np.ndarray:
         """The model's outputs on the rows: the fp32 `reference`, or as the int8 library computes them."""
         def replace(module, inputs, output):
+            inverse = self.folded.get(module)
             if module in self.rounded:
-                return bf16_linear(module, inputs[0])
-            if module not in self.state:
-                return None
-            return fake_quantized_linear(module, inputs[0], self.state[module], self.int16_pairs)
+                return bf16_linear(module, inputs[0], inverse)
+            if module in self.state:
+                output = fake_quantized_linear(module, inputs[0], self.state[module], self.int16_pairs,
+                                               arrives_smoothed=self.values.get(module) in self.folded)
+            return output if inverse is None else output * inverse
 
-        quantized_attention = self.attention_products == "int8" and not reference
-        with torch.no_grad(), self._hooks(replace), (simulated_attention(self.wrapper) if quantized_attention
-                                                      else nullcontext()):
+        simulated = self.attention_products in SIMULATED_PRODUCTS and not reference
+        with torch.no_grad(), self._hooks(replace), (simulated_attention(self.wrapper, self.attention_products)
+                                                      if simulated else nullcontext()):
             return self.wrapper(*self.rows).float().numpy()
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
@@ -314,8 +371,10 @@ class Simulation:
             scale = torch.from_numpy(self.scales(unit, alpha)) if alpha > 0 else None
             for module in unit.modules:
                 self.state[module] = scale
+        self.folded = {self.values[module]: (1.0 / scale).float() for module, scale in self.state.items()
+                       if scale is not None and module in self.values}
         actual = self.run()
-        self.state, self.rounded = {}, set()
+        self.state, self.rounded, self.folded = {}, set(), {}
         return self.agreement(actual, self.reference)
 
     @staticmethod

@@ -147,6 +147,34 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
         np.testing.assert_allclose(out, _reference(rounded, 2, 32), rtol=2e-2, atol=2e-2)
 
 
+def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
+    """bf16 (or AMX) products against the int8 plan's simulation of them (int8_plan.fake_bf16_attention):
+    the same operands rounded the same way and the same exp, so the same answers up to the order of
+    fp32 sums (where fp32 attention differs by the rounding itself), the padding keys left out."""
+    if HOST_ROUNDED is None or not RUNS_REDUCED:
+        pytest.skip("this CPU has no AVX512_BF16")
+    import torch
+
+    from compile.int8_plan import fake_bf16_attention
+
+    seq, length, heads, head_size = 64, 37, SMALL.heads, SMALL.head_size
+    build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), HOST_ROUNDED), HOST,
+                  tmp_path / "k.so", attention=HOST_ROUNDED)
+    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
+    qkv = np.random.default_rng(5).standard_normal((seq, 3 * heads * head_size), dtype=np.float32) * 2
+    bias = np.where(np.arange(seq) < length, 0.0, np.finfo(np.float32).min).astype(np.float32).reshape(1, 1, 1, seq)
+    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()[:length]
+    hidden = heads * head_size
+    query, key, value = (torch.from_numpy(qkv[:, i * hidden:(i + 1) * hidden]).reshape(1, seq, heads, head_size)
+                         .transpose(1, 2) for i in range(3))
+    simulated, _ = fake_bf16_attention(None, query, key, value, torch.from_numpy(bias))
+    simulated = simulated.reshape(seq, hidden).numpy()[:length]
+    exact = _reference(qkv[:length], heads, head_size)  # the real tokens alone
+    from_simulation, from_fp32 = np.abs(out - simulated), np.abs(out - exact)
+    assert np.median(from_simulation) < 1e-6 and from_simulation.max() < 2e-3
+    assert np.median(from_fp32) > 100 * np.median(from_simulation)
+
+
 def test_a_timed_choice_is_the_fastest_kernel_on_this_cpu():
     """Real timing of both kernels (not of which wins: that is this CPU's), and the choice is
     what `decide` makes of the times it recorded."""

@@ -6,7 +6,6 @@ first with AVX-512 VNNI) on any machine, and run where this CPU has its features
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import numpy as np

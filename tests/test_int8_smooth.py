@@ -281,6 +281,43 @@ def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_check
     assert 1e-5 < difference["bf16"] < 2**-6, difference  # bf16 keeps 8 significant bits: visible, small
 
 
+def test_the_simulation_rounds_a_bf16_value_projection_with_the_smoothing_folded_into_it(outlier_checkpoint):
+    """An attention output projection smoothed in int8 has its 1 / s folded into the V projection's
+    weight rows and bias (passes/smooth.py), so a V kept in bf16 rounds W / s, not W, and the output
+    projection reads the context already divided: the simulation computes what a model with the fold
+    applied by hand computes (rounding W and dividing V's output after it is 1.5e-4 of the largest
+    output away here)."""
+    import copy
+
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.int8_plan import Simulation
+
+    def outputs(actual, reference):
+        return {"actual": actual}
+
+    info = inspect_checkpoint(outlier_checkpoint, "embed")
+    wrapper = load_wrapper(info, "embed")
+    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
+    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    simulation = Simulation(wrapper, rows, keys, outputs, fallback_precision="bf16")
+    simulation.calibrate()
+    output = next(u for u in simulation.units if u.name.endswith("layer.0.attention.output.dense"))
+    others = {u.name for u in simulation.units} - {output.name}
+    simulated = simulation.accuracy(0.5, others)["actual"]
+
+    folded = copy.deepcopy(wrapper)  # the compile's rewrite, by hand: V's rows / s, the projection's columns * s
+    modules = dict(folded.named_modules())
+    scale = torch.from_numpy(simulation.scales(output, 0.5))
+    value = modules[output.name.replace("attention.output.dense", "attention.self.value")]
+    with torch.no_grad():
+        value.weight.mul_((1.0 / scale)[:, None])
+        value.bias.mul_(1.0 / scale)
+        modules[output.name].weight.mul_(scale)
+    by_hand = Simulation(folded, rows, keys, outputs, fallback_precision="bf16")
+    expected = by_hand.accuracy(0.0, others)["actual"]
+    assert np.abs(simulated - expected).max() < 1e-5 * np.abs(expected).max()  # 1.5e-4 with W rounded unscaled
+
+
 def test_concatenated_qkv_is_one_linear_of_three_modules(tiny_bert_dir):
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.importer import export_and_import

@@ -99,6 +99,12 @@ def smooth_linears(mod: tvm.IRModule, scales: dict[str, np.ndarray]) -> tuple[tv
     return rewrite_linears(mod, {var: linears[var] for var in chosen}, smooth)
 
 
+def value_projection(key: str) -> str | None:
+    """The `module_key` of the V projection whose output channels an attention output projection's
+    (`key`) smoothing is folded into (`_fold_into_values`), or None for any other linear."""
+    return key[:-len(OUTPUT_PROJECTION)] + VALUE_PROJECTION if key.endswith(OUTPUT_PROJECTION) else None
+
+
 def _fold_into_values(func: relax.Function, scales: dict[str, np.ndarray]) -> dict[str, dict[relax.Var, np.ndarray]]:
     """{attention output projection's module key: {V weight param: 1 / s per row, V bias: 1 / s}}
     for each smoothed output projection whose layer's V projection is found by BERT's names
@@ -107,10 +113,10 @@ def _fold_into_values(func: relax.Function, scales: dict[str, np.ndarray]) -> di
     params = {p.name: p for p in func.params}
     found = {}
     for key, s in scales.items():
-        if not key.endswith(OUTPUT_PROJECTION):
+        value = value_projection(key)
+        if value is None:
             continue
-        value = PARAM_PREFIX + key[:-len(OUTPUT_PROJECTION)] + VALUE_PROJECTION
-        weight, bias = params.get(value + "_weight"), params.get(value + "_bias")
+        weight, bias = params.get(PARAM_PREFIX + value + "_weight"), params.get(PARAM_PREFIX + value + "_bias")
         if weight is None or bias is None or [int(d) for d in weight.ty.shape][0] != len(s):
             continue
         inverse = (1.0 / s).astype(np.float32)

@@ -260,6 +260,33 @@ def test_the_fallback_admits_the_least_loss_per_multiply_add_to_int8_while_the_g
     assert simulation.runs == 1 + 5 + 5  # every unit kept, each alone in int8, one trial per unit
 
 
+def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare(outlier_checkpoint):
+    """A plan stops at the floor, so where bf16 rounds (kept units, attention's products), which the
+    simulation reproduces to within its tolerance, the gate is asked with that much to spare: the
+    unit that left exactly the floor is not admitted then. Integer and fp32 arithmetic is simulated
+    exactly: no margin."""
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.int8_plan import SIMULATION_TOLERANCE, Simulation, admit, measure_sensitivity, with_margin
+
+    simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
+                                      "tiny": (1, 0.0)})
+    sensitivity = measure_sensitivity(simulation, 0.5, lambda line: None)
+    floor = with_margin(lambda accuracy: accuracy["cosine_min"] >= 1 - 7e-4, SIMULATION_TOLERANCE)
+    accuracy, kept = admit(simulation, 0.5, sensitivity, floor)
+    assert kept == ["out", "down"] and accuracy["cosine_min"] == pytest.approx(1 - 5e-4)  # out: 1 - 7e-4, no spare
+
+    info = inspect_checkpoint(outlier_checkpoint, "embed")
+    wrapper = load_wrapper(info, "embed")
+    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
+    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    tolerances = {(kept_in, products): Simulation(wrapper, rows, keys, embedding_agreement, False, kept_in,
+                                                   products).tolerance()
+                  for kept_in in ("fp32", "bf16") for products in ("fp32", "int8", "bf16", "amx")}
+    assert {configuration for configuration, tolerance in tolerances.items() if tolerance == 0.0} == {
+        ("fp32", "fp32"), ("fp32", "int8")}
+    assert set(tolerances.values()) == {0.0, SIMULATION_TOLERANCE}
+
+
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
     """Kept in fp32, the model is the reference itself; kept in bf16, the simulation rounds their
     operands as the bf16 kernels do, so the plan's numbers include bf16's error."""

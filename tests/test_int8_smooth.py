@@ -150,15 +150,21 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return _planted(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
-def _plan(checkpoint: Path, gate, report=lambda text: None, keep_out: bool = True):
+def _plan_inputs(checkpoint: Path) -> tuple:
+    """(the PyTorch embedder, the shipped sentences' rows, every linear's key) the int8 plan measures."""
     from compile.checkpoint import inspect_checkpoint, load_wrapper
-    from compile.int8_plan import plan_int8
 
     info = inspect_checkpoint(checkpoint, "embed")
     wrapper = load_wrapper(info, "embed")
     keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
-    return plan_int8(wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys,
-                     embedding_agreement, gate, report=report, keep_out=keep_out)
+    return wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys
+
+
+def _plan(checkpoint: Path, gate, report=lambda text: None, keep_out: bool = True):
+    from compile.int8_plan import plan_int8
+
+    wrapper, rows, keys = _plan_inputs(checkpoint)
+    return plan_int8(wrapper, rows, keys, embedding_agreement, gate, report=report, keep_out=keep_out)
 
 
 def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
@@ -265,7 +271,6 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
     simulation reproduces to within its tolerance, the gate is asked with that much to spare: the
     unit that left exactly the floor is not admitted then. Integer and fp32 arithmetic is simulated
     exactly: no margin."""
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.int8_plan import SIMULATION_TOLERANCE, Simulation, admit, measure_sensitivity, with_margin
 
     simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
@@ -275,10 +280,7 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
     accuracy, kept = admit(simulation, 0.5, sensitivity, floor)
     assert kept == ["out", "down"] and accuracy["cosine_min"] == pytest.approx(1 - 5e-4)  # out: 1 - 7e-4, no spare
 
-    info = inspect_checkpoint(outlier_checkpoint, "embed")
-    wrapper = load_wrapper(info, "embed")
-    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
-    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
     tolerances = {(kept_in, products): Simulation(wrapper, rows, keys, embedding_agreement, False, kept_in,
                                                    products).tolerance()
                   for kept_in in ("fp32", "bf16") for products in ("fp32", "int8", "bf16", "amx")}
@@ -290,16 +292,12 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
     """Kept in fp32, the model is the reference itself; kept in bf16, the simulation rounds their
     operands as the bf16 kernels do, so the plan's numbers include bf16's error."""
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.int8_plan import Simulation
 
     def largest_difference(actual, reference):  # relative to the largest output
         return {"difference": float(np.abs(actual - reference).max() / np.abs(reference).max())}
 
-    info = inspect_checkpoint(outlier_checkpoint, "embed")
-    wrapper = load_wrapper(info, "embed")
-    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
-    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
     difference = {}
     for fallback_precision in ("fp32", "bf16"):
         simulation = Simulation(wrapper, rows, keys, largest_difference, fallback_precision=fallback_precision)
@@ -316,16 +314,12 @@ def test_the_simulation_rounds_a_bf16_value_projection_with_the_smoothing_folded
     output away here)."""
     import copy
 
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.int8_plan import Simulation
 
     def outputs(actual, reference):
         return {"actual": actual}
 
-    info = inspect_checkpoint(outlier_checkpoint, "embed")
-    wrapper = load_wrapper(info, "embed")
-    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
-    rows = sentence_rows(outlier_checkpoint / "tokenizer.json", info.max_seq)
+    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
     simulation = Simulation(wrapper, rows, keys, outputs, fallback_precision="bf16")
     simulation.calibrate()
     output = next(u for u in simulation.units if u.name.endswith("layer.0.attention.output.dense"))

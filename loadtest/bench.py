@@ -254,7 +254,9 @@ def load_candidates(args, scratch: Path) -> Candidates:
     import torch
 
     from artifact.loader import load_artifact
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.checkpoint import load_wrapper
+
+    from .onnx_peer import artifact_checkpoint
 
     torch.set_num_threads(args.threads)
     model = load_artifact(args.artifacts)
@@ -262,8 +264,7 @@ def load_candidates(args, scratch: Path) -> Candidates:
     manifest = model.manifest
     on_gpu = manifest.target.kind == "cuda"
     device = "cuda" if on_gpu else "cpu"
-    info = inspect_checkpoint(Path(manifest.model.path), manifest.task,
-                              manifest.pooling if manifest.task == "embed" else "auto")
+    info = artifact_checkpoint(manifest)
     wrapper = load_wrapper(info, manifest.task, manifest.dtype).to(device)
     sdpa = load_wrapper(info, manifest.task, manifest.dtype, attention="sdpa").to(device)
     precisions = {"tvm_bucket": manifest.linear_precision, "tvm_generic": manifest.linear_precision,

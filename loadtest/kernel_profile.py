@@ -8,7 +8,13 @@ without it. Full rows of random token ids, as `loadtest.bench` times `1xS`.
 
 `--compare DIR` profiles a second artifact in the same process, the two taking turns call by call
 (the order alternating), and adds each kernel's time there and the median over those pairs of
-its time over the first's: a kernel's change between two builds, out of the machine's drift."""
+its time over the first's: a kernel's change between two builds, out of the machine's drift.
+
+`--openvino default|f32` takes OpenVINO into the turns, on the ONNX export of the artifact's
+checkpoint (as `loadtest.bench` runs it), timed by its own per-node counters, and ends with a
+table of where each one's time goes by part of the layer (linears, attention, the rest) and
+which of OpenVINO's kernels ran them: under `ONEDNN_MAX_CPU_ISA` it says which of its linears
+that setting held (brgemm_avx2) and which ran on MLAS, which picks its kernels from `cpuid`."""
 
 from __future__ import annotations
 
@@ -50,7 +56,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--calls", type=_at_least_one, default=20, help="calls timed (default 20)")
     parser.add_argument("--threads", type=_at_least_one, default=usable_cores(),
                         help="TVM threads (default: the cores this process may use)")
+    parser.add_argument("--openvino", choices=("default", "f32"),
+                        help="also profile OpenVINO at its default precision on this CPU, or f32")
     return parser.parse_args(argv)
+
+
+PARTS = ("linears", "attention", "the rest")
+
+
+def part_of(kernel: str) -> str:
+    """The part of a BERT layer one of our kernels computes, by its name."""
+    return "attention" if "attention" in kernel else "linears" if "matmul" in kernel else "the rest"
 
 
 class KernelTimer:
@@ -99,17 +115,70 @@ class KernelTimer:
 
     def by_time(self) -> list[tuple[str, int, float]]:
         """(kernel, launches per call, mean ms per call), the slowest first."""
-        rows = ((kernel, self.counts[kernel], statistics.fmean(spent) * 1e3) for kernel, spent in self.kernels.items())
-        return sorted(rows, key=lambda row: -row[2])
+        return _by_time(self.kernels, self.counts)
+
+    def parts(self) -> dict[str, list[tuple[str, int, float]]]:
+        """`by_time`'s rows by the part of the layer each kernel computes."""
+        rows = collections.defaultdict(list)
+        for row in self.by_time():
+            rows[part_of(row[0])].append(row)
+        return rows
 
 
-def profile(timers: list[KernelTimer], calls: int) -> None:
+def _by_time(kernels: dict, counts: dict) -> list[tuple[object, int, float]]:
+    rows = ((kernel, counts[kernel], statistics.fmean(spent) * 1e3) for kernel, spent in kernels.items())
+    return sorted(rows, key=lambda row: -row[2])
+
+
+class OpenVinoTimer:
+    """OpenVINO's calls at the same shape, timed node by node by its own counters (a model compiled
+    with them) or whole (one compiled without); its nodes grouped by part and the kernel they ran."""
+
+    def __init__(self, plain, profiled, source, feed: dict):
+        self._plain, self._profiled, self._feed = plain, profiled, feed
+        self._parts = profiled.parts(source)
+        self.precision = plain.precision()
+        for _ in range(3):
+            plain(feed)
+            profiled(feed)
+        self.isa = profiled.isa()  # once a call has chosen the kernels of a dynamic shape
+        self.kernels: dict[tuple[str, str], list[float]] = collections.defaultdict(list)  # (part, kernel)
+        self.counts: dict[tuple[str, str], int] = {}
+        self.instrumented: list[float] = []
+        self.plain: list[float] = []
+
+    def instrumented_call(self) -> None:
+        start = time.perf_counter()
+        self._profiled(self._feed)
+        self.instrumented.append(time.perf_counter() - start)
+        seconds, counts = collections.defaultdict(float), collections.Counter()
+        for node, kernel, spent in self._profiled.node_times():
+            seconds[self._parts.get(node, "the rest"), kernel] += spent
+            counts[self._parts.get(node, "the rest"), kernel] += 1
+        for key, spent in seconds.items():
+            self.kernels[key].append(spent)
+        self.counts.update(counts)
+
+    def plain_call(self) -> None:
+        start = time.perf_counter()
+        self._plain(self._feed)
+        self.plain.append(time.perf_counter() - start)
+
+    def parts(self) -> dict[str, list[tuple[str, int, float]]]:
+        """(kernel, nodes per call, mean ms per call) by part, the slowest first."""
+        rows = collections.defaultdict(list)
+        for (part, kernel), count, ms in _by_time(self.kernels, self.counts):
+            rows[part].append((kernel, count, ms))
+        return rows
+
+
+def profile(timers: list, calls: int) -> None:
     """`calls` instrumented calls of each timer, then as many plain ones, the timers taking turns
-    and the order of each turn alternating, so that both see the same drift of the machine."""
-    for step in (KernelTimer.instrumented_call, KernelTimer.plain_call):
+    and the order of each turn alternating, so that all see the same drift of the machine."""
+    for step in ("instrumented_call", "plain_call"):
         for turn in range(calls):
             for timer in (timers if turn % 2 == 0 else timers[::-1]):
-                step(timer)
+                getattr(timer, step)()
 
 
 def paired_ratio(after: list[float], before: list[float]) -> float:
@@ -150,6 +219,48 @@ def print_comparison(names: tuple[str, str], shape: str, threads: int, calls: in
           f"{paired_ratio(second.plain, first.plain):.3f} (median of turns)")
 
 
+def print_parts(names: list[str], timers: list, peer: OpenVinoTimer) -> None:
+    """Each model's time by part of the layer (kernels or nodes per call in brackets), OpenVINO's split
+    by the kernels that ran it, and the plain calls' paired ratio to the first model."""
+    label = f"OpenVINO {peer.precision}"
+    print(f"\nby part of the layer: ms per call (kernels per call), {label}'s by the kernels it ran "
+          f"({', '.join(peer.isa)})\n")
+    print(f"| part | {' | '.join(names)} | {label} | {label}'s kernels |\n|---|{'---|' * (len(names) + 2)}")
+    for part in PARTS:
+        cells = [f"{sum(ms for *_, ms in rows):.3f} ({sum(count for _, count, _ in rows)})"
+                 for rows in (timer.parts()[part] for timer in timers + [peer])]
+        kernels = ", ".join(f"{kernel} {ms:.3f} ({count})" for kernel, count, ms in peer.parts()[part]) or "-"
+        print(f"| {part} | {' | '.join(cells)} | {kernels} |")
+    medians = ", ".join(f"{statistics.median(timer.plain) * 1e3:.2f} ms" for timer in timers + [peer])
+    ratios = ", ".join(f"{name} / {label} {paired_ratio(timer.plain, peer.plain):.3f}"
+                       for name, timer in zip(names, timers))
+    print(f"\ncall median without counters or instrument: {medians}; {ratios} (median of turns)")
+
+
+def openvino_timer(args, model, ids) -> OpenVinoTimer:
+    """OpenVINO on the ONNX export of `model`'s checkpoint (in a scratch directory), fed `ids`."""
+    import tempfile
+
+    import numpy as np
+
+    from compile.checkpoint import INPUT_NAMES, load_wrapper
+
+    from .onnx_peer import artifact_checkpoint, export_onnx
+    from .openvino_peer import profiled_openvino
+
+    manifest = model.manifest
+    if manifest.target.kind == "cuda":
+        raise ArtifactError("--openvino: OpenVINO is a CPU peer, and this is a CUDA artifact")
+    wrapper = load_wrapper(artifact_checkpoint(manifest), manifest.task, manifest.dtype)
+    with tempfile.TemporaryDirectory() as scratch:
+        plain, profiled, source = profiled_openvino(export_onnx(wrapper, Path(scratch) / "model.onnx"),
+                                                    args.threads, args.openvino == "f32")
+    positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    inputs = (ids, np.ones_like(ids), np.zeros_like(ids), positions)
+    feed = {name: np.ascontiguousarray(x, dtype=np.int64) for name, x in zip(INPUT_NAMES, inputs)}
+    return OpenVinoTimer(plain, profiled, source, feed)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     directories = [args.artifacts] + ([args.compare] if args.compare else [])
@@ -173,8 +284,9 @@ def main(argv: list[str] | None = None) -> int:
         vocab = min(model.manifest.model.vocab_size for model in models)
         ids = np.random.default_rng(0).integers(min(1000, vocab - 1), vocab, (shape.batch, shape.seq))
         timers = [KernelTimer(model, ids, np.ones_like(ids), args.generic) for model in models]
-        profile(timers, args.calls)
-    except (ArtifactError, ValueError) as exc:
+        peer = openvino_timer(args, models[0], ids) if args.openvino else None
+        profile(timers + ([peer] if peer else []), args.calls)
+    except (ArtifactError, CompileError, ValueError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     names = tuple(directory.name for directory in directories)
@@ -182,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         print_comparison(names, args.shape, args.threads, args.calls, tuple(timers))
     else:
         print_profile(names[0], args.shape, args.threads, args.calls, timers[0])
+    if peer:
+        print_parts(list(names), timers, peer)
     print(f"CPU: {line(describe())}")
     return 0
 

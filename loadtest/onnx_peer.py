@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from compile.checkpoint import INPUT_NAMES, BertWrapper, example_inputs
+from compile.checkpoint import INPUT_NAMES, BertWrapper, CheckpointInfo, example_inputs, inspect_checkpoint
 
 
 def _session(path: Path, threads: int):
@@ -22,6 +22,13 @@ def _session(path: Path, threads: int):
     options.add_session_config_entry("session.intra_op.allow_spinning", "1")
     options.add_session_config_entry("session.force_spinning_stop", "1")
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def artifact_checkpoint(manifest) -> CheckpointInfo:
+    """The checkpoint an artifact was compiled from, read as its compile read it (task and pooling):
+    the peers' reference and the graph they are given."""
+    return inspect_checkpoint(Path(manifest.model.path), manifest.task,
+                              manifest.pooling if manifest.task == "embed" else "auto")
 
 
 def export_onnx(model, path: Path, optimize: bool = True) -> Path:

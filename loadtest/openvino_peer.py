@@ -37,10 +37,12 @@ def default_hint() -> str | None:
     return "f32" if held in ISAS_WITHOUT_BF16 else None
 
 
-def _properties(threads: int, hint: str | None) -> dict:
+def _properties(threads: int, hint: str | None, profiled: bool = False) -> dict:
     properties = {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1}
     if hint is not None:
         properties["INFERENCE_PRECISION_HINT"] = hint
+    if profiled:
+        properties["PERF_COUNT"] = True
     return properties
 
 
@@ -81,6 +83,29 @@ class OpenVinoModel:
     def __call__(self, feed: dict[str, np.ndarray]) -> np.ndarray:
         return self.request.infer(feed)[0].copy()
 
+    def parts(self, source) -> dict[str, str]:
+        """Which part of a BERT layer each node of the compiled graph computes ("linears", "attention"
+        or "the rest"), by what it fused of `source` (the ov.Model it was compiled from): its linears
+        are FullyConnected nodes, its attention the nodes that fused a Softmax (its MHA subgraphs) or
+        multiply two activations (a MatMul that did not become a FullyConnected)."""
+        types = {op.get_friendly_name(): op.get_type_name() for op in source.get_ops()}
+        parts = {}
+        for node in self.compiled.get_runtime_model().get_ordered_ops():
+            info = node.get_rt_info()
+            kind = info["layerType"].astype(str) if "layerType" in info else node.get_type_name()
+            fused = info["originalLayersNames"].astype(str).split(",") if "originalLayersNames" in info else []
+            parts[node.get_friendly_name()] = (
+                "linears" if kind == "FullyConnected" else
+                "attention" if kind in ("MatMul", "ScaledDotProductAttention") or "Softmax" in map(types.get, fused)
+                else "the rest")
+        return parts
+
+    def node_times(self) -> list[tuple[str, str, float]]:
+        """(node, the kernel it ran, seconds) for each node the last call executed; the model must
+        be compiled with `PERF_COUNT` (`profiled_openvino`)."""
+        return [(info.node_name, info.exec_type, info.real_time.total_seconds())
+                for info in self.request.profiling_info if info.status == info.Status.EXECUTED]
+
 
 def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: Path,
                     max_seq: int) -> dict[str, OpenVinoModel]:
@@ -103,3 +128,16 @@ def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: P
                                   subset_size=len(samples))
         models["openvino_int8"] = OpenVinoModel(core.compile_model(quantized, "CPU", _properties(threads, hint)))
     return models
+
+
+def profiled_openvino(onnx_path: Path, threads: int, f32: bool) -> tuple[OpenVinoModel, OpenVinoModel, object]:
+    """OpenVINO on `onnx_path` at its default precision (`f32`: f32) twice, plain and with its per-node
+    counters (`PERF_COUNT`), and the ov.Model both were compiled from (`OpenVinoModel.parts`)."""
+    import openvino as ov
+
+    core = ov.Core()
+    model = core.read_model(str(onnx_path))
+    hint = "f32" if f32 else default_hint()
+    plain, profiled = (OpenVinoModel(core.compile_model(model, "CPU", _properties(threads, hint, counted)))
+                       for counted in (False, True))
+    return plain, profiled, model

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY_LATENCIES, with_latencies
+from conftest import TINY_LATENCIES, compile_artifact, with_latencies
 
 from artifact.cpu_features import host_flags
 from artifact.hashing import file_sha256
@@ -111,6 +111,30 @@ def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artif
     assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in shared), out
     assert any(row[2] == "-" and float(row[3]) > 0 for row in rows), out
     assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\)\nCPU: .+ \(LLVM mcpu ", out), out
+
+
+@pytest.mark.parametrize("precision", ["default", "f32"])
+def test_kernel_profile_splits_ours_and_openvinos_time_by_part_of_the_layer(whole_panels_bert_dir, precision,
+                                                                           tmp_path, capsys):
+    """OpenVINO joins the turns on the checkpoint's ONNX export: its linears are one FullyConnected for
+    each of the checkpoint's six a layer (ours four: Q, K and V combined), each one's attention one
+    kernel a layer (32-wide heads: ours fused on any CPU), and its counters name the kernels it ran."""
+    compile_artifact(whole_panels_bert_dir, tmp_path / "whole-panels", ["1x8"], generic_shapes=["2x5"])
+    argv = ["--artifacts", str(tmp_path / "whole-panels"), "--shape", "1x8", "--calls", "2", "--openvino", precision]
+    assert kernel_profile.main(argv) == 0
+    out = capsys.readouterr().out
+    flags = host_flags() or set()
+    label = "OpenVINO " + ("bf16" if precision == "default" and {"avx512_bf16", "amx_bf16"} & flags else "fp32")
+    table = out[out.index("by part of the layer"):]
+    assert f"| part | whole-panels | {label} | {label}'s kernels |" in table, out
+    cells = {line.split(" | ")[0][2:]: line.split(" | ")[1:] for line in table.splitlines() if line.startswith("| ")}
+    layers = json.loads((whole_panels_bert_dir / "config.json").read_text())["num_hidden_layers"]
+    counts = {part: [int(re.search(r"\((\d+)\)$", cell).group(1)) for cell in cells[part][:2]]
+              for part in ("linears", "attention", "the rest")}
+    assert counts["linears"] == [4 * layers, 6 * layers] and counts["attention"] == [layers, layers], out
+    kernels = re.findall(r"(\w+) \d+\.\d{3} \((\d+)\)", cells["linears"][2])
+    assert kernels and sum(int(count) for _, count in kernels) == 6 * layers, out
+    assert re.search(rf"whole-panels / {label} \d+\.\d{{3}} \(median of turns\)\nCPU: ", out), out
 
 
 def test_kernel_profile_refuses_a_packed_bound_for_a_shape(tiny_embed_artifact, capsys):

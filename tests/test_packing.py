@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
+import tvm_ffi
 from conftest import prefetch_guards, prefetched_addresses
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
@@ -124,10 +125,11 @@ def test_a_width_the_panel_does_not_divide_stays_unpacked(lanes):
 
 
 @each_lane_count
-@pytest.mark.parametrize("m", [1, 7, 37, "symbolic"])
-def test_packed_kernel_matches_torch(m, lanes):
-    """Packs, lifts and compiles for both lane counts; runs only what this CPU can run."""
-    k, n, target = 48, _packable(lanes), TARGETS[lanes]
+@pytest.mark.parametrize("m,k", [(1, 48), (7, 48), (37, 48), ("symbolic", 48), (7, 30), (7, 45)])
+def test_packed_kernel_matches_torch(m, k, lanes):
+    """Packs, lifts and compiles for both lane counts; runs only what this CPU can run. K of 48, 30
+    and 45: the k loop unrolled by 4, 2 and not at all (`test_the_k_loop_runs_steps_unrolled`)."""
+    n, target = _packable(lanes), TARGETS[lanes]
     w, b = _weights(k, n)
     mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64") if m == "symbolic" else m, k, n), lanes)
     assert count == 1
@@ -172,8 +174,13 @@ def test_the_kernel_prefetches_the_next_panel_and_accumulates_on_the_stack(m, la
     lifted = lift_and_transform(packed, [tvm.runtime.tensor(w) for w in _weights(384, n)])
     func = schedule_matmul(_fused_packed_kernel(lifted.mod, lanes), lanes).mod["main"]
     rows = prefetched_addresses(func)  # (panel index, k, column) of every prefetched address
-    nt = packed_panel_width(n, lanes)
-    assert sorted(int(columns) for _, _, columns in rows) == list(range(0, nt, 16))  # each cache line once
+    nt, steps = packed_panel_width(n, lanes), 4  # K = 384: the k loop unrolled by 4
+    offsets = []
+    for _, k, column in rows:  # k = 4 x the iteration + the step in it
+        start, step = (k.a, int(k.b)) if isinstance(k, tirx.Add) else (k, 0)
+        assert isinstance(start, tirx.Mul) and int(start.b) == steps
+        offsets.append(step * nt + int(column))
+    assert sorted(offsets) == list(range(0, steps * nt, 16))  # each cache line of the iteration's 4 rows once
     for panel, _, _ in rows:  # (tile + 1) % panels
         assert isinstance(panel, tirx.FloorMod) and int(panel.b) == n // nt and int(panel.a.b) == 1
     tiles = [loop.extent for loop in prefetch_guards(func)]  # only the first tile of rows prefetches
@@ -184,6 +191,27 @@ def test_the_kernel_prefetches_the_next_panel_and_accumulates_on_the_stack(m, la
     lower, finalize_host, _ = tvm.tirx.get_tir_pipeline(tir_pipeline(target))
     host = finalize_host()(lower(tvm.tirx.transform.BindTarget(target.with_host(target))(module))).script()
     assert "TVMBackendAllocWorkspace" not in host
+
+
+@each_lane_count
+@pytest.mark.parametrize("k,steps", [(48, 4), (30, 2), (45, 1), ("symbolic", 1)])
+def test_the_k_loop_runs_steps_unrolled(k, steps, lanes):
+    """Each iteration of the k loop runs 4 of its steps unrolled, else 2, where they divide K (none where
+    K is symbolic): per iteration, the products of `steps` steps and one increment, compare and branch."""
+    k_size = tirx.Var("k", "int64") if k == "symbolic" else k
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((16, k_size), "float32"))
+    w = relax.Var("w", relax.TensorType((k_size, _packable(lanes)), "float32"))
+    with bb.function("main", [x, w]):
+        bb.emit_func_output(bb.emit(relax.op.matmul(x, w)))
+    (kernel,) = [f for gv, f in _fused(bb.get(), lanes).functions_items() if "matmul" in gv.name_hint]
+    func, loops = schedule_matmul(kernel, lanes).mod["main"], []
+    tvm_ffi.structural_walk(func, [(tirx.For, loops.append)])
+    reduction = [loop for loop in loops if loop.loop_var.name.startswith("k")]
+    unrolled = [loop for loop in reduction if loop.kind == tirx.ForKind.UNROLLED]
+    assert [int(loop.extent) for loop in unrolled] == ([steps] if steps > 1 else []), reduction
+    (outer,) = [loop for loop in reduction if loop.kind == tirx.ForKind.SERIAL]
+    assert Analyzer().can_prove_equal(outer.extent * steps, func.params[0].shape[1])  # K
 
 
 @each_lane_count

@@ -74,9 +74,10 @@ def attempt(fn, *args) -> bool:
 
 
 def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var, panels: tirx.Buffer,
-                        rows_var: tirx.Var | None = None) -> tirx.PrimFunc:
+                        rows_var: tirx.Var | None = None, steps: int = 1) -> tirx.PrimFunc:
     """`func` with step k of the next weight panel prefetched into L2 at step k of the k loop of the
-    panel's first tile of rows (`rows_var` 0; of every k loop without it). The later tiles find it
+    panel's first tile of rows (`rows_var` 0; of every k loop without it), `steps` of them at each
+    iteration of a k loop unrolled by that many (`unrolled_steps`). The later tiles find it
     there, and their prefetches only took load slots from the products: issued by the first tile
     alone, MiniLM's x86-64-v3 int8 calls at 128-512 tokens took 0.96x the time, its x86-64-v3 and
     x86-64-v4 fp32 calls 0.97-1.01x, 16-token calls the same within noise (docs/PERFORMANCE.md).
@@ -109,10 +110,12 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
     def add_prefetch(loop: tirx.For):
         if not loop.loop_var.same_as(k_var):
             return loop
+        step = k_var * tirx.IntImm(k_var.ty.dtype, steps)
         lines = [tirx.Evaluate(tirx.call_intrin(
             "void", "tirx.prefetch",
-            tirx.address_of(tirx.BufferLoad(panels, [next_panel, k_var, *row_index(offset)])),
-            0, 2, 1)) for offset in range(0, row_size, per_line)]  # read, L2 (locality 2), data cache
+            tirx.address_of(tirx.BufferLoad(panels, [next_panel, step + offset // row_size,
+                                                     *row_index(offset % row_size)])),
+            0, 2, 1)) for offset in range(0, steps * row_size, per_line)]  # read, L2 (locality 2), data cache
         prefetches = lines[0] if len(lines) == 1 else tirx.SeqStmt(lines)  # a panel step of one line: no sequence
         if rows_var is not None:
             prefetches = tirx.IfThenElse(tirx.EQ(rows_var, tirx.const(0, str(rows_var.ty.dtype))), prefetches, None)

@@ -57,6 +57,16 @@ def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
     return mt, (lanes if n is not None and n < 2 * lanes else 2 * lanes), True
 
 
+def _unrolled_steps(k: int | None) -> int:
+    """Steps of the k loop (of `k`, None: symbolic) unrolled into one iteration: 4, else 2, where they
+    divide it. An AVX2 step is 12 multiply-adds, 3 loads and 4 broadcasts, and the loop's increments,
+    compare and branch and the prefetch's test were 4 more instructions a step: unrolled by 4, MiniLM's
+    x86-64-v3 linears took 0.88-0.99x the time in its calls at 16-512 tokens on 2 threads, paired
+    (docs/PERFORMANCE.md), as alone on one core within 1% but one shape (0.96x). AVX-512's steps are
+    twice the work; its linears took the same time. (The int8 kernels' steps unrolled so took 1.01-1.10x.)"""
+    return 1 if k is None else next(steps for steps in (4, 2, 1) if k % steps == 0)
+
+
 def packed_panel_width(n: int, lanes: int) -> int | None:
     """The nt of the panels `schedule_matmul` would cut a weight of N columns into, or None when N
     needs padding (then the weight is better left unpacked)."""
@@ -129,8 +139,9 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
           B_pack[K, nt] = B[S, :, J tile]      # contiguous, and stays in L1/L2 for all of M
           for I / mt:
             acc[mt, nt] = 0
-            for k:  prefetch row k of the next panel (packed weights, first I tile: `common.prefetch_next_panel`)
-                    unrolled ii < mt:  vectorised ji < nt:  acc[ii, ji] += A[ii, k] * B_pack[k, ji]
+            for k / u:  prefetch its u rows of the next panel (packed weights, first I tile: `prefetch_next_panel`)
+                    unrolled u steps (4 or 2 where they divide K: `_unrolled_steps`):
+                        unrolled ii < mt:  vectorised ji < nt:  acc[ii, ji] += A[ii, k] * B_pack[k, ji]
             C[I tile, J tile] = epilogue(acc)  # bias, GELU, residual add, ... fused, vectorised
     Each B vector load feeds mt FMAs and each A broadcast nt / lanes FMAs. Symbolic or ragged M
     (and N) are padded with `pad_einsum`, so the hot loop has no bounds checks; A's padded rows are
@@ -169,11 +180,14 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     batch = by_kind["T"] + by_kind["S"]
     (j,), (k,) = by_kind[J], by_kind[K]
     jo, ji = sch.split(j, [None, nt])
+    unroll_k = _unrolled_steps(static_extent(sch, k))
+    k_loops = sch.split(k, [None, unroll_k]) if unroll_k > 1 else [k]  # iterations, and steps unrolled in each
+    k = k_loops[0]
     if has_i:
         io, ii = sch.split(by_kind[I][0], [None, mt])
-        sch.reorder(*batch, jo, io, k, ii, ji)
+        sch.reorder(*batch, jo, io, *k_loops, ii, ji)
     else:
-        sch.reorder(*batch, jo, k, ji)
+        sch.reorder(*batch, jo, *k_loops, ji)
     tile = sch.fuse(*batch, jo) if batch else jo
     sch.parallel(tile)
 
@@ -202,6 +216,8 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     auto_inline_consumers(sch, acc)  # epilogue (and the un-padding copy) into the write-back
     vectorize_inner(sch, acc, lanes)
 
+    if unroll_k > 1:
+        sch.unroll(k_loops[1])
     if has_i:
         sch.unroll(ii)
     jv, jl = sch.split(ji, [None, lanes])
@@ -209,7 +225,7 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     sch.vectorize(jl)
     init = sch.decompose_reduction(main, k)
     vectorize_inner(sch, init, lanes)
-    k_var, tile_var, k_extent = sch.get(k).loop_var, sch.get(tile).loop_var, sch.get(k).extent
+    k_var, tile_var, k_extent = sch.get(k).loop_var, sch.get(tile).loop_var, sch.get(k).extent * unroll_k
     rows_var = sch.get(io).loop_var if has_i else None
     row_tiles = sch.get(io).extent if has_i else 1
 
@@ -221,6 +237,6 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
             parallel_vectorize(sch, block, lanes)
     func = read_padded_rows_in_place(sch.mod["main"], activations)
     if panels is not None:
-        func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var)
+        func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var, unroll_k)
     grain = claim_grain(row_tiles * mt * nt * k_extent, sch.get(tile).extent if panels is not None else None)
     return s_tir.Schedule(claim_iterations(func, grain, tile_var))

@@ -86,7 +86,7 @@ class AttentionShape:
 # Steps unrolled into one iteration of the fp32 products' loops: over head dims for the scores (a head is
 # lanes x n dims), over keys for the context (then one more step where the length is odd). x86-64-v3
 # MiniLM calls at 128 and 512 tokens, paired: the attention kernel took 0.97-1.00x the time with the
-# scores' loop unrolled, then 0.96-0.97x with the context's too; by 4 keys, no faster (1.00-1.01x)
+# scores' loop unrolled, then 0.96-0.97x of that with the context's too; by 4 keys, no faster (1.00-1.01x)
 DIMS_UNROLLED, KEYS_UNROLLED = 4, 2
 KEYS = 8  # keys per register tile of scores in the bf16 and AMX products (and their staging)
 

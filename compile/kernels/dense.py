@@ -61,9 +61,10 @@ def _unrolled_steps(k: int | None) -> int:
     """Steps of the k loop (of `k`, None: symbolic) unrolled into one iteration: 4, else 2, where they
     divide it. An AVX2 step is 12 multiply-adds, 3 loads and 4 broadcasts, and the loop's increments,
     compare and branch and the prefetch's test were 4 more instructions a step: unrolled by 4, MiniLM's
-    x86-64-v3 linears took 0.88-0.99x the time in its calls at 16-512 tokens on 2 threads, paired
-    (docs/PERFORMANCE.md), as alone on one core within 1% but one shape (0.96x). AVX-512's steps are
-    twice the work; its linears took the same time. (The int8 kernels' steps unrolled so took 1.01-1.10x.)"""
+    x86-64-v3 linears took 0.88-0.99x the time in its calls at 16-512 tokens on 2 threads in a busy
+    hour of a shared host, 0.97-1.03x in a quiet one, paired (docs/PERFORMANCE.md). AVX-512's steps
+    are twice the work; its linears took the same time. (The int8 kernels' steps unrolled so took
+    1.01-1.10x.)"""
     return 1 if k is None else next(steps for steps in (4, 2, 1) if k % steps == 0)
 
 

@@ -144,6 +144,25 @@ def prefetch_guards(func) -> list:
     return guards + [None] * (len(prefetched_addresses(func)) - len(guards))
 
 
+def key_padding_bias(seq: int, length: int):
+    """The additive attention bias [1, 1, 1, seq] of one sequence whose keys from `length` on are
+    padding (float32's least value, as the wrapper's mask gives them)."""
+    import numpy as np
+
+    masked = np.finfo(np.float32).min
+    return np.where(np.arange(seq) < length, 0.0, masked).astype(np.float32).reshape(1, 1, 1, seq)
+
+
+def attention_heads(qkv, heads: int, head_size: int) -> list:
+    """Q, K and V of one sequence side by side in `qkv` [seq, 3 x hidden], each as [1, heads, seq,
+    head_size] torch tensors, as transformers hands them to its attention."""
+    import torch
+
+    hidden = heads * head_size
+    return [torch.from_numpy(qkv[:, i * hidden:(i + 1) * hidden]).reshape(1, -1, heads, head_size).transpose(1, 2)
+            for i in range(3)]
+
+
 def int8_weight_operands(quantized, kernel, panel: int | None = None) -> tuple:
     """(panels, column sums) of int8 weights [N, K] in `kernel`'s layout, `panel` columns a panel (default:
     the kernel's), as the int8 pass writes them."""

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import tvm
+from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, int8_plan, pipeline
@@ -24,7 +25,6 @@ from compile.kernels.common import vector_lanes
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
-MASKED = float(np.finfo(np.float32).min)  # the additive bias of a padding key
 pytestmark = pytest.mark.skipif(bool(missing_on_host(target_features(V3))), reason="this CPU has no AVX2")
 
 
@@ -34,15 +34,7 @@ def _attention_inputs(seq: int, length: int, heads: int, head_size: int, seed: i
     rng = np.random.default_rng(seed)
     qkv = rng.standard_normal((seq, 3 * heads * head_size), dtype=np.float32)
     qkv[rng.random(qkv.shape) < 0.02] *= 4
-    bias = np.where(np.arange(seq) < length, 0.0, MASKED).astype(np.float32).reshape(1, 1, 1, seq)
-    return qkv, bias
-
-
-def _heads(qkv: np.ndarray, heads: int, head_size: int) -> list[torch.Tensor]:
-    """Q, K and V as [1, heads, seq, head_size], as transformers hands them to its attention."""
-    hidden = heads * head_size
-    return [torch.from_numpy(qkv[:, i * hidden:(i + 1) * hidden]).reshape(1, -1, heads, head_size).transpose(1, 2)
-            for i in range(3)]
+    return qkv, key_padding_bias(seq, length)
 
 
 def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias: np.ndarray, directory: Path):
@@ -74,7 +66,7 @@ def test_int8_products_compute_what_the_plan_simulates(head_size, seq, length, t
         on_zmm = _int8_attention(mcpu, head_size, heads, qkv, bias, tmp_path)
         if on_zmm is not None:
             np.testing.assert_allclose(on_zmm, out, rtol=1e-5, atol=1e-6)
-    query, key, value = _heads(qkv, heads, head_size)
+    query, key, value = attention_heads(qkv, heads, head_size)
     mask = torch.from_numpy(bias)
     simulated, _ = int8_plan.fake_quantized_attention(None, query, key, value, mask)
     simulated = simulated.reshape(seq, heads * head_size).numpy()

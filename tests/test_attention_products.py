@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
+from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, pipeline
@@ -162,13 +163,11 @@ def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
                   tmp_path / "k.so", attention=HOST_ROUNDED)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(5).standard_normal((seq, 3 * heads * head_size), dtype=np.float32) * 2
-    bias = np.where(np.arange(seq) < length, 0.0, np.finfo(np.float32).min).astype(np.float32).reshape(1, 1, 1, seq)
+    bias = key_padding_bias(seq, length)
     out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()[:length]
-    hidden = heads * head_size
-    query, key, value = (torch.from_numpy(qkv[:, i * hidden:(i + 1) * hidden]).reshape(1, seq, heads, head_size)
-                         .transpose(1, 2) for i in range(3))
+    query, key, value = attention_heads(qkv, heads, head_size)
     simulated, _ = fake_bf16_attention(None, query, key, value, torch.from_numpy(bias))
-    simulated = simulated.reshape(seq, hidden).numpy()[:length]
+    simulated = simulated.reshape(seq, heads * head_size).numpy()[:length]
     exact = _reference(qkv[:length], heads, head_size)  # the real tokens alone
     from_simulation, from_fp32 = np.abs(out - simulated), np.abs(out - exact)
     assert np.median(from_simulation) < 1e-6 and from_simulation.max() < 2e-3

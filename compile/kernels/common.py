@@ -77,7 +77,7 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
                         rows_var: tirx.Var | None = None, steps: int = 1) -> tirx.PrimFunc:
     """`func` with step k of the next weight panel prefetched into L2 at step k of the k loop of the
     panel's first tile of rows (`rows_var` 0; of every k loop without it), `steps` of them at each
-    iteration of a k loop unrolled by that many (`unrolled_steps`). The later tiles find it
+    iteration of a k loop unrolled by that many (`dense._unrolled_steps`). The later tiles find it
     there, and their prefetches only took load slots from the products: issued by the first tile
     alone, MiniLM's x86-64-v3 int8 calls at 128-512 tokens took 0.96x the time, its x86-64-v3 and
     x86-64-v4 fp32 calls 0.97-1.01x, 16-token calls the same within noise (docs/PERFORMANCE.md).

@@ -11,7 +11,7 @@ import tvm
 from tvm import te
 
 from compile.build import make_target
-from compile.kernels.fast_math import exp_of_nonpositive, fast_math
+from compile.kernels.fast_math import EXP2_POLYNOMIAL, exp2_of_nonpositive, fast_math
 
 TARGET = make_target("cpu", mcpu="x86-64-v3")
 
@@ -54,14 +54,19 @@ def test_exp_keeps_its_range_ends():
     np.testing.assert_array_equal(_run(lib, np.resize(values, 4096)), np.resize(expected, 4096))
 
 
-def test_softmax_exp_rounds_without_floor_or_conversion():
-    """The softmax's exp (of scores less their largest, <= 0) is the polynomial of `te.exp`'s, to the
-    same error, in fewer instructions: n = round(x / ln 2) comes from the bits of one add, so its
-    assembly has no vroundps or float-to-int conversion, where the reduction with a floor has both."""
-    lib = _build(exp_of_nonpositive)
-    values = np.linspace(-87, 0, 4096, dtype=np.float32)
-    expected = np.exp(values.astype(np.float64))
-    assert (np.abs(_run(lib, values) - expected) / expected).max() < 3e-7
-    np.testing.assert_array_equal(_run(lib, np.full(4096, -88.5, np.float32)), 0)
-    instructions = set(re.findall(r"^\s+(v\w+)\s", lib.mod.inspect_source("asm"), re.MULTILINE))
+def test_softmax_exp2_reduces_with_adds_and_rounds_without_floor_or_conversion():
+    """The softmax's exp, of scores in log2 units less their largest (<= 0), is 2^v to within 1e-7: n =
+    round(v) comes from the bits of one add, so its assembly has no vroundps or float-to-int conversion,
+    and f = v - n is a subtraction, so its only multiply-adds are the polynomial's (exp's reduction takes
+    two more, on the ports the attention products need). Below -127 it is 0, a masked key's weight."""
+    lib = _build(exp2_of_nonpositive)
+    values = np.linspace(-126, 0, 4096, dtype=np.float32)
+    expected = 2.0 ** values.astype(np.float64)
+    assert (np.abs(_run(lib, values) - expected) / expected).max() < 1e-7
+    np.testing.assert_array_equal(_run(lib, np.resize(np.array([-127.5, -1000, -3e38, -np.inf], np.float32), 4096)), 0)
+    assembly = lib.mod.inspect_source("asm")
+    instructions = set(re.findall(r"^\s+(v\w+)\s", assembly, re.MULTILINE))
     assert "vpslld" in instructions and not instructions & {"vroundps", "vcvttps2dq", "vcvtps2dq"}
+    multiply_adds, shifts = (len(re.findall(rf"^\s+{op}\s", assembly, re.MULTILINE))
+                             for op in (r"vfn?madd\w*ps", "vpslld"))
+    assert multiply_adds == (len(EXP2_POLYNOMIAL) - 1) * shifts  # one shift a vector (2^n): its Horner steps alone

@@ -204,7 +204,9 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     if not _runs_here(target):
         pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")
     unfused, fused = _run_unfused_and_fused(built[None], built["fp32"], layout, seq)
-    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=2e-6)
+    # each within 3e-6 of float64 on these inputs (logits up to ~20); the kernel's exp is base 2, the
+    # graph's base e, so their rounding errors do not cancel
+    np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=4e-6)
 
 
 def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.runtime.Module:

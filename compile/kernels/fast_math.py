@@ -20,7 +20,10 @@ _ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -
           -1.42647390514189e-02)
 
 
-_LOG2E, _LN2 = 1.44269504088896341, 0.6931471805599453
+# 2^f on [-1/2, 1/2], degree 6, fitted for least relative error (8e-8 evaluated in float32, as exp's)
+EXP2_POLYNOMIAL = (1.5345800784416497e-4, 1.3399932067841291e-3, 9.618489071726799e-3, 5.550328642129898e-2,
+           0.24022646248340607, 0.6931471824645996, 1.0)
+LOG2E, _LN2 = 1.44269504088896341, 0.6931471805599453
 _ROUNDER = 1.5 * 2**23 + 127
 
 
@@ -35,18 +38,21 @@ def _horner(x, coefficients):
     return result
 
 
+def _rounded(shifted):
+    """The integer n that `shifted` = x + `_ROUNDER` rounded x to, read back through the sum's bits (as
+    (x + c) - c, TVM's simplifier would fold it to x)."""
+    return tirx.reinterpret("float32", tirx.reinterpret("int32", shifted)) - _f32(_ROUNDER)
+
+
 def _exp_of_clamped(x):
     """exp(x) for x in [-88, 88.72], in 12 operations that need the two FMA ports where the reduction
-    by a floor takes 17 (the floor is two, the float-to-int conversion one more). In the fp32
-    attention kernel the softmax's exp competes for those ports with the two products
-    (docs/PERFORMANCE.md, the AVX2 section). The nearest integer n of x / ln 2 is rounded by adding
+    by a floor takes 17 (the floor is two, the float-to-int conversion one more). The nearest integer
+    n of x / ln 2 is rounded by adding
     1.5 x 2^23 + 127, whose ulp is 1: the sum's low bits then hold n + 127, the exponent field of
     2^n, in [0, 255] over that range (0: 2^n = 0, the exp of a masked key; 255: inf, as exp
     overflows float32 above 88.38)."""
-    shifted = x * _f32(_LOG2E) + _f32(_ROUNDER)
-    # n read back through the sum's bits, or TVM's simplifier folds (a + c) - c to a
-    n = tirx.reinterpret("float32", tirx.reinterpret("int32", shifted)) - _f32(_ROUNDER)
-    f = x - n * _f32(_LN2)
+    shifted = x * _f32(LOG2E) + _f32(_ROUNDER)
+    f = x - _rounded(shifted) * _f32(_LN2)
     y = _horner(f, _EXP_P) * f * f + f + _f32(1.0)
     return tirx.reinterpret("float32", tirx.reinterpret("int32", shifted) << 23) * y
 
@@ -55,9 +61,16 @@ def _fast_exp(v):
     return tirx.max(_exp_of_clamped(tirx.max(tirx.min(v, _f32(88.72)), _f32(-88.0))), v)
 
 
-def exp_of_nonpositive(v):
-    """exp(v) for v <= 0, as a softmax takes it of its scores less their largest: no clamp above."""
-    return _exp_of_clamped(tirx.max(v, _f32(-88.0)))
+def exp2_of_nonpositive(v):
+    """2^v for v <= 0, as a softmax takes it of its scores less their largest where the scores are in
+    log2 units (the attention kernel scales its queries by log2(e)): no clamp above, and a reduction of
+    two adds, where exp's takes two FMAs on the ports the products need. The nearest integer n of v
+    comes from the bits of v + 1.5 x 2^23 + 127 as in `_exp_of_clamped`; 2^f on f = v - n in [-1/2, 1/2]
+    is `EXP2_POLYNOMIAL`. Below -127 the exponent field is 0: 2^v is 0, the weight of a masked key."""
+    x = tirx.max(v, _f32(-127.0))
+    shifted = x + _f32(_ROUNDER)
+    return tirx.reinterpret("float32", tirx.reinterpret("int32", shifted) << 23) * _horner(
+        x - _rounded(shifted), EXP2_POLYNOMIAL)
 
 
 def _fast_erf(v):

@@ -23,7 +23,7 @@ the kernel's time in a 512-token call, docs/PERFORMANCE.md). With queries in the
 softmax over keys is plain vector max / exp / add down the keys, no horizontal reductions. The
 scores are in log2 units, so the softmax's exp is 2^x (fast_math.exp2_of_nonpositive), whose
 reduction is two adds where exp's takes two multiply-adds on the ports the products need: the
-fp32 kernel took 0.94x the time in x86-64-v3 MiniLM calls at 512 tokens, 0.96x at 128.
+fp32 kernel took 0.93-0.96x the time in MiniLM calls at 128 and 512 tokens (docs/PERFORMANCE.md).
 
 Q, K and V are read from the linear layers' outputs (the Q/K/V concatenation included: one source
 tensor, three column offsets), through `row`: a token's row in the packed layout's [tokens,

@@ -22,7 +22,7 @@ _ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -
 
 # 2^f on [-1/2, 1/2], degree 6, fitted for least relative error (8e-8 evaluated in float32, as exp's)
 EXP2_POLYNOMIAL = (1.5345800784416497e-4, 1.3399932067841291e-3, 9.618489071726799e-3, 5.550328642129898e-2,
-           0.24022646248340607, 0.6931471824645996, 1.0)
+                   0.24022646248340607, 0.6931471824645996, 1.0)
 LOG2E, _LN2 = 1.44269504088896341, 0.6931471805599453
 _ROUNDER = 1.5 * 2**23 + 127
 
@@ -47,10 +47,9 @@ def _rounded(shifted):
 def _exp_of_clamped(x):
     """exp(x) for x in [-88, 88.72], in 12 operations that need the two FMA ports where the reduction
     by a floor takes 17 (the floor is two, the float-to-int conversion one more). The nearest integer
-    n of x / ln 2 is rounded by adding
-    1.5 x 2^23 + 127, whose ulp is 1: the sum's low bits then hold n + 127, the exponent field of
-    2^n, in [0, 255] over that range (0: 2^n = 0, the exp of a masked key; 255: inf, as exp
-    overflows float32 above 88.38)."""
+    n of x / ln 2 is rounded by adding 1.5 x 2^23 + 127, whose ulp is 1: the sum's low bits then
+    hold n + 127, the exponent field of 2^n, in [0, 255] over that range (0: 2^n = 0, the exp of a
+    masked key; 255: inf, as exp overflows float32 above 88.38)."""
     shifted = x * _f32(LOG2E) + _f32(_ROUNDER)
     f = x - _rounded(shifted) * _f32(_LN2)
     y = _horner(f, _EXP_P) * f * f + f + _f32(1.0)

@@ -193,7 +193,7 @@ def _masks(lengths: list[int], seq: int) -> np.ndarray:
 def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     """Sequences of 1 token to the full bound (packed: right-padded, as the loader packs them), bounds
     the lanes do not divide; padded also with holes in a mask and a row of padding only (a bucket's
-    unused row)."""
+    unused row). Against the unfused graph, and against float64."""
     target = TARGETS[lanes]
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
@@ -207,6 +207,7 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     # each within 3e-6 of float64 on these inputs (logits up to ~20); the kernel's exp is base 2, the
     # graph's base e, so their rounding errors do not cancel
     np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=4e-6)
+    np.testing.assert_allclose(fused, _float64_attention(layout, seq), rtol=1e-5, atol=3e-6)
 
 
 def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.runtime.Module:
@@ -249,7 +250,7 @@ def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, 
     bound = tirx.Var("s", "int64") if symbolic else seq
     library = _bf16_library(_attention_module("packed", bound, head_size=head_size,
                                               upper_bound=128 if symbolic else None), tmp_path / "fused.so", products)
-    masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
+    masks = _run_masks("packed", seq)
     inputs = _inputs("packed", seq, masks, seed=seq, head_size=head_size)
     qkv, gather, hidden = inputs[0], inputs[2], HEADS * head_size
     expected = np.zeros((qkv.shape[0], hidden), np.float32)
@@ -339,21 +340,56 @@ def _extern_calls(func: tirx.PrimFunc) -> set[str]:
     return {str(call.args[0].value) for call in _nodes(func.body, tvm.ir.Call) if call.op.same_as(extern)}
 
 
-def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
-                           head_size: int = HEAD_SIZE) -> tuple[np.ndarray, np.ndarray]:
-    """Both libraries' outputs on sequences of 1 token to the full bound (padded also with holes in
-    a mask and a row of padding only: a bucket's unused row), on the rows any output reads."""
+def _run_masks(layout: str, seq: int) -> np.ndarray:
+    """Sequences of 1 token to the full bound; padded also with holes in a mask and a row of padding
+    only (a bucket's unused row)."""
     masks = _masks([seq, 1, seq // 2 + 1, 3], seq)
     if layout == "padded":
         masks[2, 1] = masks[2, 3] = 0  # holes before the last real token count like any masked key
         masks[3, :] = 0  # padding only
+    return masks
+
+
+def _read_rows(masks: np.ndarray, seq: int) -> np.ndarray:
+    """The padded layout's rows any output reads: the kernel zeroes those past a sequence's last real token."""
+    last = seq - np.argmax(masks[:, ::-1], axis=1)  # one past each row's last real token
+    return (np.arange(seq)[None, :] < last[:, None]) & masks.any(1)[:, None]
+
+
+def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
+                           head_size: int = HEAD_SIZE) -> tuple[np.ndarray, np.ndarray]:
+    """Both libraries' outputs on `_run_masks`' sequences, on the rows any output reads."""
+    masks = _run_masks(layout, seq)
     inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq, head_size=head_size)]
     unfused, fused = (relax.VirtualMachine(lib, tvm.cpu())["main"](*inputs).numpy() for lib in (unfused_lib, fused_lib))
-    if layout == "padded":  # the kernel zeroes rows past a sequence's last real token: no output reads them
-        last = seq - np.argmax(masks[:, ::-1], axis=1)  # one past each row's last real token
-        real = (np.arange(seq)[None, :] < last[:, None]) & masks.any(1)[:, None]
+    if layout == "padded":
+        real = _read_rows(masks, seq)
         unfused, fused = unfused[real], fused[real]
     return unfused, fused
+
+
+def _float64_attention(layout: str, seq: int) -> np.ndarray:
+    """What `_run_unfused_and_fused` compares, computed in float64 by numpy: per sequence and head,
+    softmax(q k^T / sqrt(d) + the mask's bias) v."""
+    masks = _run_masks(layout, seq)
+    inputs = _inputs(layout, seq, masks, seed=seq)
+    qkv, hidden = inputs[0].astype(np.float64), HEADS * HEAD_SIZE
+
+    def attend(rows: np.ndarray, real_keys: np.ndarray) -> np.ndarray:
+        q, k, v = (rows[:, part * hidden:(part + 1) * hidden].reshape(len(rows), HEADS, HEAD_SIZE).transpose(1, 0, 2)
+                   for part in range(3))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(HEAD_SIZE) + np.where(real_keys, 0.0, MIN)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        return (weights / weights.sum(-1, keepdims=True) @ v).transpose(1, 0, 2).reshape(len(rows), hidden)
+
+    if layout == "packed":
+        out, gather = np.zeros((len(qkv), hidden)), inputs[2]
+        for b, length in enumerate(masks.sum(1)):
+            rows = gather[b, :length]
+            out[rows] = attend(qkv[rows], np.ones(length, bool))
+        return out
+    out = np.stack([attend(qkv[b * seq:(b + 1) * seq], masks[b].astype(bool)) for b in range(len(masks))])
+    return out[_read_rows(masks, seq)]
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])

@@ -227,10 +227,11 @@ def print_parts(names: list[str], timers: list, peer: OpenVinoTimer) -> None:
     print(f"\nby part of the layer: ms per call (kernels per call), {label}'s by the kernels it ran "
           f"({', '.join(peer.isa)})\n")
     print(f"| part | {' | '.join(names)} | {label} | {label}'s kernels |\n|---|{'---|' * (len(names) + 2)}")
+    parts = [timer.parts() for timer in timers + [peer]]  # OpenVINO's last
     for part in PARTS:
         cells = [f"{sum(ms for *_, ms in rows):.3f} ({sum(count for _, count, _ in rows)})"
-                 for rows in (timer.parts()[part] for timer in timers + [peer])]
-        kernels = ", ".join(f"{kernel} {ms:.3f} ({count})" for kernel, count, ms in peer.parts()[part]) or "-"
+                 for rows in (model_parts[part] for model_parts in parts)]
+        kernels = ", ".join(f"{kernel} {ms:.3f} ({count})" for kernel, count, ms in parts[-1][part]) or "-"
         print(f"| {part} | {' | '.join(cells)} | {kernels} |")
     medians = ", ".join(f"{statistics.median(timer.plain) * 1e3:.2f} ms" for timer in timers + [peer])
     ratios = ", ".join(f"{name} / {label} {paired_ratio(timer.plain, peer.plain):.3f}"

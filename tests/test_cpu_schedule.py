@@ -518,15 +518,54 @@ int64_t test_finish(int64_t *finished) { return __atomic_add_fetch(finished, 1, 
 """
 
 
+def _claim_spread() -> int:
+    """What a claim divides the iterations left by: twice the CPUs this process may run on."""
+    import os
+
+    return 2 * len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("iterations, grain", [(48, 1), (48, 5), (1000, 3), (3, 1)])
+def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, tmp_path):
+    """The claim counter hands out [first, end) runs that tile the loop in order, each the larger of
+    the grain and 1 / spread of what is left: the first at most half a thread's fair share, the
+    last ones a grain (the most the threads can reach the join apart). Past the end: empty claims."""
+    import ctypes
+
+    from tvm.support import cc
+
+    from compile.kernels.launch import CLAIM, claims_object
+
+    shared = tmp_path / "claims.so"
+    cc.create_shared(str(shared), [str(claims_object())])
+    claim = getattr(ctypes.CDLL(str(shared)), CLAIM)
+    claim.restype = ctypes.c_int64
+    claim.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    counter, end, runs = ctypes.c_int64(0), ctypes.c_int64(-1), []
+    while (first := claim(ctypes.byref(counter), iterations, grain, ctypes.byref(end))) < iterations:
+        runs.append((first, end.value))
+    assert end.value == first == counter.value == iterations  # nothing left: an empty claim
+    assert runs[0][0] == 0 and all(a[1] == b[0] for a, b in zip(runs, runs[1:])) and runs[-1][1] == iterations
+    sizes = [stop - start for start, stop in runs]
+    spread = _claim_spread()
+    assert sizes[0] == max(grain, iterations // spread) <= max(grain, iterations // 2)
+    assert sizes == sorted(sizes, reverse=True)  # shrinking
+    assert all(size >= grain for size in sizes[:-1]) and 0 < sizes[-1] <= grain
+    if iterations // spread > grain:
+        assert len(runs) < iterations // grain  # longer claims while much is left
+
+
 @pytest.mark.parametrize("grain", [1, 3])
 def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, monkeypatch, tmp_path):
     """Claimed iterations: while one thread is held in iteration 0, the others run every iteration
-    outside its claim. With TVM's fixed shares the held thread's own share would wait for it (and
-    iteration 0 would give up after 10 s, having seen fewer finish)."""
+    outside its claim (the first: the larger of the grain and 1 / spread of the loop). With TVM's
+    fixed shares the held thread's own share would wait for it (and iteration 0 would give up after
+    10 s, having seen fewer finish)."""
     from compile.kernels.launch import CLAIM_SOURCE, claim_iterations
     from compile.kernels.objects import c_object
 
     count = 10
+    held_claim = max(grain, count // _claim_spread())
 
     @T.prim_func(s_tir=True)
     def held(seen: T.Buffer((T.int64(count),), "int64"), finished: T.Buffer((T.int64(1),), "int64")):
@@ -537,13 +576,13 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
                 T.writes(seen[vi], finished[0])
                 if vi == 0:
                     seen[vi] = T.call_extern("int64", "test_wait_for_others", finished.access_ptr("rw"),
-                                             T.int64(count - grain))
+                                             T.int64(count - held_claim))
                 else:
                     seen[vi] = T.call_extern("int64", "test_finish", finished.access_ptr("rw"))
 
     claimed = claim_iterations(held, tirx.IntImm("int64", grain))
     assert "bert_claim" in claimed.script()
-    objects = [str(c_object("held_iteration", "#include <stdint.h>\n" + CLAIM_SOURCE + _HELD_ITERATION, ()))]
+    objects = [str(c_object("held_iteration", CLAIM_SOURCE + _HELD_ITERATION, ()))]
     library = tvm.compile(tvm.IRModule({"main": claimed}), TARGET, tir_pipeline=tir_pipeline(TARGET))
     path = str(tmp_path / "held.so")
     library.export_library(path, addons=objects)
@@ -553,7 +592,7 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     caller = threading.Thread(target=kernel, args=(seen, finished))
     caller.start()
     caller.join()
-    assert seen.numpy()[0] == count - grain  # every iteration outside the held claim finished meanwhile
+    assert seen.numpy()[0] == count - held_claim  # every iteration outside the held claim finished meanwhile
     assert sorted(seen.numpy()[1:]) == list(range(1, count)) and finished.numpy()[0] == count - 1  # each ran once
 
 

@@ -239,5 +239,5 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     func = read_padded_rows_in_place(sch.mod["main"], activations)
     if panels is not None:
         func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var, unroll_k)
-    grain = claim_grain(row_tiles * mt * nt * k_extent, sch.get(tile).extent if panels is not None else None)
+    grain = claim_grain(row_tiles * mt * nt * k_extent)
     return s_tir.Schedule(claim_iterations(func, grain, tile_var))

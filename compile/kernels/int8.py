@@ -312,5 +312,5 @@ def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
     func = read_padded_rows_in_place(sch.mod["main"], activations)  # each micro-kernel call reads one row
     panel_var = sch.get(jo).loop_var
     func = prefetch_next_panel(func, sch.get(ko).loop_var, panel_var, panels, sch.get(mo).loop_var)
-    grain = claim_grain(sch.get(mo).extent * kernel.rows * panel * k_size, sch.get(jo).extent)
+    grain = claim_grain(sch.get(mo).extent * kernel.rows * panel * k_size)
     return s_tir.Schedule(claim_iterations(func, grain, panel_var))

@@ -15,12 +15,18 @@ join. perf of a bf16 MiniLM call at 512 tokens on a shared 2-core host found eac
 10-18% of the time, most of it waiting for the other to finish its share of a linear's panels, and
 of an fp32 one at 128 tokens (x86-64-v3 code) the second thread idle 22% while the first ran the
 same panels 19% slower. `claim_iterations` lets the threads take the iterations of such a loop as
-they come free instead (one atomic increment per claim, `CLAIM_SOURCE`), as TBB's and OpenMP's
-dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every CPU
-library, which links the counter (`claims_object`). Paired against fixed shares on that host:
+they come free instead (one atomic compare-and-swap per claim, `CLAIM_SOURCE`), as TBB's and
+OpenMP's dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every
+CPU library, which links the counter (`claims_object`). Paired against fixed shares on that host:
 bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.91-0.97x
 at 1x128 and 8x128 (alternating calls), 0.85-0.98x on mixed lengths (docs/PERFORMANCE.md); the
 fastest calls unchanged.
+
+Claims shrink as the loop runs out, as OpenMP's guided schedule's do: each takes a share of what is
+left, so the first are long (a thread's prefetched panels stay its own) and the last a grain, and
+the threads reach the join at most a grain apart. With claims of a fixed 1/16 of the loop, perf of
+an x86-64-v3 fp32 MiniLM call at 128 tokens found the calling thread waiting at the linears' joins
+~3% of its time.
 """
 
 from __future__ import annotations
@@ -48,12 +54,42 @@ CLAIM = "bert_claim"
 _BODY = "claimed iterations"  # the placeholder `claim_iterations` puts the loop's body in
 # Work a thread claims at once at the least: 14-28 us of an AVX-512 / AVX2 core's fp32 multiply-adds
 CLAIMED_MULTIPLY_ADDS = 1 << 20
-CLAIMS_PER_LOOP = 16  # claims a loop of prefetched panels is cut into at the most: its imbalance at the join
-# The claim counter's increment, in C (TIR has no atomics on the CPU)
+# The claim counter, in C (TIR has no atomics on the CPU). `next` is the loop's first unclaimed
+# iteration; a claim takes 1 / spread of those left, at least `grain`, and returns its first
+# iteration, its end in `*end`. spread is twice the CPUs the process may run on, so no thread's
+# first claim is over half its fair share.
 CLAIM_SOURCE = r"""
+#define _GNU_SOURCE
+#include <sched.h>
 #include <stdint.h>
-int64_t bert_claim(int64_t *claims) {
-  return __atomic_fetch_add(claims, 1, __ATOMIC_RELAXED);
+
+static int64_t claim_spread(void) {
+  static int64_t spread;
+  int64_t known = __atomic_load_n(&spread, __ATOMIC_RELAXED);
+  if (known == 0) {
+    cpu_set_t cpus;
+    int count = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+    known = 2 * (count > 0 ? count : 1);
+    __atomic_store_n(&spread, known, __ATOMIC_RELAXED);
+  }
+  return known;
+}
+
+int64_t bert_claim(int64_t *next, int64_t iterations, int64_t grain, int64_t *end) {
+  int64_t start = __atomic_load_n(next, __ATOMIC_RELAXED);
+  for (;;) {
+    if (start >= iterations) {
+      *end = start;
+      return start;
+    }
+    int64_t size = (iterations - start) / claim_spread();
+    int64_t stop = start + (size > grain ? size : grain);
+    if (stop > iterations) stop = iterations;
+    if (__atomic_compare_exchange_n(next, &start, stop, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+      *end = stop;
+      return start;
+    }
+  }
 }
 """
 
@@ -68,16 +104,11 @@ def linked_objects(target: tvm.target.Target) -> list[str]:
     return [str(claims_object())] if target.kind.name == "llvm" else []
 
 
-def claim_grain(multiply_adds_per_iteration, prefetched_iterations=None) -> tirx.PrimExpr:
-    """Iterations per claim of a loop whose iterations each compute `multiply_adds_per_iteration`: at
-    least CLAIMED_MULTIPLY_ADDS a claim, so the counter's cache line, which moves between the cores
-    at each claim, is not paid every few microseconds (a linear of 16 tokens). Where each iteration
-    prefetches the next one's weight panel (common.prefetch_next_panel) over `prefetched_iterations`,
-    also at least 1 / CLAIMS_PER_LOOP of them: claimed one at a time, the two threads' panels
-    alternate and each prefetches the panel the other one runs."""
+def claim_grain(multiply_adds_per_iteration) -> tirx.PrimExpr:
+    """The fewest iterations a claim takes, of a loop whose iterations each compute
+    `multiply_adds_per_iteration`: CLAIMED_MULTIPLY_ADDS, so the counter's cache line, which moves
+    between the cores at each claim, is not paid every few microseconds (a linear of 16 tokens)."""
     grain = tirx.IntImm("int64", CLAIMED_MULTIPLY_ADDS) // _int64(multiply_adds_per_iteration)
-    if prefetched_iterations is not None:
-        grain = tirx.max(grain, _int64(prefetched_iterations) // tirx.IntImm("int64", CLAIMS_PER_LOOP))
     return tirx.max(tirx.IntImm("int64", 1), grain)
 
 
@@ -220,25 +251,27 @@ def parallel_when_it_pays(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _claims_loop(iterations: tirx.PrimExpr, grain: tirx.PrimExpr) -> tirx.Stmt:
-    """A loop whose threads claim `grain` iterations at a time, with its counter. Each thread walks
-    the iterations in order, running those of its claims (a placeholder body) and claiming the next
-    group after the last of one: claims only grow, so one pass meets them all, and the loop keeps
-    plain bounds (bounds read from a buffer defeat TVM's buffer compaction)."""
+    """A loop whose threads claim its iterations in shrinking runs of at least `grain`, with its
+    counter. Each thread walks the iterations in order, running those of its claims (a placeholder
+    body) and claiming the next run after the last of one: claims only grow, so one pass meets them
+    all, and the loop keeps plain bounds (bounds read from a buffer defeat TVM's buffer compaction)."""
 
     @script.prim_func(s_tir=True, check_well_formed=False)  # the extents name the kernel's variables
     def template():
         claims = T.alloc_buffer((1,), "int64")
         claims[0] = T.int64(0)
         for _worker in T.parallel(iterations):  # each thread's first turn claims until none are left
-            claim = T.alloc_buffer((1,), "int64", scope="local")
+            claim = T.alloc_buffer((2,), "int64", scope="local")  # [first, end) of the thread's claim
             claim[0] = claims[0]  # a plain read: the thread's later turns end here, no atomic
-            if claim[0] * grain < iterations:
-                claim[0] = T.call_extern("int64", CLAIM, claims.access_ptr("rw"))
+            if claim[0] < iterations:
+                claim[0] = T.call_extern("int64", CLAIM, claims.access_ptr("rw"), iterations, grain,
+                                         claim.access_ptr("w", offset=1))
                 for claimed in range(iterations):
-                    if claimed // grain == claim[0]:
+                    if claim[0] <= claimed and claimed < claim[1]:
                         T.evaluate(T.call_extern("int32", _BODY))
-                        if claimed % grain == grain - 1:
-                            claim[0] = T.call_extern("int64", CLAIM, claims.access_ptr("rw"))
+                        if claimed == claim[1] - 1:
+                            claim[0] = T.call_extern("int64", CLAIM, claims.access_ptr("rw"), iterations, grain,
+                                                     claim.access_ptr("w", offset=1))
 
     return template.body
 

@@ -519,14 +519,16 @@ int64_t test_finish(int64_t *finished) { return __atomic_add_fetch(finished, 1, 
 
 
 def _claim_spread() -> int:
-    """What a claim divides the iterations left by: twice the CPUs this process may run on."""
+    """What a claim divides the iterations left by: twice TVM_NUM_THREADS, else the CPUs this process
+    may run on."""
     import os
 
-    return 2 * len(os.sched_getaffinity(0))
+    return 2 * (int(os.environ.get("TVM_NUM_THREADS", 0)) or len(os.sched_getaffinity(0)))
 
 
+@pytest.mark.parametrize("threads", [None, "3"])
 @pytest.mark.parametrize("iterations, grain", [(48, 1), (48, 5), (1000, 3), (3, 1)])
-def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, tmp_path):
+def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, threads, monkeypatch, tmp_path):
     """The claim counter hands out [first, end) runs that tile the loop in order, each the larger of
     the grain and 1 / spread of what is left: the first at most half a thread's fair share, the
     last ones a grain (the most the threads can reach the join apart). Past the end: empty claims."""
@@ -536,6 +538,10 @@ def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, tmp_
 
     from compile.kernels.launch import CLAIM, claims_object
 
+    if threads is None:
+        monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TVM_NUM_THREADS", threads)  # the pool's size, which the spread follows
     shared = tmp_path / "claims.so"
     cc.create_shared(str(shared), [str(claims_object())])
     claim = getattr(ctypes.CDLL(str(shared)), CLAIM)
@@ -552,7 +558,7 @@ def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, tmp_
     assert sizes == sorted(sizes, reverse=True)  # shrinking
     assert all(size >= grain for size in sizes[:-1]) and 0 < sizes[-1] <= grain
     if iterations // spread > grain:
-        assert len(runs) < iterations // grain  # longer claims while much is left
+        assert len(runs) < -(-iterations // grain)  # fewer claims than of a grain each: longer ones while much is left
 
 
 @pytest.mark.parametrize("grain", [1, 3])

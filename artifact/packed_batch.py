@@ -21,6 +21,22 @@ from __future__ import annotations
 import numpy as np
 
 PACKED_INPUT_NAMES = ("input_ids", "token_type_ids", "position_ids", "gather", "attention_mask", "scatter")
+# Bytes a runtime's tensor must start on to share a host array (TVM's DLPack import checks it)
+ALIGNMENT = 64
+
+
+def aligned_int64(*shapes: tuple[int, ...]) -> list[np.ndarray]:
+    """Zeroed int64 arrays of `shapes` carved from one allocation, each starting on an ALIGNMENT
+    boundary, so a runtime can take them as they are (one allocation, no copies, per call)."""
+    per_line = ALIGNMENT // np.dtype(np.int64).itemsize
+    sizes = [int(np.prod(shape)) for shape in shapes]
+    block = np.zeros(sum(-(-size // per_line) * per_line for size in sizes) + per_line, dtype=np.int64)
+    start = -block.ctypes.data % ALIGNMENT // block.itemsize
+    arrays = []
+    for shape, size in zip(shapes, sizes):
+        arrays.append(block[start:start + size].reshape(shape))
+        start += -(-size // per_line) * per_line
+    return arrays
 
 
 def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray | None = None,
@@ -46,19 +62,16 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
         raise ValueError(f"{real} tokens do not fit {tokens} packed rows")
     rows, columns = np.nonzero(mask)  # row-major: exactly the packed order
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-
-    def packed(values: np.ndarray) -> np.ndarray:
-        out = np.zeros(tokens, dtype=np.int64)
-        out[:real] = values
-        return out
-
-    type_ids = np.zeros_like(input_ids) if token_type_ids is None else np.asarray(token_type_ids)
-    gather = np.zeros((batch, seq), dtype=np.int64)
+    packed_ids, packed_types, positions, gather, sequence_mask, scatter = aligned_int64(
+        (tokens,), (tokens,), (tokens,), (batch, seq), (batch, seq), (tokens,))
+    packed_ids[:real] = input_ids[rows, columns]
+    if token_type_ids is not None:
+        packed_types[:real] = np.asarray(token_type_ids)[rows, columns]
+    positions[:real] = columns
     gather[rows, columns] = starts[rows] + columns
-    sequence_mask = np.zeros((batch, seq), dtype=np.int64)
     sequence_mask[rows, columns] = 1
-    return (packed(input_ids[rows, columns]), packed(type_ids[rows, columns]), packed(columns),
-            gather, sequence_mask, packed(rows * seq + columns))
+    scatter[:real] = rows * seq + columns
+    return packed_ids, packed_types, positions, gather, sequence_mask, scatter
 
 
 def per_sequence_rows(token_rows: np.ndarray, gather: np.ndarray) -> np.ndarray:

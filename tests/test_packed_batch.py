@@ -48,3 +48,33 @@ def test_a_batch_that_cannot_be_packed_is_refused(change, message):
     ids, mask, kwargs = change(*_rows([1, 3], width=4))
     with pytest.raises(ValueError, match=message):
         pack_batch(ids, mask, **kwargs)
+
+
+def test_the_packed_inputs_are_aligned_apart_and_shared_with_the_runtime_as_they_are():
+    """pack_batch carves its six arrays from one allocation, each on its own 64-byte line, so the
+    runtime takes them without a copy; any other array (unaligned, read-only, strided) is copied."""
+    from artifact.loader import _host_tensor
+    from artifact.packed_batch import ALIGNMENT
+
+    ids, mask = _rows([3, 1, 4], width=5)
+    packed = pack_batch(ids, mask, seq=7, tokens=9)
+    for array in packed:
+        assert array.dtype == np.int64 and array.flags.c_contiguous and array.ctypes.data % ALIGNMENT == 0
+    spans = sorted((a.ctypes.data, a.ctypes.data + a.nbytes) for a in packed)
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # no two overlap
+    shared = _host_tensor(packed[0])
+    packed[0][0] = 77
+    assert shared.numpy()[0] == 77  # the same memory
+
+    block = np.arange(40, dtype=np.int64)
+    unaligned = block[1:17] if block[1:].ctypes.data % ALIGNMENT else block[2:18]
+    read_only = np.arange(16, dtype=np.int64)
+    read_only.flags.writeable = False
+    strided = np.broadcast_to(np.arange(8, dtype=np.int64), (2, 8))
+    for array in (unaligned, read_only, strided):
+        expected = array.copy()
+        copied = _host_tensor(array)
+        assert (copied.numpy() == expected).all()
+        if array.flags.writeable:
+            array[...] = -1
+            assert (copied.numpy() == expected).all()  # a copy: later writes do not reach it

@@ -144,7 +144,7 @@ def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
     are), else a 64-byte aligned copy of it (what DLPack requires): a few microseconds where
     `tvm.runtime.tensor` allocates and copies in 15-20 (six inputs per call)."""
     array = np.asarray(array, dtype=np.int64)
-    if array.flags.c_contiguous and array.flags.writeable and array.ctypes.data % ALIGNMENT == 0:
+    if array.flags.c_contiguous and array.flags.writeable and array.__array_interface__["data"][0] % ALIGNMENT == 0:
         return tvm.runtime.from_dlpack(array)
     (aligned,) = aligned_int64(array.shape)
     aligned[...] = array
@@ -237,8 +237,10 @@ class CompiledModel:
         """Run one batch on the generic library even where a bucket would hold it."""
         return self._run_on(None, input_ids, attention_mask, token_type_ids, int(np.asarray(attention_mask).sum()))
 
-    def _run_on(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
-                token_type_ids: np.ndarray | None, real_tokens: int) -> RunResult:
+    def library_inputs(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
+                       token_type_ids: np.ndarray | None = None) -> tuple[tuple[np.ndarray, ...], int]:
+        """The checked inputs of `bucket`'s library (None: the generic one) for a batch, and the token
+        rows its linear layers compute."""
         batch, seq = input_ids.shape
         vocab_size = self.manifest.model.vocab_size
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
@@ -251,13 +253,17 @@ class CompiledModel:
                 )
         if self.packed:
             inputs = pack_batch(input_ids, attention_mask, token_type_ids, seq=bucket.seq if bucket else None)
-            computed = real_tokens
-        elif bucket is not None:
+            return inputs, len(inputs[0])  # the real tokens, packed
+        if bucket is not None:
             rows = model_inputs(input_ids, attention_mask, token_type_ids)[:3]
             padded = [pad_to(x, bucket.batch, bucket.seq) for x in rows]
-            inputs, computed = model_inputs(*padded), bucket.capacity
-        else:
-            inputs, computed = model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
+            return model_inputs(*padded), bucket.capacity
+        return model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
+
+    def _run_on(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
+                token_type_ids: np.ndarray | None, real_tokens: int) -> RunResult:
+        batch = input_ids.shape[0]
+        inputs, computed = self.library_inputs(bucket, input_ids, attention_mask, token_type_ids)
         output = (self.generic if bucket is None else self.runners[bucket])(*inputs)
         if self.packed and self.manifest.token_outputs:
             output = per_sequence_rows(output, inputs[PACKED_INPUT_NAMES.index("gather")])

@@ -79,11 +79,14 @@ class KernelTimer:
         for _ in range(3):
             result = self._call()
         self._runner = model.generic if result.bucket is None else model.runners[result.bucket]
+        inputs, _ = model.library_inputs(result.bucket, ids, mask)
+        self._library_call = functools.partial(self._runner, *inputs)  # the call without choosing or packing
         self.served = result.path
         self.kernels: dict[str, list[float]] = collections.defaultdict(list)  # seconds per call, call by call
         self.counts: dict[str, int] = {}  # launches per call
         self.instrumented: list[float] = []
         self.plain: list[float] = []
+        self.library: list[float] = []  # the library's call alone, right after each plain one
 
     def instrumented_call(self) -> None:
         seconds, counts, started = collections.defaultdict(float), collections.Counter(), {}
@@ -99,7 +102,7 @@ class KernelTimer:
 
         self._runner.set_instrument(instrument)
         try:
-            self.instrumented.append(self._timed())
+            self.instrumented.append(self._timed(self._call))
         finally:
             self._runner.set_instrument(None)
         for kernel, spent in seconds.items():
@@ -107,11 +110,18 @@ class KernelTimer:
         self.counts.update(counts)
 
     def plain_call(self) -> None:
-        self.plain.append(self._timed())
+        self.plain.append(self._timed(self._call))
+        self.library.append(self._timed(self._library_call))
 
-    def _timed(self) -> float:
+    def outside_library_ms(self) -> float:
+        """The median of a plain call's time less its library call's: choosing the library, checking
+        and packing the inputs (each right after a call, when the caches hold weights)."""
+        return statistics.median(p - q for p, q in zip(self.plain, self.library)) * 1e3
+
+    @staticmethod
+    def _timed(call) -> float:
         start = time.perf_counter()
-        self._call()
+        call()
         return time.perf_counter() - start
 
     def by_time(self) -> list[tuple[str, int, float]]:
@@ -195,7 +205,9 @@ def print_profile(name: str, shape: str, threads: int, calls: int, timer: Kernel
     for kernel, count, ms in rows:
         print(f"| {kernel} | {count} | {ms:.3f} | {ms / total:.1%} |")
     print(f"\nsum of kernels {total:.2f} ms; call median {statistics.median(timer.instrumented) * 1e3:.2f} ms "
-          f"instrumented, {statistics.median(timer.plain) * 1e3:.2f} ms without")
+          f"instrumented, {statistics.median(timer.plain) * 1e3:.2f} ms without, of which "
+          f"{timer.outside_library_ms():.3f} ms outside the library's call "
+          f"(choosing it, checking and packing the inputs)")
 
 
 def print_comparison(names: tuple[str, str], shape: str, threads: int, calls: int,
@@ -217,7 +229,8 @@ def print_comparison(names: tuple[str, str], shape: str, threads: int, calls: in
             print(f"| {kernel} | {count} | - | {ms:.3f} | - |")
     print(f"\ncall median without the instrument: {statistics.median(first.plain) * 1e3:.2f} ms and "
           f"{statistics.median(second.plain) * 1e3:.2f} ms, {names[1]} / {names[0]} "
-          f"{paired_ratio(second.plain, first.plain):.3f} (median of turns)")
+          f"{paired_ratio(second.plain, first.plain):.3f} (median of turns); outside the library's call "
+          f"{first.outside_library_ms():.3f} ms and {second.outside_library_ms():.3f} ms")
 
 
 def print_parts(names: list[str], timers: list, peer: OpenVinoTimer) -> None:

@@ -93,6 +93,9 @@ def test_kernel_profile_times_the_kernels_of_the_library_that_serves_the_shape(t
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| ") and "---" not in line][1:]
     matmuls = [row for row in rows if "matmul" in row[0]]
     assert matmuls and all(int(row[1]) >= 1 and float(row[2]) > 0 for row in matmuls), out
+    calls = re.search(r"instrumented, (\d+\.\d+) ms without, of which (-?\d+\.\d{3}) ms outside the library's "
+                      r"call", out)
+    assert calls and float(calls[2]) < float(calls[1]), out  # the host's part of a plain call, apart
 
 
 def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artifact, tiny_classify_artifact, tmp_path,
@@ -110,7 +113,8 @@ def test_kernel_profile_compares_two_artifacts_kernel_by_kernel(tiny_embed_artif
     assert any("matmul" in row[0] for row in shared), out
     assert all(float(row[2]) > 0 and float(row[3]) > 0 and float(row[4].rstrip(" |")) > 0 for row in shared), out
     assert any(row[2] == "-" and float(row[3]) > 0 for row in rows), out
-    assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\)\nCPU: .+ \(LLVM mcpu ", out), out
+    assert re.search(r"tiny-classify / tiny-embed \d+\.\d{3} \(median of turns\); outside the library's call "
+                     r"-?\d+\.\d{3} ms and -?\d+\.\d{3} ms\nCPU: .+ \(LLVM mcpu ", out), out
 
 
 @pytest.mark.parametrize("precision", ["default", "f32"])

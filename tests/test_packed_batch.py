@@ -78,3 +78,25 @@ def test_the_packed_inputs_are_aligned_apart_and_shared_with_the_runtime_as_they
         if array.flags.writeable:
             array[...] = -1
             assert (copied.numpy() == expected).all()  # a copy: later writes do not reach it
+
+
+@pytest.mark.parametrize("length, seq, tokens", [(5, None, None), (3, 8, None), (4, 6, 7), (0, 4, None), (6, None, 9)])
+def test_one_sequence_packs_as_it_does_first_in_a_batch(length, seq, tokens):
+    """A single sequence takes its own quicker path: it packs to what the same row packs to first in
+    a batch beside an empty one (which adds no tokens)."""
+    ids, mask = _rows([length, 0], width=6)
+    types = np.where(np.arange(6)[None, :] >= 2, 1, 0).repeat(2, axis=0)
+    one = pack_batch(ids[:1], mask[:1], types[:1], seq=seq, tokens=tokens)
+    two = pack_batch(ids, mask, types, seq=seq, tokens=tokens)
+    for alone, first in zip(one, (*two[:3], two[3][:1], two[4][:1], two[5])):
+        assert alone.shape == first.shape and (alone == first).all()
+
+
+@pytest.mark.parametrize("mask, kwargs, message", [
+    ([[0, 1, 1, 0]], {}, "right-padded"),
+    ([[1, 1, 1, 0]], {"seq": 2}, "does not fit a packed bucket of 2"),
+    ([[1, 1, 1, 0]], {"tokens": 2}, "do not fit 2 packed rows"),
+])
+def test_one_sequence_that_cannot_be_packed_is_refused(mask, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        pack_batch(np.arange(4)[None, :], np.array(mask), **kwargs)

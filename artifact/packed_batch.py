@@ -25,6 +25,7 @@ import numpy as np
 PACKED_INPUT_NAMES = ("input_ids", "token_type_ids", "position_ids", "gather", "attention_mask", "scatter")
 # Bytes a runtime's tensor must start on to share a host array (TVM's DLPack import checks it)
 ALIGNMENT = 64
+RIGHT_PADDED = "packing needs right-padded rows: each attention mask must be ones, then zeros"
 
 
 def aligned_int64(*shapes: tuple[int, ...]) -> list[np.ndarray]:
@@ -32,12 +33,13 @@ def aligned_int64(*shapes: tuple[int, ...]) -> list[np.ndarray]:
     boundary, so a runtime can take them as they are (one allocation, no copies, per call)."""
     per_line = ALIGNMENT // 8
     sizes = [math.prod(shape) for shape in shapes]
-    block = np.zeros(sum(-(-size // per_line) * per_line for size in sizes) + per_line, dtype=np.int64)
+    spans = [-(-size // per_line) * per_line for size in sizes]  # each rounded up to whole lines
+    block = np.zeros(sum(spans) + per_line, dtype=np.int64)
     start = -block.__array_interface__["data"][0] % ALIGNMENT // 8
     arrays = []
-    for shape, size in zip(shapes, sizes):
+    for shape, size, span in zip(shapes, sizes, spans):
         arrays.append(block[start:start + size].reshape(shape))
-        start += -(-size // per_line) * per_line
+        start += span
     return arrays
 
 
@@ -52,22 +54,17 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
     input_ids = np.asarray(input_ids)
     mask = np.asarray(attention_mask).astype(bool)
     batch, width = input_ids.shape
+    seq = width if seq is None else seq
     if batch == 1:
-        return _pack_one(input_ids, mask, token_type_ids, width if seq is None else seq, tokens)
+        return _pack_one(input_ids, mask, token_type_ids, seq, tokens)
     lengths = mask.sum(axis=1)
     if not (mask == (np.arange(width)[None, :] < lengths[:, None])).all():
-        raise ValueError("packing needs right-padded rows: each attention mask must be ones, then zeros")
-    seq = width if seq is None else seq
-    if lengths.max(initial=0) > seq:
-        raise ValueError(f"a sequence of {lengths.max()} tokens does not fit a packed bucket of {seq}")
+        raise ValueError(RIGHT_PADDED)
     real = int(lengths.sum())
-    tokens = real if tokens is None else tokens
-    if tokens < real:
-        raise ValueError(f"{real} tokens do not fit {tokens} packed rows")
+    packed_ids, packed_types, positions, gather, sequence_mask, scatter = _packed_arrays(
+        int(lengths.max(initial=0)), real, batch, seq, tokens)
     rows, columns = np.nonzero(mask)  # row-major: exactly the packed order
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    packed_ids, packed_types, positions, gather, sequence_mask, scatter = aligned_int64(
-        (tokens,), (tokens,), (tokens,), (batch, seq), (batch, seq), (tokens,))
     packed_ids[:real] = input_ids[rows, columns]
     if token_type_ids is not None:
         packed_types[:real] = np.asarray(token_type_ids)[rows, columns]
@@ -76,6 +73,17 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
     sequence_mask[rows, columns] = 1
     scatter[:real] = rows * seq + columns
     return packed_ids, packed_types, positions, gather, sequence_mask, scatter
+
+
+def _packed_arrays(longest: int, real: int, batch: int, seq: int, tokens: int | None) -> list[np.ndarray]:
+    """The six zeroed packed arrays of `batch` sequences of `real` tokens in all (`tokens` rows, default
+    `real`), or why they do not fit (the longest past the bound `seq`, or more tokens than rows)."""
+    if longest > seq:
+        raise ValueError(f"a sequence of {longest} tokens does not fit a packed bucket of {seq}")
+    tokens = real if tokens is None else tokens
+    if tokens < real:
+        raise ValueError(f"{real} tokens do not fit {tokens} packed rows")
+    return aligned_int64((tokens,), (tokens,), (tokens,), (batch, seq), (batch, seq), (tokens,))
 
 
 def per_sequence_rows(token_rows: np.ndarray, gather: np.ndarray) -> np.ndarray:
@@ -91,14 +99,8 @@ def _pack_one(input_ids: np.ndarray, mask: np.ndarray, token_type_ids: np.ndarra
     caches with weights."""
     length = int(mask.sum())
     if not mask[0, :length].all():
-        raise ValueError("packing needs right-padded rows: each attention mask must be ones, then zeros")
-    if length > seq:
-        raise ValueError(f"a sequence of {length} tokens does not fit a packed bucket of {seq}")
-    tokens = length if tokens is None else tokens
-    if tokens < length:
-        raise ValueError(f"{length} tokens do not fit {tokens} packed rows")
-    packed_ids, packed_types, positions, gather, sequence_mask, scatter = aligned_int64(
-        (tokens,), (tokens,), (tokens,), (1, seq), (1, seq), (tokens,))
+        raise ValueError(RIGHT_PADDED)
+    packed_ids, packed_types, positions, gather, sequence_mask, scatter = _packed_arrays(length, length, 1, seq, tokens)
     packed_ids[:length] = input_ids[0, :length]
     if token_type_ids is not None:
         packed_types[:length] = np.asarray(token_type_ids)[0, :length]

@@ -518,6 +518,18 @@ int64_t test_finish(int64_t *finished) { return __atomic_add_fetch(finished, 1, 
 """
 
 
+def _claim_function(library):
+    """`library`'s claim counter, callable from Python."""
+    import ctypes
+
+    from compile.kernels.launch import CLAIM
+
+    claim = getattr(library, CLAIM)
+    claim.restype = ctypes.c_int64
+    claim.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    return claim
+
+
 def _claim_spread() -> int:
     """What a claim divides the iterations left by: twice TVM_NUM_THREADS, else the CPUs this process
     may run on."""
@@ -536,7 +548,7 @@ def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, thre
 
     from tvm.support import cc
 
-    from compile.kernels.launch import CLAIM, claims_object
+    from compile.kernels.launch import claims_object
 
     if threads is None:
         monkeypatch.delenv("TVM_NUM_THREADS", raising=False)
@@ -544,9 +556,7 @@ def test_claims_shrink_to_the_grain_as_the_loop_runs_out(iterations, grain, thre
         monkeypatch.setenv("TVM_NUM_THREADS", threads)  # the pool's size, which the spread follows
     shared = tmp_path / "claims.so"
     cc.create_shared(str(shared), [str(claims_object())])
-    claim = getattr(ctypes.CDLL(str(shared)), CLAIM)
-    claim.restype = ctypes.c_int64
-    claim.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    claim = _claim_function(ctypes.CDLL(str(shared)))  # its own copy: the spread read from this environment
     counter, end, runs = ctypes.c_int64(0), ctypes.c_int64(-1), []
     while (first := claim(ctypes.byref(counter), iterations, grain, ctypes.byref(end))) < iterations:
         runs.append((first, end.value))
@@ -567,11 +577,19 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     outside its claim (the first: the larger of the grain and 1 / spread of the loop). With TVM's
     fixed shares the held thread's own share would wait for it (and iteration 0 would give up after
     10 s, having seen fewer finish)."""
-    from compile.kernels.launch import CLAIM_SOURCE, claim_iterations
-    from compile.kernels.objects import c_object
+    import ctypes
+
+    from compile.kernels.launch import CLAIM_SOURCE, claim_iterations, claims_object
+    from compile.kernels.objects import c_object, load_in_process
 
     count = 10
-    held_claim = max(grain, count // _claim_spread())
+    monkeypatch.setenv("TVM_NUM_THREADS", "2")  # a thread's pool is sized when it first launches one
+    # the first claim the kernel will meet: from the counter this process resolves first (the one
+    # claim_iterations loads; its spread maybe read earlier), asked of a fresh loop
+    load_in_process(claims_object())
+    first, end = ctypes.c_int64(0), ctypes.c_int64(0)
+    _claim_function(ctypes.CDLL(None))(ctypes.byref(first), count, grain, ctypes.byref(end))
+    held_claim = end.value
 
     @T.prim_func(s_tir=True)
     def held(seen: T.Buffer((T.int64(count),), "int64"), finished: T.Buffer((T.int64(1),), "int64")):
@@ -594,7 +612,6 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     library.export_library(path, addons=objects)
     seen, finished = tvm.runtime.tensor(np.zeros(count, np.int64)), tvm.runtime.tensor(np.zeros(1, np.int64))
     kernel = tvm.runtime.load_module(path)["main"]
-    monkeypatch.setenv("TVM_NUM_THREADS", "2")  # a thread's pool is sized when it first launches one
     caller = threading.Thread(target=kernel, args=(seen, finished))
     caller.start()
     caller.join()

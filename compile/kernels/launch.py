@@ -26,8 +26,8 @@ Claims shrink as the loop runs out, as OpenMP's guided schedule's do: each takes
 left, so the first are long (a thread's prefetched panels stay its own) and the last a grain, and
 the threads reach the join at most a grain apart. With claims of a fixed 1/16 of the loop, perf of
 an x86-64-v3 fp32 MiniLM call at 128 tokens found the calling thread waiting at the linears' joins
-~3% of its time in a busy hour of a shared host; paired there, calls took 0.975-0.99x the time
-(docs/PERFORMANCE.md has quiet-hour pairs, 0.99-1.00x).
+~3% of its time in a busy hour of a shared host (docs/PERFORMANCE.md pairs the two kinds of
+claim: 0.99-1.00x the time in a quiet hour, where the threads rarely wait).
 """
 
 from __future__ import annotations

@@ -4,15 +4,16 @@ decided by measurement on the shipped sentences, before anything is built.
 The measurement runs the PyTorch fp32 model with the chosen linears replaced by a simulation of
 the int8 kernels' arithmetic (weights symmetric per output channel, activations asymmetric per
 token, integer products: compile/passes/quantize.py), which reproduces the built library's
-cosines to the fp32 model to about 1e-5. One forward pass over the shipped sentences takes a
-second on MiniLM, where building and running a library takes a minute, so the plan can afford:
+cosines to the fp32 model to about 1e-5. One forward pass over the shipped sentences (in batches
+of like length: `length_batches`) takes ~0.2 s on MiniLM and ~1.4 s on a 12 x 768 BERT on 2 cores,
+where building and running a library takes a minute, so the plan can afford:
 
 1. calibration: each linear's largest |activation| per input channel;
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
 3. sensitivity, where every linear in int8 misses the int8 gate (compile/precision.py) or
    `--min-cosine`: for each linear group, the accuracy with it alone in int8 and the rest in the
-   higher precision (one pass per group, and one more per group in 4.: about 15 minutes of a
-   12-layer BERT's plan, not spent where nothing is kept);
+   higher precision (one pass per group, and one more per group in 4.: 2.6 minutes of a
+   12 x 768 BERT's plan on 2 cores, not spent where nothing is kept);
 4. fallback: starting from every group in the higher precision (bf16 where the CPU has it, else
    fp32; simulated in it, bf16 rounds too), the groups are admitted to int8 one at a time, the
    least accuracy lost per multiply-add saved first, each only where the simulation still keeps
@@ -30,6 +31,7 @@ built library does.
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +54,9 @@ ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # 0: no smoothing
 # simulation (integer products, fp32) reproduces x86-64-v3 builds to 6 digits.
 SIMULATION_TOLERANCE = 0.1
 EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
+# A forward pass's fixed cost (Python, hooks, operator launches) in padded tokens' time: MiniLM's
+# passes on 2 cores took ~0.2 ms a token and ~5 ms besides
+FORWARD_COST_TOKENS = 25
 log = logging.getLogger(__name__)
 
 
@@ -120,30 +125,38 @@ class Int8Plan:
 def weight_scales(weight: torch.Tensor, int16_pairs: bool) -> torch.Tensor:
     """[N, 1]: compile/passes/quantize.py's `weight_scales` in PyTorch, for a kernel that sums pairs
     of products in int16 (`int8.Int8Kernel.int16_pairs`) or not."""
-    if int16_pairs:
+    if int16_pairs:  # a pair's largest sum of like-signed parts: |a + b| for like signs, else max(|a|, |b|)
         pairs = weight.reshape(weight.shape[0], -1, 2)
-        largest = torch.maximum(pairs.clamp(min=0).sum(-1), (-pairs).clamp(min=0).sum(-1)).amax(-1, keepdim=True)
+        first, second = pairs[..., 0], pairs[..., 1]
+        largest = torch.maximum((first + second).abs(), torch.maximum(first.abs(), second.abs())).amax(-1, keepdim=True)
     else:
         largest = weight.abs().amax(1, keepdim=True)
     return largest.clamp(min=1e-30) / int8.WEIGHT_CODES
 
 
+def weight_codes(module: torch.nn.Linear, scale: torch.Tensor | None, int16_pairs: bool) -> tuple:
+    """(the integer-valued codes [N, K], their steps [N, 1]) of `module`'s weight smoothed by `scale`
+    (None: not smoothed), as the compile quantizes it (`weight_scales`)."""
+    weight = module.weight if scale is None else module.weight * scale
+    step = weight_scales(weight, int16_pairs)
+    return torch.round(weight / step), step
+
+
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
-                          int16_pairs: bool = False, arrives_smoothed: bool = False) -> torch.Tensor:
+                          int16_pairs: bool = False, arrives_smoothed: bool = False,
+                          codes: tuple | None = None) -> torch.Tensor:
     """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing (x / scale,
     unless x `arrives_smoothed`: divided upstream), per-token asymmetric u8 activations,
-    per-output-channel weights (`weight_scales`), exact integer products (`integer_matmul`: no
-    rounding of large sums)."""
-    weight = module.weight
-    if scale is not None:
-        x, weight = x if arrives_smoothed else x / scale, weight * scale
+    per-output-channel weights (`weight_codes`, or `codes` where computed before), exact integer
+    products (`integer_matmul`: no rounding of large sums)."""
+    if scale is not None and not arrives_smoothed:
+        x = x / scale
     low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
     x_scale = (high - low).clamp(min=1e-30) / row_quantize.ACTIVATION_CODES
     inverse = 1.0 / x_scale
     zero = torch.round(-low * inverse)
     xq = (torch.round(x * inverse) + zero).clamp(0, row_quantize.ACTIVATION_CODES) - zero
-    w_scale = weight_scales(weight, int16_pairs)
-    wq = torch.round(weight / w_scale)
+    wq, w_scale = codes if codes is not None else weight_codes(module, scale, int16_pairs)
     y = integer_matmul(xq, wq, row_quantize.ACTIVATION_CODES * int8.WEIGHT_CODES).mul_(x_scale).mul_(w_scale.T)
     return y.add_(module.bias) if module.bias is not None else y
 
@@ -277,6 +290,29 @@ def score(accuracy: dict) -> tuple[float, float]:
     return accuracy["top1_agreement"], -accuracy["max_probability_diff"]
 
 
+def length_batches(rows: tuple[np.ndarray, ...]) -> tuple[list[tuple[torch.Tensor, ...]], np.ndarray]:
+    """(the rows, `rows[1]` their attention mask, sorted by length and split into batches each cut to
+    its longest, the order that puts the batches' outputs back in the rows' order). A row's outputs
+    do not depend on its padding (the library computes none), and padding is 72% of the shipped
+    sentences' padded tokens; the split minimises the tokens computed plus `FORWARD_COST_TOKENS` a
+    batch."""
+    lengths = rows[1].sum(1)
+    order = np.argsort(lengths, kind="stable")
+    longest = lengths[order]
+    cost, start = [0], [0]  # the least cost of the first i sorted rows, and where its last batch starts
+    for i in range(1, len(order) + 1):
+        first = min(range(i), key=lambda j: cost[j] + (i - j) * int(longest[i - 1]))
+        cost.append(cost[first] + (i - first) * int(longest[i - 1]) + FORWARD_COST_TOKENS)
+        start.append(first)
+    batches, end = [], len(order)
+    while end:
+        chosen = order[start[end]:end]
+        batches.insert(0, tuple(torch.from_numpy(np.ascontiguousarray(x[chosen, :int(longest[end - 1])]))
+                                for x in rows))
+        end = start[end]
+    return batches, np.argsort(order)
+
+
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
     `fallback_precision` (fp32 or bf16), run on the shipped sentence rows; with attention's
@@ -290,7 +326,7 @@ class Simulation:
         self.fallback_precision = fallback_precision
         self.attention_products = attention_products
         self.agreement = agreement
-        self.rows = tuple(torch.from_numpy(x) for x in rows)
+        self.batches, self.restore = length_batches(rows)
         names = {module: name for name, module in wrapper.named_modules()}
         self.linears = {module_key(name): module for module, name in names.items()
                         if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
@@ -303,6 +339,8 @@ class Simulation:
         self.values = {self.linears[key]: value for key, value in values.items()
                        if value is not None and value.bias is not None}
         self.folded: dict[torch.nn.Module, torch.Tensor] = {}  # V projection -> 1 / s of its output channels
+        self.codes: dict[torch.nn.Module, tuple] = {}  # `weight_codes` at smoothing `codes_alpha`
+        self.codes_alpha: float | None = None
         self.reference = self.run(reference=True)
 
     def tolerance(self) -> float:
@@ -329,7 +367,7 @@ class Simulation:
             readers.setdefault(id(inputs[0]), []).append(module)
 
         with torch.no_grad(), self._hooks(record):
-            self.wrapper(*(x[:1] for x in self.rows))
+            self.wrapper(*(x[:1] for x in self.batches[0]))
         units = []
         for modules in readers.values():
             keys = [module_key(names[m]) for m in modules]
@@ -340,7 +378,7 @@ class Simulation:
         """Each unit's largest |activation| per input channel over the sentences (real tokens only:
         padding rows are not an input the model is asked about)."""
         maxima: dict[torch.nn.Module, torch.Tensor] = {}
-        mask = self.rows[1].bool()
+        mask = None
 
         def record(module, inputs, output):
             x = inputs[0].detach()
@@ -349,30 +387,52 @@ class Simulation:
             maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
 
         with torch.no_grad(), self._hooks(record):
-            self.wrapper(*self.rows)
+            for batch in self.batches:
+                mask = batch[1].bool()
+                self.wrapper(*batch)
         for unit in self.units:
             unit.activation_max = maxima[unit.modules[0]].numpy()
 
+    def _as_built(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """`module`'s output as the int8 library computes it."""
+        inverse = self.folded.get(module)
+        if module in self.rounded:
+            return bf16_linear(module, x, inverse)
+        if module in self.state:
+            if module not in self.codes:
+                self.codes[module] = weight_codes(module, self.state[module], self.int16_pairs)
+            output = fake_quantized_linear(module, x, self.state[module], self.int16_pairs,
+                                           self.values.get(module) in self.folded, self.codes[module])
+        else:
+            output = torch.nn.functional.linear(x, module.weight, module.bias)
+        return output if inverse is None else output * inverse
+
+    @contextmanager
+    def _built_linears(self):
+        """The linears the library computes otherwise than in fp32 run as it does inside the block (in
+        place of their fp32 forward, which a forward hook would run first: a third of a pass)."""
+        modules = set(self.state) | self.rounded | set(self.folded)
+        for module in modules:
+            module.forward = functools.partial(self._as_built, module)
+        try:
+            yield
+        finally:
+            for module in modules:
+                del module.forward
+
     def run(self, reference: bool = False) -> np.ndarray:
         """The model's outputs on the rows: the fp32 `reference`, or as the int8 library computes them."""
-        def replace(module, inputs, output):
-            inverse = self.folded.get(module)
-            if module in self.rounded:
-                return bf16_linear(module, inputs[0], inverse)
-            if module in self.state:
-                output = fake_quantized_linear(module, inputs[0], self.state[module], self.int16_pairs,
-                                               arrives_smoothed=self.values.get(module) in self.folded)
-            return output if inverse is None else output * inverse
-
         simulated = self.attention_products in SIMULATED_PRODUCTS and not reference
-        with torch.no_grad(), self._hooks(replace), (simulated_attention(self.wrapper, self.attention_products)
-                                                      if simulated else nullcontext()):
-            return self.wrapper(*self.rows).float().numpy()
+        with torch.no_grad(), self._built_linears(), (simulated_attention(self.wrapper, self.attention_products)
+                                                       if simulated else nullcontext()):
+            return torch.cat([self.wrapper(*batch).float() for batch in self.batches]).numpy()[self.restore]
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
         """`agreement` to the fp32 model with every unit not in `kept` quantized at smoothing `alpha`,
         those in `kept` in `fallback_precision`."""
         self.state, self.rounded = {}, set()
+        if alpha != self.codes_alpha:  # the weights' codes are reused while alpha stays (the plan's passes)
+            self.codes, self.codes_alpha = {}, alpha
         for unit in self.units:
             if unit.name in kept:
                 if self.fallback_precision == "bf16":

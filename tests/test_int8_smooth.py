@@ -339,6 +339,46 @@ def test_the_simulation_rounds_a_bf16_value_projection_with_the_smoothing_folded
     assert np.abs(simulated - expected).max() < 1e-5 * np.abs(expected).max()  # 1.5e-4 with W rounded unscaled
 
 
+
+def test_the_simulation_runs_the_sentences_in_length_batches_and_answers_in_their_order(outlier_checkpoint):
+    """The plan's passes skip the padding: the sentences sorted by length, in batches each cut to its
+    longest, as few tokens computed as a forward pass's fixed cost allows; the outputs come back in
+    the sentences' order and equal the padded batch's. The linears it replaces get their forward
+    back after each pass."""
+    from compile.int8_plan import FORWARD_COST_TOKENS, Simulation, length_batches
+
+    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    batches, restore = length_batches(rows)
+    lengths = [batch[1].sum(1) for batch in batches]
+    assert all(int(length.max()) == batch[1].shape[1] for length, batch in zip(lengths, batches))  # cut to the longest
+    assert sorted(np.concatenate(lengths).tolist()) == sorted(rows[1].sum(1).tolist())
+    computed = sum(batch[1].numel() for batch in batches)
+    assert len(batches) > 1 and computed + FORWARD_COST_TOKENS * len(batches) < rows[1].size + FORWARD_COST_TOKENS
+    ids = torch.cat([torch.nn.functional.pad(batch[0], (0, rows[0].shape[1] - batch[0].shape[1])) for batch in batches])
+    np.testing.assert_array_equal(ids.numpy()[restore], rows[0])
+
+    simulation = Simulation(wrapper, rows, keys, lambda actual, reference: {"actual": actual})
+    with torch.no_grad():
+        padded = wrapper(*(torch.from_numpy(x) for x in rows)).numpy()
+    np.testing.assert_allclose(simulation.reference, padded, rtol=0, atol=1e-5 * np.abs(padded).max())
+    simulation.calibrate()
+    assert not np.array_equal(simulation.accuracy(0.5, set())["actual"], simulation.reference)
+    assert not any("forward" in vars(module) for module in wrapper.modules())
+
+
+def test_length_batches_split_where_the_padding_saved_outweighs_a_pass():
+    """A long row beside short ones gets its own batch; rows a few tokens apart share one."""
+    from compile.int8_plan import FORWARD_COST_TOKENS, length_batches
+
+    def split(lengths):
+        mask = (np.arange(max(lengths))[None] < np.array(lengths)[:, None]).astype(np.int64)
+        batches, restore = length_batches((mask * 7, mask))
+        return [sorted(batch[1].sum(1).tolist()) for batch in batches], restore
+
+    batches, restore = split([60, 1, 1, 1])
+    assert batches == [[1, 1, 1], [60]] and restore.tolist() == [3, 0, 1, 2]
+    near = FORWARD_COST_TOKENS // 4  # padding 3 rows by less than a pass costs: one batch
+    assert split([near, 1, 1, 1])[0] == [[1, 1, 1, near]]
 def test_concatenated_qkv_is_one_linear_of_three_modules(tiny_bert_dir):
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.importer import export_and_import

@@ -12,8 +12,9 @@ where building and running a library takes a minute, so the plan can afford:
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
 3. sensitivity, where every linear in int8 misses the int8 gate (compile/precision.py) or
    `--min-cosine`: for each linear group, the accuracy with it alone in int8 and the rest in the
-   higher precision (one pass per group, and one more per group in 4.: 2.6 minutes of a
-   12 x 768 BERT's plan on 2 cores, not spent where nothing is kept);
+   higher precision (one pass per group, and one more per group in 4., each starting after the
+   layers it shares with an earlier pass: `LayerCache`; 1.5 minutes of a 12 x 768 BERT's plan on
+   2 cores, not spent where nothing is kept);
 4. fallback: starting from every group in the higher precision (bf16 where the CPU has it, else
    fp32; simulated in it, bf16 rounds too), the groups are admitted to int8 one at a time, the
    least accuracy lost per multiply-add saved first, each only where the simulation still keeps
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +59,7 @@ EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
 # A forward pass's fixed cost (Python, hooks, operator launches) in padded tokens' time: MiniLM's
 # passes on 2 cores took ~0.2 ms a token and ~5 ms besides
 FORWARD_COST_TOKENS = 25
+LAYER_CACHE_BYTES = 256 * 2**20  # encoder layers' outputs kept from the plan's passes for later ones
 log = logging.getLogger(__name__)
 
 
@@ -313,6 +316,80 @@ def length_batches(rows: tuple[np.ndarray, ...]) -> tuple[list[tuple[torch.Tenso
     return batches, np.argsort(order)
 
 
+def encoder_layers(wrapper: torch.nn.Module, linears: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The model's encoder layers in order: the ModuleList whose children hold most of `linears`."""
+    best: list[torch.nn.Module] = []
+    for candidate in wrapper.modules():
+        if isinstance(candidate, torch.nn.ModuleList):
+            holding = [layer for layer in candidate if any(m in linears for m in layer.modules())]
+            if len(holding) > len(best):
+                best = list(candidate)
+    return best
+
+
+class LayerCache:
+    """Encoder layers' outputs of earlier passes (per length batch), keyed by what decides them: the
+    smoothing and which units up to the layer, or outside every layer, are kept. The plan's passes
+    change one unit at a time from a configuration it ran before, so a pass starts after the layers
+    it shares with one: half the encoder on average. Least recently used first out, `LAYER_CACHE_BYTES`
+    in all."""
+
+    def __init__(self, wrapper: torch.nn.Module, units: list[Unit]):
+        self.layers = encoder_layers(wrapper, [m for unit in units for m in unit.modules])
+        self.depth = {}  # unit name -> the index of its layer; absent: outside every layer
+        for unit in units:
+            for index, layer in enumerate(self.layers):
+                if any(m is unit.modules[0] for m in layer.modules()):
+                    self.depth[unit.name] = index
+        self.entries: OrderedDict[tuple, list] = OrderedDict()
+        self.bytes = 0
+
+    def keys(self, alpha: float, kept: set[str]) -> list[tuple]:
+        """Per layer, what its output depends on."""
+        return [(index, alpha, frozenset(name for name in kept if self.depth.get(name, -1) <= index))
+                for index in range(len(self.layers))]
+
+    @contextmanager
+    def reusing(self, keys: list[tuple]):
+        """Inside: the leading layers whose outputs for `keys` are cached answer from the cache, in
+        batch order; the others compute theirs, which are stored once the pass completes."""
+        reused = 0
+        while reused < len(keys) and keys[reused] in self.entries:
+            self.entries.move_to_end(keys[reused])
+            reused += 1
+        computed: dict[tuple, list] = {key: [] for key in keys[reused:]}
+        handles = [layer.register_forward_hook(lambda module, inputs, output, key=key: computed[key].append(output))
+                   for layer, key in zip(self.layers[reused:], keys[reused:])]
+        for layer, key in zip(self.layers[:reused], keys[:reused]):
+            outputs = iter(self.entries[key])
+            layer.forward = lambda *args, outputs=outputs, **kwargs: next(outputs)
+        try:
+            yield
+            for key, outputs in computed.items():
+                self._store(key, outputs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            for layer in self.layers[:reused]:
+                del layer.forward
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def _store(self, key: tuple, outputs: list) -> None:
+        self.entries[key] = outputs
+        self.bytes += _nbytes(outputs)
+        while self.bytes > LAYER_CACHE_BYTES and len(self.entries) > 1:
+            self.bytes -= _nbytes(self.entries.popitem(last=False)[1])
+
+
+def _nbytes(outputs: list) -> int:
+    """The bytes of a layer's outputs (tensors, or tuples holding them)."""
+    leaves = (leaf for output in outputs for leaf in (output if isinstance(output, tuple) else (output,)))
+    return sum(leaf.nbytes for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
     `fallback_precision` (fp32 or bf16), run on the shipped sentence rows; with attention's
@@ -331,6 +408,7 @@ class Simulation:
         self.linears = {module_key(name): module for module, name in names.items()
                         if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
         self.units = self._units(names)
+        self.layer_cache = LayerCache(wrapper, self.units)
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
         self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
         # output projection -> the V projection its smoothing is folded into (passes/smooth.py), which
@@ -386,6 +464,8 @@ class Simulation:
             found = real.abs().amax(0)
             maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
 
+        self.codes, self.codes_alpha = {}, None  # both follow from the maxima
+        self.layer_cache.clear()
         with torch.no_grad(), self._hooks(record):
             for batch in self.batches:
                 mask = batch[1].bool()
@@ -443,7 +523,8 @@ class Simulation:
                 self.state[module] = scale
         self.folded = {self.values[module]: (1.0 / scale).float() for module, scale in self.state.items()
                        if scale is not None and module in self.values}
-        actual = self.run()
+        with self.layer_cache.reusing(self.layer_cache.keys(alpha, kept)):
+            actual = self.run()
         self.state, self.rounded, self.folded = {}, set(), {}
         return self.agreement(actual, self.reference)
 

@@ -366,6 +366,39 @@ def test_the_simulation_runs_the_sentences_in_length_batches_and_answers_in_thei
     assert not any("forward" in vars(module) for module in wrapper.modules())
 
 
+def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answers_the_same(outlier_checkpoint):
+    """The plan's passes change one unit at a time: a pass whose layer-0 units are as in an earlier
+    pass takes layer 0's outputs from it (its linears do not run) and answers exactly what a
+    simulation with no earlier passes answers; a change in layer 0 runs every layer."""
+    from compile.int8_plan import Simulation
+
+    def outputs(actual, reference):
+        return {"actual": actual}
+
+    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    simulation = Simulation(wrapper, rows, keys, outputs)
+    simulation.calibrate()
+    everyone = {unit.name for unit in simulation.units}
+    in_layer = {index: next(u for u in simulation.units if f"layer.{index}.output.dense" in u.name) for index in (0, 1)}
+    runs = dict.fromkeys(in_layer, 0)
+    for index, unit in in_layer.items():
+        unit.modules[0].register_forward_hook(lambda *_, index=index: runs.__setitem__(index, runs[index] + 1))
+    batches = len(simulation.batches)
+    configurations = [everyone, everyone - {in_layer[1].name}, everyone - {in_layer[0].name}]
+    answers, counted = [], []
+    for kept in configurations:
+        before = dict(runs)
+        answers.append(simulation.accuracy(0.5, kept)["actual"])
+        counted.append({index: runs[index] - before[index] for index in runs})
+    assert counted == [{0: batches, 1: batches}, {0: 0, 1: batches}, {0: batches, 1: batches}]
+    for kept, answer in zip(configurations, answers):
+        fresh = Simulation(wrapper, rows, keys, outputs)
+        fresh.calibrate()
+        np.testing.assert_array_equal(answer, fresh.accuracy(0.5, kept)["actual"])
+    assert not np.array_equal(answers[0], answers[1])
+    assert not any("forward" in vars(module) for module in wrapper.modules())
+
+
 def test_length_batches_split_where_the_padding_saved_outweighs_a_pass():
     """A long row beside short ones gets its own batch; rows a few tokens apart share one."""
     from compile.int8_plan import FORWARD_COST_TOKENS, length_batches

@@ -457,3 +457,24 @@ def test_softmax_times_values_passes_fill_the_register_budget(lanes, head_size, 
                               for store in _nodes(group.body, tirx.BufferStore) if store.buffer.name == "context"}
             accumulated += [accumulator] * (int(part.extent) * int(group.extent))
         assert sorted(accumulated) == sorted(passes)
+
+
+def test_a_kernel_is_written_once_per_process_for_each_shape_and_products():
+    """Parsing the kernel's script takes seconds and a compile asks for it per library: the same sizes
+    (vars by name), lanes and products give the same PrimFunc, equal to a parse with the caller's own
+    vars; other sizes or products another; sizes given as expressions of a var are written each time
+    (a cached kernel's vars are its own, so an expression of the caller's would not refer to them)."""
+    hidden = HEADS * HEAD_SIZE
+
+    def shape(seq, packed=True):
+        batch = tirx.Var("b", "int64")
+        return AttentionShape(batch, seq, tirx.Var("t", "int64") if packed else batch * seq, HEADS, HEAD_SIZE, 40,
+                              0.25, packed, (3 * hidden,) * 3, (0, hidden, 2 * hidden))
+
+    kernel, again = attention.write_attention(shape(24), 16), shape(24)
+    assert attention.write_attention(again, 16) is kernel
+    tvm.ir.assert_structural_equal(kernel, attention._write_attention(again, 16, "fp32"), map_free_vars=True)
+    assert attention.write_attention(again, 16, "bf16") is not kernel
+    assert attention.write_attention(shape(32), 16) is not kernel
+    padded = shape(24, packed=False)
+    assert attention.write_attention(padded, 16) is not attention.write_attention(padded, 16)

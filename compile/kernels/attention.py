@@ -51,7 +51,8 @@ take(context, scatter).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -129,7 +130,27 @@ def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
     `products` "bf16" runs its two products on attention_bf16's micro-kernels, "amx" on
     attention_amx's tiles (each where it supports the head size and lanes, else the next of
-    amx, bf16, fp32), "int8" on attention_int8's (else fp32), "fp32" in the loops below."""
+    amx, bf16, fp32), "int8" on attention_int8's (else fp32), "fp32" in the loops below.
+
+    Parsing the script takes seconds (each use of a macro parses it again), and a compile asks for
+    the same kernel for every library it builds and for its pass report, so each kernel is written
+    once per process where its sizes are ints or vars: vars are told apart by name and type (a
+    PrimFunc's vars are its own)."""
+    sizes = (shape.batch, shape.seq, shape.rows)
+    if not all(isinstance(x, (int, tirx.Var)) for x in sizes):  # an expression of a var: written as given
+        return _write_attention(shape, lanes, products)
+    named = [(x.name, str(x.ty)) if isinstance(x, tirx.Var) else x for x in sizes]
+    return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2]), lanes, products)
+
+
+@lru_cache(maxsize=64)
+def _written(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
+    """`_write_attention` of a shape whose symbolic sizes are (name, dtype) pairs."""
+    batch, seq, rows = (tirx.Var(*x) if isinstance(x, tuple) else x for x in (shape.batch, shape.seq, shape.rows))
+    return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows), lanes, products)
+
+
+def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
     amx = products == "amx" and attention_amx.supports(shape.head_size, lanes)
     bf16 = amx or (products in ("bf16", "amx") and attention_bf16.supports(shape.head_size, lanes))
     int8 = products == "int8" and attention_int8.supports(shape.head_size, lanes)

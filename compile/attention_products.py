@@ -14,7 +14,7 @@ libraries keep fp32 products.
 int8 libraries may also have int8 products (kernels/attention_int8.py: `vpmaddubsw` at AVX2,
 `vpdpbusd` on zmm with AVX512_VNNI), timed beside fp32 and bf16 and kept where fastest: on the
 same Xeon with znver4's code the compile timed the int8 kernel at 0.62-0.68x the fp32 kernel's
-time at heads of 64 and 32, and bf16 at 1.41-1.63x. The int8 plan simulates them (int8_plan.Simulation): they cost
+time at heads of 64 and 32, and bf16 at 1.41-1.63x. The int8 plan simulates them (int8_simulation.Simulation): they cost
 accuracy where bf16 ones do not, so where every linear in int8 beside them misses the gate, the
 compile gives int8 libraries the products bf16 ones have instead (`AttentionChoice.without_int8`,
 pipeline.plan_int8_linears).

@@ -1,7 +1,7 @@
 """compile/kernels/attention_int8.py: attention's two products in int8 at AVX2 (x86-64-v3 code, which
 every machine of ours runs) and on zmm (`vpmaddubsw` at x86-64-v4, `vpdpbusd` at icelake-server:
 skipped where the CPU lacks AVX512BW / VNNI), against the int8 plan's PyTorch simulation of them
-(int8_plan.fake_quantized_attention), against fp32 attention and each other; the plan simulating
+(int8_simulation.fake_quantized_attention), against fp32 attention and each other; the plan simulating
 them; a compile that times, builds, validates and records them."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tvm
 from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
-from compile import attention_products, int8_plan, pipeline
+from compile import attention_products, int8_simulation, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.kernels import attention_int8, int8
@@ -68,7 +68,7 @@ def test_int8_products_compute_what_the_plan_simulates(head_size, seq, length, t
             np.testing.assert_allclose(on_zmm, out, rtol=1e-5, atol=1e-6)
     query, key, value = attention_heads(qkv, heads, head_size)
     mask = torch.from_numpy(bias)
-    simulated, _ = int8_plan.fake_quantized_attention(None, query, key, value, mask)
+    simulated, _ = int8_simulation.fake_quantized_attention(None, query, key, value, mask)
     simulated = simulated.reshape(seq, heads * head_size).numpy()
     difference = np.abs(out[:length] - simulated[:length])
     assert np.median(difference) < 1e-5 and difference.max() < 4e-3 * np.abs(simulated).max()
@@ -101,7 +101,7 @@ def test_values_are_scaled_by_their_pair_bound():
     query = torch.ones(1, 1, 4, 2)
     key = torch.zeros(1, 1, 4, 2)
     key[0, 0, 0] = 100.0  # key 0's score 141, the others' 0: their probability codes round to 0
-    context, _ = int8_plan.fake_quantized_attention(None, query, key, value, None)
+    context, _ = int8_simulation.fake_quantized_attention(None, query, key, value, None)
     torch.testing.assert_close(context[0, :, 0], torch.tensor([[64 * 2 / 127, 1.0]]).expand(4, 2))
 
 
@@ -132,8 +132,8 @@ def test_the_plan_simulates_reduced_products_where_the_library_runs_them(product
     ids = torch.randint(1000, 2000, (4, 12)).numpy()
     mask = (np.arange(12)[None] < np.array([[12], [7], [3], [1]])).astype(np.int64)
     rows = (ids, mask)
-    fp32 = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement).accuracy(0.0, set())
-    reduced = int8_plan.Simulation(Embedder(), rows, set(), embedding_agreement,
+    fp32 = int8_simulation.Simulation(Embedder(), rows, set(), embedding_agreement).accuracy(0.0, set())
+    reduced = int8_simulation.Simulation(Embedder(), rows, set(), embedding_agreement,
                                    attention_products=products).accuracy(0.0, set())
     assert fp32["cosine_min"] == pytest.approx(1.0, abs=1e-6)
     assert least < reduced["cosine_min"] < 1 - 1e-6

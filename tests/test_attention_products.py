@@ -149,14 +149,14 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
 
 
 def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
-    """bf16 (or AMX) products against the int8 plan's simulation of them (int8_plan.fake_bf16_attention):
+    """bf16 (or AMX) products against the int8 plan's simulation of them (int8_simulation.fake_bf16_attention):
     the same operands rounded the same way and the same exp, so the same answers up to the order of
     fp32 sums (where fp32 attention differs by the rounding itself), the padding keys left out."""
     if HOST_ROUNDED is None or not RUNS_REDUCED:
         pytest.skip("this CPU has no AVX512_BF16")
     import torch
 
-    from compile.int8_plan import fake_bf16_attention
+    from compile.int8_simulation import fake_bf16_attention
 
     seq, length, heads, head_size = 64, 37, SMALL.heads, SMALL.head_size
     build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), HOST_ROUNDED), HOST,

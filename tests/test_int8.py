@@ -20,7 +20,7 @@ from tvm.sym import Analyzer
 from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
 from compile.build import make_target
-from compile.int8_plan import weight_scales
+from compile.int8_simulation import weight_scales
 from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
 from compile.passes.quantize import weight_scales as weight_scales_pass

@@ -1,5 +1,6 @@
 """Mixed int8: SmoothQuant scaling (compile/passes/smooth.py), the measured plan of which linears
-int8 smooths and keeps out (compile/int8_plan.py), and the int8 gate of the compile.
+int8 smooths and keeps out (compile/int8_plan.py) and its simulation (compile/int8_simulation.py),
+and the int8 gate of the compile.
 
 The plans are tested on tiny random BERTs with a planted defect: an outlier activation channel
 (which smoothing removes) or two huge channels that cancel in the product (which no per-channel
@@ -271,7 +272,8 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
     simulation reproduces to within its tolerance, the gate is asked with that much to spare: the
     unit that left exactly the floor is not admitted then. Integer and fp32 arithmetic is simulated
     exactly: no margin."""
-    from compile.int8_plan import SIMULATION_TOLERANCE, Simulation, admit, measure_sensitivity, with_margin
+    from compile.int8_plan import admit, measure_sensitivity, with_margin
+    from compile.int8_simulation import SIMULATION_TOLERANCE, Simulation
 
     simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
                                       "tiny": (1, 0.0)})
@@ -292,7 +294,7 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
     """Kept in fp32, the model is the reference itself; kept in bf16, the simulation rounds their
     operands as the bf16 kernels do, so the plan's numbers include bf16's error."""
-    from compile.int8_plan import Simulation
+    from compile.int8_simulation import Simulation
 
     def largest_difference(actual, reference):  # relative to the largest output
         return {"difference": float(np.abs(actual - reference).max() / np.abs(reference).max())}
@@ -314,7 +316,7 @@ def test_the_simulation_rounds_a_bf16_value_projection_with_the_smoothing_folded
     output away here)."""
     import copy
 
-    from compile.int8_plan import Simulation
+    from compile.int8_simulation import Simulation
 
     def outputs(actual, reference):
         return {"actual": actual}
@@ -345,7 +347,7 @@ def test_the_simulation_runs_the_sentences_in_length_batches_and_answers_in_thei
     longest, as few tokens computed as a forward pass's fixed cost allows; the outputs come back in
     the sentences' order and equal the padded batch's. The linears it replaces get their forward
     back after each pass."""
-    from compile.int8_plan import FORWARD_COST_TOKENS, Simulation, length_batches
+    from compile.int8_simulation import FORWARD_COST_TOKENS, Simulation, length_batches
 
     wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
     batches, restore = length_batches(rows)
@@ -370,7 +372,7 @@ def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answer
     """The plan's passes change one unit at a time: a pass whose layer-0 units are as in an earlier
     pass takes layer 0's outputs from it (its linears do not run) and answers exactly what a
     simulation with no earlier passes answers; a change in layer 0 runs every layer."""
-    from compile.int8_plan import Simulation
+    from compile.int8_simulation import Simulation
 
     def outputs(actual, reference):
         return {"actual": actual}
@@ -401,7 +403,7 @@ def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answer
 
 def test_length_batches_split_where_the_padding_saved_outweighs_a_pass():
     """A long row beside short ones gets its own batch; rows a few tokens apart share one."""
-    from compile.int8_plan import FORWARD_COST_TOKENS, length_batches
+    from compile.int8_simulation import FORWARD_COST_TOKENS, length_batches
 
     def split(lengths):
         mask = (np.arange(max(lengths))[None] < np.array(lengths)[:, None]).astype(np.int64)
@@ -507,7 +509,7 @@ def test_integer_products_are_exact_at_the_int8_bound():
     """The simulation's integer products are the exact sums rounded once, where one fp32 product
     rounds as it sums: activations and weights near their largest over a 3072-long inner axis
     (a 12 x 768 BERT's FFN down: sums past 2^25), and a 384-long one, which fp32 sums exactly."""
-    from compile.int8_plan import integer_matmul
+    from compile.int8_simulation import integer_matmul
     from compile.kernels.int8 import WEIGHT_CODES as weight_max
 
     generator = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from tvm.script import relax as R
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
-from compile.int8_plan import fake_quantized_linear
+from compile.int8_simulation import fake_quantized_linear
 from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
@@ -122,7 +122,7 @@ def test_quantize_pass_folds_the_smoothing_multiply_into_the_row_quantizer():
     for name, w in (("up", up), ("down", down)):
         linear[name].weight.data = w
     pairs, scale = int8.AVX2.int16_pairs, {name: torch.from_numpy(v) for name, v in scales.items()}
-    with torch.no_grad():  # the kernels' arithmetic, smoothing by the same vectors (compile/int8_plan.py)
+    with torch.no_grad():  # the kernels' arithmetic, smoothing by the same vectors (compile/int8_simulation.py)
         hidden = torch.nn.functional.gelu(fake_quantized_linear(linear["up"], h, scale["up"], pairs))
         expected = fake_quantized_linear(linear["down"], hidden, scale["down"], pairs).numpy()
     np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())

@@ -19,7 +19,7 @@ The operands, each quantized once, as the int8 linears' are (kernels/int8.py):
 Each query's context is divided by its sum of probability codes, the same rounded weights as the
 product's. Accuracy: MiniLM's x86-64-v3 int8 library keeps least cosine 0.9922 to fp32 over the
 shipped sentences, where with fp32 products it kept 0.9941, under the 0.99 gate the int8 plan
-simulates it against (int8_plan.Simulation).
+simulates it against (int8_simulation.Simulation).
 
 Every instruction set computes the same codes and sums them exactly, so one simulation serves
 all. On zmm the scores take 16 keys a block and the context 16 accumulators: `vpdpbusd`'s 5-cycle

@@ -77,7 +77,7 @@ def weight_scales(w: relax.Expr, n: int, k: int, kernel: int8.Int8Kernel) -> rel
     where `kernel` sums pairs of products in int16 (AVX2), its largest sum of a pair's (k = 2i, 2i + 1)
     weights of one sign onto 127. Rounding adds at most one code to a pair, so no pair of codes of one
     sign sums past `int8.PAIR_CODES`, and no code past 127 (a pair's sum bounds each of its weights).
-    compile/int8_plan.py's simulation (`weight_scales` there) is the same rule in PyTorch."""
+    compile/int8_simulation.py (`weight_scales` there) is the same rule in PyTorch."""
     op = relax.op
     if kernel.int16_pairs:
         pairs, nothing = op.reshape(w, (n, k // 2, 2)), relax.const(0.0, "float32")

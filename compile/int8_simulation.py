@@ -241,15 +241,42 @@ def length_batches(rows: tuple[np.ndarray, ...]) -> tuple[list[tuple[torch.Tenso
     return batches, np.argsort(order)
 
 
-def encoder_layers(wrapper: torch.nn.Module, linears: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The model's encoder layers in order: the ModuleList whose children hold most of `linears`."""
+def encoder_layers(wrapper: torch.nn.Module, linears: list[torch.nn.Module],
+                   run: Callable[[], object]) -> list[torch.nn.Module]:
+    """The model's encoder layers in order: the ModuleList whose children hold most of `linears`,
+    where a forward pass (`run`) calls each once, in order, each on the output of the one before (so
+    that a pass may start from a layer's stored output); else none."""
     best: list[torch.nn.Module] = []
     for candidate in wrapper.modules():
         if isinstance(candidate, torch.nn.ModuleList):
             holding = [layer for layer in candidate if any(m in linears for m in layer.modules())]
             if len(holding) > len(best):
                 best = list(candidate)
-    return best
+    calls = []
+
+    def record(module, args, kwargs, output):
+        calls.append((module, _first_tensor((*args, *kwargs.values())), _first_tensor((output,))))
+
+    handles = [layer.register_forward_hook(record, with_kwargs=True) for layer in best]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    chained = [module for module, _, _ in calls] == best and all(
+        later[1] is not None and later[1] is earlier[2] for earlier, later in zip(calls, calls[1:]))
+    return best if chained else []
+
+
+def _first_tensor(values) -> torch.Tensor | None:
+    """The first tensor of `values`, looking into tuples (a layer's output may be one)."""
+    for value in values:
+        if isinstance(value, tuple):
+            value = _first_tensor(value)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
 
 
 class LayerCache:
@@ -259,8 +286,8 @@ class LayerCache:
     it shares with one: half the encoder on average. Least recently used first out, `LAYER_CACHE_BYTES`
     in all."""
 
-    def __init__(self, wrapper: torch.nn.Module, units: list[Unit]):
-        self.layers = encoder_layers(wrapper, [m for unit in units for m in unit.modules])
+    def __init__(self, wrapper: torch.nn.Module, units: list[Unit], run: Callable[[], object]):
+        self.layers = encoder_layers(wrapper, [m for unit in units for m in unit.modules], run)
         self.depth = {}  # unit name -> the index of its layer; absent: outside every layer
         for unit in units:
             for index, layer in enumerate(self.layers):
@@ -333,7 +360,7 @@ class Simulation:
         self.linears = {module_key(name): module for module, name in names.items()
                         if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
         self.units = self._units(names)
-        self.layer_cache = LayerCache(wrapper, self.units)
+        self.layer_cache = LayerCache(wrapper, self.units, lambda: wrapper(*(x[:1] for x in self.batches[0])))
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
         self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
         # output projection -> the V projection its smoothing is folded into (passes/smooth.py), which

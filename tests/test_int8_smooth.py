@@ -401,6 +401,35 @@ def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answer
     assert not any("forward" in vars(module) for module in wrapper.modules())
 
 
+@pytest.mark.parametrize("chained", [True, False])
+def test_only_layers_that_run_as_a_chain_are_taken_from_earlier_passes(chained):
+    """A pass may start from a layer's stored output only where the layers run once each, in order,
+    each on the output of the one before: a ModuleList of branches that all read one input gives the
+    cache no layers."""
+    from compile.int8_simulation import Simulation
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, ids, mask):
+            x = torch.nn.functional.one_hot(ids % 8, 8).float()
+            if chained:
+                for layer in self.layers:
+                    x = layer(x)
+                return x.mean(1)
+            return sum(layer(x) for layer in self.layers).mean(1)
+
+    model = Stack()
+    rows = (np.arange(24).reshape(3, 8), np.ones((3, 8), dtype=np.int64))
+    keys = {f"layers_{index}" for index in range(3)}
+    simulation = Simulation(model, rows, keys, lambda actual, reference: {"actual": actual})
+    assert simulation.layer_cache.layers == (list(model.layers) if chained else [])
+    assert len(simulation.units) == (3 if chained else 1)  # branches read one input: one unit
+
+
 def test_length_batches_split_where_the_padding_saved_outweighs_a_pass():
     """A long row beside short ones gets its own batch; rows a few tokens apart share one."""
     from compile.int8_simulation import FORWARD_COST_TOKENS, length_batches

@@ -9,6 +9,7 @@ the core topology is planned up front, so a wrong directory or flag fails fast.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -73,6 +74,18 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
     if twice:
         raise ArtifactSetError(f"two models are named {twice[0]!r}; name them apart with --served-name")
     return served
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now into the garbage collector's permanent generation. A full
+    collection walks every tracked object, and a loaded server holds ~270k (modules, tokenizers,
+    TVM's): 120-140 ms on a Zen 4 core, in which the event loop and every request in flight wait
+    (`python -c "import gc, time, service.app; from artifact.loader import load_artifact;
+    m = load_artifact('artifacts/minilm-cpu'); t = time.perf_counter(); gc.collect();
+    print(time.perf_counter() - t)"`). What startup built lives as long as the server, so later full
+    collections need walk only what came after it. Garbage is collected first, not kept for good."""
+    gc.collect()
+    gc.freeze()
 
 
 class Runtime:
@@ -147,6 +160,7 @@ class Runtime:
             if self.on_fatal is not None:
                 self.on_fatal()
             return
+        freeze_startup_objects()
         self.loaded = True
         log.info("ready in %.1f s (%s)", time.perf_counter() - started, self.topology)
 

@@ -8,11 +8,29 @@ is a 422, not silently coerced. Unknown fields are ignored, as TEI's serde model
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-Inputs = str | list[str]
+
+def _texts(value: object) -> object:
+    """A string or a list of strings passes; anything else is refused in one line (not as the
+    union's error per branch, `inputs.str: Input should be a valid string`), token ids by name."""
+    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(text, str) for text in value)):
+        return value
+    if isinstance(value, list) and value and all(_token_ids(item) for item in value):
+        raise ValueError("token ids are not accepted: send the text, a string or a list of strings")
+    raise ValueError("expected a string or a list of strings")
+
+
+def _token_ids(value: object) -> bool:
+    """An int (not a bool) or a non-empty list of them: a token id, or one input's ids."""
+    if isinstance(value, list):
+        return bool(value) and all(_token_ids(item) and not isinstance(item, list) for item in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+Inputs = Annotated[str | list[str], BeforeValidator(_texts)]
 
 
 def _non_empty(value: Inputs) -> Inputs:

@@ -287,6 +287,22 @@ def test_bad_input_gets_status_and_json(client, route, body, status):
         assert "64" in error["error"]  # names the limit
 
 
+@pytest.mark.parametrize(("route", "field", "value", "message"), [
+    ("/embed", "inputs", [101, 2023, 102], "inputs: token ids are not accepted: send the text"),
+    ("/embed", "inputs", [[101, 2023, 102], [101, 102]], "inputs: token ids are not accepted: send the text"),
+    ("/v1/embeddings", "input", [[101, 2023, 102]], "input: token ids are not accepted: send the text"),
+    ("/embed", "inputs", 42, "inputs: expected a string or a list of strings"),
+    ("/embed", "inputs", ["fine", 42], "inputs: expected a string or a list of strings"),
+    ("/embed", "inputs", None, "inputs: expected a string or a list of strings"),
+    ("/embed", "inputs", [True, False], "inputs: expected a string or a list of strings"),
+])
+def test_inputs_that_are_not_text_are_refused_in_one_line(client, route, field, value, message):
+    """Not the union's error per branch (`inputs.str: Input should be a valid string`): what was
+    expected, and token ids (which TEI and OpenAI accept) named as such."""
+    response = client.post(route, json={field: value})
+    assert response.status_code == 422 and response.json()["error"].startswith(message), response.text
+
+
 def test_non_json_and_oversized_bodies(client):
     for content in (b"not json", b"{\"inputs\": ", "{\"inputs\": \"caf\u00e9\"".encode()):
         response = client.post("/embed", content=content, headers={"content-type": "application/json"})

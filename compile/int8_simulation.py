@@ -360,7 +360,7 @@ class Simulation:
         self.linears = {module_key(name): module for module, name in names.items()
                         if isinstance(module, torch.nn.Linear) and module_key(name) in quantized_keys}
         self.units = self._units(names)
-        self.layer_cache = LayerCache(wrapper, self.units, lambda: wrapper(*(x[:1] for x in self.batches[0])))
+        self.layer_cache = LayerCache(wrapper, self.units, self._probe)
         self.state: dict[torch.nn.Module, torch.Tensor | None] = {}  # quantized module -> its smoothing or None
         self.rounded: set[torch.nn.Module] = set()  # modules kept out of int8 that run in bf16
         # output projection -> the V projection its smoothing is folded into (passes/smooth.py), which
@@ -387,6 +387,10 @@ class Simulation:
             for handle in handles:
                 handle.remove()
 
+    def _probe(self) -> None:
+        """A pass over one sentence, for what its hooks see of the model's structure."""
+        self.wrapper(*(x[:1] for x in self.batches[0]))
+
     def _units(self, names: dict) -> list[Unit]:
         """Group the linears by the input tensor they read in one forward pass (Q, K, V share one)."""
         readers: dict[int, list[torch.nn.Linear]] = {}
@@ -397,7 +401,7 @@ class Simulation:
             readers.setdefault(id(inputs[0]), []).append(module)
 
         with torch.no_grad(), self._hooks(record):
-            self.wrapper(*(x[:1] for x in self.batches[0]))
+            self._probe()
         units = []
         for modules in readers.values():
             keys = [module_key(names[m]) for m in modules]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 
 def _texts(value: object) -> object:
@@ -18,28 +18,31 @@ def _texts(value: object) -> object:
     union's error per branch, `inputs.str: Input should be a valid string`), token ids by name."""
     if isinstance(value, str) or (isinstance(value, list) and all(isinstance(text, str) for text in value)):
         return value
-    if isinstance(value, list) and value and all(_token_ids(item) for item in value):
+    if isinstance(value, list) and value and all(_token_id(item) or _token_ids(item) for item in value):
         raise ValueError("token ids are not accepted: send the text, a string or a list of strings")
     raise ValueError("expected a string or a list of strings")
 
 
-def _token_ids(value: object) -> bool:
-    """An int (not a bool) or a non-empty list of them: a token id, or one input's ids."""
-    if isinstance(value, list):
-        return bool(value) and all(_token_ids(item) and not isinstance(item, list) for item in value)
+def _token_id(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-Inputs = Annotated[str | list[str], BeforeValidator(_texts)]
+def _token_ids(value: object) -> bool:
+    """One input's token ids: a non-empty list of them."""
+    return isinstance(value, list) and bool(value) and all(_token_id(item) for item in value)
 
 
-def _non_empty(value: Inputs) -> Inputs:
+def _non_empty(value: str | list[str]) -> str | list[str]:
     texts = [value] if isinstance(value, str) else value
     if not texts:
         raise ValueError("`inputs` cannot be empty")
     if any(text == "" for text in texts):
         raise ValueError("`inputs` cannot contain an empty string")
     return value
+
+
+# Every route's texts: one string or several, none empty
+Inputs = Annotated[str | list[str], BeforeValidator(_texts), AfterValidator(_non_empty)]
 
 
 class _Strict(BaseModel):
@@ -57,8 +60,6 @@ class EmbedRequest(_Request):
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
-    _check_inputs = field_validator("inputs")(_non_empty)
-
 
 class EmbedAllRequest(_Request):
     """TEI's /embed_all (every token's vector) and /embed_sparse (SPLADE weights) bodies."""
@@ -66,8 +67,6 @@ class EmbedAllRequest(_Request):
     inputs: Inputs
     truncate: bool | None = None
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
-
-    _check_inputs = field_validator("inputs")(_non_empty)
 
 
 class PipelineParameters(_Strict):
@@ -85,8 +84,6 @@ class ClassifyRequest(_Request):
     labels: list[str] | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
     parameters: PipelineParameters | None = Field(
         None, description="the HF Inference API's payload: answers take its shape, a list per input")
-
-    _check_inputs = field_validator("inputs")(_non_empty)
 
     @field_validator("labels")
     @classmethod
@@ -110,8 +107,6 @@ class RerankRequest(_Request):
 class TokenizeRequest(_Request):
     inputs: Inputs
     add_special_tokens: bool = True
-
-    _check_inputs = field_validator("inputs")(_non_empty)
 
 
 class DecodeRequest(_Request):
@@ -153,11 +148,6 @@ class OpenAIEmbeddingRequest(_Request):
     user: str | None = None
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = None
-
-    @field_validator("input")
-    @classmethod
-    def _check_input(cls, value: Inputs) -> Inputs:
-        return _non_empty(value)
 
 
 class OpenAIEmbedding(BaseModel):

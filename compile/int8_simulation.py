@@ -355,6 +355,7 @@ class Simulation:
         self.fallback_precision = fallback_precision
         self.attention_products = attention_products
         self.agreement = agreement
+        self.rows = tuple(torch.from_numpy(x) for x in rows)
         self.batches, self.restore = length_batches(rows)
         names = {module: name for name, module in wrapper.named_modules()}
         self.linears = {module_key(name): module for module, name in names.items()
@@ -410,9 +411,12 @@ class Simulation:
 
     def calibrate(self) -> None:
         """Each unit's largest |activation| per input channel over the sentences (real tokens only:
-        padding rows are not an input the model is asked about)."""
+        padding rows are not an input the model is asked about), taken in one batch of the rows as
+        given: the maxima set the smoothing the library is built with, and batches of other shapes
+        round them otherwise in the last bit (MiniLM in length batches: 366 of 5,760 scales an ulp
+        apart, and the x86-64-v3 library at 0.999 lost 5e-5 of least cosine that no pass showed)."""
         maxima: dict[torch.nn.Module, torch.Tensor] = {}
-        mask = None
+        mask = self.rows[1].bool()
 
         def record(module, inputs, output):
             x = inputs[0].detach()
@@ -423,9 +427,7 @@ class Simulation:
         self.codes, self.codes_alpha = {}, None  # both follow from the maxima
         self.layer_cache.clear()
         with torch.no_grad(), self._hooks(record):
-            for batch in self.batches:
-                mask = batch[1].bool()
-                self.wrapper(*batch)
+            self.wrapper(*self.rows)
         for unit in self.units:
             unit.activation_max = maxima[unit.modules[0]].numpy()
 

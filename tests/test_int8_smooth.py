@@ -367,6 +367,21 @@ def test_the_simulation_runs_the_sentences_in_length_batches_and_answers_in_thei
     assert not np.array_equal(simulation.accuracy(0.5, set())["actual"], simulation.reference)
     assert not any("forward" in vars(module) for module in wrapper.modules())
 
+    # the smoothing is calibrated on the rows as given, bit for bit: the library is built with it
+    mask, maxima = torch.from_numpy(rows[1]).bool(), {}
+
+    def record(module, inputs, output):
+        found = inputs[0][mask].abs().amax(0)
+        maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
+
+    handles = [module.register_forward_hook(record) for unit in simulation.units for module in unit.modules[:1]]
+    with torch.no_grad():
+        wrapper(*(torch.from_numpy(x) for x in rows))
+    for handle in handles:
+        handle.remove()
+    for unit in simulation.units:
+        np.testing.assert_array_equal(unit.activation_max, maxima[unit.modules[0]].numpy())
+
 
 def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answers_the_same(outlier_checkpoint):
     """The plan's passes change one unit at a time: a pass whose layer-0 units are as in an earlier

@@ -16,7 +16,7 @@ import numpy as np
 
 from .batcher import Batcher
 from .errors import InvalidInput, TooLarge
-from .tokenization import Prompts, TextInput, TextTokenizer
+from .tokenization import Prompts, TextInput, TextTokenizer, TokenIds
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
@@ -69,10 +69,10 @@ class ModelService:
         if count > self.max_client_batch_size:
             raise TooLarge(f"batch size {count} > maximum allowed batch size {self.max_client_batch_size}")
 
-    async def compute(self, texts: list[TextInput], truncate: bool) -> Computed:
+    async def compute(self, inputs: list[TextInput | TokenIds], truncate: bool) -> Computed:
         started = time.perf_counter()
-        characters = sum(len(text) if isinstance(text, str) else len(text[0]) + len(text[1]) for text in texts)
-        encoded = await self._tokenizing(characters, self.tokenizer.encode, texts, truncate)
+        characters = sum(map(_characters, inputs))
+        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncate)
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         return Computed(
@@ -101,28 +101,28 @@ class ModelService:
             return work(*args)  # tens of microseconds: cheaper than a thread hop
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
 
-    async def embed(self, texts: list[str], normalize: bool, truncate: bool, dimensions: int | None = None,
+    async def embed(self, inputs: list[str | TokenIds], normalize: bool, truncate: bool, dimensions: int | None = None,
                     prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
-        """Embeddings; with `dimensions`, the first d components (Matryoshka), normalised after the
-        cut; `prompt_name` (else the default prompt) is prepended to every text."""
+        """Embeddings of texts or token ids; with `dimensions`, the first d components (Matryoshka),
+        normalised after the cut; `prompt_name` (else the default prompt) is prepended to every text."""
         if dimensions is not None and dimensions > self.output_dim:
             raise InvalidInput(f"`dimensions` must be at most the model's {self.output_dim}, got {dimensions}")
-        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
 
-    async def embed_all(self, texts: list[str], truncate: bool,
+    async def embed_all(self, inputs: list[str | TokenIds], truncate: bool,
                         prompt_name: str | None = None) -> tuple[list[np.ndarray], Computed]:
         """Per input, every token's final hidden state (special tokens included, as
         transformers' `last_hidden_state`): a model compiled with `--pooling none`."""
-        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
         return computed.token_states(), computed
 
-    async def embed_sparse(self, texts: list[str], truncate: bool,
+    async def embed_sparse(self, inputs: list[str | TokenIds], truncate: bool,
                            prompt_name: str | None = None) -> tuple[list[list[dict]], Computed]:
         """Per input, its SPLADE weights as TEI gives them: the non-zero `{"index", "value"}` pairs,
         by vocabulary index (a model compiled with `--task sparse`)."""
-        computed = await self.compute(self.prompts.apply(texts, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
         return [sparse_pairs(row) for row in computed.rows], computed
 
     async def classify(self, texts: list[str], scoring: str, truncate: bool) -> tuple[list[list[dict]], Computed]:
@@ -148,6 +148,11 @@ class ModelService:
         similarity = vectors[: len(texts)] @ vectors[len(texts):].T
         scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
         return [ranked(labels, row) for row in scores], computed
+
+
+def _characters(item: TextInput | TokenIds) -> int:
+    """An input's size as TEI counts it (`x-compute-characters`): its characters, or its token ids."""
+    return len(item[0]) + len(item[1]) if isinstance(item, tuple) else len(item)
 
 
 def sparse_pairs(weights: np.ndarray) -> list[dict]:

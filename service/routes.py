@@ -143,8 +143,9 @@ def _runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _texts(inputs: str | list[str]) -> list[str]:
-    return [inputs] if isinstance(inputs, str) else inputs
+def _listed(inputs: str | list) -> list:
+    """A request's inputs one per item: a string or one input's token ids stand alone."""
+    return [inputs] if isinstance(inputs, str) or isinstance(inputs[0], int) else inputs
 
 
 def _truncate(request: Request, asked: bool | None) -> bool:
@@ -213,9 +214,9 @@ async def metrics(request: Request) -> Response:
 async def embed(body: EmbedRequest, request: Request) -> Response:
     started = time.perf_counter()
     service = _runtime(request).model("embed", body.model)
-    texts = _texts(body.inputs)
-    service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, body.normalize, _truncate(request, body.truncate), body.dimensions,
+    inputs = _listed(body.inputs)
+    service.check_batch_size(len(inputs))
+    vectors, computed = await service.embed(inputs, body.normalize, _truncate(request, body.truncate), body.dimensions,
                                             body.prompt_name)
     return _json(vectors, _headers(service, computed, started))
 
@@ -224,10 +225,10 @@ async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Resp
     """One answer per input from the model serving `task` (embed_all or embed_sparse)."""
     started = time.perf_counter()
     service = _runtime(request).model(task, body.model)
-    texts = _texts(body.inputs)
-    service.check_batch_size(len(texts))
+    inputs = _listed(body.inputs)
+    service.check_batch_size(len(inputs))
     answer = service.embed_all if task == "embed_all" else service.embed_sparse
-    answers, computed = await answer(texts, _truncate(request, body.truncate), body.prompt_name)
+    answers, computed = await answer(inputs, _truncate(request, body.truncate), body.prompt_name)
     return _json(answers, _headers(service, computed, started))
 
 
@@ -247,7 +248,7 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
     started = time.perf_counter()
-    texts = _texts(body.inputs)
+    texts = _listed(body.inputs)
     truncate = _truncate(request, body.truncate)
     if body.labels:
         service = _runtime(request).model("embed", body.model)
@@ -283,7 +284,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """TEI's /tokenize: the tokens each input would be run as (one list per input); any model."""
     service = _runtime(request).model(None, body.model)
-    texts = _texts(body.inputs)
+    texts = _listed(body.inputs)
     service.check_batch_size(len(texts))
     return JSONResponse(await service.tokens(texts, body.add_special_tokens))
 
@@ -354,9 +355,9 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()
     service = _runtime(request).openai_model(body.model)
-    texts = _texts(body.input)
-    service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, normalize=True, truncate=request.app.state.settings.auto_truncate,
+    inputs = _listed(body.input)
+    service.check_batch_size(len(inputs))
+    vectors, computed = await service.embed(inputs, normalize=True, truncate=request.app.state.settings.auto_truncate,
                                             dimensions=body.dimensions, prompt_name=body.prompt_name)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]

@@ -174,7 +174,7 @@ class Runtime:
                           request_timeout_s=settings.request_timeout, metrics=self.metrics, costs=backend.costs(),
                           on_fatal=self.on_fatal)
         return ModelService(artifact.name, manifest.task, manifest.labels,
-                            TextTokenizer(tokenizer_dir / "tokenizer.json", limit), batcher,
+                            TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
                             manifest.problem_type, artifact.prompts)
 

@@ -19,8 +19,18 @@ def _texts(value: object) -> object:
     if isinstance(value, str) or (isinstance(value, list) and all(isinstance(text, str) for text in value)):
         return value
     if isinstance(value, list) and value and all(_token_id(item) or _token_ids(item) for item in value):
-        raise ValueError("token ids are not accepted: send the text, a string or a list of strings")
+        raise ValueError("token ids are not accepted here: send the text, a string or a list of strings")
     raise ValueError("expected a string or a list of strings")
+
+
+def _texts_or_ids(value: object) -> object:
+    """What TEI's embedding routes and OpenAI's take: a string, one input's token ids, or a list whose
+    items are each a string or a list of token ids; anything else is refused in one line."""
+    if isinstance(value, str) or _token_ids(value):
+        return value
+    if isinstance(value, list) and all(isinstance(item, str) or _token_ids(item) for item in value):
+        return value
+    raise ValueError("expected a string, a list of token ids, or a list of strings and lists of token ids")
 
 
 def _token_id(value: object) -> bool:
@@ -28,21 +38,27 @@ def _token_id(value: object) -> bool:
 
 
 def _token_ids(value: object) -> bool:
-    """One input's token ids: a non-empty list of them."""
-    return isinstance(value, list) and bool(value) and all(_token_id(item) for item in value)
+    """One input's token ids: a list of them (an empty one is refused later, by name)."""
+    return isinstance(value, list) and all(_token_id(item) for item in value)
 
 
-def _non_empty(value: str | list[str]) -> str | list[str]:
-    texts = [value] if isinstance(value, str) else value
-    if not texts:
-        raise ValueError("`inputs` cannot be empty")
-    if any(text == "" for text in texts):
-        raise ValueError("`inputs` cannot contain an empty string")
+def _non_empty(value: str | list) -> str | list:
+    """The messages leave the field unnamed: the error's location names it (`input: cannot be empty`)."""
+    if value == "" or value == []:
+        raise ValueError("cannot be empty")
+    items = [value] if isinstance(value, str) or _token_id(value[0]) else value
+    if "" in items:
+        raise ValueError("cannot contain an empty string")
+    if [] in items:
+        raise ValueError("cannot contain an empty list of token ids")
     return value
 
 
-# Every route's texts: one string or several, none empty
+# Texts only (classification, tokenization): one string or several, none empty
 Inputs = Annotated[str | list[str], BeforeValidator(_texts), AfterValidator(_non_empty)]
+# The embedding routes': texts or token ids (run as given: no special tokens or prompt added), none empty
+EmbeddingInputs = Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_texts_or_ids),
+                            AfterValidator(_non_empty)]
 
 
 class _Strict(BaseModel):
@@ -54,7 +70,7 @@ class _Request(_Strict):
 
 
 class EmbedRequest(_Request):
-    inputs: Inputs
+    inputs: EmbeddingInputs
     normalize: bool = True
     truncate: bool | None = None  # None: the server's --auto-truncate
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
@@ -64,7 +80,7 @@ class EmbedRequest(_Request):
 class EmbedAllRequest(_Request):
     """TEI's /embed_all (every token's vector) and /embed_sparse (SPLADE weights) bodies."""
 
-    inputs: Inputs
+    inputs: EmbeddingInputs
     truncate: bool | None = None
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
@@ -143,7 +159,7 @@ class SimilarityRequest(_Request):
 
 
 class OpenAIEmbeddingRequest(_Request):
-    input: Inputs
+    input: EmbeddingInputs
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")

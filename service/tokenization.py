@@ -15,6 +15,7 @@ from .errors import InvalidInput, TooLarge
 ST_CONFIG = "sentence_bert_config.json"
 ST_PROMPTS = "config_sentence_transformers.json"  # `prompts` {name: text} and `default_prompt_name`
 TextInput = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
+TokenIds = list[int]  # one input already tokenized: the model's input ids, run as given
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class Prompts:
         default = default_text if default_text is not None else prompts.get(name, "") if name else ""
         return cls(prompts, default)
 
-    def apply(self, texts: list[str], name: str | None) -> list[str]:
+    def apply(self, inputs: list[str | TokenIds], name: str | None) -> list[str | TokenIds]:
+        """Every text with the prompt named (else the default) prepended; token ids are run as given,
+        so a request naming a prompt for them is refused rather than answered without it."""
         if name is None:
             prefix = self.default
         elif name in self.prompts:
@@ -65,17 +68,20 @@ class Prompts:
         else:
             raise InvalidInput(f"`prompt_name` {name!r} is not one of this model's prompts "
                                f"({', '.join(map(repr, self.prompts)) or 'it has none'})")
-        return [prefix + text for text in texts] if prefix else texts
+        if name is not None and any(isinstance(item, list) for item in inputs):
+            raise InvalidInput("`prompt_name` applies to text: token ids are run as given")
+        return [prefix + item if isinstance(item, str) else item for item in inputs] if prefix else inputs
 
     def describe(self) -> dict:
         return {"prompts": self.prompts, "default": self.default}
 
 
 class TextTokenizer:
-    """Encodes batches of texts; over-long inputs are truncated or refused with 413."""
+    """Encodes batches of texts (or takes token ids); over-long inputs are truncated or refused with 413."""
 
-    def __init__(self, tokenizer_file: Path, max_length: int):
+    def __init__(self, tokenizer_file: Path, max_length: int, vocab_size: int):
         self.max_length = max_length
+        self.vocab_size = vocab_size  # the model's embedding rows: what an input id must lie under
         self._full = Tokenizer.from_file(str(tokenizer_file))
         self._full.no_padding()
         self._full.no_truncation()  # the shipped tokenizer.json may truncate at 128 and pad
@@ -105,16 +111,33 @@ class TextTokenizer:
             raise InvalidInput(f"`ids` must lie in [0, {vocab})")
         return self._full.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode(self, texts: list[TextInput], truncate: bool) -> list[Encoded]:
+    def encode(self, inputs: list[TextInput | TokenIds], truncate: bool) -> list[Encoded]:
         """Token ids and type ids; a pair is one sequence with both segments (a cross-encoder's
-        input), truncated longest-first."""
+        input), truncated longest-first; token ids are taken as given (`encode_ids`)."""
+        texts = [item for item in inputs if not isinstance(item, list)]
         tokenizer = self._truncating if truncate else self._full
-        encodings = tokenizer.encode_batch(texts)
+        encodings = iter(tokenizer.encode_batch(texts) if texts else ())
         encoded = []
-        for encoding in encodings:
-            if len(encoding.ids) > self.max_length:
-                raise TooLarge(
-                    f"`inputs` must have less than {self.max_length} tokens. Given: {len(encoding.ids)}"
-                )
-            encoded.append(Encoded(np.asarray(encoding.ids, dtype=np.int64), np.asarray(encoding.type_ids, dtype=np.int64)))
+        for item in inputs:
+            if isinstance(item, list):
+                encoded.append(self.encode_ids(item, truncate))
+                continue
+            encoding = next(encodings)
+            self._check_length(len(encoding.ids))
+            encoded.append(Encoded(np.asarray(encoding.ids, dtype=np.int64),
+                                   np.asarray(encoding.type_ids, dtype=np.int64)))
         return encoded
+
+    def encode_ids(self, ids: TokenIds, truncate: bool) -> Encoded:
+        """One input given as token ids (TEI's and OpenAI's pre-tokenized input): run as given, no
+        special tokens added, one segment; cut to the length limit when truncating (as text is)."""
+        if not all(0 <= token < self.vocab_size for token in ids):  # before int64: a JSON integer has no bound
+            raise InvalidInput(f"token ids must lie in [0, {self.vocab_size})")
+        if truncate:
+            ids = ids[: self.max_length]
+        self._check_length(len(ids))
+        return Encoded(np.asarray(ids, dtype=np.int64), np.zeros(len(ids), dtype=np.int64))
+
+    def _check_length(self, length: int) -> None:
+        if length > self.max_length:
+            raise TooLarge(f"`inputs` must have less than {self.max_length} tokens. Given: {length}")

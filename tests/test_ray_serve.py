@@ -42,7 +42,7 @@ DEPLOYMENT = "BertServer"  # service.ray_serve's @serve.deployment name
 def _expected(artifact: Path) -> dict[str, np.ndarray]:
     """Each text run alone on the compiled model, mean-pooled and normalised as /embed returns it."""
     model = load_artifact(artifact)
-    tokenizer = TextTokenizer(model.tokenizer_dir / "tokenizer.json", model.max_seq)
+    tokenizer = TextTokenizer(model.tokenizer_dir / "tokenizer.json", model.max_seq, model.manifest.model.vocab_size)
     expected = {}
     for text, encoded in zip(TEXTS, tokenizer.encode(TEXTS, truncate=False)):
         ids = encoded.ids[None, :]

@@ -288,19 +288,54 @@ def test_bad_input_gets_status_and_json(client, route, body, status):
 
 
 @pytest.mark.parametrize(("route", "field", "value", "message"), [
-    ("/embed", "inputs", [101, 2023, 102], "inputs: token ids are not accepted: send the text"),
-    ("/embed", "inputs", [[101, 2023, 102], [101, 102]], "inputs: token ids are not accepted: send the text"),
-    ("/v1/embeddings", "input", [[101, 2023, 102]], "input: token ids are not accepted: send the text"),
-    ("/embed", "inputs", 42, "inputs: expected a string or a list of strings"),
-    ("/embed", "inputs", ["fine", 42], "inputs: expected a string or a list of strings"),
-    ("/embed", "inputs", None, "inputs: expected a string or a list of strings"),
-    ("/embed", "inputs", [True, False], "inputs: expected a string or a list of strings"),
+    ("/predict", "inputs", [101, 2023, 102], "inputs: token ids are not accepted here: send the text"),
+    ("/tokenize", "inputs", [[101, 2023, 102], [101, 102]], "inputs: token ids are not accepted here: send the text"),
+    ("/predict", "inputs", 42, "inputs: expected a string or a list of strings"),
+    ("/embed", "inputs", 42, "inputs: expected a string, a list of token ids, or a list of strings and lists"),
+    ("/embed", "inputs", ["fine", 42], "inputs: expected a string, a list of token ids"),
+    ("/embed", "inputs", None, "inputs: expected a string, a list of token ids"),
+    ("/embed", "inputs", [True, False], "inputs: expected a string, a list of token ids"),
+    ("/embed", "inputs", [[101, 1.5]], "inputs: expected a string, a list of token ids"),
+    ("/v1/embeddings", "input", [], "input: cannot be empty"),
+    ("/v1/embeddings", "input", [[101, 102], []], "input: cannot contain an empty list of token ids"),
+    ("/embed", "inputs", ["fine", ""], "inputs: cannot contain an empty string"),
 ])
-def test_inputs_that_are_not_text_are_refused_in_one_line(client, route, field, value, message):
+def test_inputs_of_the_wrong_kind_are_refused_in_one_line(client, route, field, value, message):
     """Not the union's error per branch (`inputs.str: Input should be a valid string`): what was
-    expected, and token ids (which TEI and OpenAI accept) named as such."""
+    expected, and token ids named as such where a route takes text only."""
     response = client.post(route, json={field: value})
     assert response.status_code == 422 and response.json()["error"].startswith(message), response.text
+
+
+def test_token_ids_embed_as_the_text_they_encode(client, tiny_embed_artifact):
+    """TEI's and OpenAI's pre-tokenized inputs: ids run as given (special tokens are the client's),
+    alone, in a batch beside text, and through OpenAI's token arrays, each equal to the text's vector."""
+    texts = [sentence(5), sentence(9, 3)]
+    ids = [[token["id"] for token in row] for row in client.post("/tokenize", json={"inputs": texts}).json()]
+    expected = np.asarray(client.post("/embed", json={"inputs": texts}).json())
+    single = client.post("/embed", json={"inputs": ids[0]})
+    assert single.status_code == 200 and single.headers["x-compute-characters"] == str(len(ids[0]))
+    np.testing.assert_allclose(single.json()[0], expected[0], atol=1e-5)
+    mixed = np.asarray(client.post("/embed", json={"inputs": [ids[0], texts[1]]}).json())
+    np.testing.assert_allclose(mixed, expected, atol=1e-5)
+    openai = client.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"}).json()
+    np.testing.assert_allclose([item["embedding"] for item in openai["data"]], expected, atol=1e-5)
+    assert openai["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+    bare = client.post("/embed", json={"inputs": ids[0][1:-1]}).json()[0]  # no [CLS] / [SEP]: not the text's input
+    assert np.dot(bare, expected[0]) < 0.9999
+
+
+def test_token_ids_are_checked_against_the_vocabulary_and_the_length_limit(client, tiny_embed_artifact):
+    vocab = json.loads((tiny_embed_artifact / "manifest.json").read_text())["model"]["vocab_size"]
+    for ids in ([101, vocab], [-1], [10**30]):
+        response = client.post("/embed", json={"inputs": ids})
+        assert response.status_code == 422 and response.json()["error"] == f"token ids must lie in [0, {vocab})"
+    long = [101] + [1000 + i for i in range(70)] + [102]  # the tiny model takes 64 tokens
+    too_long = client.post("/embed", json={"inputs": long, "truncate": False})
+    assert too_long.status_code == 413 and "64" in too_long.json()["error"]
+    cut = client.post("/embed", json={"inputs": long, "truncate": True})
+    np.testing.assert_allclose(cut.json(), client.post("/embed", json={"inputs": long[:64]}).json(), atol=1e-6)
+    assert client.get("/health").status_code == 200
 
 
 def test_non_json_and_oversized_bodies(client):

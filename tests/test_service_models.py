@@ -13,6 +13,7 @@ import pytest
 from conftest import _copy_tokenizer, _tiny_config, compile_artifact, save_tiny_sentence_transformer
 
 from compile.errors import CompileError
+from service.errors import InvalidInput
 from service.tokenization import Prompts
 
 PROMPTS = {"query": "query: ", "passage": "passage: "}
@@ -145,6 +146,8 @@ def test_prompts_match_sentence_transformers(client, prompted_dir):
     np.testing.assert_allclose(plain, model.encode(TEXTS, normalize_embeddings=True), atol=1e-4)
     unknown = client.post("/embed", json={"inputs": "x", "model": "e5ish", "prompt_name": "document"})
     assert unknown.status_code == 422 and "'query', 'passage'" in unknown.json()["error"]
+    ids = client.post("/embed", json={"inputs": [101, 2023, 102], "model": "e5ish", "prompt_name": "query"})
+    assert ids.status_code == 422 and "token ids are run as given" in ids.json()["error"]
     info = {m["model_id"]: m for m in client.get("/info").json()["models"]}
     assert info["e5ish"]["prompts"] == {"prompts": PROMPTS, "default": ""}
 
@@ -156,6 +159,9 @@ def test_default_prompt_comes_from_the_flag_or_the_checkpoint(prompted_artifact,
     assert Prompts.of_checkpoint(tokenizer_dir, None, "q: ").apply(["a"], "passage") == ["passage: a"]
     (tmp_path / "config_sentence_transformers.json").write_text('{"prompts": {"q": "Q "}, "default_prompt_name": "q"}')
     assert Prompts.of_checkpoint(tmp_path).apply(["a"], None) == ["Q a"]
+    assert Prompts.of_checkpoint(tmp_path).apply(["a", [101, 5]], None) == ["Q a", [101, 5]]  # ids run as given
+    with pytest.raises(InvalidInput, match="applies to text: token ids are run as given"):
+        Prompts.of_checkpoint(tmp_path).apply(["a", [101, 5]], "q")
     with pytest.raises(ValueError, match="'document' is not one of the checkpoint's prompts"):
         Prompts.of_checkpoint(tokenizer_dir, "document")
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import tvm
 
-from .int8_simulation import Simulation
+from .int8_simulation import SIMULATION_TOLERANCE, Simulation
 from .kernels import int8
 from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules
@@ -108,7 +108,7 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
     linear in int8 misses the gate."""
     simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision,
                             attention_products)
-    passes_gate = with_margin(passes_gate, simulation.tolerance())
+    passes_gate = with_margin(passes_gate, SIMULATION_TOLERANCE)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))

@@ -20,6 +20,7 @@ from tvm.script import relax as R
 from compile import precision
 from compile.build import make_target
 from compile.int8_plan import kept_precision
+from compile.kernels import int8
 from compile.opcount import count_ops
 from compile.passes.lift import lift_and_transform
 from compile.passes.quantize import embedding_agreement, sentence_rows
@@ -267,13 +268,13 @@ def test_the_fallback_admits_the_least_loss_per_multiply_add_to_int8_while_the_g
     assert simulation.runs == 1 + 5 + 5  # every unit kept, each alone in int8, one trial per unit
 
 
-def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare(outlier_checkpoint):
-    """A plan stops at the floor, so where bf16 rounds (kept units, attention's products), which the
-    simulation reproduces to within its tolerance, the gate is asked with that much to spare: the
-    unit that left exactly the floor is not admitted then. Integer and fp32 arithmetic is simulated
-    exactly: no margin."""
+def test_the_plan_keeps_the_simulations_tolerance_to_spare():
+    """A plan stops at the floor, and a built library loses up to SIMULATION_TOLERANCE more than its
+    simulation (its fp32 and bf16 round otherwise than PyTorch's, which moves activations across
+    quantization steps), so the gate is asked with that much to spare: the unit that left exactly
+    the floor is not admitted."""
     from compile.int8_plan import admit, measure_sensitivity, with_margin
-    from compile.int8_simulation import SIMULATION_TOLERANCE, Simulation
+    from compile.int8_simulation import SIMULATION_TOLERANCE
 
     simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
                                       "tiny": (1, 0.0)})
@@ -281,14 +282,6 @@ def test_where_the_simulation_is_not_exact_the_plan_keeps_its_tolerance_to_spare
     floor = with_margin(lambda accuracy: accuracy["cosine_min"] >= 1 - 7e-4, SIMULATION_TOLERANCE)
     accuracy, kept = admit(simulation, 0.5, sensitivity, floor)
     assert kept == ["out", "down"] and accuracy["cosine_min"] == pytest.approx(1 - 5e-4)  # out: 1 - 7e-4, no spare
-
-    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
-    tolerances = {(kept_in, products): Simulation(wrapper, rows, keys, embedding_agreement, False, kept_in,
-                                                   products).tolerance()
-                  for kept_in in ("fp32", "bf16") for products in ("fp32", "int8", "bf16", "amx")}
-    assert {configuration for configuration, tolerance in tolerances.items() if tolerance == 0.0} == {
-        ("fp32", "fp32"), ("fp32", "int8")}
-    assert set(tolerances.values()) == {0.0, SIMULATION_TOLERANCE}
 
 
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
@@ -497,15 +490,20 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
-def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu):
+def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu, monkeypatch):
     """Under a cosine floor int8 alone cannot keep, the planted linear stays bf16 where the CPU has
     AVX512_BF16, else fp32 (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay
     PyTorch's. Attention's products are asked for (fp32), so that no timing of this tiny model's
-    kernel (tens of microseconds, within noise) decides the kept unit's precision."""
+    kernel (tens of microseconds, within noise) decides the kept unit's precision. Kept in fp32, the
+    library loses what its plan's simulation said it would."""
     from conftest import compile_artifact
     from safetensors.numpy import load_file
 
     from artifact.cpu_features import missing_on_host, target_features
+    from compile import pipeline
+
+    plans, plan_for = [], pipeline.plan_for
+    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kw: plans.append(plan_for(*args, **kw)) or plans[-1])
 
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
@@ -523,6 +521,36 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     weights = load_file(str(out / manifest.weights["concat"].file))
     assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7
     assert cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
+    if fallback_precision == "fp32":
+        (plan,) = plans
+        _assert_the_library_loses_what_its_simulation_said(cancelling_checkpoint, out, plan,
+                                                           int8.kernel_for(target).int16_pairs)
+
+
+def _assert_the_library_loses_what_its_simulation_said(checkpoint: Path, out: Path, plan, int16_pairs: bool) -> None:
+    """On the shipped sentences, the library's least cosine loses its plan's simulated loss, to within
+    the tolerance the plan keeps to spare (and each sentence nearly so); computed in float64, where the
+    manifest's float32 cosines hold a few steps of these losses."""
+    from artifact.loader import load_artifact
+    from compile.int8_simulation import SIMULATION_TOLERANCE, Simulation
+
+    wrapper, rows, keys = _plan_inputs(checkpoint)
+    simulation = Simulation(wrapper, rows, keys, lambda actual, reference: {"actual": actual}, int16_pairs)
+    simulation.calibrate()
+    simulated = simulation.accuracy(plan.alpha, set(plan.fallback))["actual"]
+    model = load_artifact(out)
+    step = model.manifest.generic.max_batch
+    built = np.concatenate([model.run_generic(*(x[i:i + step] for x in rows[:3])).output
+                            for i in range(0, len(rows[0]), step)])
+
+    def losses(outputs: np.ndarray) -> np.ndarray:
+        actual, reference = outputs.astype(np.float64), simulation.reference.astype(np.float64)
+        return 1.0 - (actual * reference).sum(1) / np.linalg.norm(actual, axis=1) / np.linalg.norm(reference, axis=1)
+
+    built_loss, simulated_loss = losses(built), losses(simulated)
+    assert simulated_loss.max() > 0
+    assert abs(built_loss.max() / simulated_loss.max() - 1) < SIMULATION_TOLERANCE
+    assert np.all(np.abs(built_loss / simulated_loss - 1) < 2 * SIMULATION_TOLERANCE)
 
 
 def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier_checkpoint, tmp_path, monkeypatch):

@@ -59,6 +59,11 @@ class BatchCosts:
             self._chosen[key] = None if best is None else Choice(best, self._bucket_cost(best), best.capacity)
         return self._chosen[key]
 
+    def bucket_for(self, size: int, seq: int) -> Bucket | None:
+        """`choose`'s bucket (its cost does not depend on the real tokens)."""
+        choice = self.choose(size, seq)
+        return None if choice is None else choice.bucket
+
     def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
         return Choice(None, self._generic_cost(size, seq), size * seq)
 
@@ -76,13 +81,22 @@ class PackedCosts:
         unmeasured = lambda size, seq, tokens: float(CALL_TOKENS + tokens + size * seq)  # noqa: E731
         self._bucket_models = bucket_models if self.measured else {b: unmeasured for b in self.buckets}
         self._generic_model = generic_model if self.measured else unmeasured
+        self._chosen: dict[tuple[int, int], PackedBucket | None] = {}
 
     def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
         """The tightest bound that holds the batch: the same tokens, the least attention padding
         (the libraries' fits differ by noise, not by kernels, so they do not pick here)."""
         tokens = size * seq if tokens is None else tokens
-        best = next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
+        best = self.bucket_for(size, seq)
         return None if best is None else Choice(best, self._bucket_models[best](size, best.seq, tokens), tokens)
+
+    def bucket_for(self, size: int, seq: int) -> PackedBucket | None:
+        """`choose`'s bucket without its cost: what a caller that only runs the batch needs (a model's
+        call of one sequence spent 35 us choosing, with the caches full of weights)."""
+        key = (size, seq)
+        if key not in self._chosen:
+            self._chosen[key] = next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
+        return self._chosen[key]
 
     def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
         tokens = size * seq if tokens is None else tokens

@@ -108,6 +108,7 @@ class LibraryRunner:
         self.module = tvm.runtime.load_module(str(path))
         self._on_host = device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type()
         self._local = threading.local()
+        self._float_output: bool | None = None  # whether the output is float32: one library, one dtype
 
     def _vm(self) -> VirtualMachine:
         vm = getattr(self._local, "vm", None)
@@ -132,7 +133,9 @@ class LibraryRunner:
             args = [_host_tensor(x) if self._on_host else
                     tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
             output = self._main()(*args, *self.weights)[0]
-            if self._on_host and output.dtype == "float32":
+            if self._float_output is None:  # reading the dtype took 30 us a call, with the caches full of weights
+                self._float_output = output.dtype == "float32"
+            if self._on_host and self._float_output:
                 # right after a call, with this thread's caches full of weights, a copy through
                 # DLPack takes ~40 us where .numpy() takes ~100 and .astype another ~40
                 return np.from_dlpack(output).copy()
@@ -209,11 +212,10 @@ class CompiledModel:
         """What a batch costs on each loaded library (refused ones left out): the planner's measure."""
         return measured_costs(self.manifest, self.buckets)
 
-    def select(self, batch: int, seq: int, tokens: int | None = None) -> AnyBucket | None:
-        """The bucket the service's planner runs `batch` sequences padded to `seq` on (`tokens` of
-        them real, default all); None: no bucket holds them, the generic library runs them."""
-        choice = self.costs.choose(batch, seq, tokens)
-        return None if choice is None else choice.bucket
+    def select(self, batch: int, seq: int) -> AnyBucket | None:
+        """The bucket the service's planner runs `batch` sequences padded to `seq` on; None: no
+        bucket holds them, the generic library runs them."""
+        return self.costs.bucket_for(batch, seq)
 
     def run(
         self,
@@ -227,15 +229,14 @@ class CompiledModel:
         batch, seq = input_ids.shape
         if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
             raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
-        real_tokens = int(np.asarray(attention_mask).sum())
         if bucket is None:
-            bucket = self.select(batch, seq, real_tokens)
-        return self._run_on(bucket, input_ids, attention_mask, token_type_ids, real_tokens)
+            bucket = self.select(batch, seq)
+        return self._run_on(bucket, input_ids, attention_mask, token_type_ids)
 
     def run_generic(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                     token_type_ids: np.ndarray | None = None) -> RunResult:
         """Run one batch on the generic library even where a bucket would hold it."""
-        return self._run_on(None, input_ids, attention_mask, token_type_ids, int(np.asarray(attention_mask).sum()))
+        return self._run_on(None, input_ids, attention_mask, token_type_ids)
 
     def library_inputs(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
                        token_type_ids: np.ndarray | None = None) -> tuple[tuple[np.ndarray, ...], int]:
@@ -261,9 +262,10 @@ class CompiledModel:
         return model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
 
     def _run_on(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
-                token_type_ids: np.ndarray | None, real_tokens: int) -> RunResult:
+                token_type_ids: np.ndarray | None) -> RunResult:
         batch = input_ids.shape[0]
         inputs, computed = self.library_inputs(bucket, input_ids, attention_mask, token_type_ids)
+        real_tokens = computed if self.packed else int(np.asarray(attention_mask).sum())  # packed: the real ones
         output = (self.generic if bucket is None else self.runners[bucket])(*inputs)
         if self.packed and self.manifest.token_outputs:
             output = per_sequence_rows(output, inputs[PACKED_INPUT_NAMES.index("gather")])

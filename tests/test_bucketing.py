@@ -30,3 +30,20 @@ def test_unmeasured_costs_choose_the_least_padded_work():
     assert costs.choose(5, 10).bucket == Bucket.of(8, 128)
     assert costs.choose(9, 10) is None
     assert costs.choose(1, 129) is None
+
+
+def test_the_bucket_a_model_runs_is_the_one_the_planner_costs():
+    """`bucket_for` (the loader's choice, without a cost) is `choose`'s bucket at every shape, padded
+    and packed, measured or not."""
+    from artifact.bucketing import PackedBucket
+    from artifact.costs import PackedCosts
+
+    padded = parse_buckets("1x128,4x32,8x128")
+    measured = BatchCosts(padded, {b: ms for b, ms in zip(padded, (3.0, 2.0, 9.0))}, lambda size, seq: 50.0)
+    packed = [PackedBucket(16), PackedBucket(128)]
+    models = {b: (lambda size, seq, tokens, b=b: 1.0 + tokens + b.seq) for b in packed}
+    for costs in (BatchCosts(padded), measured, PackedCosts(packed), PackedCosts(packed, models, lambda *a: 99.0)):
+        for size, seq in [(1, 1), (1, 16), (1, 17), (3, 20), (5, 10), (8, 128), (9, 10), (1, 129)]:
+            choice = costs.choose(size, seq)
+            assert costs.bucket_for(size, seq) == (None if choice is None else choice.bucket), (costs, size, seq)
+    assert PackedCosts(packed).bucket_for(4, 17) == PackedBucket(128) and PackedCosts(packed).bucket_for(1, 200) is None

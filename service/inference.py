@@ -16,7 +16,7 @@ import numpy as np
 
 from .batcher import Batcher
 from .errors import InvalidInput, TooLarge
-from .tokenization import Prompts, TextInput, TextTokenizer, TokenIds
+from .tokenization import Prompts, TextInput, TextTokenizer, TokenIds, Truncation
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
@@ -69,10 +69,10 @@ class ModelService:
         if count > self.max_client_batch_size:
             raise TooLarge(f"batch size {count} > maximum allowed batch size {self.max_client_batch_size}")
 
-    async def compute(self, inputs: list[TextInput | TokenIds], truncate: bool) -> Computed:
+    async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
         started = time.perf_counter()
         characters = sum(map(_characters, inputs))
-        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncate)
+        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         return Computed(
@@ -101,50 +101,51 @@ class ModelService:
             return work(*args)  # tens of microseconds: cheaper than a thread hop
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
 
-    async def embed(self, inputs: list[str | TokenIds], normalize: bool, truncate: bool, dimensions: int | None = None,
-                    prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
+    async def embed(self, inputs: list[str | TokenIds], normalize: bool, truncation: Truncation,
+                    dimensions: int | None = None, prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
         """Embeddings of texts or token ids; with `dimensions`, the first d components (Matryoshka),
         normalised after the cut; `prompt_name` (else the default prompt) is prepended to every text."""
         if dimensions is not None and dimensions > self.output_dim:
             raise InvalidInput(f"`dimensions` must be at most the model's {self.output_dim}, got {dimensions}")
-        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
 
-    async def embed_all(self, inputs: list[str | TokenIds], truncate: bool,
+    async def embed_all(self, inputs: list[str | TokenIds], truncation: Truncation,
                         prompt_name: str | None = None) -> tuple[list[np.ndarray], Computed]:
         """Per input, every token's final hidden state (special tokens included, as
         transformers' `last_hidden_state`): a model compiled with `--pooling none`."""
-        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         return computed.token_states(), computed
 
-    async def embed_sparse(self, inputs: list[str | TokenIds], truncate: bool,
+    async def embed_sparse(self, inputs: list[str | TokenIds], truncation: Truncation,
                            prompt_name: str | None = None) -> tuple[list[list[dict]], Computed]:
         """Per input, its SPLADE weights as TEI gives them: the non-zero `{"index", "value"}` pairs,
         by vocabulary index (a model compiled with `--task sparse`)."""
-        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncate)
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         return [sparse_pairs(row) for row in computed.rows], computed
 
-    async def classify(self, texts: list[str], scoring: str, truncate: bool) -> tuple[list[list[dict]], Computed]:
+    async def classify(self, texts: list[str], scoring: str,
+                       truncation: Truncation) -> tuple[list[list[dict]], Computed]:
         """Labels ranked by score; `scoring` is "auto" (as the head was trained), or "none" (raw
         logits), "softmax" or "sigmoid" (the HF pipeline's `function_to_apply`)."""
-        computed = await self.compute(texts, truncate)
+        computed = await self.compute(texts, truncation)
         logits = computed.outputs
         scores = {"auto": lambda: probabilities(logits, self.problem_type), "none": lambda: logits,
                   "softmax": lambda: softmax(logits), "sigmoid": lambda: sigmoid(logits)}[scoring]()
         return [ranked(self.labels, row) for row in scores], computed
 
     async def rerank(self, query: str, texts: list[str], raw_scores: bool,
-                     truncate: bool) -> tuple[np.ndarray, Computed]:
+                     truncation: Truncation) -> tuple[np.ndarray, Computed]:
         """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it."""
-        computed = await self.compute([(query, text) for text in texts], truncate)
+        computed = await self.compute([(query, text) for text in texts], truncation)
         logits = computed.outputs[:, 0]
         return (logits if raw_scores else sigmoid(logits)), computed
 
     async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
-                        truncate: bool) -> tuple[list[list[dict]], Computed]:
+                        truncation: Truncation) -> tuple[list[list[dict]], Computed]:
         """Score labels by cosine similarity of their embeddings to each input's, softmax over labels."""
-        vectors, computed = await self.embed(texts + labels, normalize=True, truncate=truncate)
+        vectors, computed = await self.embed(texts + labels, normalize=True, truncation=truncation)
         similarity = vectors[: len(texts)] @ vectors[len(texts):].T
         scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
         return [ranked(labels, row) for row in scores], computed

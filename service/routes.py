@@ -35,6 +35,7 @@ from .schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
+from .tokenization import Truncation
 
 router = APIRouter()
 
@@ -148,8 +149,11 @@ def _listed(inputs: str | list) -> list:
     return [inputs] if isinstance(inputs, str) or isinstance(inputs[0], int) else inputs
 
 
-def _truncate(request: Request, asked: bool | None) -> bool:
-    return request.app.state.settings.auto_truncate if asked is None else asked
+def _truncation(request: Request, body) -> Truncation:
+    """Where `body`'s over-long inputs lose tokens: at its `truncation_direction`'s end when it asks to
+    truncate (`truncate`, default: the server's --auto-truncate), else nowhere (refused)."""
+    truncate = request.app.state.settings.auto_truncate if body.truncate is None else body.truncate
+    return body.truncation_direction.lower() if truncate else None
 
 
 def _json(content, headers: dict[str, str]) -> Response:
@@ -216,7 +220,7 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     service = _runtime(request).model("embed", body.model)
     inputs = _listed(body.inputs)
     service.check_batch_size(len(inputs))
-    vectors, computed = await service.embed(inputs, body.normalize, _truncate(request, body.truncate), body.dimensions,
+    vectors, computed = await service.embed(inputs, body.normalize, _truncation(request, body), body.dimensions,
                                             body.prompt_name)
     return _json(vectors, _headers(service, computed, started))
 
@@ -228,7 +232,7 @@ async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Resp
     inputs = _listed(body.inputs)
     service.check_batch_size(len(inputs))
     answer = service.embed_all if task == "embed_all" else service.embed_sparse
-    answers, computed = await answer(inputs, _truncate(request, body.truncate), body.prompt_name)
+    answers, computed = await answer(inputs, _truncation(request, body), body.prompt_name)
     return _json(answers, _headers(service, computed, started))
 
 
@@ -249,18 +253,18 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
     started = time.perf_counter()
     texts = _listed(body.inputs)
-    truncate = _truncate(request, body.truncate)
+    truncation = _truncation(request, body)
     if body.labels:
         service = _runtime(request).model("embed", body.model)
         service.check_batch_size(len(texts) + len(body.labels))  # both are embedded
-        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncate)
+        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
     else:
         service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
         scoring = "none" if body.raw_scores else "auto"
         if body.parameters is not None and body.parameters.function_to_apply is not None:
             scoring = body.parameters.function_to_apply
-        predictions, computed = await service.classify(texts, scoring, truncate)
+        predictions, computed = await service.classify(texts, scoring, truncation)
     if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
         content = [ranks[: body.parameters.top_k] for ranks in predictions]
     else:  # TEI's: one input given as a string gets one flat list
@@ -274,7 +278,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     started = time.perf_counter()
     service = _runtime(request).model("rerank", body.model)
     service.check_batch_size(len(body.texts))
-    scores, computed = await service.rerank(body.query, body.texts, body.raw_scores, _truncate(request, body.truncate))
+    scores, computed = await service.rerank(body.query, body.texts, body.raw_scores, _truncation(request, body))
     ranks = [{"index": int(i), "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
              for i in np.argsort(-scores, kind="stable")]
     return JSONResponse(ranks, headers=_headers(service, computed, started))
@@ -305,7 +309,7 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
     service = _runtime(request).model("embed", body.model)
     texts = [body.inputs.source_sentence, *body.inputs.sentences]
     service.check_batch_size(len(texts))
-    vectors, computed = await service.embed(texts, normalize=True, truncate=_truncate(request, body.truncate),
+    vectors, computed = await service.embed(texts, normalize=True, truncation=_truncation(request, body),
                                             prompt_name=body.prompt_name)
     return JSONResponse((vectors[1:] @ vectors[0]).tolist(), headers=_headers(service, computed, started))
 
@@ -357,8 +361,9 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     service = _runtime(request).openai_model(body.model)
     inputs = _listed(body.input)
     service.check_batch_size(len(inputs))
-    vectors, computed = await service.embed(inputs, normalize=True, truncate=request.app.state.settings.auto_truncate,
-                                            dimensions=body.dimensions, prompt_name=body.prompt_name)
+    truncation = "right" if request.app.state.settings.auto_truncate else None  # OpenAI's API has no such field
+    vectors, computed = await service.embed(inputs, normalize=True, truncation=truncation, dimensions=body.dimensions,
+                                            prompt_name=body.prompt_name)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 
 def _texts(value: object) -> object:
@@ -69,19 +69,27 @@ class _Request(_Strict):
     model: str | None = None
 
 
-class EmbedRequest(_Request):
+# TEI's: an over-long input loses tokens at its end (Right) or its start (Left); special tokens stay.
+# TEI's enum takes "Left" and "Right", its documentation shows "right": both are taken
+TruncationDirection = Literal["Left", "Right", "left", "right"]
+
+
+class _Truncating(_Request):
+    truncate: bool | None = None  # None: the server's --auto-truncate
+    truncation_direction: TruncationDirection = "Right"
+
+
+class EmbedRequest(_Truncating):
     inputs: EmbeddingInputs
     normalize: bool = True
-    truncate: bool | None = None  # None: the server's --auto-truncate
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
 
-class EmbedAllRequest(_Request):
+class EmbedAllRequest(_Truncating):
     """TEI's /embed_all (every token's vector) and /embed_sparse (SPLADE weights) bodies."""
 
     inputs: EmbeddingInputs
-    truncate: bool | None = None
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
 
@@ -93,10 +101,9 @@ class PipelineParameters(_Strict):
     function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
 
 
-class ClassifyRequest(_Request):
+class ClassifyRequest(_Truncating):
     inputs: Inputs
     raw_scores: bool = False
-    truncate: bool | None = None
     labels: list[str] | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
     parameters: PipelineParameters | None = Field(
         None, description="the HF Inference API's payload: answers take its shape, a list per input")
@@ -109,12 +116,11 @@ class ClassifyRequest(_Request):
         return value
 
 
-class RerankRequest(_Request):
+class RerankRequest(_Truncating):
     query: str
     texts: list[str]
     raw_scores: bool = False
     return_text: bool = False
-    truncate: bool | None = None
 
     _check_query = field_validator("query")(_non_empty)
     _check_texts = field_validator("texts")(_non_empty)
@@ -152,10 +158,28 @@ class SimilarityInputs(_Strict):
         return _non_empty(value)
 
 
-class SimilarityRequest(_Request):
-    inputs: SimilarityInputs
+class SimilarityParameters(_Strict):
     truncate: bool | None = None
+    truncation_direction: TruncationDirection = "Right"
     prompt_name: str | None = None
+
+
+class SimilarityRequest(_Truncating):
+    inputs: SimilarityInputs
+    prompt_name: str | None = None
+    parameters: SimilarityParameters | None = Field(
+        None, description="TEI's (and the HF Inference API's) place for truncate, truncation_direction and prompt_name")
+
+    @model_validator(mode="after")
+    def _take_parameters(self) -> "SimilarityRequest":
+        """`parameters`' fields as if given at the top level (where this API also takes them); one given
+        in both places is refused rather than one of them ignored."""
+        if self.parameters is not None:
+            for name in sorted(self.parameters.model_fields_set):
+                if name in self.model_fields_set:
+                    raise ValueError(f"`{name}` is given twice: at the top level and in `parameters`")
+                setattr(self, name, getattr(self.parameters, name))
+        return self
 
 
 class OpenAIEmbeddingRequest(_Request):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -16,6 +17,9 @@ ST_CONFIG = "sentence_bert_config.json"
 ST_PROMPTS = "config_sentence_transformers.json"  # `prompts` {name: text} and `default_prompt_name`
 TextInput = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
 TokenIds = list[int]  # one input already tokenized: the model's input ids, run as given
+# Where over-long inputs lose tokens (TEI's truncation_direction): at their end or their start; None:
+# they are refused (413)
+Truncation = Literal["right", "left"] | None
 
 
 @dataclass(frozen=True)
@@ -85,9 +89,11 @@ class TextTokenizer:
         self._full = Tokenizer.from_file(str(tokenizer_file))
         self._full.no_padding()
         self._full.no_truncation()  # the shipped tokenizer.json may truncate at 128 and pad
-        self._truncating = Tokenizer.from_file(str(tokenizer_file))
-        self._truncating.no_padding()
-        self._truncating.enable_truncation(max_length)
+        self._truncating = {}
+        for direction in ("right", "left"):  # special tokens stay: the text loses its end, or its start
+            self._truncating[direction] = Tokenizer.from_file(str(tokenizer_file))
+            self._truncating[direction].no_padding()
+            self._truncating[direction].enable_truncation(max_length, direction=direction)
 
     def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
         """TEI's /tokenize: per input, each token's id, its text (the input's own characters, or
@@ -111,16 +117,16 @@ class TextTokenizer:
             raise InvalidInput(f"`ids` must lie in [0, {vocab})")
         return self._full.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode(self, inputs: list[TextInput | TokenIds], truncate: bool) -> list[Encoded]:
+    def encode(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> list[Encoded]:
         """Token ids and type ids; a pair is one sequence with both segments (a cross-encoder's
         input), truncated longest-first; token ids are taken as given (`encode_ids`)."""
         texts = [item for item in inputs if not isinstance(item, list)]
-        tokenizer = self._truncating if truncate else self._full
+        tokenizer = self._full if truncation is None else self._truncating[truncation]
         encodings = iter(tokenizer.encode_batch(texts) if texts else ())
         encoded = []
         for item in inputs:
             if isinstance(item, list):
-                encoded.append(self.encode_ids(item, truncate))
+                encoded.append(self.encode_ids(item, truncation))
                 continue
             encoding = next(encodings)
             self._check_length(len(encoding.ids))
@@ -128,13 +134,15 @@ class TextTokenizer:
                                    np.asarray(encoding.type_ids, dtype=np.int64)))
         return encoded
 
-    def encode_ids(self, ids: TokenIds, truncate: bool) -> Encoded:
+    def encode_ids(self, ids: TokenIds, truncation: Truncation) -> Encoded:
         """One input given as token ids (TEI's and OpenAI's pre-tokenized input): run as given, no
-        special tokens added, one segment; cut to the length limit when truncating (as text is)."""
+        special tokens added, one segment; cut to the length limit at its end or start when truncating."""
         if not all(0 <= token < self.vocab_size for token in ids):  # before int64: a JSON integer has no bound
             raise InvalidInput(f"token ids must lie in [0, {self.vocab_size})")
-        if truncate:
+        if truncation == "right":
             ids = ids[: self.max_length]
+        elif truncation == "left":
+            ids = ids[-self.max_length:]
         self._check_length(len(ids))
         return Encoded(np.asarray(ids, dtype=np.int64), np.zeros(len(ids), dtype=np.int64))
 

@@ -44,7 +44,7 @@ def _expected(artifact: Path) -> dict[str, np.ndarray]:
     model = load_artifact(artifact)
     tokenizer = TextTokenizer(model.tokenizer_dir / "tokenizer.json", model.max_seq, model.manifest.model.vocab_size)
     expected = {}
-    for text, encoded in zip(TEXTS, tokenizer.encode(TEXTS, truncate=False)):
+    for text, encoded in zip(TEXTS, tokenizer.encode(TEXTS, truncation=None)):
         ids = encoded.ids[None, :]
         output = model.run(ids, np.ones_like(ids), encoded.type_ids[None, :]).output
         expected[text] = l2_normalize(output)[0]

@@ -325,6 +325,45 @@ def test_token_ids_embed_as_the_text_they_encode(client, tiny_embed_artifact):
     assert np.dot(bare, expected[0]) < 0.9999
 
 
+def test_truncation_direction_keeps_the_end_or_the_start_of_an_over_long_input(client):
+    """TEI's truncation_direction: Left drops an over-long input's first tokens, Right (the default) its
+    last, the special tokens kept either way (here 64 positions), for text and for token ids alike."""
+    long = sentence(80)
+    ids = [token["id"] for token in client.post("/tokenize", json={"inputs": long}).json()[0]]
+    assert len(ids) > 64
+    kept = {"Left": [ids[0], *ids[len(ids) - 63:-1], ids[-1]], "Right": [*ids[:63], ids[-1]]}
+    vectors = {}
+    for direction, expected_ids in kept.items():
+        expected = client.post("/embed", json={"inputs": expected_ids}).json()[0]
+        for inputs, spelled in ((long, direction), ([long], direction), (long, direction.lower())):
+            response = client.post("/embed", json={"inputs": inputs, "truncate": True, "truncation_direction": spelled})
+            np.testing.assert_allclose(response.json()[0], expected, atol=1e-6)
+        vectors[direction] = np.asarray(expected)
+    assert np.dot(vectors["Left"], vectors["Right"]) < 0.9999
+    default = client.post("/embed", json={"inputs": long, "truncate": True}).json()[0]
+    np.testing.assert_allclose(default, vectors["Right"], atol=1e-6)
+    ids_left = client.post("/embed", json={"inputs": ids, "truncate": True, "truncation_direction": "Left"}).json()[0]
+    np.testing.assert_allclose(ids_left, client.post("/embed", json={"inputs": ids[-64:]}).json()[0], atol=1e-6)
+    refused = client.post("/embed", json={"inputs": long, "truncate": True, "truncation_direction": "Middle"})
+    assert refused.status_code == 422 and refused.json()["error"].startswith("truncation_direction")
+
+
+def test_similarity_takes_its_options_in_parameters_as_tei_does(client):
+    source, sentences = "a cat sits on the mat", ["a cat is on a mat", sentence(80)]
+    top_level = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences},
+                                                 "truncate": True, "truncation_direction": "Left"})
+    in_parameters = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences},
+                                                      "parameters": {"truncate": True, "truncation_direction": "Left"}})
+    assert top_level.status_code == in_parameters.status_code == 200
+    np.testing.assert_allclose(in_parameters.json(), top_level.json(), atol=1e-6)
+    right = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences},
+                                             "parameters": {"truncate": True}}).json()
+    assert abs(right[1] - in_parameters.json()[1]) > 1e-4  # Left kept the long sentence's end, Right its start
+    twice = client.post("/similarity", json={"inputs": {"source_sentence": source, "sentences": sentences},
+                                             "truncate": True, "parameters": {"truncate": True}})
+    assert twice.status_code == 422 and "`truncate` is given twice" in twice.json()["error"]
+
+
 def test_token_ids_are_checked_against_the_vocabulary_and_the_length_limit(client, tiny_embed_artifact):
     vocab = json.loads((tiny_embed_artifact / "manifest.json").read_text())["model"]["vocab_size"]
     for ids in ([101, vocab], [-1], [10**30]):

@@ -217,7 +217,7 @@ def test_sparse_artifact_serves_through_the_service(sparse_artifact, serve):
     texts = ["block sparse weights", "a longer sentence that still fits in the bucket"]
     model = load_artifact(sparse_artifact)
     tokenizer = TextTokenizer(model.tokenizer_dir / "tokenizer.json", 64, model.manifest.model.vocab_size)
-    encoded = tokenizer.encode(texts, truncate=False)
+    encoded = tokenizer.encode(texts, truncation=None)
     width = max(len(e) for e in encoded)
     ids = np.zeros((len(texts), width), dtype=np.int64)
     mask = np.zeros_like(ids)

@@ -28,6 +28,7 @@ from ..inference import Computed
 from ..metrics import Metrics
 from ..runtime import Runtime, model_kind
 from ..settings import Settings
+from ..tokenization import Truncation
 from . import tei_pb2 as pb
 from . import tei_pb2_grpc as pb_grpc
 
@@ -159,11 +160,11 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     def __init__(self, runtime: Runtime, settings: Settings, metrics: Metrics):
         self.runtime, self.settings, self.metrics = runtime, settings, metrics
 
-    def _truncate(self, request) -> bool:
-        """Whether to truncate `request`'s over-long inputs (at their end: the one direction served)."""
-        if request.truncation_direction != pb.TRUNCATION_DIRECTION_RIGHT:
-            raise InvalidInput("truncation_direction LEFT is not supported: inputs are truncated at their end")
-        return request.truncate or self.settings.auto_truncate  # proto3 cannot tell false from unset
+    def _truncation(self, request) -> Truncation:
+        """Where `request`'s over-long inputs lose tokens (its `truncation_direction`), or None: refused."""
+        if not (request.truncate or self.settings.auto_truncate):  # proto3 cannot tell false from unset
+            return None
+        return "left" if request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT else "right"
 
     @_recorded
     async def Info(self, request, context):
@@ -182,13 +183,13 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         started = time.perf_counter()
         service = self.runtime.model("embed")
         vectors, computed = await service.embed([_text(request.inputs)], request.normalize,
-                                                self._truncate(request), prompt_name=_prompt(request))
+                                                self._truncation(request), prompt_name=_prompt(request))
         return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started))
 
     async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
         started = time.perf_counter()
         service = self.runtime.model("embed_sparse")
-        pairs, computed = await service.embed_sparse([_text(request.inputs)], self._truncate(request),
+        pairs, computed = await service.embed_sparse([_text(request.inputs)], self._truncation(request),
                                                      _prompt(request))
         return pb.EmbedSparseResponse(sparse_embeddings=[pb.SparseValue(**pair) for pair in pairs[0]],
                                       metadata=_metadata(computed, started))
@@ -196,7 +197,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _embed_all(self, request) -> pb.EmbedAllResponse:
         started = time.perf_counter()
         service = self.runtime.model("embed_all")
-        states, computed = await service.embed_all([_text(request.inputs)], self._truncate(request),
+        states, computed = await service.embed_all([_text(request.inputs)], self._truncation(request),
                                                    _prompt(request))
         return pb.EmbedAllResponse(token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in states[0]],
                                    metadata=_metadata(computed, started))
@@ -212,7 +213,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
             text = _text(request.inputs)
         service = self.runtime.model("classify")
         predictions, computed = await service.classify([text], "none" if request.raw_scores else "auto",
-                                                       self._truncate(request))
+                                                       self._truncation(request))
         return pb.PredictResponse(predictions=[pb.Prediction(**prediction) for prediction in predictions[0]],
                                   metadata=_metadata(computed, started))
 
@@ -222,7 +223,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         service = self.runtime.model("rerank")
         service.check_batch_size(len(texts))
         scores, computed = await service.rerank(_text(query, "query"), [_text(text, "texts") for text in texts],
-                                                options.raw_scores, self._truncate(options))
+                                                options.raw_scores, self._truncation(options))
         ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if options.return_text else {}))
                  for i in np.argsort(-scores, kind="stable")]
         return pb.RerankResponse(ranks=ranks, metadata=_metadata(computed, started))

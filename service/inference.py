@@ -125,10 +125,10 @@ class ModelService:
         computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         return [sparse_pairs(row) for row in computed.rows], computed
 
-    async def classify(self, texts: list[str], scoring: str,
+    async def classify(self, texts: list[TextInput], scoring: str,
                        truncation: Truncation) -> tuple[list[list[dict]], Computed]:
-        """Labels ranked by score; `scoring` is "auto" (as the head was trained), or "none" (raw
-        logits), "softmax" or "sigmoid" (the HF pipeline's `function_to_apply`)."""
+        """Labels ranked by score, per text or (query, passage) pair; `scoring` is "auto" (as the head
+        was trained), or "none" (raw logits), "softmax" or "sigmoid" (the HF pipeline's `function_to_apply`)."""
         computed = await self.compute(texts, truncation)
         logits = computed.outputs
         scores = {"auto": lambda: probabilities(logits, self.problem_type), "none": lambda: logits,

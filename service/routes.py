@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import Unavailable
+from .errors import InvalidInput, Unavailable
 from .inference import Computed, ModelService
 from .runtime import Runtime
 from .schemas import (
@@ -35,7 +35,7 @@ from .schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from .tokenization import Truncation
+from .tokenization import TextInput, Truncation
 
 router = APIRouter()
 
@@ -149,6 +149,11 @@ def _listed(inputs: str | list) -> list:
     return [inputs] if isinstance(inputs, str) or isinstance(inputs[0], int) else inputs
 
 
+def _sequence(item: str | list[str]) -> TextInput:
+    """One of /predict's inputs: a text, or a TEI sequence of one text or a pair (a cross-encoder's)."""
+    return item if isinstance(item, str) else item[0] if len(item) == 1 else (item[0], item[1])
+
+
 def _truncation(request: Request, body) -> Truncation:
     """Where `body`'s over-long inputs lose tokens: at its `truncation_direction`'s end when it asks to
     truncate (`truncate`, default: the server's --auto-truncate), else nowhere (refused)."""
@@ -252,9 +257,11 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
     started = time.perf_counter()
-    texts = _listed(body.inputs)
+    texts = [_sequence(item) for item in _listed(body.inputs)]
     truncation = _truncation(request, body)
     if body.labels:
+        if any(isinstance(text, tuple) for text in texts):
+            raise InvalidInput("zero-shot `labels` score single texts, not pairs")
         service = _runtime(request).model("embed", body.model)
         service.check_batch_size(len(texts) + len(body.labels))  # both are embedded
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)

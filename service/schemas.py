@@ -54,8 +54,26 @@ def _non_empty(value: str | list) -> str | list:
     return value
 
 
+def _sequences(value: object) -> object:
+    """/predict's inputs: texts, or TEI's batch of sequences, each a list of one text or of a pair."""
+    if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
+        if not all(len(item) in (1, 2) and all(isinstance(text, str) for text in item) for item in value):
+            raise ValueError("a batch of sequences holds lists of one text or of a pair of texts")
+        return value
+    return _texts(value)
+
+
+def _non_empty_sequences(value: str | list) -> str | list:
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return [_non_empty(sequence) for sequence in value]
+    return _non_empty(value)
+
+
 # Texts only (classification, tokenization): one string or several, none empty
 Inputs = Annotated[str | list[str], BeforeValidator(_texts), AfterValidator(_non_empty)]
+# /predict's: texts, or TEI's batch [[text], [text, text], ...] of single texts and pairs
+PredictInputs = Annotated[str | list[str] | list[list[str]], BeforeValidator(_sequences),
+                          AfterValidator(_non_empty_sequences)]
 # The embedding routes': texts or token ids (run as given: no special tokens or prompt added), none empty
 EmbeddingInputs = Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_texts_or_ids),
                             AfterValidator(_non_empty)]
@@ -102,7 +120,7 @@ class PipelineParameters(_Strict):
 
 
 class ClassifyRequest(_Truncating):
-    inputs: Inputs
+    inputs: PredictInputs
     raw_scores: bool = False
     labels: list[str] | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
     parameters: PipelineParameters | None = Field(

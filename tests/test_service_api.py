@@ -189,6 +189,32 @@ def test_classify_matches_pytorch_softmax(client, tiny_classifier_dir):
                                probs[0], atol=1e-4)
 
 
+def test_predict_takes_teis_batch_of_single_texts_and_pairs(client, tiny_classifier_dir):
+    """TEI's /predict batch: a list of sequences, each one text or a (query, passage) pair, scored as
+    transformers scores the same sequences."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    single, pair = sentence(6), (sentence(4, 2), sentence(9, 5))
+    model = BertForSequenceClassification.from_pretrained(tiny_classifier_dir, attn_implementation="eager").eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    with torch.no_grad():
+        expected = [torch.softmax(model(**tokenizer(*texts, return_tensors="pt")).logits, -1).numpy()[0]
+                    for texts in ((single,), pair)]
+    response = client.post("/predict", json={"inputs": [[single], list(pair)], "raw_scores": False})
+    assert response.status_code == 200, response.text
+    labels = ["negative", "neutral", "positive"]
+    for probabilities, predictions in zip(expected, response.json()):
+        got = {p["label"]: p["score"] for p in predictions}
+        np.testing.assert_allclose([got[label] for label in labels], probabilities, atol=1e-4)
+    for inputs, message in (([["a", "b", "c"]], "lists of one text or of a pair"), ([[]], "lists of one text"),
+                            ([["a", ""]], "cannot contain an empty string")):
+        refused = client.post("/predict", json={"inputs": inputs})
+        assert refused.status_code == 422 and message in refused.json()["error"], refused.text
+    zero_shot = client.post("/predict", json={"inputs": [list(pair)], "labels": ["a", "b"]})
+    assert zero_shot.status_code == 422 and "not pairs" in zero_shot.json()["error"]
+
+
 def test_tokenize_and_decode_match_the_tokenizer(client, tiny_embed_artifact):
     from tokenizers import Tokenizer
 

@@ -293,11 +293,12 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
 
 @post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    """TEI's /tokenize: the tokens each input would be run as (one list per input); any model."""
+    """TEI's /tokenize: the tokens each input would be run as (one list per input, its prompt included,
+    the offsets into the prompted text); any model."""
     service = _runtime(request).model(None, body.model)
     texts = _listed(body.inputs)
     service.check_batch_size(len(texts))
-    return JSONResponse(await service.tokens(texts, body.add_special_tokens))
+    return JSONResponse(await service.tokens(service.prompts.apply(texts, body.prompt_name), body.add_special_tokens))
 
 
 @post("/decode")

@@ -147,6 +147,7 @@ class RerankRequest(_Truncating):
 class TokenizeRequest(_Request):
     inputs: Inputs
     add_special_tokens: bool = True
+    prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
 
 class DecodeRequest(_Request):

@@ -148,6 +148,10 @@ def test_prompts_match_sentence_transformers(client, prompted_dir):
     assert unknown.status_code == 422 and "'query', 'passage'" in unknown.json()["error"]
     ids = client.post("/embed", json={"inputs": [101, 2023, 102], "model": "e5ish", "prompt_name": "query"})
     assert ids.status_code == 422 and "token ids are run as given" in ids.json()["error"]
+    tokens = client.post("/tokenize", json={"inputs": TEXTS[0], "model": "e5ish", "prompt_name": "query"}).json()[0]
+    prompted = PROMPTS["query"] + TEXTS[0]
+    assert [t["id"] for t in tokens] == model.tokenizer(prompted)["input_ids"]
+    assert all(t["text"] == prompted[t["start"]:t["stop"]] for t in tokens if not t["special"])
     info = {m["model_id"]: m for m in client.get("/info").json()["models"]}
     assert info["e5ish"]["prompts"] == {"prompts": PROMPTS, "default": ""}
 

@@ -214,3 +214,15 @@ def test_openvinos_default_at_f32_is_timed_once_under_both_names(tiny_embed_arti
         assert row["stats"]["openvino"] == row["stats"]["openvino_f32"]
         assert row["stats"]["openvino"]["runs"] == 3
         assert row["least_cosine"]["openvino"] == row["least_cosine"]["openvino_f32"]
+
+
+def test_weight_pages_times_the_loaded_weights_against_a_copy_on_ordinary_pages(tiny_embed_artifact, capsys):
+    from loadtest import weight_pages
+
+    assert weight_pages.main(["--artifacts", str(tiny_embed_artifact), "--shapes", "1x8,5x20", "--calls", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.match(r"tiny-embed: \d+ MB of this process on huge pages\n", out), out
+    rows = re.findall(r"^\| (\d+x\d+) \| (\d+\.\d{3}) \| (\d+\.\d{3}) \| (\d+\.\d{3}) \|$", out, re.MULTILINE)
+    assert [row[0] for row in rows] == ["1x8", "5x20"] and all(float(row[1]) > 0 for row in rows), out
+    assert weight_pages.main(["--artifacts", str(tiny_embed_artifact), "--shapes", "packed-16"]) == 2
+    assert "expected BATCHxSEQ" in capsys.readouterr().err

@@ -19,7 +19,8 @@ chosen linears computed as the int8 library computes them, ~0.2 s on MiniLM), so
    int8 at least cosine 0.999, where admission puts 14 in int8 (49% of the multiply-adds).
 
 Where attention's products run in int8 or bf16 (attention_products.py), every pass simulates them
-as well, so that the plan, which admits groups down to the floor, stops where the built library does.
+as well, so that the plan, which admits groups down to the floor (less its tolerance), stops near
+where the built library does.
 """
 
 from __future__ import annotations

@@ -226,3 +226,12 @@ def test_weight_pages_times_the_loaded_weights_against_a_copy_on_ordinary_pages(
     assert [row[0] for row in rows] == ["1x8", "5x20"] and all(float(row[1]) > 0 for row in rows), out
     assert weight_pages.main(["--artifacts", str(tiny_embed_artifact), "--shapes", "packed-16"]) == 2
     assert "expected BATCHxSEQ" in capsys.readouterr().err
+
+
+def test_plan_fidelity_refuses_an_artifact_without_an_int8_plan(tiny_embed_artifact, capsys):
+    from loadtest import plan_fidelity
+
+    assert plan_fidelity.main(["--artifacts", str(tiny_embed_artifact)]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("python -m loadtest.plan_fidelity: error: ") and "no int8 plan" in error
+    assert len(error.strip().splitlines()) == 1

@@ -20,7 +20,6 @@ from tvm.script import relax as R
 from compile import precision
 from compile.build import make_target
 from compile.int8_plan import kept_precision
-from compile.kernels import int8
 from compile.opcount import count_ops
 from compile.passes.lift import lift_and_transform
 from compile.passes.quantize import embedding_agreement, sentence_rows
@@ -490,7 +489,7 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
-def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu, monkeypatch):
+def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu):
     """Under a cosine floor int8 alone cannot keep, the planted linear stays bf16 where the CPU has
     AVX512_BF16, else fp32 (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay
     PyTorch's. Attention's products are asked for (fp32), so that no timing of this tiny model's
@@ -500,10 +499,6 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     from safetensors.numpy import load_file
 
     from artifact.cpu_features import missing_on_host, target_features
-    from compile import pipeline
-
-    plans, plan_for = [], pipeline.plan_for
-    monkeypatch.setattr(pipeline, "plan_for", lambda *args, **kw: plans.append(plan_for(*args, **kw)) or plans[-1])
 
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
@@ -522,32 +517,17 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7
     assert cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
     if fallback_precision == "fp32":
-        (plan,) = plans
-        _assert_the_library_loses_what_its_simulation_said(cancelling_checkpoint, out, plan,
-                                                           int8.kernel_for(target).int16_pairs)
+        _assert_the_library_loses_what_its_simulation_said(out)
 
 
-def _assert_the_library_loses_what_its_simulation_said(checkpoint: Path, out: Path, plan, int16_pairs: bool) -> None:
+def _assert_the_library_loses_what_its_simulation_said(out: Path) -> None:
     """On the shipped sentences, the library's least cosine loses its plan's simulated loss, to within
     the tolerance the plan keeps to spare (and each sentence nearly so); computed in float64, where the
-    manifest's float32 cosines hold a few steps of these losses."""
-    from artifact.loader import load_artifact
-    from compile.int8_simulation import SIMULATION_TOLERANCE, Simulation
+    manifest's float32 cosines hold a few steps of these losses (`loadtest.plan_fidelity`)."""
+    from compile.int8_simulation import SIMULATION_TOLERANCE
+    from loadtest.plan_fidelity import library_and_simulated_losses
 
-    wrapper, rows, keys = _plan_inputs(checkpoint)
-    simulation = Simulation(wrapper, rows, keys, lambda actual, reference: {"actual": actual}, int16_pairs)
-    simulation.calibrate()
-    simulated = simulation.accuracy(plan.alpha, set(plan.fallback))["actual"]
-    model = load_artifact(out)
-    step = model.manifest.generic.max_batch
-    built = np.concatenate([model.run_generic(*(x[i:i + step] for x in rows[:3])).output
-                            for i in range(0, len(rows[0]), step)])
-
-    def losses(outputs: np.ndarray) -> np.ndarray:
-        actual, reference = outputs.astype(np.float64), simulation.reference.astype(np.float64)
-        return 1.0 - (actual * reference).sum(1) / np.linalg.norm(actual, axis=1) / np.linalg.norm(reference, axis=1)
-
-    built_loss, simulated_loss = losses(built), losses(simulated)
+    built_loss, simulated_loss = library_and_simulated_losses(out)
     assert simulated_loss.max() > 0
     assert abs(built_loss.max() / simulated_loss.max() - 1) < SIMULATION_TOLERANCE
     assert np.all(np.abs(built_loss / simulated_loss - 1) < 2 * SIMULATION_TOLERANCE)

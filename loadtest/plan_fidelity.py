@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from artifact.errors import ArtifactError
+from compile.errors import CompileError
 
 from .machine import describe, line
 
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         built, simulated = library_and_simulated_losses(args.artifacts)
-    except (ArtifactError, FileNotFoundError) as exc:
+    except (ArtifactError, CompileError, FileNotFoundError) as exc:  # CompileError: its checkpoint is gone
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     ratios = built / simulated

@@ -86,8 +86,11 @@ class ModelService:
             inference_seconds=statistics.fmean(result.inference_seconds for result in results),
         )
 
-    async def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
-        """TEI's /tokenize (`TextTokenizer.tokens`)."""
+    async def tokens(self, texts: list[str], add_special_tokens: bool,
+                     prompt_name: str | None = None) -> list[list[dict]]:
+        """TEI's /tokenize (`TextTokenizer.tokens`) of the texts as they run: their prompt (named, else the
+        default) prepended, the offsets into the prompted text."""
+        texts = self.prompts.apply(texts, prompt_name)
         return await self._tokenizing(sum(map(len, texts)), self.tokenizer.tokens, texts, add_special_tokens)
 
     async def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:

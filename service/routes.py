@@ -35,7 +35,7 @@ from .schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from .tokenization import TextInput, Truncation
+from .tokenization import TextInput, Truncation, truncation
 
 router = APIRouter()
 
@@ -155,10 +155,9 @@ def _sequence(item: str | list[str]) -> TextInput:
 
 
 def _truncation(request: Request, body) -> Truncation:
-    """Where `body`'s over-long inputs lose tokens: at its `truncation_direction`'s end when it asks to
-    truncate (`truncate`, default: the server's --auto-truncate), else nowhere (refused)."""
-    truncate = request.app.state.settings.auto_truncate if body.truncate is None else body.truncate
-    return body.truncation_direction.lower() if truncate else None
+    """`body`'s truncation: its `truncate` (default: the server's --auto-truncate) at its `truncation_direction`."""
+    return truncation(request.app.state.settings.auto_truncate if body.truncate is None else body.truncate,
+                      body.truncation_direction)
 
 
 def _json(content, headers: dict[str, str]) -> Response:
@@ -298,7 +297,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     service = _runtime(request).model(None, body.model)
     texts = _listed(body.inputs)
     service.check_batch_size(len(texts))
-    return JSONResponse(await service.tokens(service.prompts.apply(texts, body.prompt_name), body.add_special_tokens))
+    return JSONResponse(await service.tokens(texts, body.add_special_tokens, body.prompt_name))
 
 
 @post("/decode")
@@ -369,9 +368,9 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     service = _runtime(request).openai_model(body.model)
     inputs = _listed(body.input)
     service.check_batch_size(len(inputs))
-    truncation = "right" if request.app.state.settings.auto_truncate else None  # OpenAI's API has no such field
-    vectors, computed = await service.embed(inputs, normalize=True, truncation=truncation, dimensions=body.dimensions,
-                                            prompt_name=body.prompt_name)
+    vectors, computed = await service.embed(inputs, normalize=True,  # OpenAI's API has no truncation fields
+                                            truncation=truncation(request.app.state.settings.auto_truncate),
+                                            dimensions=body.dimensions, prompt_name=body.prompt_name)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
     else:

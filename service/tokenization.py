@@ -22,6 +22,11 @@ TokenIds = list[int]  # one input already tokenized: the model's input ids, run 
 Truncation = Literal["right", "left"] | None
 
 
+def truncation(truncate: bool, direction: str = "right") -> Truncation:
+    """A request's Truncation: `direction` ("Left" or "Right", either case) where it asks to truncate."""
+    return direction.lower() if truncate else None
+
+
 @dataclass(frozen=True)
 class Encoded:
     ids: np.ndarray  # int64 [length], special tokens included

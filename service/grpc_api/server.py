@@ -28,7 +28,7 @@ from ..inference import Computed
 from ..metrics import Metrics
 from ..runtime import Runtime, model_kind
 from ..settings import Settings
-from ..tokenization import Truncation
+from ..tokenization import Truncation, truncation
 from . import tei_pb2 as pb
 from . import tei_pb2_grpc as pb_grpc
 
@@ -162,9 +162,8 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
 
     def _truncation(self, request) -> Truncation:
         """Where `request`'s over-long inputs lose tokens (its `truncation_direction`), or None: refused."""
-        if not (request.truncate or self.settings.auto_truncate):  # proto3 cannot tell false from unset
-            return None
-        return "left" if request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT else "right"
+        return truncation(request.truncate or self.settings.auto_truncate,  # proto3 cannot tell false from unset
+                          "left" if request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT else "right")
 
     @_recorded
     async def Info(self, request, context):
@@ -230,8 +229,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
 
     async def _tokenize(self, request) -> pb.EncodeResponse:
         service = self.runtime.model(None)
-        text = service.prompts.apply([_text(request.inputs)], _prompt(request))[0]
-        tokens = (await service.tokens([text], request.add_special_tokens))[0]
+        tokens = (await service.tokens([_text(request.inputs)], request.add_special_tokens, _prompt(request)))[0]
         return pb.EncodeResponse(tokens=[pb.SimpleToken(**{k: v for k, v in token.items() if v is not None})
                                          for token in tokens])
 

@@ -156,6 +156,9 @@ class QuantizationEntry(_Strict):
     max_probability_diff: float | None = None
     smoothing_alpha: float | None = None  # SmoothQuant strength (0: none; compile/passes/smooth.py)
     smoothed: int = 0  # linears whose input channels are rescaled
+    # the fraction of its simulated loss of cosine the plan kept to spare (compile/int8_plan.py): 0.1,
+    # more where a library built on a narrower margin missed the gate and the plan was admitted again
+    plan_margin: float | None = None
     kept: list[KeptLinear] = []  # linears left out of int8 ("mixed int8")
     sensitivity: list[LinearSensitivity] = []  # most lost per multiply-add first; measured where a fallback was needed
 

@@ -21,6 +21,12 @@ chosen linears computed as the int8 library computes them, ~0.2 s on MiniLM), so
 Where attention's products run in int8 or bf16 (attention_products.py), every pass simulates them
 as well, so that the plan, which admits groups down to the floor (less its tolerance), stops near
 where the built library does.
+
+The simulation is close, not exact (its margin, `SIMULATION_TOLERANCE`, covers what MiniLM's libraries
+have shown), so the compile measures the plan's built library before it builds the rest
+(compile/pipeline.py, `checked_int8_candidate`): where that misses what the plan kept, the plan is
+admitted again from the same simulation and sensitivity with the margin that library showed it needs
+(`Int8Plan.replanned`), and built again.
 """
 
 from __future__ import annotations
@@ -64,6 +70,8 @@ class Int8Plan:
     sensitivity: list[Sensitivity] = field(default_factory=list)  # measured where a fallback was needed
     fallback_precision: str = "fp32"  # what the kept units run in (`kept_precision`)
     units: int = 0  # linear groups the int8 kernel fits
+    margin: float = SIMULATION_TOLERANCE  # the fraction of its simulated loss the plan kept to spare
+    planner: "Planner | None" = field(default=None, repr=False, compare=False)
 
     def refusal(self, min_cosine: float | None) -> str | None:
         """Why this int8 has nothing to offer (one line): no linear fits the kernel, or keeping the
@@ -75,6 +83,17 @@ class Int8Plan:
         wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:g}"
         return f"int8 cannot keep {wanted} with any linear in int8 (simulated on the shipped sentences)"
 
+    def replanned(self, built: dict) -> "Int8Plan | None":
+        """This plan admitted again after its built library (`built`: its accuracy) missed the gate:
+        with the margin widened to what that library lost beyond the simulation, plus
+        SIMULATION_TOLERANCE for the units whose precision changes. None where a margin cannot help
+        (a classifier's gate is not a cosine) or changes nothing."""
+        if self.planner is None or "cosine_min" not in built or self.simulated["cosine_min"] >= 1.0:
+            return None
+        deviation = (1.0 - built["cosine_min"]) / (1.0 - self.simulated["cosine_min"]) - 1.0
+        replanned = self.planner.plan(max(self.margin, deviation) + SIMULATION_TOLERANCE)
+        return None if replanned.fallback == self.fallback else replanned
+
     def manifest_fields(self, quantized: int) -> dict:
         """The manifest's QuantizationEntry fields of this plan, for `quantized` int8 linears."""
         from artifact.manifest import KeptLinear, LinearSensitivity
@@ -82,10 +101,12 @@ class Int8Plan:
         numbers = ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")
         reason = "not admitted to int8: there it took the simulation under its gate or --min-cosine"
         return {"smoothing_alpha": self.alpha, "smoothed": quantized if self.alpha > 0 else 0,
+                "plan_margin": self.margin,
                 "kept": [KeptLinear(unit=unit, precision=self.fallback_precision, reason=reason)
                          for unit in self.fallback],
                 "sensitivity": [LinearSensitivity(unit=s.unit, **{k: s.accuracy[k] for k in numbers if k in s.accuracy})
                                 for s in self.sensitivity]}
+
 
 def score(accuracy: dict) -> tuple[float, float]:
     """What the plan maximises: (least cosine, mean cosine), or a classifier's (top-1 agreement,
@@ -109,33 +130,54 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
     linear in int8 misses the gate."""
     simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision,
                             attention_products)
-    passes_gate = with_margin(passes_gate, SIMULATION_TOLERANCE)
     simulation.calibrate()
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
     report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
-    accuracy = alphas[alpha]
-    if not keep_out and not passes_gate(accuracy):
+    if not keep_out and not with_margin(passes_gate, SIMULATION_TOLERANCE)(alphas[alpha]):
         return None
-    sensitivity, kept = [], []
-    if not passes_gate(accuracy):
-        sensitivity = measure_sensitivity(simulation, alpha, report)
-        accuracy, kept = admit(simulation, alpha, sensitivity, passes_gate)
-        report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in {fallback_precision} "
-               f"(simulated least {score(accuracy)[0]:.4f})")
-    units = {unit.name: unit for unit in simulation.units}
-    scales = {}
-    if alpha > 0:
-        for unit in simulation.units:
-            if unit.name not in kept:
-                scales.update({key: Simulation.scales(unit, alpha) for key in unit.keys})
-    log.info("int8 plan: alpha %s, kept out of int8: %s; simulated %s", alpha, ", ".join(kept) or "none",
-             ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float)))
-    return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
-                    fallback_keys={key for name in kept for key in units[name].keys},
-                    simulated=accuracy, alphas=alphas, sensitivity=sensitivity, fallback_precision=fallback_precision,
-                    units=len(units))
+    return Planner(simulation, alphas, alpha, passes_gate, report).plan(SIMULATION_TOLERANCE)
+
+
+@dataclass
+class Planner:
+    """What a plan is measured on (the simulation, its smoothing, the units' sensitivity once needed),
+    kept so that the plan can be admitted again under a wider margin (`Int8Plan.replanned`)."""
+
+    simulation: Simulation
+    alphas: dict[float, dict]
+    alpha: float
+    passes_gate: Callable[[dict], bool]  # the gate and --min-cosine, with nothing to spare
+    report: Callable[[str], None]
+    sensitivity: list[Sensitivity] = field(default_factory=list)
+
+    def plan(self, tolerance: float) -> Int8Plan:
+        """The units admitted to int8 while the simulation keeps the gate with `tolerance` of its
+        loss to spare; every unit in int8 where that needs no fallback."""
+        simulation, alpha = self.simulation, self.alpha
+        passes_gate = with_margin(self.passes_gate, tolerance)
+        accuracy, kept = self.alphas[alpha], []
+        if not passes_gate(accuracy):
+            if not self.sensitivity:
+                self.sensitivity = measure_sensitivity(simulation, alpha, self.report)
+            accuracy, kept = admit(simulation, alpha, self.sensitivity, passes_gate)
+            self.report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in "
+                        f"{simulation.fallback_precision} (simulated least {score(accuracy)[0]:.4f})")
+        units = {unit.name: unit for unit in simulation.units}
+        scales = {}
+        if alpha > 0:
+            for unit in simulation.units:
+                if unit.name not in kept:
+                    scales.update({key: Simulation.scales(unit, alpha) for key in unit.keys})
+        simulated = ", ".join(f"{k} {v:.4f}" for k, v in accuracy.items() if isinstance(v, float))
+        log.info("int8 plan: alpha %s, margin %.2f, kept out of int8: %s; simulated %s", alpha, tolerance,
+                 ", ".join(kept) or "none", simulated)
+        return Int8Plan(alpha=alpha, scales=scales, fallback=kept,
+                        fallback_keys={key for name in kept for key in units[name].keys},
+                        simulated=accuracy, alphas=self.alphas, sensitivity=self.sensitivity,
+                        fallback_precision=simulation.fallback_precision, units=len(units), margin=tolerance,
+                        planner=self)
 
 
 def with_margin(passes_gate: Callable[[dict], bool], tolerance: float) -> Callable[[dict], bool]:

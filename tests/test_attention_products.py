@@ -212,7 +212,7 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])
-    assert built_with == ["fp32", "fp32"]  # the bucket, the generic library
+    assert built_with == ["fp32"] * 3  # the plan's library checked, the bucket, the generic library
     assert planned_with == [False]  # kept units: fp32 where bf16 was slower (or int8 products timed instead)
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")

@@ -238,8 +238,10 @@ class _AdditiveSimulation:
     def __init__(self, units: dict[str, tuple[int, float]]):  # name -> (multiply-adds per token, loss)
         from types import SimpleNamespace
 
-        self.units = [SimpleNamespace(name=name, multiply_adds=lambda m=m: m) for name, (m, _) in units.items()]
+        self.units = [SimpleNamespace(name=name, keys={name}, multiply_adds=lambda m=m: m)
+                      for name, (m, _) in units.items()]
         self.loss = {name: loss for name, (_, loss) in units.items()}
+        self.fallback_precision = "fp32"
         self.runs = 0
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
@@ -281,6 +283,32 @@ def test_the_plan_keeps_the_simulations_tolerance_to_spare():
     floor = with_margin(lambda accuracy: accuracy["cosine_min"] >= 1 - 7e-4, SIMULATION_TOLERANCE)
     accuracy, kept = admit(simulation, 0.5, sensitivity, floor)
     assert kept == ["out", "down"] and accuracy["cosine_min"] == pytest.approx(1 - 5e-4)  # out: 1 - 7e-4, no spare
+
+
+def test_a_plan_whose_library_lost_more_than_its_margin_is_admitted_again_with_what_that_library_lost():
+    """The library of a plan that kept 10% to spare lost 1.5x its simulated loss, under the floor: the plan
+    is admitted again from the same sensitivity with 50% + 10% to spare, and keeps out what that needs. A
+    library that loses within the margin, or a classifier's (no cosine), leaves nothing to admit again."""
+    from compile.int8_plan import Planner
+    from compile.int8_simulation import SIMULATION_TOLERANCE
+
+    simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
+                                      "tiny": (1, 0.0)})
+    floor = 1 - 7e-4
+    planner = Planner(simulation, {0.0: simulation.accuracy(0.0, set())}, 0.0,
+                      lambda accuracy: accuracy["cosine_min"] >= floor, lambda line: None)
+    plan = planner.plan(SIMULATION_TOLERANCE)
+    assert plan.fallback == ["out", "down"] and plan.margin == SIMULATION_TOLERANCE
+    runs = simulation.runs
+    replanned = plan.replanned({"cosine_min": 1 - 1.5 * 5e-4, "cosine_mean": 0.9999})
+    assert replanned.margin == pytest.approx(0.5 + SIMULATION_TOLERANCE)
+    # spared 60%: up and tiny (2e-4), then out (4e-4, 6.4e-4 spared); qkv (5e-4 -> 8e-4) and down stay out
+    assert replanned.fallback == ["down", "qkv"] and replanned.simulated["cosine_min"] == pytest.approx(1 - 4e-4)
+    assert replanned.fallback_keys == {"down", "qkv"} and replanned.planner is planner
+    assert simulation.runs == runs + 5  # the sensitivity is not measured again: one trial per unit
+    assert 1 - (1 + 0.5) * (1 - replanned.simulated["cosine_min"]) >= floor  # a library off alike keeps it
+    assert plan.replanned({"cosine_min": 1 - 5e-4, "cosine_mean": 0.9999}) is None  # as simulated: no change
+    assert plan.replanned({"top1_agreement": 0.9, "max_probability_diff": 0.1}) is None
 
 
 def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_checkpoint):
@@ -518,6 +546,43 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     assert cosines(_artifact(out, UNSEEN), _pytorch(cancelling_checkpoint, UNSEEN)).min() > 0.9999
     if fallback_precision == "fp32":
         _assert_the_library_loses_what_its_simulation_said(out)
+
+
+def test_a_plan_its_library_misses_is_admitted_again_before_the_buckets_are_built(cancelling_checkpoint, tmp_path,
+                                                                                monkeypatch, caplog):
+    """A simulation that claims a tenth of what int8 loses plans every linear into int8, past
+    --min-cosine. The plan's generic library, built and measured first, misses it by ~10x the simulated
+    loss: the plan is admitted again with that margin, keeps the planted linear out, and is built again;
+    then the bucket and the generic library are built once. The artifact keeps the floor and records
+    the margin its plan kept."""
+    from conftest import compile_artifact
+
+    from compile import pipeline
+    from compile.int8_simulation import Simulation
+
+    simulate, build = Simulation.accuracy, pipeline.build_library
+    built = []
+
+    def a_tenth_of_the_loss(self, alpha, kept):
+        accuracy = simulate(self, alpha, kept)
+        return {**accuracy, "cosine_min": 1 - (1 - accuracy["cosine_min"]) / 10}
+
+    def counted(mod, target, path, **kwargs):  # the path within the staging directory
+        built.append("/".join(path.parts[next(i for i, part in enumerate(path.parts) if ".staging" in part) + 1:]))
+        return build(mod, target, path, **kwargs)
+
+    monkeypatch.setattr(Simulation, "accuracy", a_tenth_of_the_loss)
+    monkeypatch.setattr(pipeline, "build_library", counted)
+    caplog.set_level("INFO", logger="compile.pipeline")
+    manifest, _ = compile_artifact(cancelling_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
+                                   min_cosine=0.9999, mcpu="x86-64-v3", attention_products="fp32",
+                                   generic_shapes=["3x20"])
+    quantization = manifest.quantization
+    assert [kept.unit for kept in quantization.kept] == [SENSITIVE] and quantization.cosine_min >= 0.9999
+    assert 5 < quantization.plan_margin < 15  # the library lost ~10x the simulated loss
+    assert built == ["int8-plan/plan-0/lib/generic.concat.so", "int8-plan/plan-1/lib/generic.concat.so",
+                     "lib/bucket_1x5.concat.so", "lib/generic.concat.so"]
+    assert any("planned again" in record.getMessage() for record in caplog.records)
 
 
 def _assert_the_library_loses_what_its_simulation_said(out: Path) -> None:

@@ -164,6 +164,7 @@ class Planner:
             accuracy, kept = admit(simulation, alpha, self.sensitivity, passes_gate)
             self.report(f"fallback: {len(kept)}/{len(simulation.units)} linear groups kept in "
                         f"{simulation.fallback_precision} (simulated least {score(accuracy)[0]:.4f})")
+        simulation.release_layers()
         units = {unit.name: unit for unit in simulation.units}
         scales = {}
         if alpha > 0:

@@ -406,6 +406,11 @@ class Simulation:
             units.append(Unit(unit_name([names[m] for m in modules]), modules, keys))
         return units
 
+    def release_layers(self) -> None:
+        """Drop the cached encoder layers' outputs (up to LAYER_CACHE_BYTES): a plan once made is
+        rarely simulated again (a re-plan computes them anew), and the compile's builds need the memory."""
+        self.layer_cache.clear()
+
     def calibrate(self) -> None:
         """Each unit's largest |activation| per input channel over the sentences (real tokens only:
         padding rows are not an input the model is asked about), taken in one batch of the rows as

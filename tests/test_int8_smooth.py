@@ -244,6 +244,9 @@ class _AdditiveSimulation:
         self.fallback_precision = "fp32"
         self.runs = 0
 
+    def release_layers(self) -> None:
+        """Nothing is cached."""
+
     def accuracy(self, alpha: float, kept: set[str]) -> dict:
         self.runs += 1
         least = 1.0 - sum(loss for name, loss in self.loss.items() if name not in kept)

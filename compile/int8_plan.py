@@ -80,7 +80,7 @@ class Int8Plan:
             return "no linear fits the int8 kernel's panels"
         if len(self.fallback) < self.units:
             return None
-        wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:g}"
+        wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:.10g}"
         return f"int8 cannot keep {wanted} with any linear in int8 (simulated on the shipped sentences)"
 
     def replanned(self, built: dict) -> "Int8Plan | None":

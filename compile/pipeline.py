@@ -342,7 +342,7 @@ def refuse_missed_gate(name: str, accuracy: dict, min_cosine: float | None) -> N
         raise ValidationError(precision.gate_refusal(name, accuracy, failures))
     if precision.under_cosine_floor(name, accuracy, min_cosine):
         raise ValidationError(f"{name} embeddings reach cosine {accuracy['cosine_min']:.6f} to the fp32 model's "
-                              f"on the shipped sentences, under --min-cosine {min_cosine:g}")
+                              f"on the shipped sentences, under --min-cosine {min_cosine:.10g}")
 
 
 @dataclass

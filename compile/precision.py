@@ -100,7 +100,7 @@ def accuracy_failures(precision: str, accuracy: dict, min_cosine: float | None) 
     """What `accuracy` misses of `precision`'s gate and of `--min-cosine` (one entry each)."""
     failures = gate_failures(precision, accuracy)
     if under_cosine_floor(precision, accuracy, min_cosine):
-        failures.append(f"cosine_min {accuracy['cosine_min']:.5f} < --min-cosine {min_cosine:g}")
+        failures.append(f"cosine_min {accuracy['cosine_min']:.5f} < --min-cosine {min_cosine:.10g}")
     return failures
 
 

@@ -298,9 +298,9 @@ def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_k
     assert entry.precision == manifest.linear_precision == "fp32"
     rounded = [c for c in entry.candidates if c.precision != "fp32"]
     # bf16 is built and measured under the floor; int8 is not built: its plan left no linear in int8
-    assert rounded and all(any(f"--min-cosine {floor:g}" in f for f in c.gate_failures) for c in rounded)
+    assert rounded and all(any(f"--min-cosine {floor:.10g}" in f for f in c.gate_failures) for c in rounded)
     int8 = [c for c in rounded if c.precision == "int8"]
-    assert all(c.times_ms == {} and c.gate_failures == [f"int8 cannot keep --min-cosine {floor:g} with any linear "
+    assert all(c.times_ms == {} and c.gate_failures == [f"int8 cannot keep --min-cosine {floor:.10g} with any linear "
                                                         "in int8 (simulated on the shipped sentences)"]
                for c in int8)
 

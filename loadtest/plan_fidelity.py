@@ -3,7 +3,8 @@ what its compile's int8 plan simulated, sentence by sentence on the shipped sent
 
 The plan (compile/int8_plan.py) admits linear groups to int8 while its simulation
 (compile/int8_simulation.py) keeps the accuracy floor, with `SIMULATION_TOLERANCE` of the simulated
-loss to spare. This runs that simulation again with the artifact's choices (its smoothing, the
+loss to spare (more where the plan's first library showed it needed more: the manifest's
+`quantization.plan_margin`). This runs that simulation again with the artifact's choices (its smoothing, the
 groups it kept and their precision, attention's products) and the artifact's generic library on the
 same rows, and prints each one's loss of cosine to the fp32 model (1 - cosine, in float64): the
 ratios are what the tolerance must cover."""

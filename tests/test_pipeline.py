@@ -251,7 +251,7 @@ def _leftovers(parent):
 
 def test_failed_validation_leaves_nothing_behind(tiny_bert_dir, tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(ValidationError, match="exceeds tolerance"):
+    with pytest.raises(ValidationError, match=r"exceeds tolerance 1e-12 \(the compile config's `tolerance`\)$"):
         compile_artifact(tiny_bert_dir, out, ["1x8"], tolerance=1e-12)
     assert _leftovers(tmp_path) == []
 

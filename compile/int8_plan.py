@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import tvm
 
+from . import precision
 from .int8_simulation import SIMULATION_TOLERANCE, Simulation
 from .kernels import int8
 from .passes.packing import linears_on_weights
@@ -80,7 +81,7 @@ class Int8Plan:
             return "no linear fits the int8 kernel's panels"
         if len(self.fallback) < self.units:
             return None
-        wanted = "its accuracy gate" if min_cosine is None else f"--min-cosine {min_cosine:.10g}"
+        wanted = "its accuracy gate" if min_cosine is None else precision.min_cosine_flag(min_cosine)
         return f"int8 cannot keep {wanted} with any linear in int8 (simulated on the shipped sentences)"
 
     def replanned(self, built: dict) -> "Int8Plan | None":
@@ -240,8 +241,6 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
     """What units kept out of int8 run in: bf16 where the target's CPU has it, unless this CPU timed
     bf16 arithmetic slower than fp32 (`bf16_pays` False: attention_products.py's timing, as on Intel
     CPUs with AVX512_BF16 and no AMX, where `vdpbf16ps` issues at the FMA's rate); else fp32."""
-    from . import precision
-
     return "bf16" if precision.refusal("bf16", target) is None and bf16_pays is not False else "fp32"
 
 
@@ -252,7 +251,6 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
     `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
     `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
-    from . import precision
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
     kernel = int8.kernel_for(target)

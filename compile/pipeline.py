@@ -342,7 +342,7 @@ def refuse_missed_gate(name: str, accuracy: dict, min_cosine: float | None) -> N
         raise ValidationError(precision.gate_refusal(name, accuracy, failures))
     if precision.under_cosine_floor(name, accuracy, min_cosine):
         raise ValidationError(f"{name} embeddings reach cosine {accuracy['cosine_min']:.6f} to the fp32 model's "
-                              f"on the shipped sentences, under --min-cosine {min_cosine:.10g}")
+                              f"on the shipped sentences, under {precision.min_cosine_flag(min_cosine)}")
 
 
 @dataclass
@@ -570,15 +570,15 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, imported, reference: to
 
 
 def check_int8_plan(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module, staging: Path,
-                    progress: Progress, built: bool) -> None:
+                    progress: Progress, measurable: bool) -> None:
     """`--precision int8`: fail before anything is built where the plan keeps no linear in int8;
-    with `built` (where its library can run here and be measured), build the plan's generic library
+    `measurable` (its library can run here and be validated), build the plan's generic library
     first and measure it, planned again where it misses (`checked_int8_candidate`), so that a plan
     the library cannot keep fails (or is mended) before every bucket is built."""
     refused = plan.int8.refusal(config.min_cosine)
     if refused:
         raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
-    if not built:
+    if not measurable:
         return
     with progress.step("int8: the plan's generic library against the fp32 model"):
         _, _, accuracy = checked_int8_candidate(config, plan, imported, reference, staging / "int8-plan",
@@ -644,7 +644,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"):
                 plan_int8_linears(config, plan, imported, reference, progress)
             if config.precision == "int8":
-                check_int8_plan(config, plan, imported, reference, staging, progress, built=checks_int8)
+                check_int8_plan(config, plan, imported, reference, staging, progress, measurable=checks_int8)
         if config.precision == "auto":
             with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging, progress)

@@ -90,6 +90,11 @@ def gate_failures(precision: str, accuracy: dict) -> list[str]:
     return gate.failures(accuracy) if gate is not None else []
 
 
+def min_cosine_flag(min_cosine: float) -> str:
+    """`--min-cosine` as the user gave it, for messages (`:g` would print 0.9999999 as 1)."""
+    return f"--min-cosine {min_cosine:.10g}"
+
+
 def under_cosine_floor(precision: str, accuracy: dict, min_cosine: float | None) -> bool:
     """Whether a rounded precision's least cosine to the fp32 model is under `--min-cosine`."""
     cosine = accuracy.get("cosine_min")
@@ -100,7 +105,7 @@ def accuracy_failures(precision: str, accuracy: dict, min_cosine: float | None) 
     """What `accuracy` misses of `precision`'s gate and of `--min-cosine` (one entry each)."""
     failures = gate_failures(precision, accuracy)
     if under_cosine_floor(precision, accuracy, min_cosine):
-        failures.append(f"cosine_min {accuracy['cosine_min']:.5f} < --min-cosine {min_cosine:.10g}")
+        failures.append(f"cosine_min {accuracy['cosine_min']:.5f} < {min_cosine_flag(min_cosine)}")
     return failures
 
 

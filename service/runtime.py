@@ -33,7 +33,7 @@ from .metrics import Metrics
 from .planning import BatchLimits
 from .settings import Settings
 from .tokenization import Prompts, TextTokenizer, max_input_length
-from .topology import plan_topology
+from .topology import cores_to_use, plan_topology
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Runtime:
         self.loader = loader
         self.on_fatal = on_fatal
         self.artifacts = served_artifacts(settings)
-        self.topology = plan_topology(settings.cores or usable_cores(), settings.backend, settings.workers,
+        self.topology = plan_topology(cores_to_use(settings.cores, usable_cores()), settings.backend, settings.workers,
                                       settings.threads_per_worker, settings.wide_worker, settings.queue_ahead,
                                       gpu=any(a.manifest.target.kind == "cuda" for a in self.artifacts))
         # TVM sizes each thread's pool from TVM_NUM_THREADS when that thread first needs one (the

@@ -29,6 +29,16 @@ class Topology:
         return asdict(self)
 
 
+def cores_to_use(asked: int | None, usable: int) -> int:
+    """`--cores` where given, else every core the process may use (`usable`); more than it may use is
+    refused: the extra threads would have no core to run on (64 on 2 cores took 25 s to start and 0.3 s
+    a call)."""
+    if asked is not None and asked > usable:
+        raise TopologyError(f"--cores {asked} is more than the {usable} cores this process may use "
+                            "(affinity and cgroup quota)")
+    return asked or usable
+
+
 def plan_topology(cores: int, backend: str, workers: int | None = None, threads_per_worker: int | None = None,
                   wide: bool | None = None, queue_ahead: bool = True, gpu: bool = False) -> Topology:
     """The default, or the flags' choice checked against the cores.

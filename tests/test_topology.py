@@ -15,7 +15,7 @@ from artifact.cores import cgroup_cpu_limit, usable_cores
 from service.admission import ARRIVAL_SMOOTHING, InputQueue
 from service.lanes import Lanes
 from service.tokenization import Encoded
-from service.topology import Topology, TopologyError, plan_topology
+from service.topology import Topology, TopologyError, cores_to_use, plan_topology
 
 
 def cgroup(tmp_path, files: dict[str, str]):
@@ -64,6 +64,22 @@ def test_oversubscribing_flags_are_refused():
         plan_topology(2, "tvm", workers=2, threads_per_worker=2)
     with pytest.raises(TopologyError, match="needs --backend tvm"):
         plan_topology(2, "torch", wide=True)
+
+
+def test_cores_beyond_what_the_process_may_use_are_refused():
+    assert cores_to_use(None, 4) == 4 and cores_to_use(2, 4) == 2 and cores_to_use(4, 4) == 4
+    with pytest.raises(TopologyError, match="--cores 5 is more than the 4 cores this process may use"):
+        cores_to_use(5, 4)
+
+
+def test_the_cli_refuses_more_cores_than_it_may_use_with_one_line(tiny_embed_artifact):
+    asked = usable_cores() + 1
+    result = subprocess.run([sys.executable, "-m", "service", "--artifacts", str(tiny_embed_artifact), "--cores",
+                             str(asked)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"bert-serve: error: --cores {asked} is more than the {usable_cores()} cores this process may use "
+        "(affinity and cgroup quota)"]
 
 
 def test_the_cli_refuses_an_oversubscribing_topology_with_one_line(tiny_embed_artifact):

@@ -64,7 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tune", type=float, metavar="SECONDS",
                         help="MetaSchedule search per padded bucket (cpu): a tuned kernel replaces the hand schedule "
                              "only where it was faster in a timed run; the kept schedules ship in tuning/")
-    parser.add_argument("--out", type=Path, help="artifact directory to write")
+    parser.add_argument("--out", type=Path, help="artifact directory to write (default: artifacts/ and the checkpoint "
+                        "directory's name; artifacts/minilm-cpu for the bundled model)")
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
@@ -80,14 +81,21 @@ def _sparsity(value: str) -> float | str:
         raise argparse.ArgumentTypeError(f"{value!r} is neither a fraction nor from-checkpoint") from None
 
 
+_terminated_by: int | None = None  # the signal that ended the compile
+
+
 def _raise_on_sigterm(signum, _frame):
+    """End the compile so that the staging directory is cleaned up. Raised inside a Python callback of
+    TVM's, the SystemExit comes back out of TVM as a RuntimeError: `main` then exits as the signal asked."""
+    global _terminated_by
+    _terminated_by = signum
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so the staging directory is cleaned up
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
     overrides = {
         key: getattr(args, key)
         for key in ("model", "task", "target", "cuda_arch", "dtype", "cuda_graph", "mcpu", "layout", "max_batch", "pooling",
@@ -111,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     except CompileError as exc:
         print(f"bert-compile: error: {exc}", file=sys.stderr)
         return 2
+    except Exception:
+        if _terminated_by is None:
+            raise
+        return 128 + _terminated_by
     for manifest, records in results:
         if len(results) > 1:
             print(f"level {manifest.target.mcpu} ({config.out / manifest.target.mcpu}):", file=sys.stderr)

@@ -27,6 +27,7 @@ FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1
 RELATIVE_TOLERANCES = {"int8": 0.25, "bf16": 0.05}
 # Odd shapes (batch x seq) for validating the generic library, tried in this order.
 GENERIC_CANDIDATES = [(3, 20), (5, 41), (2, 77), (1, 13), (7, 9), (2, 5), (1, 3)]
+DEFAULT_OUT = Path("artifacts/minilm-cpu")  # the bundled model's artifact
 DEFAULT_BUCKETS = {"padded": ["1x16", "1x128", "8x128"],
                    "packed": ["packed-16", "packed-32", "packed-64", "packed-128", "packed-256", "packed-512"]}
 
@@ -88,7 +89,8 @@ class CompileConfig(BaseModel):
     strategy_margin: float = Field(
         0.03, ge=0, description="auto: a library leaves the shared strategy (and adds a weight set, one more copy "
         "of the model in memory) only when its own fastest is faster by more than this fraction")
-    out: Path = Path("artifacts/minilm-cpu")
+    out: Path | None = Field(None, description="the artifact directory; default: artifacts/ and the checkpoint "
+                             "directory's name (artifacts/minilm-cpu for the bundled model)")
     validate_artifacts: bool = Field(True, alias="validate")
     tolerance: float | None = Field(
         None, gt=0, description="max |tvm - torch|; default 1e-4 for float32, 2e-2 for float16"
@@ -156,6 +158,13 @@ class CompileConfig(BaseModel):
     def prunes(self) -> bool:
         """Whether the compile changes the model (magnitude pruning) rather than use its zeros."""
         return isinstance(self.sparsity, float)
+
+    @model_validator(mode="after")
+    def _default_out(self) -> "CompileConfig":
+        """A checkpoint's artifact goes beside the bundled model's (which scripts/serve.sh serves), not over it."""
+        if self.out is None:
+            self.out = Path("artifacts") / self.model.resolve().name if self.model is not None else DEFAULT_OUT
+        return self
 
     @model_validator(mode="after")
     def _cuda_only_options(self) -> "CompileConfig":

@@ -107,3 +107,48 @@ def test_cuda_only_options_on_cpu_exit_2(tmp_path, flags, message):
     result = run_cli(*flags, "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_checkpoints_artifact_goes_beside_the_bundled_models_by_default(tmp_path, tiny_bert_dir):
+    """Without `out`, a checkpoint's artifact is named after its directory: a compile of another
+    model does not replace artifacts/minilm-cpu, the artifact scripts/serve.sh serves."""
+    from compile.config import CompileConfig, load_config
+
+    assert CompileConfig().out == Path("artifacts/minilm-cpu")
+    assert CompileConfig(model=tiny_bert_dir).out == Path("artifacts") / tiny_bert_dir.name
+    assert load_config(REPO / "configs/default.yaml", {"model": tiny_bert_dir}).out == Path("artifacts") / tiny_bert_dir.name
+    assert load_config(REPO / "configs/default.yaml", {}).out == Path("artifacts/minilm-cpu")
+    assert CompileConfig(model=tiny_bert_dir, out=tmp_path / "x").out == tmp_path / "x"
+
+
+def test_sigterm_inside_a_tvm_callback_exits_143_without_a_traceback(tmp_path, tiny_bert_dir, monkeypatch, capsys):
+    """A SIGTERM handled while TVM runs a Python callback (a pass, a packed function) comes back out
+    of TVM as a RuntimeError, not the SystemExit the handler raised: the compile still ends as the
+    signal asked, quietly, with nothing written."""
+    import os
+    import signal
+    import time
+
+    import tvm_ffi
+
+    import compile.pipeline
+    from compile import cli
+
+    @tvm_ffi.register_global_func("tests.sigterm_inside_a_callback", override=True)
+    def terminated_inside():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # the handler runs here, inside the callback
+
+    def compile_model(config, progress):
+        tvm_ffi.get_global_func("tests.sigterm_inside_a_callback")()
+
+    monkeypatch.setattr(compile.pipeline, "compile_model", compile_model)
+    monkeypatch.setattr(cli, "_terminated_by", None)
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        status = cli.main(["--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(tmp_path / "out"), "--quiet"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert status == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == ""
+    assert not (tmp_path / "out").exists()

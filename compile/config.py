@@ -247,8 +247,10 @@ def read_yaml_mapping(path: Path, error: type[Exception] = CompileError) -> dict
         data = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise error(f"config file not found: {path}") from None
-    except yaml.YAMLError as exc:
-        raise error(f"config file {path} is not valid YAML: {exc}") from None
+    except yaml.YAMLError as exc:  # its text quotes the line with a caret under it: one line instead
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise error(f"config file {path} is not valid YAML: {getattr(exc, 'problem', None) or exc}{where}") from None
     if not isinstance(data, dict):
         raise error(f"config file {path} must hold a mapping of keys")
     return data

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from typing import Callable
@@ -24,6 +23,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from swagger_ui_bundle import swagger_ui_path
 
+from .auth import bearer_key_matches
 from .backends import load_backend
 from .errors import ServiceError, TooLarge, Unauthorized
 from .grpc_api.server import start_grpc
@@ -73,12 +73,12 @@ class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS), when a key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.api_key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not bearer_key_matches(given, self.api_key):
                 return await error_response(Unauthorized("missing or wrong API key"))(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-client-batch-size", type=int, help="inputs per request; beyond: 413 (default 32)")
     add("--payload-limit", type=int, help="request body bytes; beyond: 413 (default 2000000)")
     add("--auto-truncate", action="store_true", default=None, help="truncate over-long inputs by default")
-    add("--api-key", help="require Authorization: Bearer KEY on every route but /health")
+    add("--api-key", help="require Authorization: Bearer KEY on every route but /health and /ready")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])
     return parser.parse_args(argv)

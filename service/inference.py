@@ -65,9 +65,14 @@ class ModelService:
         self.max_client_batch_size = max_client_batch_size
         self._tokenizer_pool = tokenizer_pool
 
-    def check_batch_size(self, count: int) -> None:
-        if count > self.max_client_batch_size:
-            raise TooLarge(f"batch size {count} > maximum allowed batch size {self.max_client_batch_size}")
+    def check_batch_size(self, count: int, labels: int = 0) -> None:
+        """TEI's limit of inputs per request; zero-shot `labels` are embedded beside the inputs, so they count."""
+        if count + labels <= self.max_client_batch_size:
+            return
+        size = f"batch size {count + labels}"
+        if labels:
+            size += f" ({count} input{'s' * (count != 1)} and {labels} zero-shot labels, each embedded)"
+        raise TooLarge(f"{size} > maximum allowed batch size {self.max_client_batch_size}")
 
     async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
         started = time.perf_counter()

@@ -194,13 +194,13 @@ def _headers(service: ModelService, computed: Computed, started: float) -> dict[
     }
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
 async def health() -> dict:
     """Alive: the process answers, whether or not the models are loaded."""
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=["GET", "HEAD"])
 async def ready(request: Request) -> dict:
     runtime = _runtime(request)
     if not runtime.ready:
@@ -262,7 +262,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         if any(isinstance(text, tuple) for text in texts):
             raise InvalidInput("zero-shot `labels` score single texts, not pairs")
         service = _runtime(request).model("embed", body.model)
-        service.check_batch_size(len(texts) + len(body.labels))  # both are embedded
+        service.check_batch_size(len(texts), labels=len(body.labels))
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
     else:
         service = _runtime(request).model("classify", body.model)
@@ -359,6 +359,12 @@ _add_post("/", default_task, DEFAULT_BODY_DOC)
 async def list_models(request: Request) -> dict:
     """OpenAI's model list: every model this server holds, by the name requests select it with."""
     return _runtime(request).list_models()
+
+
+@router.get("/v1/models/{name}")
+async def retrieve_model(name: str, request: Request) -> dict:
+    """OpenAI's model retrieval (the `openai` client's `models.retrieve`): one entry of the list."""
+    return _runtime(request).list_model(name)
 
 
 @post("/v1/embeddings")

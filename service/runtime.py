@@ -182,10 +182,7 @@ class Runtime:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
         classify, or rerank: a classifier with one label; None: any, the first model given)."""
         if name is not None:
-            artifact = next((artifact for artifact in self.artifacts if artifact.name == name), None)
-            if artifact is None:
-                raise ModelNotFound(f"model {name!r} is not served here; GET /v1/models lists "
-                                    f"{', '.join(repr(a.name) for a in self.artifacts)}")
+            artifact = self.served(name)
             if task is not None and not serves(artifact.manifest, task):
                 raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}"
                                    f"{route_hint(artifact.manifest)}")
@@ -193,7 +190,8 @@ class Runtime:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
             if artifact is None:
-                raise NotSupported(f"this server has no {KIND_OF_TASK[task]}{route_hint(self.primary.manifest)}")
+                raise NotSupported(f"no model of this server is {KIND_OF_TASK[task]}"
+                                   f"{route_hint(self.primary.manifest)}")
         if not self.loaded:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
         return self.models[artifact.name]
@@ -251,13 +249,19 @@ class Runtime:
 
     def list_models(self) -> dict:
         """OpenAI's GET /v1/models."""
-        def entry(artifact: ServedArtifact) -> dict:
-            manifest = artifact.manifest
-            return {"id": artifact.name, "object": "model", "owned_by": "bert-tvm-serve",
-                    "created": int(datetime.fromisoformat(manifest.created_at).timestamp()),
-                    "task": model_kind(manifest)}
+        return {"object": "list", "data": [openai_model_entry(artifact) for artifact in self.artifacts]}
 
-        return {"object": "list", "data": [entry(artifact) for artifact in self.artifacts]}
+    def list_model(self, name: str) -> dict:
+        """OpenAI's GET /v1/models/{name}."""
+        return openai_model_entry(self.served(name))
+
+    def served(self, name: str) -> ServedArtifact:
+        """The model served under `name`; 404 naming the served ones where none is."""
+        artifact = next((artifact for artifact in self.artifacts if artifact.name == name), None)
+        if artifact is None:
+            raise ModelNotFound(f"model {name!r} is not served here; GET /v1/models lists "
+                                f"{', '.join(repr(a.name) for a in self.artifacts)}")
+        return artifact
 
     def _describe_model(self, artifact: ServedArtifact) -> dict:
         name, directory, manifest = artifact.name, artifact.directory, artifact.manifest
@@ -297,6 +301,13 @@ KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
                  "embed_sparse": "/embed_sparse"}
+
+
+def openai_model_entry(artifact: ServedArtifact) -> dict:
+    """A model as OpenAI's /v1/models lists it, with its task."""
+    return {"id": artifact.name, "object": "model", "owned_by": "bert-tvm-serve",
+            "created": int(datetime.fromisoformat(artifact.manifest.created_at).timestamp()),
+            "task": model_kind(artifact.manifest)}
 
 
 def model_kind(manifest: Manifest) -> str:

@@ -203,7 +203,9 @@ class SimilarityRequest(_Truncating):
 
 class OpenAIEmbeddingRequest(_Request):
     input: EmbeddingInputs
-    encoding_format: Literal["float", "base64"] = "float"
+    # null: OpenAI's default, float (clients may send the field unset as null)
+    encoding_format: Annotated[Literal["float", "base64"],
+                               BeforeValidator(lambda value: "float" if value is None else value)] = "float"
     user: str | None = None
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = None

@@ -153,4 +153,4 @@ class TextTokenizer:
 
     def _check_length(self, length: int) -> None:
         if length > self.max_length:
-            raise TooLarge(f"`inputs` must have less than {self.max_length} tokens. Given: {length}")
+            raise TooLarge(f"`inputs` must have at most {self.max_length} tokens. Given: {length}")

@@ -35,6 +35,8 @@ def gpt2_dir(tmp_path):
         (lambda t, m, g: ["--model", str(m), "--buckets", "1x100"], "max_position_embeddings (64)"),
         (lambda t, m, g: ["--model", str(m), "--task", "classify"], "not a BertForSequenceClassification"),
         (lambda t, m, g: ["--model", str(m), "--config", str(t / "nope.yaml")], "config file not found"),
+        (lambda t, m, g: ["--model", str(m), "--config", str(REPO / "README.md")],
+         "README.md is not valid YAML: mapping values are not allowed here (line "),
         (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--buckets", "8x16"],
          "buckets of layout packed are packed-SEQ"),
         (lambda t, m, g: ["--model", str(m), "--buckets", "packed-16"], "buckets of layout padded are BATCHxSEQ"),
@@ -116,7 +118,8 @@ def test_a_checkpoints_artifact_goes_beside_the_bundled_models_by_default(tmp_pa
 
     assert CompileConfig().out == Path("artifacts/minilm-cpu")
     assert CompileConfig(model=tiny_bert_dir).out == Path("artifacts") / tiny_bert_dir.name
-    assert load_config(REPO / "configs/default.yaml", {"model": tiny_bert_dir}).out == Path("artifacts") / tiny_bert_dir.name
+    beside = Path("artifacts") / tiny_bert_dir.name
+    assert load_config(REPO / "configs/default.yaml", {"model": tiny_bert_dir}).out == beside
     assert load_config(REPO / "configs/default.yaml", {}).out == Path("artifacts/minilm-cpu")
     assert CompileConfig(model=tiny_bert_dir, out=tmp_path / "x").out == tmp_path / "x"
 
@@ -146,7 +149,8 @@ def test_sigterm_inside_a_tvm_callback_exits_143_without_a_traceback(tmp_path, t
     monkeypatch.setattr(cli, "_terminated_by", None)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        status = cli.main(["--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(tmp_path / "out"), "--quiet"])
+        status = cli.main(["--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(tmp_path / "out"),
+                           "--quiet"])
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert status == 128 + signal.SIGTERM

@@ -161,6 +161,8 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
     refused = status_of(embed.Embed, pb.EmbedRequest(inputs="hello"), metadata=(("authorization", "Bearer wrong"),))
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    lowercase = (("authorization", f"bearer {KEY}"),)  # the scheme is case-insensitive (RFC 7235)
+    assert len(embed.Embed(pb.EmbedRequest(inputs="hello"), metadata=lowercase).embeddings) > 0
     assert status_of(embed.Embed, pb.EmbedRequest(inputs=""), metadata=AUTH).code() == grpc.StatusCode.INVALID_ARGUMENT
     sparse = status_of(embed.EmbedSparse, pb.EmbedSparseRequest(inputs="hello"), metadata=AUTH)
     assert sparse.code() == grpc.StatusCode.INVALID_ARGUMENT and "sparse" in sparse.details()

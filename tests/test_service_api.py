@@ -264,6 +264,8 @@ def test_openai_client(server, client):
     decoded = np.frombuffer(base64.b64decode(single["data"][0]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, expected[0], atol=1e-6)
     assert single["object"] == "list" and single["data"][0]["object"] == "embedding"
+    unset = client.post("/v1/embeddings", json={"input": texts[0], "encoding_format": None}).json()  # null: float
+    np.testing.assert_allclose(unset["data"][0]["embedding"], expected[0], atol=1e-6)
 
 
 def test_dimensions_keep_the_first_components_renormalised(server, client):
@@ -302,6 +304,7 @@ LONG = sentence(100)  # 102 tokens > 64
         ("/embed", {"inputs": LONG}, 413),
         ("/classify", {"inputs": LONG}, 413),
         ("/v1/embeddings", {"input": LONG}, 413),
+        ("/classify", {"inputs": "fine", "labels": ["a"] * 32}, 413),
     ],
 )
 def test_bad_input_gets_status_and_json(client, route, body, status):
@@ -310,7 +313,10 @@ def test_bad_input_gets_status_and_json(client, route, body, status):
     error = response.json()
     assert set(error) == {"error", "error_type"} and error["error"]
     if body == {"inputs": LONG}:
-        assert "64" in error["error"]  # names the limit
+        assert error["error"].startswith("`inputs` must have at most 64 tokens. Given: ")  # names the limit
+    if "labels" in body and status == 413:
+        assert error["error"] == ("batch size 33 (1 input and 32 zero-shot labels, each embedded) > maximum allowed "
+                                  "batch size 32")
 
 
 @pytest.mark.parametrize(("route", "field", "value", "message"), [

@@ -56,14 +56,19 @@ def test_api_key_guards_every_route_but_the_probes(serve, tiny_embed_artifact):
     with serve([tiny_embed_artifact], env=env) as server:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
+            assert client.head("/health").status_code == 200 and client.head("/ready").status_code == 200
             guarded = (("POST", "/embed"), ("POST", "/"), ("POST", "/v1/embeddings"), ("GET", "/metrics"),
                        ("GET", "/info"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/v1/models"))
-            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
+                            {"authorization": "Basic s3cret"}, {"authorization": "Bearers3cret"}):
                 for method, path in guarded:
                     response = client.request(method, path, json={"inputs": "hi"}, headers=headers)
                     assert response.status_code == 401, (path, headers)
                     assert response.json()["error_type"] == "Unauthorized"
             assert client.post("/embed", json={"inputs": "hi"}, headers=good).status_code == 200
+            for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235)
+                assert client.post("/embed", json={"inputs": "hi"},
+                                   headers={"authorization": f"{scheme} s3cret"}).status_code == 200
             too_many = client.post("/embed", json={"inputs": ["a", "b", "c"]}, headers=good)
             assert too_many.status_code == 413  # BERT_SERVE_MAX_CLIENT_BATCH_SIZE=2 was read
 

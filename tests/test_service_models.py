@@ -84,6 +84,9 @@ def test_models_are_listed_and_selected_by_name(client):
     assert missing.status_code == 404 and "'nope' is not served" in missing.json()["error"]
     wrong_kind = client.post("/embed", json={"inputs": "x", "model": "sentiment"})
     assert wrong_kind.status_code == 400 and "is a classifier" in wrong_kind.json()["error"]
+    absent = client.post("/embed_sparse", json={"inputs": "x"})
+    assert absent.status_code == 400 and absent.json()["error"].startswith(
+        "no model of this server is a sparse (SPLADE) model (compiled with --task sparse); ")
     labels = [p["label"] for p in client.post("/predict", json={"inputs": "fine"}).json()]
     assert sorted(labels) == ["negative", "neutral", "positive"]  # /predict's default: the first classifier
     tokens = client.post("/tokenize", json={"inputs": "fine", "model": "sentiment"})  # any model tokenizes
@@ -98,6 +101,9 @@ def test_openai_client_selects_the_model(server, client):
     np.testing.assert_allclose([item.embedding for item in result.data], expected, atol=1e-6)
     assert result.model == "e5ish"
     assert [m.id for m in api.models.list()] == ["tiny", "e5ish", "sentiment", "reranker"]
+    assert api.models.retrieve("sentiment").id == "sentiment"
+    with pytest.raises(openai.NotFoundError):
+        api.models.retrieve("text-embedding-3-small")
     with pytest.raises(openai.NotFoundError):
         api.embeddings.create(input="x", model="text-embedding-3-small")
 

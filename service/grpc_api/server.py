@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hmac
 import logging
 import socket
 import time
@@ -23,6 +22,7 @@ import grpc
 import numpy as np
 from grpc_reflection.v1alpha import reflection
 
+from ..auth import bearer_key_matches
 from ..errors import InvalidInput, ServiceError, Unauthorized
 from ..inference import Computed
 from ..metrics import Metrics
@@ -274,14 +274,14 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """`authorization: Bearer KEY` metadata on every tei.v1 method (UNAUTHENTICATED otherwise)."""
 
     def __init__(self, api_key: str, metrics: Metrics):
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key.encode()
         self.metrics = metrics
 
     async def intercept_service(self, continuation, details):
         if not details.method.startswith("/tei.v1."):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode(), self.expected):
+        if bearer_key_matches(given.encode(), self.api_key):
             return await continuation(details)
         self.metrics.requests.labels(f"grpc {details.method.rsplit('/', 1)[-1]}",
                                      grpc.StatusCode.UNAUTHENTICATED.name).inc()

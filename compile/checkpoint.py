@@ -16,10 +16,15 @@ import torch
 from artifact.hashing import file_sha256
 from artifact.manifest import SPLADE_POOLINGS
 
+from .dense_head import DenseLayer, dense_head, dense_layers
 from .errors import CompileError
 from .families import FAMILIES, Family
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# sentence-transformers' Pooling config before `pooling_mode`: one bool per mode
+LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                       "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                       "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -43,6 +48,7 @@ class CheckpointInfo:
     weight_files: tuple[Path, ...]
     pooling: str
     labels: list[str] = field(default_factory=list)
+    dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense modules after the pooling
 
     @property
     def family(self) -> Family:
@@ -64,14 +70,17 @@ class CheckpointInfo:
 
     @property
     def output_dim(self) -> int:
-        """One input's output row: a classifier's labels, SPLADE's vocabulary, else the hidden size."""
+        """One input's output row: a classifier's labels, SPLADE's vocabulary, the last Dense layer's
+        width, else the hidden size."""
         if self.labels:
             return len(self.labels)
+        if self.dense:
+            return self.dense[-1].out_features
         return int(self.config["vocab_size"]) if self.pooling in SPLADE_POOLINGS else self.hidden_size
 
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
-        for weight_file in self.weight_files:
+        for weight_file in (*self.weight_files, *(layer.weight_file for layer in self.dense)):
             digest.update(weight_file.name.encode())
             digest.update(file_sha256(weight_file).encode())
         return digest.hexdigest()
@@ -85,13 +94,14 @@ def sentence_transformers_pooling(model_dir: Path) -> str | None:
     for module in json.loads(modules_file.read_text()):
         if module.get("type", "").endswith("Pooling"):
             pooling_config = json.loads((model_dir / module["path"] / "config.json").read_text())
-            if pooling_config.get("pooling_mode_mean_tokens"):
-                return "mean"
-            if pooling_config.get("pooling_mode_cls_token"):
-                return "cls"
-            if pooling_config.get("pooling_mode_max_tokens"):
-                return "max"
-            raise CompileError(f"{model_dir}: unsupported sentence-transformers pooling {pooling_config}")
+            mode = pooling_config.get("pooling_mode")  # sentence-transformers >= 5.2; before, one bool per mode
+            if mode is None:
+                active = [name for key, name in LEGACY_POOLING_KEYS.items() if pooling_config.get(key)]
+                mode = active[0] if len(active) == 1 else active or "mean"  # several: their concatenation
+            if mode in ("mean", "cls", "max"):
+                return mode
+            raise CompileError(f"{model_dir}: sentence-transformers pooling {mode} is not compiled "
+                               "(supported: mean, cls, max)")
     return None
 
 
@@ -150,12 +160,14 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         pooling = found if pooling == "splade" else pooling
     if task == "embed" and pooling == "auto":
         pooling = sentence_transformers_pooling(model_dir) or "cls"
+    pooled = task == "embed" and pooling not in SPLADE_POOLINGS and pooling != "none"
     return CheckpointInfo(
         path=model_dir.resolve(),
         config=config,
         weight_files=weight_files,
         pooling=pooling if task == "embed" else "none",
         labels=labels,
+        dense=dense_layers(model_dir, int(config[family.hidden_size_key])) if pooled else (),
     )
 
 
@@ -168,10 +180,11 @@ class BertWrapper(torch.nn.Module):
     (the family adds its offset). Token type ids are ignored by a family without them.
     """
 
-    def __init__(self, model: torch.nn.Module, task: str, pooling: str):
+    def __init__(self, model: torch.nn.Module, task: str, pooling: str, dense: torch.nn.Module | None = None):
         super().__init__()
         self.task = task
         self.pooling = pooling
+        self.dense = dense  # the checkpoint's Dense layers after pooling (compile/dense_head.py)
         self.family = FAMILIES[model.config.model_type]
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
@@ -194,12 +207,19 @@ class BertWrapper(torch.nn.Module):
             return hidden
         if self.mlm_head is not None:
             return splade(self.mlm_head(hidden), mask, self.pooling, self.vocab_size)
-        if self.pooling == "cls":
-            return hidden[:, 0]
-        token_mask = mask.unsqueeze(-1)
-        if self.pooling == "max":
-            return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).amax(dim=1)  # see `splade`
-        return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
+        return self.head(hidden[:, 0] if self.pooling == "cls" else pool(hidden, mask, self.pooling))
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The sentence embedding from the pooled one: through the Dense layers, where the checkpoint has them."""
+        return pooled if self.dense is None else self.dense(pooled)
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
+    """Mean or max pooling of [batch, seq, hidden] over the real tokens of `mask` [batch, seq]."""
+    token_mask = mask.unsqueeze(-1)
+    if pooling == "max":
+        return (hidden + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).amax(dim=1)  # see `splade`
+    return (hidden * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
 
 
 def splade(logits: torch.Tensor, mask: torch.Tensor, pooling: str, vocab_size: int) -> torch.Tensor:
@@ -223,7 +243,9 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attent
         model = info.family.load(info.path, "sparse" if info.pooling in SPLADE_POOLINGS else task, attention)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
-    return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling).eval()
+    dense = dense_head(info.dense)
+    return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling,
+                       dense.to(getattr(torch, dtype)) if dense is not None else None).eval()
 
 
 def example_inputs(batch: int, seq: int, vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .checkpoint import BertWrapper, splade
+from .checkpoint import BertWrapper, pool, splade
 from .families import LayerParts
 
 
@@ -32,7 +32,10 @@ class PackedBertWrapper(torch.nn.Module):
         self.classifier = padded.classifier
         self.mlm_head = padded.mlm_head
         self.vocab_size = padded.vocab_size
+        self.dense = padded.dense  # the Dense layers after pooling, where the checkpoint has them
         self.layers = padded.family.layers(padded.bert)
+
+    head = BertWrapper.head
 
     def forward(self, input_ids, token_type_ids, position_ids, gather, attention_mask, scatter):
         batch, seq = gather.shape
@@ -49,16 +52,12 @@ class PackedBertWrapper(torch.nn.Module):
         if self.pooling == "none":  # [tokens, hidden]: every real token's state, in packed order
             return hidden
         if self.pooling == "cls":
-            return torch.index_select(hidden, 0, gather[:, 0])
+            return self.head(torch.index_select(hidden, 0, gather[:, 0]))
         if self.mlm_head is not None:  # the vocabulary-wide head on the real tokens only
             logits = self.mlm_head(hidden)
             return splade(torch.index_select(logits, 0, rows).reshape(batch, seq, -1), mask, self.pooling,
                           self.vocab_size)
-        padded = torch.index_select(hidden, 0, rows).reshape(batch, seq, -1)
-        token_mask = mask.unsqueeze(-1)
-        if self.pooling == "max":
-            return (padded + (1.0 - token_mask) * torch.finfo(hidden.dtype).min).amax(dim=1)
-        return (padded * token_mask).sum(dim=1) / token_mask.sum(dim=1).clamp(min=1e-9)
+        return self.head(pool(torch.index_select(hidden, 0, rows).reshape(batch, seq, -1), mask, self.pooling))
 
     @staticmethod
     def _attention(layer: LayerParts, hidden, rows, additive, scatter, batch, seq):

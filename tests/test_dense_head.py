@@ -1,0 +1,105 @@
+"""sentence-transformers checkpoints with Dense layers after pooling (compile/dense_head.py): the
+compiled libraries answer what `SentenceTransformer.encode` answers; modules and poolings that are
+not compiled are refused in one line rather than left out."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from conftest import compile_artifact, save_tiny_sentence_transformer
+
+from artifact.loader import load_artifact
+from compile.checkpoint import inspect_checkpoint
+from compile.errors import CompileError
+
+TEXTS = ["hello", "the weather tomorrow", "A man is playing a guitar on stage while the crowd sings along."]
+DENSE_WIDTH = 24  # the tiny BERT's 32 features projected to 24
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory):
+    """A tiny BERT saved by sentence-transformers itself with mean pooling, a 32 -> 24 tanh Dense
+    layer and Normalize (LaBSE's and distiluse's layout)."""
+    from sentence_transformers import SentenceTransformer, models
+
+    base = save_tiny_sentence_transformer(tmp_path_factory.mktemp("base"), seed=3)
+    torch.manual_seed(4)
+    encoder = SentenceTransformer(str(base), device="cpu")
+    dense = models.Dense(32, DENSE_WIDTH, activation_function=torch.nn.Tanh())
+    torch.nn.init.normal_(dense.linear.weight, std=0.5)  # a layer that moves the embedding: random, not ~0
+    directory = tmp_path_factory.mktemp("dense")
+    SentenceTransformer(modules=[encoder[0], encoder[1], dense, models.Normalize()], device="cpu").save(str(directory))
+    return directory
+
+
+def expected(directory, texts):
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(directory), device="cpu").encode(texts, normalize_embeddings=True)
+
+
+def tokenized(directory, texts):
+    from transformers import AutoTokenizer
+
+    batch = AutoTokenizer.from_pretrained(directory)(texts, padding=True, return_tensors="np")
+    return batch["input_ids"], batch["attention_mask"]
+
+
+@pytest.mark.parametrize("layout, buckets", [("padded", ["2x32"]), ("packed", ["packed-32"])])
+def test_dense_layers_are_compiled_into_the_libraries(tmp_path, dense_dir, layout, buckets):
+    manifest, _ = compile_artifact(dense_dir, tmp_path / layout, buckets, layout=layout)
+    assert manifest.output_dim == DENSE_WIDTH
+    model = load_artifact(tmp_path / layout)
+    ids, mask = tokenized(dense_dir, TEXTS)
+    answers = np.concatenate([model.run(ids[i:i + 2], mask[i:i + 2]).output for i in range(0, len(TEXTS), 2)])
+    answers /= np.linalg.norm(answers, axis=1, keepdims=True)
+    np.testing.assert_allclose(answers, expected(dense_dir, TEXTS), atol=1e-5)
+
+
+def test_a_checkpoint_saved_by_current_sentence_transformers_pools_as_configured(dense_dir):
+    """sentence-transformers 5.2+ writes `pooling_mode: mean`, earlier versions one bool per mode."""
+    assert json.loads((dense_dir / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
+    info = inspect_checkpoint(dense_dir, "embed")
+    assert info.pooling == "mean" and [layer.out_features for layer in info.dense] == [DENSE_WIDTH]
+    assert info.output_dim == DENSE_WIDTH
+
+
+def _edited(dense_dir, tmp_path, edit) -> object:
+    copy = shutil.copytree(dense_dir, tmp_path / "edited")
+    edit(copy)
+    return copy
+
+
+def _set_json(path, **values):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **values}))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: (d / "modules.json").write_text(json.dumps(json.loads((d / "modules.json").read_text()) + [
+        {"idx": 4, "name": "4", "path": "4_LayerNorm", "type": "sentence_transformers.models.LayerNorm"}])),
+     "sentence-transformers module 'sentence_transformers.models.LayerNorm' is not compiled"),
+    (lambda d: _set_json(d / "2_Dense" / "config.json", activation_function="torch.nn.modules.activation.SiLU"),
+     "Dense activation torch.nn.modules.activation.SiLU is not compiled"),
+    (lambda d: _set_json(d / "2_Dense" / "config.json", in_features=16),
+     "Dense takes 16 features where the embedding has 32"),
+    (lambda d: _set_json(d / "1_Pooling" / "config.json", pooling_mode="lasttoken"),
+     "sentence-transformers pooling lasttoken is not compiled"),
+    (lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": True})),
+     "sentence-transformers pooling ['cls', 'mean'] is not compiled"),
+])
+def test_what_is_not_compiled_is_refused(tmp_path, dense_dir, edit, message):
+    with pytest.raises(CompileError, match=re.escape(message)) as refused:
+        inspect_checkpoint(_edited(dense_dir, tmp_path, edit), "embed")
+    assert str(refused.value).startswith(str(tmp_path / "edited")) and "\n" not in str(refused.value)
+
+
+def test_legacy_pooling_flags_are_read(tmp_path, dense_dir):
+    copy = _edited(dense_dir, tmp_path, lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": 32, "pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False})))
+    assert inspect_checkpoint(copy, "embed").pooling == "cls"

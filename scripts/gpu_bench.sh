@@ -7,7 +7,7 @@
 #                             recorded in each manifest (compile.verify --record), manifests copied to $OUT
 #   bench DTYPE   (GPU host)  TVM with CUDA graphs (and without, via --compare) vs PyTorch eager and
 #                             torch.compile, at 1x16, 8x128, 32x128, 64x512 and generic 5x100, 24x200
-#   serve         (GPU host)  the fp16 CUDA-graph artifact served (one lane, and the default topology)
+#   serve         (GPU host)  the fp16 CUDA-graph artifact served (one worker: a CUDA artifact's default)
 #                             against the PyTorch server on the same GPU, on the load test's traffic
 # Environment: PYTHON (.venv/bin/python), ARTIFACTS (artifacts), OUT (docs/bench/cuda),
 # REPEATS (30), CUDA_ARCH (sm_90; the GPU's compute capability), MCPU (x86-64-v3: the LLVM CPU of
@@ -62,7 +62,7 @@ case ${1:-} in
   serve)
     require_artifacts cuda-float16-graph
     "$PYTHON" -m loadtest.serving_bench --artifacts "$ARTIFACTS/cuda-float16-graph" \
-      --only "tvm 1 worker x all cores,tvm default (narrow x1 thread + wide),torch default (1 worker x all cores)" \
+      --only "tvm default (narrow x1 thread + wide),torch default (1 worker x all cores)" \
       --short-requests 60 --long-requests 20 --mixed-requests 200 --rounds 2 --out "$OUT/serving" ;;
   *)
     echo "gpu_bench.sh: unknown stage '${1:-}'; $USAGE" >&2; exit 2 ;;

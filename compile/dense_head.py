@@ -54,11 +54,14 @@ def dense_layers(model_dir: Path, hidden_size: int) -> tuple[DenseLayer, ...]:
     modules_file = model_dir / "modules.json"
     if not modules_file.is_file():
         return ()
-    layers, width = [], hidden_size
+    layers, width, normalized = [], hidden_size, False
     for module in json.loads(modules_file.read_text()):
         kind = module.get("type", "").rsplit(".", 1)[-1]
+        normalized |= kind == "Normalize"
         if kind in UNCOMPILED:
             continue
+        if kind == "Dense" and normalized:  # the server normalizes the last output only
+            raise CompileError(f"{model_dir}: a Dense module after Normalize is not compiled")
         if kind != "Dense":
             raise CompileError(f"{model_dir}: sentence-transformers module {module.get('type')!r} is not compiled "
                                f"(supported after the Transformer: Pooling, Dense, Normalize)")

@@ -87,6 +87,10 @@ def _set_json(path, **values):
      "Dense activation torch.nn.modules.activation.SiLU is not compiled"),
     (lambda d: _set_json(d / "2_Dense" / "config.json", in_features=16),
      "Dense takes 16 features where the embedding has 32"),
+    (lambda d: (d / "modules.json").write_text(json.dumps(
+        [m for m in json.loads((d / "modules.json").read_text()) if m["path"] != "2_Dense"]
+        + [{"idx": 4, "name": "4", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}])),
+     "a Dense module after Normalize is not compiled"),
     (lambda d: _set_json(d / "1_Pooling" / "config.json", pooling_mode="lasttoken"),
      "sentence-transformers pooling lasttoken is not compiled"),
     (lambda d: (d / "1_Pooling" / "config.json").write_text(json.dumps(

@@ -21,20 +21,29 @@ TEXTS = ["hello", "the weather tomorrow", "A man is playing a guitar on stage wh
 DENSE_WIDTH = 24  # the tiny BERT's 32 features projected to 24
 
 
-@pytest.fixture(scope="module")
-def dense_dir(tmp_path_factory):
-    """A tiny BERT saved by sentence-transformers itself with mean pooling, a 32 -> 24 tanh Dense
-    layer and Normalize (LaBSE's and distiluse's layout)."""
+def save_dense_checkpoint(directory, pooling: str):
+    """A tiny BERT saved by sentence-transformers itself with `pooling`, a 32 -> 24 tanh Dense layer
+    and Normalize (LaBSE's and distiluse's layout)."""
     from sentence_transformers import SentenceTransformer, models
 
-    base = save_tiny_sentence_transformer(tmp_path_factory.mktemp("base"), seed=3)
+    base = save_tiny_sentence_transformer(directory / "base", seed=3)
     torch.manual_seed(4)
     encoder = SentenceTransformer(str(base), device="cpu")
     dense = models.Dense(32, DENSE_WIDTH, activation_function=torch.nn.Tanh())
     torch.nn.init.normal_(dense.linear.weight, std=0.5)  # a layer that moves the embedding: random, not ~0
-    directory = tmp_path_factory.mktemp("dense")
-    SentenceTransformer(modules=[encoder[0], encoder[1], dense, models.Normalize()], device="cpu").save(str(directory))
-    return directory
+    modules = [encoder[0], models.Pooling(32, pooling_mode=pooling), dense, models.Normalize()]
+    SentenceTransformer(modules=modules, device="cpu").save(str(directory / pooling))
+    return directory / pooling
+
+
+@pytest.fixture(scope="module")
+def dense_dirs(tmp_path_factory):
+    return {pooling: save_dense_checkpoint(tmp_path_factory.mktemp(pooling), pooling) for pooling in ("mean", "cls", "max")}
+
+
+@pytest.fixture(scope="module")
+def dense_dir(dense_dirs):
+    return dense_dirs["mean"]
 
 
 def expected(directory, texts):
@@ -50,15 +59,17 @@ def tokenized(directory, texts):
     return batch["input_ids"], batch["attention_mask"]
 
 
-@pytest.mark.parametrize("layout, buckets", [("padded", ["2x32"]), ("packed", ["packed-32"])])
-def test_dense_layers_are_compiled_into_the_libraries(tmp_path, dense_dir, layout, buckets):
-    manifest, _ = compile_artifact(dense_dir, tmp_path / layout, buckets, layout=layout)
-    assert manifest.output_dim == DENSE_WIDTH
+@pytest.mark.parametrize("pooling, layout, buckets", [("mean", "padded", ["2x32"]), ("mean", "packed", ["packed-32"]),
+                                                      ("cls", "packed", ["packed-32"]), ("max", "padded", ["2x32"])])
+def test_dense_layers_are_compiled_into_the_libraries(tmp_path, dense_dirs, pooling, layout, buckets):
+    checkpoint = dense_dirs[pooling]
+    manifest, _ = compile_artifact(checkpoint, tmp_path / layout, buckets, layout=layout)
+    assert manifest.output_dim == DENSE_WIDTH and manifest.pooling == pooling
     model = load_artifact(tmp_path / layout)
-    ids, mask = tokenized(dense_dir, TEXTS)
+    ids, mask = tokenized(checkpoint, TEXTS)
     answers = np.concatenate([model.run(ids[i:i + 2], mask[i:i + 2]).output for i in range(0, len(TEXTS), 2)])
     answers /= np.linalg.norm(answers, axis=1, keepdims=True)
-    np.testing.assert_allclose(answers, expected(dense_dir, TEXTS), atol=1e-5)
+    np.testing.assert_allclose(answers, expected(checkpoint, TEXTS), atol=1e-5)
 
 
 def test_a_checkpoint_saved_by_current_sentence_transformers_pools_as_configured(dense_dir):

@@ -38,7 +38,8 @@ def save_dense_checkpoint(directory, pooling: str):
 
 @pytest.fixture(scope="module")
 def dense_dirs(tmp_path_factory):
-    return {pooling: save_dense_checkpoint(tmp_path_factory.mktemp(pooling), pooling) for pooling in ("mean", "cls", "max")}
+    return {pooling: save_dense_checkpoint(tmp_path_factory.mktemp(pooling), pooling)
+            for pooling in ("mean", "cls", "max")}
 
 
 @pytest.fixture(scope="module")

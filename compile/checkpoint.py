@@ -21,6 +21,7 @@ from .errors import CompileError
 from .families import FAMILIES, Family
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+DEFAULT_LABELS = 2  # a classifier's labels where its config names none (transformers' PretrainedConfig default)
 # sentence-transformers' Pooling config before `pooling_mode`: one bool per mode
 LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                        "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -86,6 +87,14 @@ class CheckpointInfo:
         return digest.hexdigest()
 
 
+def checkpoint_prompts(model_dir: Path) -> dict:
+    """The sentence-transformers prompts of a checkpoint that prepend text ({name: text}; sentence-transformers
+    6 saves empty `query` and `document` ones by default)."""
+    path = model_dir / "config_sentence_transformers.json"
+    prompts = (json.loads(path.read_text()).get("prompts") or {}) if path.is_file() else {}
+    return {name: text for name, text in prompts.items() if text}
+
+
 def sentence_transformers_pooling(model_dir: Path) -> str | None:
     """Pooling declared by a sentence-transformers checkpoint (modules.json -> Pooling config)."""
     modules_file = model_dir / "modules.json"
@@ -94,6 +103,10 @@ def sentence_transformers_pooling(model_dir: Path) -> str | None:
     for module in json.loads(modules_file.read_text()):
         if module.get("type", "").endswith("Pooling"):
             pooling_config = json.loads((model_dir / module["path"] / "config.json").read_text())
+            if pooling_config.get("include_prompt") is False and checkpoint_prompts(model_dir):
+                raise CompileError(f"{model_dir}: its Pooling leaves the prompt's tokens out (include_prompt: false), "
+                                   "which the libraries do not compile; without the prompts of "
+                                   "config_sentence_transformers.json it compiles")
             mode = pooling_config.get("pooling_mode")  # sentence-transformers >= 5.2; before, one bool per mode
             if mode is None:
                 active = [name for key, name in LEGACY_POOLING_KEYS.items() if pooling_config.get(key)]
@@ -153,8 +166,10 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
                 f"{model_dir} is not a {family.classifier} checkpoint "
                 f"(architectures={architectures}); use --task embed"
             )
+        # transformers writes no id2label (nor num_labels) where they are its defaults: 2 labels, LABEL_i
         id2label = config.get("id2label") or {}
-        labels = [id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(len(id2label))]
+        count = len(id2label) or int(config.get("num_labels", DEFAULT_LABELS))
+        labels = [id2label.get(str(i), id2label.get(i, f"LABEL_{i}")) for i in range(count)]
     if task == "embed" and pooling in SPLADE_POOLINGS:  # "splade": max or sum, as the checkpoint says
         found = splade_pooling(model_dir, config)
         pooling = found if pooling == "splade" else pooling
@@ -243,6 +258,9 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attent
         model = info.family.load(info.path, "sparse" if info.pooling in SPLADE_POOLINGS else task, attention)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CompileError(f"cannot load weights from {info.path}: {exc}".splitlines()[0]) from None
+    if task == "classify" and model.config.num_labels != len(info.labels):
+        raise CompileError(f"{info.path}: its classifier has {model.config.num_labels} outputs where its config "
+                           f"names {len(info.labels)} labels")
     dense = dense_head(info.dense)
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling,
                        dense.to(getattr(torch, dtype)) if dense is not None else None).eval()

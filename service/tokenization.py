@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from .errors import InvalidInput, TooLarge
 
 ST_CONFIG = "sentence_bert_config.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # model_max_length: sentence-transformers 6's max_seq_length
 ST_PROMPTS = "config_sentence_transformers.json"  # `prompts` {name: text} and `default_prompt_name`
 TextInput = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
 TokenIds = list[int]  # one input already tokenized: the model's input ids, run as given
@@ -37,11 +38,17 @@ class Encoded:
 
 
 def max_input_length(model_limit: int, tokenizer_dir: Path) -> int:
-    """The model's limit, lowered by a sentence-transformers `max_seq_length` as TEI does
-    (the compile stage copies that file next to the tokenizer)."""
-    path = Path(tokenizer_dir) / ST_CONFIG
-    st_limit = json.loads(path.read_text()).get("max_seq_length") if path.is_file() else None
-    return min(model_limit, int(st_limit)) if st_limit else model_limit
+    """The model's limit, lowered as sentence-transformers lowers it (and TEI): a sentence-transformers
+    checkpoint's `max_seq_length`, or where its config has none (sentence-transformers 6 keeps it as
+    the tokenizer's), the tokenizer's `model_max_length` (the compile copies both files next to the
+    tokenizer). A plain checkpoint takes the model's limit."""
+    directory = Path(tokenizer_dir)
+    if not (directory / ST_CONFIG).is_file():
+        return model_limit
+    limit = json.loads((directory / ST_CONFIG).read_text()).get("max_seq_length")
+    if limit is None and (directory / TOKENIZER_CONFIG).is_file():
+        limit = json.loads((directory / TOKENIZER_CONFIG).read_text()).get("model_max_length")
+    return min(model_limit, int(limit)) if isinstance(limit, (int, float)) and limit >= 1 else model_limit
 
 
 @dataclass(frozen=True)

@@ -199,6 +199,31 @@ def test_served_classifier_matches_transformers(checkpoints, serve, tmp_path, fa
         np.testing.assert_allclose([scores[label] for label in TINY_LABELS.values()], expected, atol=1e-4)
 
 
+def test_a_classifier_with_the_default_labels_is_served_with_them(serve, tmp_path):
+    """transformers writes no id2label (nor num_labels) for its default two labels: the artifact still
+    names LABEL_0 and LABEL_1, and /predict ranks them (with no labels it failed on every request)."""
+    from conftest import _copy_tokenizer, _tiny_config
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    torch.manual_seed(5)
+    directory = tmp_path / "two-labels"
+    BertForSequenceClassification(_tiny_config(initializer_range=0.2)).save_pretrained(directory)
+    _copy_tokenizer(directory)
+    assert not {"id2label", "num_labels"} & set(json.loads((directory / "config.json").read_text()))
+    manifest, _ = compile_artifact(directory, tmp_path / "artifact", ["1x16"], task="classify")
+    assert manifest.labels == ["LABEL_0", "LABEL_1"] and manifest.output_dim == 2
+    model = BertForSequenceClassification.from_pretrained(directory).eval()
+    with torch.no_grad():
+        batch = AutoTokenizer.from_pretrained(directory)(QUERIES[:2], padding=True, return_tensors="pt")
+        logits = model(**batch).logits
+    with serve([tmp_path / "artifact"], "--workers", "1") as server:
+        response = httpx.post(f"{server.url}/predict", json={"inputs": QUERIES[:2]}, timeout=60)
+    assert response.status_code == 200, response.text
+    for expected, predictions in zip(torch.softmax(logits, -1).numpy(), response.json()):
+        scores = {p["label"]: p["score"] for p in predictions}
+        np.testing.assert_allclose([scores["LABEL_0"], scores["LABEL_1"]], expected, atol=1e-4)
+
+
 def test_other_model_types_and_heads_are_refused(tmp_path, checkpoints):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

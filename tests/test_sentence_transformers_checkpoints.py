@@ -1,6 +1,8 @@
-"""sentence-transformers checkpoints with Dense layers after pooling (compile/dense_head.py): the
-compiled libraries answer what `SentenceTransformer.encode` answers; modules and poolings that are
-not compiled are refused in one line rather than left out."""
+"""Checkpoints as sentence-transformers saves them today: Dense layers after pooling
+(compile/dense_head.py) compiled in, the Pooling and length configs of sentence-transformers 6 read,
+so that the libraries and the server answer what `SentenceTransformer.encode` answers; what is not
+compiled (modules, poolings, a pooling without the prompt's tokens) is refused in one line rather
+than left out."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from compile.errors import CompileError
 
 TEXTS = ["hello", "the weather tomorrow", "A man is playing a guitar on stage while the crowd sings along."]
 DENSE_WIDTH = 24  # the tiny BERT's 32 features projected to 24
+MAX_SEQ_LENGTH = 32  # sentence-transformers' input limit, under the model's 64 positions
 
 
 def save_dense_checkpoint(directory, pooling: str):
@@ -29,6 +32,7 @@ def save_dense_checkpoint(directory, pooling: str):
     base = save_tiny_sentence_transformer(directory / "base", seed=3)
     torch.manual_seed(4)
     encoder = SentenceTransformer(str(base), device="cpu")
+    encoder.max_seq_length = MAX_SEQ_LENGTH  # sentence-transformers 6 saves it as the tokenizer's model_max_length
     dense = models.Dense(32, DENSE_WIDTH, activation_function=torch.nn.Tanh())
     torch.nn.init.normal_(dense.linear.weight, std=0.5)  # a layer that moves the embedding: random, not ~0
     modules = [encoder[0], models.Pooling(32, pooling_mode=pooling), dense, models.Normalize()]
@@ -73,6 +77,25 @@ def test_dense_layers_are_compiled_into_the_libraries(tmp_path, dense_dirs, pool
     np.testing.assert_allclose(answers, expected(checkpoint, TEXTS), atol=1e-5)
 
 
+def test_the_server_cuts_inputs_where_sentence_transformers_does(tmp_path, dense_dir):
+    """sentence-transformers 6 keeps `max_seq_length` as the tokenizer's `model_max_length`, not in
+    sentence_bert_config.json: the served limit is still the one `encode` cuts at."""
+    from sentence_transformers import SentenceTransformer
+
+    from service.tokenization import max_input_length
+
+    assert "max_seq_length" not in json.loads((dense_dir / "sentence_bert_config.json").read_text())
+    assert SentenceTransformer(str(dense_dir), device="cpu").max_seq_length == MAX_SEQ_LENGTH
+    assert max_input_length(64, dense_dir) == MAX_SEQ_LENGTH
+    legacy = tmp_path / "legacy"  # sentence-transformers < 6: the limit in sentence_bert_config.json wins
+    legacy.mkdir()
+    (legacy / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48}))
+    (legacy / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 512}))
+    assert max_input_length(64, legacy) == 48
+    (legacy / "sentence_bert_config.json").unlink()  # a plain checkpoint: the model's limit, as TEI takes it
+    assert max_input_length(64, legacy) == 64
+
+
 def test_a_checkpoint_saved_by_current_sentence_transformers_pools_as_configured(dense_dir):
     """sentence-transformers 5.2+ writes `pooling_mode: mean`, earlier versions one bool per mode."""
     assert json.loads((dense_dir / "1_Pooling" / "config.json").read_text())["pooling_mode"] == "mean"
@@ -113,6 +136,22 @@ def test_what_is_not_compiled_is_refused(tmp_path, dense_dir, edit, message):
     with pytest.raises(CompileError, match=re.escape(message)) as refused:
         inspect_checkpoint(_edited(dense_dir, tmp_path, edit), "embed")
     assert str(refused.value).startswith(str(tmp_path / "edited")) and "\n" not in str(refused.value)
+
+
+def test_a_pooling_without_the_prompts_tokens_is_refused_where_the_checkpoint_has_prompts(tmp_path, dense_dir):
+    """`include_prompt: false` pools without the prompt's tokens, which the libraries cannot do; the
+    server would prepend the checkpoint's prompts and pool them in."""
+    def prompted(directory):
+        _set_json(directory / "1_Pooling" / "config.json", include_prompt=False)
+        _set_json(directory / "config_sentence_transformers.json", prompts={"query": "query: "},
+                  default_prompt_name="query")
+
+    with pytest.raises(CompileError, match=re.escape("its Pooling leaves the prompt's tokens out (include_prompt: "
+                                                     "false), which the libraries do not compile")):
+        inspect_checkpoint(_edited(dense_dir, tmp_path, prompted), "embed")
+    unprompted = _edited(dense_dir, tmp_path / "unprompted", lambda d: _set_json(
+        d / "1_Pooling" / "config.json", include_prompt=False))
+    assert inspect_checkpoint(unprompted, "embed").pooling == "mean"  # no prompt: nothing to leave out
 
 
 def test_legacy_pooling_flags_are_read(tmp_path, dense_dir):

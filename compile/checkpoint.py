@@ -165,6 +165,8 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
             raise CompileError(
                 f"{model_dir} is not a {family.classifier} checkpoint "
                 f"(architectures={architectures}); use --task embed"
+                + (", or --task sparse for its masked-LM head" if any(a.endswith("ForMaskedLM") for a in architectures)
+                   else "")
             )
         # transformers writes no id2label (nor num_labels) where they are its defaults: 2 labels, LABEL_i
         id2label = config.get("id2label") or {}

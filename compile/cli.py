@@ -126,13 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     for manifest, records in results:
         if len(results) > 1:
             print(f"level {manifest.target.mcpu} ({config.out / manifest.target.mcpu}):", file=sys.stderr)
-        _report(manifest, records)
+        _report(manifest, records, config.validate_artifacts)
     print(f"wrote {config.out}" + (f" (levels {config.mcpu})" if len(results) > 1 else ""), file=sys.stderr)
     return 0
 
 
-def _report(manifest, records) -> None:
-    """What one compile built: per library its build time, strategy and difference to PyTorch."""
+def _report(manifest, records, validate: bool) -> None:
+    """What one compile built: per library its build time, strategy and difference to PyTorch, and
+    whether (else why not: `validate` false is --no-validate) the libraries were validated."""
     rows = [
         (r.name, r.library, f"{r.seconds:.1f}", r.strategy,
          ", ".join(f"{s} {ms:.1f}" for s, ms in r.strategy_ms.items()) if r.strategy_ms else "-",
@@ -154,4 +155,8 @@ def _report(manifest, records) -> None:
         changed = (f"{sp.pruned} weights pruned to blocks {sp.block}, cosine vs dense {sp.cosine_vs_dense:.4f}"
                    if sp.mode == "pruned" else f"the checkpoint's own zero blocks {sp.block} (model unchanged)")
         print(f"sparsity: {changed}; {sp.rewritten} matmuls rewritten (density {sp.density})", file=sys.stderr)
-    print("validated against PyTorch" if manifest.validated else "NOT validated (no device)", file=sys.stderr)
+    if manifest.validated:
+        print("validated against PyTorch", file=sys.stderr)
+    else:
+        print("NOT validated: " + ("--no-validate" if not validate else "its libraries cannot run on this machine "
+                                   "(python -m compile.verify --artifacts DIR where they can)"), file=sys.stderr)

@@ -189,6 +189,8 @@ class CompileConfig(BaseModel):
             raise ValueError("attention_products bf16 is for bf16 and int8 linears (precision bf16, int8 or auto)")
         if self.pooling == "none" and (self.task != "embed" or self.precision == "int8"):
             raise ValueError("pooling none (token embeddings) is built for task embed, without int8")
+        if self.pooling not in ("auto", "none") and self.task in ("classify", "rerank"):
+            raise ValueError(f"pooling {self.pooling} is for task embed: a {self.task} head reads its own token")
         if self.pooling == "splade" and self.task == "embed":
             self.task = "sparse"  # --pooling splade is --task sparse
         if self.task == "sparse":

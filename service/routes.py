@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import InvalidInput, Unavailable
+from .errors import InvalidInput, NotSupported, Unavailable
 from .inference import Computed, ModelService
 from .runtime import Runtime
 from .schemas import (
@@ -154,6 +154,20 @@ def _sequence(item: str | list[str]) -> TextInput:
     return item if isinstance(item, str) else item[0] if len(item) == 1 else (item[0], item[1])
 
 
+def _predict_sequences(inputs: str | list) -> tuple[list[TextInput], bool]:
+    """TEI's /predict inputs: (the sequences, whether they came as a batch). A string or a flat list is
+    one sequence, a text or a (text, text) pair (`["a", "b"]` is a pair, as TEI reads it); a batch is a
+    list of sequences, `[["a"], ["a", "b"]]`."""
+    if isinstance(inputs, str):
+        return [inputs], False
+    if isinstance(inputs[0], list):
+        return [_sequence(item) for item in inputs], True
+    if len(inputs) > 2:
+        raise InvalidInput("`inputs`: a flat list is one text or one (text, text) pair, as in TEI; send a batch "
+                           "as [[text], [text, text], ...]")
+    return [_sequence(inputs)], False
+
+
 def _truncation(request: Request, body) -> Truncation:
     """`body`'s truncation: its `truncate` (default: the server's --auto-truncate) at its `truncation_direction`."""
     return truncation(request.app.state.settings.auto_truncate if body.truncate is None else body.truncate,
@@ -254,17 +268,22 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 
 @post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
-    """A fine-tuned head, or zero-shot over `labels` with the embed model. One input: a flat list."""
+    """A fine-tuned head over TEI's inputs (a text, a pair, or a batch of both: `_predict_sequences`), or
+    zero-shot over `labels` with the embed model (a text or a list of texts)."""
     started = time.perf_counter()
-    texts = [_sequence(item) for item in _listed(body.inputs)]
     truncation = _truncation(request, body)
     if body.labels:
+        texts, batched = [_sequence(item) for item in _listed(body.inputs)], not isinstance(body.inputs, str)
         if any(isinstance(text, tuple) for text in texts):
             raise InvalidInput("zero-shot `labels` score single texts, not pairs")
-        service = _runtime(request).model("embed", body.model)
+        try:
+            service = _runtime(request).model("embed", body.model)
+        except NotSupported as exc:
+            raise NotSupported(f"zero-shot `labels` are scored by an embedding model: {exc}") from None
         service.check_batch_size(len(texts), labels=len(body.labels))
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
     else:
+        texts, batched = _predict_sequences(body.inputs)
         service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
         scoring = "none" if body.raw_scores else "auto"
@@ -273,8 +292,8 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         predictions, computed = await service.classify(texts, scoring, truncation)
     if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
         content = [ranks[: body.parameters.top_k] for ranks in predictions]
-    else:  # TEI's: one input given as a string gets one flat list
-        content = predictions[0] if isinstance(body.inputs, str) else predictions
+    else:  # TEI's: one sequence gets one flat list
+        content = predictions if batched else predictions[0]
     return JSONResponse(content, headers=_headers(service, computed, started))
 
 

@@ -190,8 +190,9 @@ class Runtime:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
             if artifact is None:
-                raise NotSupported(f"no model of this server is {KIND_OF_TASK[task]}"
-                                   f"{route_hint(self.primary.manifest)}")
+                served = "; ".join(f"{a.name!r}, {describe_kind(a.manifest)}, on POST "
+                                   f"{ROUTE_OF_TASK[model_kind(a.manifest)]}" for a in self.artifacts)
+                raise NotSupported(f"no model of this server is {KIND_OF_TASK[task]}; it serves {served}")
         if not self.loaded:
             raise Unavailable(f"model is not ready: {self.error}" if self.error else "model is loading")
         return self.models[artifact.name]

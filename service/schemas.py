@@ -71,7 +71,7 @@ def _non_empty_sequences(value: str | list) -> str | list:
 
 # Texts only (classification, tokenization): one string or several, none empty
 Inputs = Annotated[str | list[str], BeforeValidator(_texts), AfterValidator(_non_empty)]
-# /predict's: texts, or TEI's batch [[text], [text, text], ...] of single texts and pairs
+# /predict's: a text, a flat list (TEI: one text or a pair; zero-shot: texts), or TEI's batch [[text], [text, text]]
 PredictInputs = Annotated[str | list[str] | list[list[str]], BeforeValidator(_sequences),
                           AfterValidator(_non_empty_sequences)]
 # The embedding routes': texts or token ids (run as given: no special tokens or prompt added), none empty

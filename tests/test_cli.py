@@ -47,6 +47,8 @@ def gpt2_dir(tmp_path):
          "packed is built for target cpu"),
         (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"],
          "does not combine with sparsity"),
+        (lambda t, m, g: ["--model", str(m), "--task", "classify", "--pooling", "mean"],
+         "pooling mean is for task embed: a classify head reads its own token"),
         (lambda t, m, g: ["--model", str(m), "--attention-products", "bf16"],
          "attention_products bf16 is for bf16 and int8 linears"),
         (lambda t, m, g: ["--model", str(m), "--precision", "int8", "--attention-products", "bf16", "--buckets",
@@ -84,8 +86,9 @@ def test_config_file_and_flag_override(tmp_path, tiny_bert_dir):
     config.write_text(f"model: {tiny_bert_dir}\nbuckets: ['2x8']\nmax_batch: 8\n"
                       "generic_shapes: ['3x5', '1x9', '2x3']\n")
     out = tmp_path / "out"
-    result = run_cli("--config", str(config), "--buckets", "1x8,2x16", "--out", str(out))
+    result = run_cli("--config", str(config), "--buckets", "1x8,2x16", "--out", str(out), "--no-validate")
     assert result.returncode == 0, result.stderr
+    assert "NOT validated: --no-validate" in result.stderr.splitlines()
     manifest = json.loads((out / "manifest.json").read_text())
     assert [(b["batch"], b["seq"]) for b in manifest["buckets"]] == [(1, 8), (2, 16)]
     assert manifest["generic"]["max_batch"] == 8

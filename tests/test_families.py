@@ -192,7 +192,7 @@ def test_served_classifier_matches_transformers(checkpoints, serve, tmp_path, fa
     with torch.no_grad():
         logits = model(**AutoTokenizer.from_pretrained(directory)(texts, padding=True, return_tensors="pt")).logits
     with serve([tmp_path / "artifact"], "--workers", "1") as server:
-        response = httpx.post(f"{server.url}/predict", json={"inputs": texts}, timeout=60)
+        response = httpx.post(f"{server.url}/predict", json={"inputs": [[text] for text in texts]}, timeout=60)
     assert response.status_code == 200, response.text
     for expected, predictions in zip(torch.softmax(logits, -1).numpy(), response.json()):
         scores = {p["label"]: p["score"] for p in predictions}
@@ -217,7 +217,8 @@ def test_a_classifier_with_the_default_labels_is_served_with_them(serve, tmp_pat
         batch = AutoTokenizer.from_pretrained(directory)(QUERIES[:2], padding=True, return_tensors="pt")
         logits = model(**batch).logits
     with serve([tmp_path / "artifact"], "--workers", "1") as server:
-        response = httpx.post(f"{server.url}/predict", json={"inputs": QUERIES[:2]}, timeout=60)
+        response = httpx.post(f"{server.url}/predict", json={"inputs": [[query] for query in QUERIES[:2]]},
+                              timeout=60)
     assert response.status_code == 200, response.text
     for expected, predictions in zip(torch.softmax(logits, -1).numpy(), response.json()):
         scores = {p["label"]: p["score"] for p in predictions}

@@ -168,6 +168,8 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
     assert sparse.code() == grpc.StatusCode.INVALID_ARGUMENT and "sparse" in sparse.details()
     too_long = status_of(embed.Embed, pb.EmbedRequest(inputs="word " * 200), metadata=AUTH)
     assert too_long.code() == grpc.StatusCode.INVALID_ARGUMENT and "tokens" in too_long.details()
+    no_texts = status_of(rerank.Rerank, pb.RerankRequest(query="q", texts=[]), metadata=AUTH)
+    assert no_texts.code() == grpc.StatusCode.INVALID_ARGUMENT and no_texts.details() == "`texts` cannot be empty"
     too_many = status_of(rerank.Rerank, pb.RerankRequest(query="q", texts=["t"] * 33), metadata=AUTH)
     assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
     oversize = status_of(embed.Embed, pb.EmbedRequest(inputs="x" * (PAYLOAD_LIMIT + 1)), metadata=AUTH)

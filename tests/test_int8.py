@@ -334,5 +334,5 @@ def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path
     with torch.no_grad():
         expected = [model.config.id2label[int(i)] for i in model(**batch).logits.argmax(dim=1)]
     with serve([tmp_path / "int8-classifier"]) as server:
-        answers = httpx.post(f"{server.url}/predict", json={"inputs": UNSEEN}, timeout=60).json()
+        answers = httpx.post(f"{server.url}/predict", json={"inputs": [[text] for text in UNSEEN]}, timeout=60).json()
     assert [max(ranks, key=lambda r: r["score"])["label"] for ranks in answers] == expected

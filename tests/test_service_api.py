@@ -175,7 +175,7 @@ def test_classify_matches_pytorch_softmax(client, tiny_classifier_dir):
         probs = torch.softmax(model(**tokenizer(texts, padding=True, return_tensors="pt")).logits, -1).numpy()
     labels = ["negative", "neutral", "positive"]
     for route in ("/classify", "/predict"):
-        response = client.post(route, json={"inputs": texts})
+        response = client.post(route, json={"inputs": [[text] for text in texts]})  # TEI's batch
         assert response.status_code == 200, response.text
         for expected, predictions in zip(probs, response.json()):
             scores = [p["score"] for p in predictions]
@@ -207,8 +207,15 @@ def test_predict_takes_teis_batch_of_single_texts_and_pairs(client, tiny_classif
     for probabilities, predictions in zip(expected, response.json()):
         got = {p["label"]: p["score"] for p in predictions}
         np.testing.assert_allclose([got[label] for label in labels], probabilities, atol=1e-4)
+    flat_pair = client.post("/predict", json={"inputs": list(pair)}).json()  # TEI: a flat list of two is a pair
+    got = {p["label"]: p["score"] for p in flat_pair}
+    np.testing.assert_allclose([got[label] for label in labels], expected[1], atol=1e-4)
+    one = client.post("/predict", json={"inputs": [single]}).json()  # one text, answered flat
+    np.testing.assert_allclose([{p["label"]: p["score"] for p in one}[label] for label in labels], expected[0],
+                               atol=1e-4)
     for inputs, message in (([["a", "b", "c"]], "lists of one text or of a pair"), ([[]], "lists of one text"),
-                            ([["a", ""]], "cannot contain an empty string")):
+                            ([["a", ""]], "cannot contain an empty string"),
+                            (["a", "b", "c"], "a flat list is one text or one (text, text) pair, as in TEI")):
         refused = client.post("/predict", json={"inputs": inputs})
         assert refused.status_code == 422 and message in refused.json()["error"], refused.text
     zero_shot = client.post("/predict", json={"inputs": [list(pair)], "labels": ["a", "b"]})

@@ -91,7 +91,7 @@ def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_clas
             response = client.post("/embed", json={"inputs": TEXTS})
             assert response.status_code == 200 and response.headers["x-compute-path"] == "torch"
             np.testing.assert_allclose(response.json(), expected, atol=1e-5)
-            predictions = client.post("/classify", json={"inputs": TEXTS}).json()
+            predictions = client.post("/classify", json={"inputs": [[text] for text in TEXTS]}).json()
             labels = ["negative", "neutral", "positive"]
             got = [[{p["label"]: p["score"] for p in row}[label] for label in labels] for row in predictions]
             np.testing.assert_allclose(got, probs, atol=1e-5)
@@ -145,7 +145,8 @@ def test_a_multi_label_head_scores_each_label_with_a_sigmoid(serve, tmp_path, ti
     with torch.no_grad():
         logits = model.eval()(**tokenizer(TEXTS[:2], padding=True, return_tensors="pt")).logits
     with serve([artifact]) as server:
-        predictions = httpx.post(f"{server.url}/classify", json={"inputs": TEXTS[:2]}, timeout=30).json()
+        predictions = httpx.post(f"{server.url}/classify", json={"inputs": [[text] for text in TEXTS[:2]]},
+                                 timeout=30).json()
     labels = ["negative", "neutral", "positive"]
     got = [[{p["label"]: p["score"] for p in row}[label] for label in labels] for row in predictions]
     np.testing.assert_allclose(got, torch.sigmoid(logits).numpy(), atol=1e-5)

@@ -85,8 +85,13 @@ def test_models_are_listed_and_selected_by_name(client):
     wrong_kind = client.post("/embed", json={"inputs": "x", "model": "sentiment"})
     assert wrong_kind.status_code == 400 and "is a classifier" in wrong_kind.json()["error"]
     absent = client.post("/embed_sparse", json={"inputs": "x"})
-    assert absent.status_code == 400 and absent.json()["error"].startswith(
-        "no model of this server is a sparse (SPLADE) model (compiled with --task sparse); ")
+    assert absent.status_code == 400 and absent.json()["error"] == (
+        "no model of this server is a sparse (SPLADE) model (compiled with --task sparse); it serves 'tiny', an "
+        "embedding model, on POST /embed; 'e5ish', an embedding model, on POST /embed; 'sentiment', a classifier, "
+        "on POST /predict; 'reranker', a reranker (a one-label classifier), on POST /rerank")
+    zero_shot = client.post("/classify", json={"inputs": "x", "labels": ["a"], "model": "sentiment"})
+    assert zero_shot.status_code == 400 and zero_shot.json()["error"].startswith(
+        "zero-shot `labels` are scored by an embedding model: model 'sentiment' is a classifier")
     labels = [p["label"] for p in client.post("/predict", json={"inputs": "fine"}).json()]
     assert sorted(labels) == ["negative", "neutral", "positive"]  # /predict's default: the first classifier
     tokens = client.post("/tokenize", json={"inputs": "fine", "model": "sentiment"})  # any model tokenizes

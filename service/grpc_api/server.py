@@ -219,6 +219,8 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _rerank(self, query: str, texts: list[str], options) -> pb.RerankResponse:
         """Rank `texts` against `query` as `options` (a RerankRequest, or a stream's first message) say."""
         started = time.perf_counter()
+        if not texts:
+            raise InvalidInput("`texts` cannot be empty")
         service = self.runtime.model("rerank")
         service.check_batch_size(len(texts))
         scores, computed = await service.rerank(_text(query, "query"), [_text(text, "texts") for text in texts],

@@ -19,6 +19,8 @@ from artifact.loader import load_artifact
 from compile.checkpoint import inspect_checkpoint
 from compile.errors import CompileError
 
+pytestmark = pytest.mark.slow  # four compiles: collected first, see conftest.py
+
 TEXTS = ["hello", "the weather tomorrow", "A man is playing a guitar on stage while the crowd sings along."]
 DENSE_WIDTH = 24  # the tiny BERT's 32 features projected to 24
 MAX_SEQ_LENGTH = 32  # sentence-transformers' input limit, under the model's 64 positions

@@ -14,11 +14,14 @@ from pathlib import Path
 from typing import Iterable
 
 # LLVM's names of the features code generation may use for BERT's kernels (vector widths,
-# FMA, conversions, VNNI / BF16 / FP16 dot products, AMX tiles).
+# FMA, conversions, VNNI / BF16 / FP16 dot products, AMX tiles), and the AVX-512 extensions LLVM
+# may pick for shuffles, byte permutes and counts on a CPU that has them (`vpermb` is VBMI's: code
+# for Ice Lake would die on a Skylake-SP that has every other AVX-512 feature here).
 FEATURES: tuple[str, ...] = (
     "sse4.2", "avx", "avx2", "fma", "f16c", "bmi2",
     "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512vnni", "avx512bf16", "avx512fp16",
-    "amx-tile", "amx-int8", "amx-bf16", "avxvnni",
+    "avx512vbmi", "avx512vbmi2", "avx512ifma", "avx512vpopcntdq", "avx512bitalg", "gfni", "vaes", "vpclmulqdq",
+    "amx-tile", "amx-int8", "amx-bf16", "amx-fp16", "avxvnni",
 )
 
 # LLVM feature name -> the flag Linux lists in /proc/cpuinfo, where the two differ.
@@ -31,14 +34,14 @@ _LINUX_FLAGS = {
     "amx-int8": "amx_int8",
     "amx-bf16": "amx_bf16",
     "avxvnni": "avx_vnni",
-    # leaf-7 features beyond FEATURES, which `loadtest.cpuid_level` hides from other runtimes
     "avx512vbmi2": "avx512_vbmi2",
     "avx512bitalg": "avx512_bitalg",
     "avx512vpopcntdq": "avx512_vpopcntdq",
+    "amx-fp16": "amx_fp16",
+    # leaf-7 features beyond FEATURES, which `loadtest.cpuid_level` hides from other runtimes
     "avx5124vnniw": "avx512_4vnniw",
     "avx5124fmaps": "avx512_4fmaps",
     "avx512vp2intersect": "avx512_vp2intersect",
-    "amx-fp16": "amx_fp16",
     "amx-complex": "amx_complex",
     "avxifma": "avx_ifma",
     "avxvnniint8": "avx_vnni_int8",

@@ -21,7 +21,8 @@ def compile_levels(config: CompileConfig, progress: Progress | None = None) -> l
     results = []
     with atomic_directory(config.out) as staging:
         for mcpu in config.cpu_levels:
-            results.append(compile_model(config.model_copy(update={"mcpu": mcpu, "out": staging / mcpu}), progress))
+            level = config.model_copy(update={"mcpu": mcpu, "out": staging / mcpu})
+            results.append(compile_model(level, progress.for_level(mcpu) if progress is not None else None))
         manifests = sorted((manifest for manifest, _ in results), key=lambda m: len(m.target.cpu_features), reverse=True)
         LevelIndex(levels=[Level(mcpu=m.target.mcpu, directory=m.target.mcpu, cpu_features=m.target.cpu_features)
                            for m in manifests]).write(staging)

@@ -9,13 +9,19 @@ from typing import Iterator, TextIO
 
 
 class Progress:
-    """Prints `[compile 3/9] build bucket 8x128 ... 2.1 s`; silent when quiet."""
+    """Prints `[compile 3/9] build bucket 8x128 ... 2.1 s` (`[compile x86-64-v4 3/9]` for one level of
+    several); silent when quiet."""
 
-    def __init__(self, total: int, stream: TextIO | None = None, quiet: bool = False):
+    def __init__(self, total: int, stream: TextIO | None = None, quiet: bool = False, label: str = ""):
         self.total = total
         self.done = 0
         self.stream = stream or sys.stderr
         self.quiet = quiet
+        self.label = label
+
+    def for_level(self, mcpu: str) -> "Progress":
+        """The progress of one CPU level's compile: its own steps, counted from 1, named by the level."""
+        return Progress(0, self.stream, self.quiet, label=mcpu)
 
     def set_total(self, total: int) -> None:
         self.total = total
@@ -31,7 +37,7 @@ class Progress:
     @contextlib.contextmanager
     def step(self, description: str) -> Iterator[None]:
         self.done += 1
-        prefix = f"[compile {self.done}/{self.total}] {description}"
+        prefix = f"[compile {self.label + ' ' if self.label else ''}{self.done}/{self.total}] {description}"
         started = time.perf_counter()
         self._print(f"{prefix} ...")
         yield

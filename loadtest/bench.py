@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .arguments import at_least_one
 from .machine import describe as describe_machine
 from .machine import line as machine_line
 
@@ -47,8 +48,8 @@ def parse_args(argv):
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS shapes, ideally buckets of the artifact")
     parser.add_argument("--generic-shapes", default=DEFAULT_GENERIC_SHAPES,
                         help="non-bucket shapes: generic library vs the bucket that would serve them padded")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=at_least_one, default=10)
+    parser.add_argument("--threads", type=at_least_one, default=2)
     parser.add_argument("--warm-calls", type=int, default=1,
                         help="untimed calls of a candidate before each timed one, so that it runs with its own "
                              "weights in the caches, as a server between requests (0: right after another runtime)")

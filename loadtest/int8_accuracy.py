@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from artifact.errors import ArtifactError
 from compile.sentences import ACCURACY_SENTENCES
+
+from .strategy_table import read_manifest
+
+PROG = "python -m loadtest.int8_accuracy"
 
 HELDOUT_SENTENCES = [
     "maybe",
@@ -90,12 +96,18 @@ def openvino_int8_outputs(model_dir: Path, sets: dict[str, list[str]]) -> dict[s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=PROG, description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--artifacts", type=Path, nargs="+", required=True)
     parser.add_argument("--model", type=Path, default=None, help="checkpoint (default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--openvino", action="store_true", help="also OpenVINO NNCF int8")
     parser.add_argument("--out", type=Path, default=None, help="write the table as JSON here")
     args = parser.parse_args(argv)
+    try:
+        for directory in args.artifacts:  # before minutes of reference encodings
+            read_manifest(directory)
+    except ArtifactError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
     from sentence_transformers import SentenceTransformer
 
     from compile.config import default_model_dir

@@ -34,17 +34,11 @@ from artifact.errors import ArtifactError
 from compile.bucketing import parse_bucket
 from compile.errors import CompileError
 
+from .arguments import at_least_one
 from .machine import describe, line
 from .strategy_table import read_manifest
 
 PROG = "python -m loadtest.kernel_profile"
-
-
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,8 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compare", type=Path, help="a second artifact, profiled in turn with the first")
     parser.add_argument("--shape", default="1x128", help="batch x sequence length (default 1x128)")
     parser.add_argument("--generic", action="store_true", help="profile the generic library, not the bucket")
-    parser.add_argument("--calls", type=_at_least_one, default=20, help="calls timed (default 20)")
-    parser.add_argument("--threads", type=_at_least_one, default=usable_cores(),
+    parser.add_argument("--calls", type=at_least_one, default=20, help="calls timed (default 20)")
+    parser.add_argument("--threads", type=at_least_one, default=usable_cores(),
                         help="TVM threads (default: the cores this process may use)")
     parser.add_argument("--openvino", choices=("default", "f32"),
                         help="also profile OpenVINO at its default precision on this CPU, or f32")

@@ -13,12 +13,16 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import threading
 import time
 from pathlib import Path
 
+from artifact.errors import ArtifactError
+
 from .http_client import Connection
 from .servers import LOGS, running_server
+from .strategy_table import read_manifest
 from .workload import make_requests
 
 MB = 2**20
@@ -117,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args, server_flags = parser.parse_known_args(argv)  # the rest go to the server (e.g. --max-batch-tokens)
+    try:
+        read_manifest(args.artifacts)  # before a server starts: one line where the directory holds no artifact
+    except ArtifactError as exc:
+        print(f"python -m loadtest.memory: error: {exc}", file=sys.stderr)
+        return 2
     with running_server([args.artifacts], "--log-level", "warning", *server_flags,
                         log_path=LOGS / "memory-server.log") as server:
         result = measure(server.url, server.process.pid, args.requests, args.clients, args.seed)

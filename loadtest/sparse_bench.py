@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .arguments import at_least_one
+
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m loadtest.sparse_bench", description=__doc__.splitlines()[0])
@@ -23,7 +25,7 @@ def parse_args(argv):
     parser.add_argument("--shape", default="8x128")
     parser.add_argument("--sparsities", default="0.7,0.8,0.9,0.95")
     parser.add_argument("--blocks", default="8x1,16x1,32x1")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--from-checkpoint", dest="from_checkpoint", type=float, metavar="DENSITY",
                         help="instead of the table: a copy of the checkpoint whose FFN and attention-output weights "

@@ -6,6 +6,10 @@
 # Usage: scripts/serve_env.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${1:-}" in
+    -h|--help) sed -n '2,6p' "$0" | cut -c3-; exit 0 ;;
+    -*) echo "serve_env.sh: unknown option '$1'; usage: scripts/serve_env.sh [DIR]" >&2; exit 2 ;;
+esac
 VENV=${1:-.venv-serve}
 PYTHON=${PYTHON:-python3}
 "$PYTHON" -m venv "$VENV"

@@ -13,7 +13,7 @@ from conftest import TINY_LATENCIES, compile_artifact, with_latencies
 
 from artifact.cpu_features import host_flags
 from artifact.hashing import file_sha256
-from loadtest import kernel_profile, strategy_table
+from loadtest import int8_accuracy, kernel_profile, memory, strategy_table
 from loadtest.bench import bert_flops, disagreements, main
 
 
@@ -146,20 +146,34 @@ def test_kernel_profile_refuses_a_packed_bound_for_a_shape(tiny_embed_artifact, 
     assert capsys.readouterr().err == "python -m loadtest.kernel_profile: error: --shape packed-8: expected BATCHxSEQ (e.g. 1x128)\n"
 
 
-@pytest.mark.parametrize("tool", ["bench", "strategy_table", "kernel_profile"])
+TOOLS = {"bench": main, "strategy_table": strategy_table.main, "kernel_profile": kernel_profile.main,
+         "int8_accuracy": int8_accuracy.main, "memory": memory.main}
+
+
+@pytest.mark.parametrize("tool", list(TOOLS))
 @pytest.mark.parametrize("kind", ["missing", "not an artifact"])
 def test_a_directory_that_is_not_an_artifact_is_one_line_and_exit_2(tool, kind, tmp_path, capsys):
+    """Before any server starts or reference is encoded."""
     directory = tmp_path / "minilm-cpu"
     if kind == "not an artifact":
         directory.mkdir()
         (directory / "notes.txt").write_text("not a manifest")
-    run = {"bench": main, "strategy_table": strategy_table.main, "kernel_profile": kernel_profile.main}[tool]
+    run = TOOLS[tool]
     assert run(["--artifacts", str(directory)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == (f"python -m loadtest.{tool}: error: {directory} is not a compiled artifact (no "
                             f"manifest.json); make it with: .venv/bin/bert-compile --config configs/default.yaml "
                             f"--out {directory}\n")
+
+
+@pytest.mark.parametrize("tool, flag", [("bench", "--repeats"), ("bench", "--threads"), ("kernel_profile", "--calls")])
+def test_a_count_of_zero_is_one_line_and_exit_2(tool, flag, tiny_embed_artifact, capsys):
+    with pytest.raises(SystemExit) as refused:
+        TOOLS[tool](["--artifacts", str(tiny_embed_artifact), flag, "0"])
+    assert refused.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (f"python -m loadtest.{tool}: error: argument {flag}: "
+                                                        "must be at least 1, not 0")
 
 
 def test_flops_of_minilm_count_real_tokens():

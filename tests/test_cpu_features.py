@@ -29,9 +29,23 @@ def test_llvm_names_map_to_linux_cpuinfo_flags():
         "sse4.2": "sse4_2", "avx": "avx", "avx2": "avx2", "fma": "fma", "f16c": "f16c", "bmi2": "bmi2",
         "avx512f": "avx512f", "avx512bw": "avx512bw", "avx512dq": "avx512dq", "avx512vl": "avx512vl",
         "avx512cd": "avx512cd", "avx512vnni": "avx512_vnni", "avx512bf16": "avx512_bf16",
-        "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile", "amx-int8": "amx_int8", "amx-bf16": "amx_bf16",
-        "avxvnni": "avx_vnni",
+        "avx512fp16": "avx512_fp16", "avx512vbmi": "avx512vbmi", "avx512vbmi2": "avx512_vbmi2",
+        "avx512ifma": "avx512ifma", "avx512vpopcntdq": "avx512_vpopcntdq", "avx512bitalg": "avx512_bitalg",
+        "gfni": "gfni", "vaes": "vaes", "vpclmulqdq": "vpclmulqdq", "amx-tile": "amx_tile", "amx-int8": "amx_int8",
+        "amx-bf16": "amx_bf16", "amx-fp16": "amx_fp16", "avxvnni": "avx_vnni",
     }
+
+
+def test_levels_that_differ_in_an_avx512_extension_are_told_apart():
+    """Code for Ice Lake may use VBMI's byte permutes, which a Skylake-SP lacks; Granite Rapids' AMX-FP16
+    is what Sapphire Rapids lacks: each pair records different features, so the loader can refuse."""
+    from compile.build import make_target
+
+    def features(mcpu):
+        return set(target_features(make_target("cpu", mcpu=mcpu)))
+
+    assert {"avx512vbmi", "avx512vbmi2", "gfni"} <= features("icelake-server") - features("skylake-avx512")
+    assert features("graniterapids") - features("sapphirerapids") == {"amx-fp16"}
 
 
 def test_host_flags_read_the_first_flags_line(tmp_path):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import httpx
 import pytest
 from conftest import server_refusal
-from test_cli import run_cli
+from test_cli import REPO, run_cli
 
 from artifact import levels
 from artifact.cpu_features import host_flags, linux_flag, missing_on_host, target_features
@@ -97,14 +99,27 @@ def test_a_cpu_llvm_does_not_know_is_refused_before_compiling(tiny_bert_dir, tmp
 @pytest.fixture(scope="module")
 def multi_level(tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("levels") / "tiny-levels"
-    result = run_cli("--model", str(tiny_bert_dir), "--mcpu", f"{V3},{V4}", "--buckets", "1x8,2x16",
-                     "--max-batch", "8", "--out", str(out))
+    result = subprocess.run([sys.executable, "-m", "compile", "--model", str(tiny_bert_dir), "--mcpu", f"{V3},{V4}",
+                             "--buckets", "1x8,2x16", "--max-batch", "8", "--out", str(out)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+    (out.parent / "compile.log").write_text(result.stderr)  # its progress lines
     return out
 
 
 def _host_runs(features: list[str]) -> bool:
     return missing_on_host(features) == []
+
+
+def test_each_levels_progress_counts_its_own_steps(multi_level):
+    """One line per step, `[compile LEVEL i/n]`, counted from 1 for each level (not on past n)."""
+    steps = [line.split("]")[0] + "]" for line in (multi_level.parent / "compile.log").read_text().splitlines()
+             if line.startswith("[compile ") and line.endswith(" ...")]
+    for mcpu in (V3, V4):
+        mine = [step for step in steps if step.startswith(f"[compile {mcpu} ")]
+        total = int(mine[0].split("/")[1].rstrip("]"))
+        assert mine == [f"[compile {mcpu} {i}/{total}]" for i in range(1, total + 1)]
+    assert len(steps) == sum(1 for step in steps if step.startswith((f"[compile {V3} ", f"[compile {V4} ")))
 
 
 def test_every_level_is_built_for_its_cpu_and_indexed_most_demanding_first(multi_level):

@@ -16,7 +16,7 @@ import torch
 from artifact.hashing import file_sha256
 from artifact.manifest import SPLADE_POOLINGS
 
-from .dense_head import DenseLayer, dense_head, dense_layers
+from .dense_head import DenseLayer, dense_head, dense_layers, module_config, module_kind, sentence_transformers_modules
 from .errors import CompileError
 from .families import FAMILIES, Family
 
@@ -97,12 +97,9 @@ def checkpoint_prompts(model_dir: Path) -> dict:
 
 def sentence_transformers_pooling(model_dir: Path) -> str | None:
     """Pooling declared by a sentence-transformers checkpoint (modules.json -> Pooling config)."""
-    modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return None
-    for module in json.loads(modules_file.read_text()):
-        if module.get("type", "").endswith("Pooling"):
-            pooling_config = json.loads((model_dir / module["path"] / "config.json").read_text())
+    for module in sentence_transformers_modules(model_dir):
+        if module_kind(module) == "Pooling":
+            pooling_config = module_config(model_dir, module)
             if pooling_config.get("include_prompt") is False and checkpoint_prompts(model_dir):
                 raise CompileError(f"{model_dir}: its Pooling leaves the prompt's tokens out (include_prompt: false), "
                                    "which the libraries do not compile; without the prompts of "
@@ -125,10 +122,8 @@ def splade_pooling(model_dir: Path, config: dict) -> str:
     if not any(name.endswith("ForMaskedLM") for name in architectures):
         raise CompileError(f"{model_dir} is not a masked-LM checkpoint (architectures={architectures}); --task sparse "
                            "needs a *ForMaskedLM or a sentence-transformers SparseEncoder (MLMTransformer + SpladePooling)")
-    modules_file = model_dir / "modules.json"
-    modules = json.loads(modules_file.read_text()) if modules_file.is_file() else []
-    pooling_config = next((json.loads((model_dir / module["path"] / "config.json").read_text()) for module in modules
-                           if module.get("type", "").endswith("SpladePooling")), {})
+    pooling_config = next((module_config(model_dir, module) for module in sentence_transformers_modules(model_dir)
+                           if module_kind(module) == "SpladePooling"), {})
     strategy = pooling_config.get("pooling_strategy", "max")
     activation = pooling_config.get("activation_function", "relu")
     if strategy not in ("max", "sum") or activation != "relu":

@@ -1,4 +1,5 @@
-"""The sentence-transformers modules after a checkpoint's pooling, compiled into its libraries.
+"""The sentence-transformers modules after a checkpoint's pooling, compiled into its libraries
+(and the reading of modules.json, which compile/checkpoint.py's poolings share).
 
 A sentence-transformers checkpoint lists its modules in `modules.json`: the Transformer, its
 Pooling, then optionally Dense layers (`activation(x W^T + b)`, e.g. LaBSE's 768 -> 768 tanh or
@@ -30,6 +31,22 @@ UNCOMPILED = ("Transformer", "Pooling", "Normalize")  # read elsewhere, or done 
 DENSE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+def sentence_transformers_modules(model_dir: Path) -> list[dict]:
+    """The modules a sentence-transformers checkpoint lists in modules.json (none without it)."""
+    path = model_dir / "modules.json"
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def module_kind(module: dict) -> str:
+    """A listed module's class name (`sentence_transformers.models.Dense` or, as version 6 writes it,
+    `sentence_transformers.base.modules.dense.Dense`: Dense)."""
+    return module.get("type", "").rsplit(".", 1)[-1]
+
+
+def module_config(model_dir: Path, module: dict) -> dict:
+    return json.loads((model_dir / module["path"] / "config.json").read_text())
+
+
 @dataclass(frozen=True)
 class DenseLayer:
     """One Dense module of the checkpoint: its directory and config."""
@@ -51,12 +68,9 @@ class DenseLayer:
 def dense_layers(model_dir: Path, hidden_size: int) -> tuple[DenseLayer, ...]:
     """The Dense modules after the pooling of a sentence-transformers checkpoint (none without
     modules.json); a module neither compiled here nor done by the server is refused in one line."""
-    modules_file = model_dir / "modules.json"
-    if not modules_file.is_file():
-        return ()
     layers, width, normalized = [], hidden_size, False
-    for module in json.loads(modules_file.read_text()):
-        kind = module.get("type", "").rsplit(".", 1)[-1]
+    for module in sentence_transformers_modules(model_dir):
+        kind = module_kind(module)
         normalized |= kind == "Normalize"
         if kind in UNCOMPILED:
             continue
@@ -66,7 +80,7 @@ def dense_layers(model_dir: Path, hidden_size: int) -> tuple[DenseLayer, ...]:
             raise CompileError(f"{model_dir}: sentence-transformers module {module.get('type')!r} is not compiled "
                                f"(supported after the Transformer: Pooling, Dense, Normalize)")
         directory = model_dir / module["path"]
-        config = json.loads((directory / "config.json").read_text())
+        config = module_config(model_dir, module)
         activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if activation not in ACTIVATIONS:
             raise CompileError(f"{directory}: Dense activation {activation} is not compiled (supported: "

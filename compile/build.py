@@ -10,6 +10,7 @@ import tvm
 from tvm import relax
 
 from artifact.bucketing import AnyBucket, Bucket
+from artifact.cpu_features import missing_on_host, target_features
 
 from .errors import CompileError
 from .importer import symbolic_dims
@@ -31,8 +32,31 @@ def check_mcpu(mcpu: str | None) -> None:
                            "znver4, sapphirerapids")
 
 
+def host_llvm(flags: set[str] | None = None) -> dict:
+    """This machine's CPU as an llvm target, less what it hides.
+
+    LLVM names the CPU by its model, and the name implies that model's features; a VM may hide
+    some (an Emerald Rapids guest without AMX or AVX512_BF16), and code using them would die with
+    SIGILL here. Those are turned off in `mattr`, as clang's `-march=native` does. `flags`: this
+    CPU's /proc/cpuinfo flags by default.
+    """
+    mcpu = host_cpu()
+    hidden = missing_on_host(target_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})), flags) or []
+    return {"kind": "llvm", "mcpu": mcpu, **({"mattr": [f"-{feature}" for feature in hidden]} if hidden else {})}
+
+
+def cpu_name(target: tvm.target.Target) -> str:
+    """The CPU a target's (host) code is for, as messages name it: `znver4`, or `emeraldrapids
+    without avx512bf16, amx-tile` where features of the model are turned off."""
+    llvm = target.host or target
+    turned_off = [attr[1:] for attr in llvm.attrs.get("mattr", []) if attr.startswith("-")]
+    mcpu = llvm.attrs.get("mcpu", "?")
+    return f"{mcpu} without {', '.join(turned_off)}" if turned_off else mcpu
+
+
 def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) -> tvm.target.Target:
-    host = {"kind": "llvm", "mcpu": mcpu or host_cpu()}
+    """A target for `mcpu` (LLVM's CPU name, with all its features), or for this machine's CPU."""
+    host = {"kind": "llvm", "mcpu": mcpu} if mcpu else host_llvm()
     if kind == "cuda":
         return tvm.target.Target({"kind": "cuda", "arch": cuda_arch}, host=host)
     return tvm.target.Target(host)

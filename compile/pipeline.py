@@ -39,7 +39,7 @@ from artifact.manifest import (
 )
 
 from . import attention_products, precision
-from .build import build_library, check_mcpu, make_target, specialize
+from .build import build_library, check_mcpu, cpu_name, make_target, specialize
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import RELATIVE_TOLERANCES, CompileConfig
 from .errors import CompileError, ValidationError
@@ -171,7 +171,7 @@ def runs_here(kind: str, target: tvm.target.Target, features: list[str]) -> bool
     if missing:
         log.warning("this CPU lacks %s, which code for %s may use: the libraries are built but neither "
                     "validated nor timed here (run `python -m compile.verify` where they will run)",
-                    ", ".join(missing), (target.host or target).attrs["mcpu"])
+                    ", ".join(missing), cpu_name(target))
         return False
     return True
 
@@ -219,7 +219,7 @@ class LibraryBuilder:
         self.tuner = Tuner(target) if config.tune and self.can_run else None
         if config.tune and not self.can_run:
             log.warning("--tune skipped: the libraries for mcpu %s cannot run on this machine to be timed",
-                        (target.host or target).attrs["mcpu"])
+                        cpu_name(target))
         if self.can_run:
             use_all_cores()
         # Validate what ships: the weights as read back from the artifact's files.

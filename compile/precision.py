@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import tvm
 
+from .build import cpu_name
 from .kernels import amx, bf16, int8
 
 PRECISIONS = ("fp32", "bf16", "int8")  # most accurate first
@@ -58,8 +59,7 @@ ROUNDED = tuple(GATES)  # the precisions that round the linears' operands, each 
 def bf16_refusal(option: str, alternatives: str, target: tvm.target.Target) -> str | None:
     """Why `target` cannot run what `option` asks in bf16 (one line, naming `alternatives`), or None."""
     if not bf16.supported(target):
-        mcpu = (target.host or target).attrs.get("mcpu", "?")
-        return f"{option} needs a CPU with AVX512_BF16; mcpu {mcpu} has none (use {alternatives})"
+        return f"{option} needs a CPU with AVX512_BF16; mcpu {cpu_name(target)} has none (use {alternatives})"
     try:
         bf16.kernels_object()  # the micro-kernels every bf16 library links
     except RuntimeError as exc:
@@ -72,8 +72,7 @@ def refusal(precision: str, target: tvm.target.Target) -> str | None:
     if precision == "bf16":
         return bf16_refusal("--precision bf16", "fp32, int8 or auto", target)
     if precision == "int8" and int8.kernel_for(target) is None:
-        mcpu = (target.host or target).attrs.get("mcpu", "?")
-        return f"--precision int8 needs a CPU with AVX2; mcpu {mcpu} has none"
+        return f"--precision int8 needs a CPU with AVX2; mcpu {cpu_name(target)} has none"
     return None
 
 

@@ -12,6 +12,7 @@ ratios are what the tolerance must cover."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -33,8 +34,9 @@ def _losses(actual: np.ndarray, reference: np.ndarray) -> np.ndarray:
 def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     """Per shipped sentence, (the generic library's loss, its plan's simulated loss) of an int8 embedding
     artifact, both against the fp32 PyTorch model of the checkpoint it was compiled from."""
+    import tvm
+
     from artifact.loader import load_artifact
-    from compile.build import make_target
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.importer import export_and_import
     from compile.int8_plan import quantizable_modules
@@ -48,7 +50,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
         raise ArtifactError(f"{directory} is not an int8 CPU embedding artifact: it has no int8 plan to check")
     info = inspect_checkpoint(Path(manifest.model.path), "embed")
     wrapper = load_wrapper(info, "embed")
-    kernel = int8.kernel_for(make_target("cpu", mcpu=manifest.target.mcpu))
+    kernel = int8.kernel_for(tvm.target.Target(json.loads(manifest.target.tvm_target)))
     imported = export_and_import(wrapper, manifest.generic.max_batch, info.max_seq, manifest.model.vocab_size)
     kept = {unit.unit: unit.precision for unit in quantization.kept}
     attention = manifest.precision.attention

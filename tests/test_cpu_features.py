@@ -11,6 +11,7 @@ import logging
 import shutil
 
 import pytest
+import tvm
 from conftest import compile_artifact, server_refusal
 from test_verify import run_verify
 
@@ -19,7 +20,7 @@ from artifact.cpu_features import FEATURES, host_flags, linux_flag, missing_on_h
 from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from artifact.manifest import Manifest
-from compile.build import make_target
+from compile.build import host_cpu, host_llvm, make_target
 
 FOREIGN_CPUS = ["znver4", "sapphirerapids", "graniterapids"]
 
@@ -71,6 +72,22 @@ def test_target_features_follow_mcpu():
     assert {"avx512f", "avx512bw", "avx512vnni", "avx512bf16"} <= set(znver4) and "amx-tile" not in znver4
     # a CUDA target's host code is llvm too
     assert target_features(make_target("cuda", mcpu="znver4")) == znver4
+
+
+def test_this_cpus_target_turns_off_what_the_cpu_hides():
+    """A VM may hide features its CPU model has (an Emerald Rapids guest without AMX or AVX512_BF16);
+    LLVM's name for the CPU implies them, so the default target turns them off: code built here runs here."""
+    flags = host_flags()
+    if flags is None:
+        pytest.skip("this CPU's flags cannot be read")
+    assert missing_on_host(target_features(make_target("cpu"))) == []
+    claimed = target_features(make_target("cpu", mcpu=host_cpu()))
+    if not claimed:
+        pytest.skip("LLVM's name for this CPU implies none of the recorded features")
+    hidden = claimed[-1]
+    target = tvm.target.Target(host_llvm(flags - {linux_flag(hidden)}))
+    assert target.attrs["mcpu"] == host_cpu() and f"-{hidden}" in target.attrs["mattr"]
+    assert hidden not in target_features(target) and set(target_features(target)) < set(claimed)
 
 
 def test_an_artifact_compiled_for_this_cpu_records_its_features_and_loads(tiny_embed_artifact):

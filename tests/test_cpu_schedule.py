@@ -18,6 +18,7 @@ from tvm import relax, s_tir, tirx, topi
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.script import tirx as T
 
+from compile.build import make_target
 from compile.kernels.common import read_padded_rows_in_place, vector_lanes
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
@@ -28,8 +29,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def _target(mcpu: str | None = None) -> tvm.target.Target:
-    mcpu = mcpu or str(tvm.target.codegen.llvm_get_system_cpu())
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": 2})
+    return tvm.target.Target({**make_target("cpu", mcpu=mcpu).export(), "num-cores": 2})
 
 
 TARGET = _target()

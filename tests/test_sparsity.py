@@ -11,6 +11,7 @@ import transformers
 import tvm
 from tvm import relax
 
+from compile.build import make_target
 from compile.checkpoint import BertWrapper, example_inputs
 from compile.importer import export_and_import
 from compile.passes.lift import lift_and_transform
@@ -26,7 +27,7 @@ from compile.passes.strategy import apply_strategy
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
-CPU = tvm.target.Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
+CPU = make_target("cpu")
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 VOCAB = 30522
 

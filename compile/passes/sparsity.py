@@ -19,6 +19,7 @@ import tvm
 from tvm import relax, te, tirx
 from tvm.target import Target
 
+from ..build import make_target
 from ..kernels import sparse
 from ..kernels.common import vector_lanes
 from .linears import bindings, transposed_linears
@@ -113,10 +114,6 @@ def bsr_matmul_func(k: int, nnz: int, block: tuple[int, int], block_rows: int, d
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite
-
-
-def _host_target() -> Target:
-    return Target({"kind": "llvm", "mcpu": str(tvm.target.codegen.llvm_get_system_cpu())})
 
 
 def _eligible_linears(func: relax.Function, weights: dict[relax.Var, np.ndarray],
@@ -217,7 +214,7 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
     the returned params (as CPU tvm Tensors, the form `lift.lift_and_transform` takes). The kernels
     are scheduled for `target` (host CPU by default), so build the result for that target.
     """
-    target = target or _host_target()
+    target = target or make_target("cpu")
     func = mod["main"]
     num_input = int(func.attrs["num_input"])
     weights = {p: v if isinstance(v, np.ndarray) else v.numpy() for p, v in zip(func.params[num_input:], params)}

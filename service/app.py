@@ -34,7 +34,10 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready"})  # the probes: an orchestrator sends no API key
+# Open to GET and HEAD without the API key, as TEI leaves them: the probes (an orchestrator sends no
+# key; `/` and `/ping` are TEI's and SageMaker's) and Prometheus' scrape. POST / is guarded.
+OPEN_PATHS = frozenset({"/health", "/ready", "/", "/ping", "/metrics"})
+OPEN_METHODS = frozenset({"GET", "HEAD"})
 DOCS_ASSETS = "/docs/assets"  # Swagger UI's scripts and styles, served from the installed package
 
 
@@ -70,13 +73,13 @@ class MetricsMiddleware:
 
 
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the probes (OPEN_PATHS), when a key is configured."""
+    """`Authorization: Bearer <key>` on every route but GET / HEAD of OPEN_PATHS, when a key is configured."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app, self.api_key = app, api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and not (scope["path"] in OPEN_PATHS and scope["method"] in OPEN_METHODS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not bearer_key_matches(given, self.api_key):
                 return await error_response(Unauthorized("missing or wrong API key"))(scope, receive, send)

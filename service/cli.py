@@ -58,8 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-concurrent-requests", type=int, help="inputs queued or running; beyond: 429, or 413 for one request over it (default 512)")
     add("--max-client-batch-size", type=int, help="inputs per request; beyond: 413 (default 32)")
     add("--payload-limit", type=int, help="request body bytes; beyond: 413 (default 2000000)")
-    add("--auto-truncate", action="store_true", default=None, help="truncate over-long inputs by default")
-    add("--api-key", help="require Authorization: Bearer KEY on every route but /health and /ready")
+    add("--auto-truncate", action=argparse.BooleanOptionalAction, default=None,
+        help="HTTP requests that do not say `truncate` cut over-long inputs (default on, as TEI); off: 413")
+    add("--api-key", help="require Authorization: Bearer KEY on every route but the probes and /metrics")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])
     return parser.parse_args(argv)

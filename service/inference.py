@@ -113,8 +113,8 @@ class ModelService:
                     dimensions: int | None = None, prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
         """Embeddings of texts or token ids; with `dimensions`, the first d components (Matryoshka),
         normalised after the cut; `prompt_name` (else the default prompt) is prepended to every text."""
-        if dimensions is not None and dimensions > self.output_dim:
-            raise InvalidInput(f"`dimensions` must be at most the model's {self.output_dim}, got {dimensions}")
+        if dimensions is not None and not 0 < dimensions <= self.output_dim:  # gRPC's may be 0
+            raise InvalidInput(f"`dimensions` must be at least 1 and at most the model's {self.output_dim}, got {dimensions}")
         computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
@@ -145,7 +145,12 @@ class ModelService:
 
     async def rerank(self, query: str, texts: list[str], raw_scores: bool,
                      truncation: Truncation) -> tuple[np.ndarray, Computed]:
-        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it."""
+        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it. As in
+        TEI, either side of a pair may be empty, not both."""
+        if not texts:
+            raise InvalidInput("`texts` cannot be empty")
+        if not query and "" in texts:
+            raise InvalidInput(f"`query` and `texts[{texts.index('')}]` are both empty: a pair needs a text")
         computed = await self.compute([(query, text) for text in texts], truncation)
         logits = computed.outputs[:, 0]
         return (logits if raw_scores else sigmoid(logits)), computed

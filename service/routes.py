@@ -209,8 +209,10 @@ def _headers(service: ModelService, computed: Computed, started: float) -> dict[
 
 
 @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' health checks
+@router.api_route("/", methods=["GET", "HEAD"])  # TEI's other health routes
+@router.api_route("/ping", methods=["GET", "HEAD"])  # SageMaker's
 async def health() -> dict:
-    """Alive: the process answers, whether or not the models are loaded."""
+    """Alive: the process answers, whether or not the models are loaded (/ready: loaded)."""
     return {"status": "ok"}
 
 
@@ -372,6 +374,7 @@ async def default_task(request: Request) -> Response:
 
 
 _add_post("/", default_task, DEFAULT_BODY_DOC)
+_add_post("/invocations", default_task, DEFAULT_BODY_DOC)  # SageMaker's, as TEI serves it
 
 
 @router.get("/v1/models")
@@ -386,7 +389,7 @@ async def retrieve_model(name: str, request: Request) -> dict:
     return _runtime(request).list_model(name)
 
 
-@post("/v1/embeddings")
+@post("/v1/embeddings", "/embeddings")  # /embeddings: an OpenAI client whose base URL has no /v1
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()

@@ -140,8 +140,7 @@ class RerankRequest(_Truncating):
     raw_scores: bool = False
     return_text: bool = False
 
-    _check_query = field_validator("query")(_non_empty)
-    _check_texts = field_validator("texts")(_non_empty)
+    # an empty query or text is scored (TEI's rule: not both of a pair, `Inference.rerank`)
 
 
 class TokenizeRequest(_Request):

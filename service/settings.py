@@ -47,7 +47,8 @@ class Settings(BaseModel):
     max_concurrent_requests: int = Field(512, ge=1, description="inputs admitted at once; beyond: 429 (413 if more in one request)")
     max_client_batch_size: int = Field(32, ge=1, description="inputs per request; beyond: 413")
     payload_limit: int = Field(2_000_000, ge=1, description="request body bytes; beyond: 413")
-    auto_truncate: bool = Field(False, description="default of `truncate`, and what /v1/embeddings does")
+    auto_truncate: bool = Field(True, description="HTTP: default of `truncate`, and what /v1/embeddings does "
+                                "(TEI's default); gRPC requests truncate only when they ask")
     api_key: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"

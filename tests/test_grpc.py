@@ -4,6 +4,7 @@ the services, and bad calls get TEI's status codes while the server keeps servin
 
 from __future__ import annotations
 
+import json
 import re
 
 import grpc
@@ -145,6 +146,47 @@ def test_reflection_lists_and_describes_the_services(channel):
     assert {m.name for m in embed.methods} == {"Embed", "EmbedStream", "EmbedSparse", "EmbedSparseStream",
                                                "EmbedAll", "EmbedAllStream"}
     assert pool.FindMessageTypeByName("tei.v1.EmbedRequest").fields_by_name["inputs"].number == 1
+
+
+def test_embed_fields_as_in_teis_proto(channel, http):
+    """`normalize` unset is true and `dimensions` cuts as /embed's (TEI's optional fields); `truncate`
+    unset is false even though the server's --auto-truncate (HTTP's default) is on, as in TEI."""
+    embed = pb_grpc.EmbedStub(channel)
+    unset = np.asarray(embed.Embed(pb.EmbedRequest(inputs=TEXTS[0]), metadata=AUTH).embeddings)
+    raw = np.asarray(embed.Embed(pb.EmbedRequest(inputs=TEXTS[0], normalize=False), metadata=AUTH).embeddings)
+    assert np.linalg.norm(unset) == pytest.approx(1, abs=1e-5) and abs(np.linalg.norm(raw) - 1) > 1e-3
+    np.testing.assert_allclose(unset, raw / np.linalg.norm(raw), atol=1e-6)
+    cut = embed.Embed(pb.EmbedRequest(inputs=TEXTS[0], dimensions=8), metadata=AUTH).embeddings
+    expected = http.post("/embed", json={"inputs": TEXTS[0], "dimensions": 8, "model": "tiny-embed"}).json()[0]
+    np.testing.assert_allclose(cut, expected, atol=1e-6)
+    for dimensions in (0, 33):
+        refused = status_of(embed.Embed, pb.EmbedRequest(inputs=TEXTS[0], dimensions=dimensions), metadata=AUTH)
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "dimensions" in refused.details()
+    assert http.post("/embed", json={"inputs": "word " * 200, "model": "tiny-embed"}).status_code == 200
+
+
+def test_rerank_scores_a_pair_with_one_empty_side_as_tei_does(channel, http, artifacts):
+    """Either side of a (query, text) pair may be empty, as in TEI; the logits are transformers'."""
+    import torch
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    checkpoint = json.loads((artifacts[2] / "manifest.json").read_text())["model"]["path"]
+    tokenizer, model = AutoTokenizer.from_pretrained(checkpoint), BertForSequenceClassification.from_pretrained(checkpoint)
+    rerank = pb_grpc.RerankStub(channel)
+    for query, texts in ((TEXTS[0], [TEXTS[1], ""]), ("", TEXTS[:2])):
+        with torch.no_grad():
+            expected = model.eval()(**tokenizer([query] * 2, texts, padding=True, return_tensors="pt")).logits[:, 0]
+        answer = http.post("/rerank", json={"query": query, "texts": texts, "raw_scores": True})
+        assert answer.status_code == 200, answer.text
+        scores = {rank["index"]: rank["score"] for rank in answer.json()}
+        np.testing.assert_allclose([scores[0], scores[1]], expected.numpy(), atol=1e-4)
+        ranked = rerank.Rerank(pb.RerankRequest(query=query, texts=texts, raw_scores=True), metadata=AUTH)
+        np.testing.assert_allclose(sorted(r.score for r in ranked.ranks), sorted(scores.values()), atol=1e-6)
+    both = http.post("/rerank", json={"query": "", "texts": [TEXTS[1], ""]})
+    assert both.status_code == 422 and both.json()["error"] == ("`query` and `texts[1]` are both empty: a pair "
+                                                               "needs a text")
+    refused = status_of(rerank.Rerank, pb.RerankRequest(query="", texts=[""]), metadata=AUTH)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "both empty" in refused.details()
 
 
 def status_of(call, *args, **kwargs) -> grpc.RpcError:

@@ -308,9 +308,8 @@ LONG = sentence(100)  # 102 tokens > 64
         ("/classify", {"inputs": "fine", "labels": []}, 422),
         ("/v1/embeddings", {"input": "fine", "encoding_format": "hex"}, 422),
         ("/embed", {"inputs": ["a"] * 33}, 413),
-        ("/embed", {"inputs": LONG}, 413),
-        ("/classify", {"inputs": LONG}, 413),
-        ("/v1/embeddings", {"input": LONG}, 413),
+        ("/embed", {"inputs": LONG, "truncate": False}, 413),
+        ("/classify", {"inputs": LONG, "truncate": False}, 413),
         ("/classify", {"inputs": "fine", "labels": ["a"] * 32}, 413),
     ],
 )
@@ -319,7 +318,7 @@ def test_bad_input_gets_status_and_json(client, route, body, status):
     assert response.status_code == status, response.text
     error = response.json()
     assert set(error) == {"error", "error_type"} and error["error"]
-    if body == {"inputs": LONG}:
+    if isinstance(body, dict) and body.get("inputs") == LONG:
         assert error["error"].startswith("`inputs` must have at most 64 tokens. Given: ")  # names the limit
     if "labels" in body and status == 413:
         assert error["error"] == ("batch size 33 (1 input and 32 zero-shot labels, each embedded) > maximum allowed "
@@ -450,6 +449,32 @@ def test_truncate_on_serves_long_input_at_the_limit(client):
     assert response.status_code == 200 and int(response.headers["x-compute-tokens"]) == 64
 
 
+def test_over_long_inputs_are_cut_unless_a_request_says_not_to(client):
+    """TEI's --auto-truncate is on by default: a request that does not say `truncate`, and OpenAI's
+    route, which cannot, get the input cut to the limit (--no-auto-truncate: test_service_limits)."""
+    cut = client.post("/embed", json={"inputs": LONG, "truncate": True}).json()
+    unsaid = client.post("/embed", json={"inputs": LONG})
+    assert unsaid.status_code == 200 and int(unsaid.headers["x-compute-tokens"]) == 64
+    np.testing.assert_allclose(unsaid.json(), cut, atol=1e-6)
+    openai = client.post("/v1/embeddings", json={"input": LONG})
+    assert openai.status_code == 200 and openai.json()["usage"]["prompt_tokens"] == 64
+    np.testing.assert_allclose(openai.json()["data"][0]["embedding"], cut[0], atol=1e-6)
+    assert client.post("/embed", json={"inputs": LONG, "truncate": False}).status_code == 413
+
+
+def test_tei_route_aliases(client):
+    """TEI's other paths: /embeddings (an OpenAI base URL without /v1), GET / and /ping (health), and
+    SageMaker's POST /invocations (the default task, as POST /)."""
+    body = {"input": ["first text", "second one"], "model": "tiny-embed"}
+    aliased, original = client.post("/embeddings", json=body), client.post("/v1/embeddings", json=body)
+    assert aliased.status_code == 200
+    assert [d["embedding"] for d in aliased.json()["data"]] == [d["embedding"] for d in original.json()["data"]]
+    for path in ("/", "/ping"):
+        assert client.get(path).json() == {"status": "ok"} and client.head(path).status_code == 200
+    invoked = client.post("/invocations", json={"inputs": "first text"})
+    assert invoked.status_code == 200 and invoked.json() == client.post("/", json={"inputs": "first text"}).json()
+
+
 def test_openapi_document_describes_every_post_body(client):
     """POST bodies are parsed by pydantic directly, not by FastAPI; the OpenAPI document still
     names each route's body schema, and every schema it refers to is in the document."""
@@ -458,7 +483,7 @@ def test_openapi_document_describes_every_post_body(client):
     assert {"/", "/embed", "/predict", "/rerank", "/v1/embeddings"} <= set(posts)
     for path, operation in posts.items():
         body = operation["requestBody"]["content"]["application/json"]["schema"]
-        if path == "/":  # the body of the default model's task, or /similarity's
+        if path in ("/", "/invocations"):  # the body of the default model's task, or /similarity's
             assert [ref["$ref"].rsplit("/", 1)[1] for ref in body["oneOf"]] == [
                 "EmbedRequest", "ClassifyRequest", "RerankRequest", "EmbedAllRequest", "SimilarityRequest"]
         else:

@@ -24,6 +24,10 @@ def test_settings_come_from_env_and_flags_override(tmp_path):
     settings = Settings.load({"port": 9002, "workers": None}, env)
     assert settings.artifacts == [tmp_path / "a", tmp_path / "b"]
     assert (settings.port, settings.max_wait_ms, settings.auto_truncate, settings.backend) == (9002, 7.5, True, "torch")
+    env["BERT_SERVE_AUTO_TRUNCATE"] = "false"
+    assert Settings.load({"auto_truncate": None}, env).auto_truncate is False
+    assert Settings.load({"auto_truncate": True}, env).auto_truncate is True
+    assert Settings.load({}, {"BERT_SERVE_ARTIFACTS": "x"}).auto_truncate is True  # TEI's default
     with pytest.raises(ValueError):
         Settings.load({}, {"BERT_SERVE_ARTIFACTS": "x", "BERT_SERVE_BACKEND": "onnx"})
 
@@ -57,8 +61,11 @@ def test_api_key_guards_every_route_but_the_probes(serve, tiny_embed_artifact):
         with httpx.Client(base_url=server.url, timeout=30) as client:
             assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
             assert client.head("/health").status_code == 200 and client.head("/ready").status_code == 200
-            guarded = (("POST", "/embed"), ("POST", "/"), ("POST", "/v1/embeddings"), ("GET", "/metrics"),
-                       ("GET", "/info"), ("GET", "/docs"), ("GET", "/openapi.json"), ("GET", "/v1/models"))
+            for path in ("/", "/ping", "/metrics"):  # open as TEI leaves them: probes and Prometheus' scrape
+                assert client.get(path).status_code == 200, path
+            guarded = (("POST", "/embed"), ("POST", "/"), ("POST", "/invocations"), ("POST", "/v1/embeddings"),
+                       ("POST", "/embeddings"), ("GET", "/info"), ("GET", "/docs"), ("GET", "/openapi.json"),
+                       ("GET", "/v1/models"))
             for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"},
                             {"authorization": "Basic s3cret"}, {"authorization": "Bearers3cret"}):
                 for method, path in guarded:
@@ -71,6 +78,17 @@ def test_api_key_guards_every_route_but_the_probes(serve, tiny_embed_artifact):
                                    headers={"authorization": f"{scheme} s3cret"}).status_code == 200
             too_many = client.post("/embed", json={"inputs": ["a", "b", "c"]}, headers=good)
             assert too_many.status_code == 413  # BERT_SERVE_MAX_CLIENT_BATCH_SIZE=2 was read
+
+
+def test_no_auto_truncate_refuses_over_long_inputs_that_do_not_ask_for_truncation(serve, tiny_embed_artifact):
+    with serve([tiny_embed_artifact], "--no-auto-truncate") as server:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            long = "word " * 100  # > the tiny model's 64 tokens
+            for path, body in (("/embed", {"inputs": long}), ("/v1/embeddings", {"input": long})):
+                response = client.post(path, json=body)
+                assert response.status_code == 413 and "at most 64 tokens" in response.json()["error"], path
+            assert client.post("/embed", json={"inputs": long, "truncate": True}).status_code == 200
+            assert client.get("/info").json()["auto_truncate"] is False
 
 
 def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_classify_artifact, tiny_bert_dir,

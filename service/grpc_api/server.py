@@ -143,9 +143,9 @@ def _metadata(computed: Computed, started: float) -> pb.Metadata:
                        inference_time_ns=int(computed.inference_seconds * 1e9))
 
 
-def _text(value: str, field: str = "inputs") -> str:
+def _text(value: str) -> str:
     if not value:
-        raise InvalidInput(f"`{field}` cannot be empty")
+        raise InvalidInput("`inputs` cannot be empty")
     return value
 
 
@@ -157,12 +157,14 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
                   pb_grpc.TokenizeServicer):
     """Every tei.v1 RPC (their names are unique across the five services), over the HTTP routes' runtime."""
 
-    def __init__(self, runtime: Runtime, settings: Settings, metrics: Metrics):
-        self.runtime, self.settings, self.metrics = runtime, settings, metrics
+    def __init__(self, runtime: Runtime, metrics: Metrics):
+        self.runtime, self.metrics = runtime, metrics
 
     def _truncation(self, request) -> Truncation:
-        """Where `request`'s over-long inputs lose tokens (its `truncation_direction`), or None: refused."""
-        return truncation(request.truncate or self.settings.auto_truncate,  # proto3 cannot tell false from unset
+        """Where `request`'s over-long inputs lose tokens (its `truncation_direction`), or None: refused.
+        Only where the request sets `truncate`: TEI's gRPC ignores --auto-truncate (proto3 cannot tell
+        false from unset)."""
+        return truncation(request.truncate,
                           "left" if request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT else "right")
 
     @_recorded
@@ -181,8 +183,10 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _embed(self, request) -> pb.EmbedResponse:
         started = time.perf_counter()
         service = self.runtime.model("embed")
-        vectors, computed = await service.embed([_text(request.inputs)], request.normalize,
-                                                self._truncation(request), prompt_name=_prompt(request))
+        normalize = request.normalize if request.HasField("normalize") else True  # TEI's default
+        dimensions = request.dimensions if request.HasField("dimensions") else None
+        vectors, computed = await service.embed([_text(request.inputs)], normalize, self._truncation(request),
+                                                dimensions, prompt_name=_prompt(request))
         return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started))
 
     async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
@@ -219,12 +223,9 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     async def _rerank(self, query: str, texts: list[str], options) -> pb.RerankResponse:
         """Rank `texts` against `query` as `options` (a RerankRequest, or a stream's first message) say."""
         started = time.perf_counter()
-        if not texts:
-            raise InvalidInput("`texts` cannot be empty")
         service = self.runtime.model("rerank")
         service.check_batch_size(len(texts))
-        scores, computed = await service.rerank(_text(query, "query"), [_text(text, "texts") for text in texts],
-                                                options.raw_scores, self._truncation(options))
+        scores, computed = await service.rerank(query, texts, options.raw_scores, self._truncation(options))
         ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if options.return_text else {}))
                  for i in np.argsort(-scores, kind="stable")]
         return pb.RerankResponse(ranks=ranks, metadata=_metadata(computed, started))
@@ -326,7 +327,7 @@ async def start_grpc(settings: Settings, runtime: Runtime, metrics: Metrics) -> 
     interceptors = [ApiKeyInterceptor(settings.api_key, metrics)] if settings.api_key else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", settings.payload_limit)])
-    servicer = TeiServicer(runtime, settings, metrics)
+    servicer = TeiServicer(runtime, metrics)
     for name in SERVICES:
         getattr(pb_grpc, f"add_{name}Servicer_to_server")(servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)

@@ -33,9 +33,9 @@ def _llvm_cpu() -> str | None:
 
     if _RUNTIME_ONLY:
         return None
-    from compile.build import host_cpu
+    from compile.build import cpu_name, make_target
 
-    return host_cpu()
+    return cpu_name(make_target("cpu"))  # with the features a VM hides: `emeraldrapids without amx-tile, ...`
 
 
 def line(machine: dict) -> str:

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Callable
 
@@ -36,6 +37,8 @@ from .tokenization import Prompts, TextTokenizer, max_input_length
 from .topology import cores_to_use, plan_topology
 
 log = logging.getLogger(__name__)
+
+TOKENIZATION_WORKERS = 1  # one thread: tokenizers' Rust encoder parallelises a batch itself
 
 BackendLoader = Callable[[Path, str, "int | None"], Backend]  # (directory, backend, threads per worker)
 
@@ -112,7 +115,7 @@ class Runtime:
         self.lanes: Lanes | None = None  # every model's batches run on the same workers, within the cores
         self.error: str | None = None
         self.loaded = False
-        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZATION_WORKERS, thread_name_prefix="tokenize")
 
     @property
     def ready(self) -> bool:
@@ -231,6 +234,7 @@ class Runtime:
             "model_id": primary.name,
             "model_sha": primary.manifest.model.weights_sha256,
             "model_dtype": model_dtype(primary.manifest),
+            "served_model_name": primary.name,
             "model_type": tei_model_type(primary.manifest),
             "max_concurrent_requests": settings.max_concurrent_requests,
             "max_input_length": service.tokenizer.max_length if service else None,
@@ -238,6 +242,8 @@ class Runtime:
             "max_batch_requests": settings.max_batch_requests,
             "max_client_batch_size": settings.max_client_batch_size,
             "auto_truncate": settings.auto_truncate,
+            "tokenization_workers": TOKENIZATION_WORKERS,
+            "version": package_metadata.version("bert-tvm-serve"), "sha": None, "docker_label": None,  # TEI's build fields
             "backend": settings.backend,
             "ready": self.ready,
             "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.metadata
 import json
 import re
 
@@ -57,6 +58,11 @@ def test_probes_info_and_metrics(client):
     assert client.get("/ready").status_code == 200
     info = client.get("/info").json()
     assert info["model_type"] == {"embedding": {"pooling": "mean"}} and info["max_input_length"] == 64
+    tei_fields = ("model_id", "model_sha", "model_dtype", "served_model_name", "model_type", "max_concurrent_requests",
+                  "max_input_length", "max_batch_tokens", "max_batch_requests", "max_client_batch_size",
+                  "auto_truncate", "tokenization_workers", "version", "sha", "docker_label")  # TEI's Info, all of it
+    assert set(tei_fields) <= set(info) and info["served_model_name"] == info["model_id"] == "tiny-embed"
+    assert info["version"] == importlib.metadata.version("bert-tvm-serve") and info["tokenization_workers"] == 1
     by_task = {model["task"]: model for model in info["models"]}
     assert [b["name"] for b in by_task["embed"]["buckets"]] == ["1x8", "2x16", "4x16"]
     assert by_task["classify"]["labels"] == ["negative", "neutral", "positive"]

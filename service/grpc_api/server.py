@@ -16,7 +16,6 @@ import functools
 import logging
 import socket
 import time
-from importlib import metadata as package_metadata
 
 import grpc
 import numpy as np
@@ -172,12 +171,13 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         described = self.runtime.describe()
         max_batch_requests = described["max_batch_requests"]
         return pb.InfoResponse(
-            version=package_metadata.version("bert-tvm-serve"), model_id=described["model_id"],
+            version=described["version"], model_id=described["model_id"],
             model_sha=described["model_sha"], model_dtype=described["model_dtype"],
             model_type=MODEL_TYPES.get(model_kind(self.runtime.primary.manifest), pb.MODEL_TYPE_EMBEDDING),
             max_concurrent_requests=described["max_concurrent_requests"],
             max_input_length=described["max_input_length"] or 0, max_batch_tokens=described["max_batch_tokens"],
-            max_client_batch_size=described["max_client_batch_size"], tokenization_workers=1,
+            max_client_batch_size=described["max_client_batch_size"],
+            tokenization_workers=described["tokenization_workers"],
             **({"max_batch_requests": max_batch_requests} if max_batch_requests is not None else {}))
 
     async def _embed(self, request) -> pb.EmbedResponse:

@@ -25,7 +25,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from .auth import bearer_key_matches
 from .backends import load_backend
-from .errors import ServiceError, TooLarge, Unauthorized
+from .errors import ServiceError, TooLarge, Unauthorized, error_body
 from .grpc_api.server import start_grpc
 from .metrics import Metrics
 from .routes import router, with_body_schemas
@@ -41,9 +41,9 @@ OPEN_METHODS = frozenset({"GET", "HEAD"})
 DOCS_ASSETS = "/docs/assets"  # Swagger UI's scripts and styles, served from the installed package
 
 
-def error_response(error: ServiceError) -> JSONResponse:
+def error_response(error: ServiceError, path: str) -> JSONResponse:
     headers = {"www-authenticate": "Bearer"} if isinstance(error, Unauthorized) else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(path), status_code=error.status, headers=headers)
 
 
 class MetricsMiddleware:
@@ -82,7 +82,8 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and not (scope["path"] in OPEN_PATHS and scope["method"] in OPEN_METHODS):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not bearer_key_matches(given, self.api_key):
-                return await error_response(Unauthorized("missing or wrong API key"))(scope, receive, send)
+                refusal = error_response(Unauthorized("missing or wrong API key"), scope["path"])
+                return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -95,7 +96,8 @@ class BodyLimitMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        too_large = error_response(TooLarge(f"request body is larger than the limit of {self.limit} bytes"))
+        too_large = error_response(TooLarge(f"request body is larger than the limit of {self.limit} bytes"),
+                                   scope["path"])
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
             return await too_large(scope, receive, send)
@@ -170,22 +172,22 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     _serve_docs(app)
 
     @app.exception_handler(ServiceError)
-    async def _service_error(_request: Request, exc: ServiceError) -> JSONResponse:
-        return error_response(exc)
+    async def _service_error(request: Request, exc: ServiceError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"error": _validation_message(exc), "error_type": "Validation"}, status_code=422)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, _validation_message(exc), "Validation"), status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": str(exc.detail), "error_type": "Http"}, status_code=exc.status_code,
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(request.url.path, str(exc.detail), "Http"), status_code=exc.status_code,
                             headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse({"error": f"internal error: {type(exc).__name__}", "error_type": "Backend"},
+        return JSONResponse(error_body(request.url.path, f"internal error: {type(exc).__name__}", "Backend"),
                             status_code=500)
 
     app.add_middleware(BodyLimitMiddleware, limit=settings.payload_limit)

@@ -1,10 +1,23 @@
-"""The error contract: every failure is `{"error": str, "error_type": str}` with a fixed status.
+"""The error contract: every failure is `{"error": str, "error_type": str}` with a fixed status,
+and on OpenAI's routes OpenAI's `{"error": {"message", "type", "param", "code"}}`.
 
 The error types are text-embeddings-inference's, and so are the statuses except three: empty
 input is 422 here, a failed batch 500, a request past its deadline 504.
 """
 
 from __future__ import annotations
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/") or path == "/embeddings"
+
+
+def error_body(path: str, message: str, error_type: str) -> dict:
+    """TEI's error body, or OpenAI's on its routes: the `openai` client (and LangChain over it)
+    shows `error.message`, and of TEI's body it showed only the status code."""
+    if is_openai_path(path):
+        return {"error": {"message": message, "type": error_type, "param": None, "code": None}}
+    return {"error": message, "error_type": error_type}
 
 
 class ServiceError(Exception):
@@ -15,8 +28,8 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
 
-    def body(self) -> dict[str, str]:
-        return {"error": self.message, "error_type": self.error_type}
+    def body(self, path: str) -> dict:
+        return error_body(path, self.message, self.error_type)
 
 
 class InvalidInput(ServiceError):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/") or path == "/embeddings"
+    return path.startswith(("/v1/", "/models")) or path == "/embeddings"
 
 
 def error_body(path: str, message: str, error_type: str) -> dict:

@@ -378,12 +378,14 @@ _add_post("/invocations", default_task, DEFAULT_BODY_DOC)  # SageMaker's, as TEI
 
 
 @router.get("/v1/models")
+@router.get("/models")  # an OpenAI client whose base URL has no /v1, as /embeddings
 async def list_models(request: Request) -> dict:
     """OpenAI's model list: every model this server holds, by the name requests select it with."""
     return _runtime(request).list_models()
 
 
 @router.get("/v1/models/{name}")
+@router.get("/models/{name}")
 async def retrieve_model(name: str, request: Request) -> dict:
     """OpenAI's model retrieval (the `openai` client's `models.retrieve`): one entry of the list."""
     return _runtime(request).list_model(name)

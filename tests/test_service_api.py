@@ -480,6 +480,10 @@ def test_tei_route_aliases(client):
     assert [d["embedding"] for d in aliased.json()["data"]] == [d["embedding"] for d in original.json()["data"]]
     for path in ("/", "/ping"):
         assert client.get(path).json() == {"status": "ok"} and client.head(path).status_code == 200
+    assert client.get("/models").json() == client.get("/v1/models").json()
+    assert client.get("/models/tiny-embed").json() == client.get("/v1/models/tiny-embed").json()
+    missing = client.get("/models/nope")
+    assert missing.status_code == 404 and "tiny-embed" in error_of(missing)[0]
     invoked = client.post("/invocations", json={"inputs": "first text"})
     assert invoked.status_code == 200 and invoked.json() == client.post("/", json={"inputs": "first text"}).json()
 

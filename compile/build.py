@@ -32,26 +32,33 @@ def check_mcpu(mcpu: str | None) -> None:
                            "znver4, sapphirerapids")
 
 
+@functools.cache
+def _model_features(mcpu: str) -> tuple[str, ...]:
+    """The recorded features LLVM's CPU `mcpu` has (a few dozen LLVM queries: asked once per name)."""
+    return tuple(target_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})))
+
+
 def host_llvm(flags: set[str] | None = None) -> dict:
     """This machine's CPU as an llvm target, less what it hides.
 
     LLVM names the CPU by its model, and the name implies that model's features; a VM may hide
     some (an Emerald Rapids guest without AMX or AVX512_BF16), and code using them would die with
-    SIGILL here. Those are turned off in `mattr`, as clang's `-march=native` does. `flags`: this
-    CPU's /proc/cpuinfo flags by default.
+    SIGILL here. The hidden ones of the features code generation may use (`cpu_features.FEATURES`)
+    are turned off in `mattr`, much as clang's `-march=native` turns off every hidden one. `flags`:
+    this CPU's /proc/cpuinfo flags by default.
     """
     mcpu = host_cpu()
-    hidden = missing_on_host(target_features(tvm.target.Target({"kind": "llvm", "mcpu": mcpu})), flags) or []
+    hidden = missing_on_host(_model_features(mcpu), flags) or []
     return {"kind": "llvm", "mcpu": mcpu, **({"mattr": [f"-{feature}" for feature in hidden]} if hidden else {})}
 
 
 def cpu_name(target: tvm.target.Target) -> str:
     """The CPU a target's (host) code is for, as messages name it: `znver4`, or `emeraldrapids
-    without avx512bf16, amx-tile` where features of the model are turned off."""
+    (without avx512bf16, amx-tile)` where features of the model are turned off."""
     llvm = target.host or target
     turned_off = [attr[1:] for attr in llvm.attrs.get("mattr", []) if attr.startswith("-")]
     mcpu = llvm.attrs.get("mcpu", "?")
-    return f"{mcpu} without {', '.join(turned_off)}" if turned_off else mcpu
+    return f"{mcpu} (without {', '.join(turned_off)})" if turned_off else mcpu
 
 
 def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) -> tvm.target.Target:

@@ -27,15 +27,16 @@ def describe() -> dict:
 
 
 def _llvm_cpu() -> str | None:
-    """LLVM's name for this CPU; None where TVM runs without its compiler library (a serving host,
-    `TVM_USE_RUNTIME_LIB=1`): LLVM lives in that library."""
+    """LLVM's name for this CPU, with the features of that model a VM hides (`emeraldrapids (without
+    amx-tile, ...)`, `compile.build.cpu_name`); None where TVM runs without its compiler library (a
+    serving host, `TVM_USE_RUNTIME_LIB=1`): LLVM lives in that library."""
     from tvm.base import _RUNTIME_ONLY
 
     if _RUNTIME_ONLY:
         return None
     from compile.build import cpu_name, make_target
 
-    return cpu_name(make_target("cpu"))  # with the features a VM hides: `emeraldrapids without amx-tile, ...`
+    return cpu_name(make_target("cpu"))
 
 
 def line(machine: dict) -> str:

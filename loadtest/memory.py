@@ -42,7 +42,7 @@ def mixed_bodies(count: int, seed: int = 0) -> list[tuple[str, dict]]:
         texts, kind = request.inputs, rng.random()
         if kind < 0.35:
             bodies.append(("/embed", {"inputs": texts, "truncate": True}))
-        elif kind < 0.5:  # OpenAI's route does not truncate: inputs within the limit
+        elif kind < 0.5:  # OpenAI's route has no `truncate`: inputs within the limit, whatever the server's default
             bodies.append(("/v1/embeddings", {"input": [" ".join(text.split()[:100]) for text in texts]}))
         elif kind < 0.6:
             bodies.append(("/classify", {"inputs": texts[0], "labels": ["sports", "weather", "music"],

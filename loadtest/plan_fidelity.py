@@ -12,7 +12,6 @@ ratios are what the tolerance must cover."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -50,7 +49,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
         raise ArtifactError(f"{directory} is not an int8 CPU embedding artifact: it has no int8 plan to check")
     info = inspect_checkpoint(Path(manifest.model.path), "embed")
     wrapper = load_wrapper(info, "embed")
-    kernel = int8.kernel_for(tvm.target.Target(json.loads(manifest.target.tvm_target)))
+    kernel = int8.kernel_for(tvm.target.Target(manifest.target.tvm_target))
     imported = export_and_import(wrapper, manifest.generic.max_batch, info.max_seq, manifest.model.vocab_size)
     kept = {unit.unit: unit.precision for unit in quantization.kept}
     attention = manifest.precision.attention

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 
 def is_openai_path(path: str) -> bool:
-    return path.startswith(("/v1/", "/models")) or path == "/embeddings"
+    """OpenAI's routes: /v1/..., and /embeddings and /models[/name] for a base URL without /v1."""
+    return path in ("/embeddings", "/models") or path.startswith(("/v1/", "/models/"))
 
 
 def error_body(path: str, message: str, error_type: str) -> dict:

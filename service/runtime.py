@@ -38,6 +38,7 @@ from .topology import cores_to_use, plan_topology
 
 log = logging.getLogger(__name__)
 
+VERSION = package_metadata.version("bert-tvm-serve")
 TOKENIZATION_WORKERS = 1  # one thread: tokenizers' Rust encoder parallelises a batch itself
 
 BackendLoader = Callable[[Path, str, "int | None"], Backend]  # (directory, backend, threads per worker)
@@ -243,7 +244,7 @@ class Runtime:
             "max_client_batch_size": settings.max_client_batch_size,
             "auto_truncate": settings.auto_truncate,
             "tokenization_workers": TOKENIZATION_WORKERS,
-            "version": package_metadata.version("bert-tvm-serve"), "sha": None, "docker_label": None,  # TEI's build fields
+            "version": VERSION, "sha": None, "docker_label": None,  # TEI's build fields
             "backend": settings.backend,
             "ready": self.ready,
             "batching": {"max_wait_ms": settings.max_wait_ms, "sort_window": settings.sort_window,

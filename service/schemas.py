@@ -140,7 +140,7 @@ class RerankRequest(_Truncating):
     raw_scores: bool = False
     return_text: bool = False
 
-    # an empty query or text is scored (TEI's rule: not both of a pair, `Inference.rerank`)
+    # an empty query or text is scored (TEI's rule: not both of a pair, `ModelService.rerank`)
 
 
 class TokenizeRequest(_Request):

@@ -216,10 +216,9 @@ TINY_LATENCIES = {(1, 8): 1.0, (2, 16): 1.5, (4, 16): 2.0}
 def error_of(response) -> tuple[str, str]:
     """(message, type) of an error answer, whose body must have its route's shape: TEI's
     `{"error", "error_type"}`, or OpenAI's `{"error": {"message", "type", "param", "code"}}` on OpenAI's routes."""
-    from service.errors import is_openai_path
-
+    path = response.request.url.path
     body = response.json()
-    if is_openai_path(response.request.url.path):
+    if path in ("/embeddings", "/models") or path.startswith(("/v1/", "/models/")):
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
         return body["error"]["message"], body["error"]["type"]
     assert set(body) == {"error", "error_type"}, body

@@ -63,7 +63,7 @@ def test_api_key_guards_every_route_but_the_probes(serve, tiny_embed_artifact):
             assert client.get("/health").status_code == 200 and client.get("/ready").status_code == 200
             assert client.head("/health").status_code == 200 and client.head("/ready").status_code == 200
             for path in ("/", "/ping", "/metrics"):  # open as TEI leaves them: probes and Prometheus' scrape
-                assert client.get(path).status_code == 200, path
+                assert client.get(path).status_code == 200 and client.head(path).status_code == 200, path
             guarded = (("POST", "/embed"), ("POST", "/"), ("POST", "/invocations"), ("POST", "/v1/embeddings"),
                        ("POST", "/embeddings"), ("GET", "/info"), ("GET", "/docs"), ("GET", "/openapi.json"),
                        ("GET", "/v1/models"))

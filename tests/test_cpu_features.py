@@ -90,6 +90,22 @@ def test_this_cpus_target_turns_off_what_the_cpu_hides():
     assert hidden not in target_features(target) and set(target_features(target)) < set(claimed)
 
 
+def test_a_vm_that_hides_avx512_gets_this_cpus_avx2_code():
+    """Some clouds turn AVX-512 off on CPUs that have it: the default target then has 8 lanes and the
+    AVX2 int8 and fp32 kernels, whatever LLVM's name for the CPU implies."""
+    from compile.kernels import bf16, int8
+    from compile.kernels.common import vector_lanes
+
+    flags = host_flags()
+    if flags is None or "avx512f" not in flags:
+        pytest.skip("this CPU has no AVX-512 to hide")
+    hidden = {flag for flag in flags if flag.startswith("avx512")}
+    target = tvm.target.Target(host_llvm(flags - hidden))
+    assert not any(feature.startswith("avx512") for feature in target_features(target))
+    assert vector_lanes(target) == 8 and int8.kernel_for(target) in (int8.AVX2, int8.AVX_VNNI)
+    assert not bf16.supported(target)
+
+
 def test_an_artifact_compiled_for_this_cpu_records_its_features_and_loads(tiny_embed_artifact):
     manifest = Manifest.read(tiny_embed_artifact)
     assert manifest.target.cpu_features == target_features(make_target("cpu"))

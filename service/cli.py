@@ -22,6 +22,14 @@ from . import memory
 from .settings import ENV_PREFIX, Settings
 
 
+def _switch(text: str) -> bool:
+    """A flag's value as TEI's command line takes it: `--auto-truncate false`."""
+    value = text.strip().lower()
+    if value not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return value in ("true", "1", "yes", "on")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="bert-serve",
@@ -58,8 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--max-concurrent-requests", type=int, help="inputs queued or running; beyond: 429, or 413 for one request over it (default 512)")
     add("--max-client-batch-size", type=int, help="inputs per request; beyond: 413 (default 32)")
     add("--payload-limit", type=int, help="request body bytes; beyond: 413 (default 2000000)")
-    add("--auto-truncate", action=argparse.BooleanOptionalAction, default=None,
+    add("--auto-truncate", nargs="?", const=True, type=_switch, metavar="true|false",
         help="HTTP requests that do not say `truncate` cut over-long inputs (default on, as TEI); off: 413")
+    add("--no-auto-truncate", dest="auto_truncate", action="store_false", default=None, help="--auto-truncate false")
     add("--api-key", help="require Authorization: Bearer KEY on every route but the probes and /metrics")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])

@@ -14,6 +14,7 @@ import pytest
 from conftest import error_of
 
 from loadtest.servers import metric_value, wait_until
+from service.cli import parse_args
 from service.settings import Settings
 
 TEXTS = ["a short one", "a somewhat longer sentence with several more words in it", "tokens " * 30]
@@ -29,6 +30,9 @@ def test_settings_come_from_env_and_flags_override(tmp_path):
     assert Settings.load({"auto_truncate": None}, env).auto_truncate is False
     assert Settings.load({"auto_truncate": True}, env).auto_truncate is True
     assert Settings.load({}, {"BERT_SERVE_ARTIFACTS": "x"}).auto_truncate is True  # TEI's default
+    for flags, expected in (([], None), (["--auto-truncate"], True), (["--auto-truncate", "false"], False),
+                            (["--auto-truncate=False"], False), (["--no-auto-truncate"], False)):
+        assert parse_args(["--artifacts", "x", *flags]).auto_truncate is expected, flags
     with pytest.raises(ValueError):
         Settings.load({}, {"BERT_SERVE_ARTIFACTS": "x", "BERT_SERVE_BACKEND": "onnx"})
 

@@ -75,6 +75,10 @@ class ModelService:
         raise TooLarge(f"{size} > maximum allowed batch size {self.max_client_batch_size}")
 
     async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
+        """Tokenize, batch and run `inputs`. As in TEI, a (text, text) pair may have one empty side, not two."""
+        empty = next((i for i, item in enumerate(inputs) if isinstance(item, tuple) and not any(item)), None)
+        if empty is not None:
+            raise InvalidInput(f"input {empty} is a pair of two empty texts: a pair needs a text")
         started = time.perf_counter()
         characters = sum(map(_characters, inputs))
         encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
@@ -145,12 +149,9 @@ class ModelService:
 
     async def rerank(self, query: str, texts: list[str], raw_scores: bool,
                      truncation: Truncation) -> tuple[np.ndarray, Computed]:
-        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it. As in
-        TEI, either side of a pair may be empty, not both."""
+        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it."""
         if not texts:
             raise InvalidInput("`texts` cannot be empty")
-        if not query and "" in texts:
-            raise InvalidInput(f"`query` and `texts[{texts.index('')}]` are both empty: a pair needs a text")
         computed = await self.compute([(query, text) for text in texts], truncation)
         logits = computed.outputs[:, 0]
         return (logits if raw_scores else sigmoid(logits)), computed

@@ -278,6 +278,8 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         texts, batched = [_sequence(item) for item in _listed(body.inputs)], not isinstance(body.inputs, str)
         if any(isinstance(text, tuple) for text in texts):
             raise InvalidInput("zero-shot `labels` score single texts, not pairs")
+        if "" in texts:
+            raise InvalidInput("`inputs` cannot contain an empty string")
         try:
             service = _runtime(request).model("embed", body.model)
         except NotSupported as exc:

@@ -64,8 +64,12 @@ def _sequences(value: object) -> object:
 
 
 def _non_empty_sequences(value: str | list) -> str | list:
+    """No empty text; a (text, text) pair may have one empty side, as in TEI (two: `ModelService.compute`).
+    A flat list of two is TEI's pair (zero-shot reads it as two texts: the route refuses an empty one)."""
     if isinstance(value, list) and value and isinstance(value[0], list):
-        return [_non_empty(sequence) for sequence in value]
+        return [sequence if len(sequence) == 2 else _non_empty(sequence) for sequence in value]
+    if isinstance(value, list) and len(value) == 2:
+        return value
     return _non_empty(value)
 
 
@@ -140,7 +144,7 @@ class RerankRequest(_Truncating):
     raw_scores: bool = False
     return_text: bool = False
 
-    # an empty query or text is scored (TEI's rule: not both of a pair, `ModelService.rerank`)
+    # an empty query or text is scored (TEI's rule: not both of a pair, `ModelService.compute`)
 
 
 class TokenizeRequest(_Request):

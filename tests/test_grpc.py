@@ -165,13 +165,15 @@ def test_embed_fields_as_in_teis_proto(channel, http):
     assert http.post("/embed", json={"inputs": "word " * 200, "model": "tiny-embed"}).status_code == 200
 
 
-def test_rerank_scores_a_pair_with_one_empty_side_as_tei_does(channel, http, artifacts):
-    """Either side of a (query, text) pair may be empty, as in TEI; the logits are transformers'."""
+def test_pairs_with_one_empty_side_are_scored_as_tei_does(channel, http, artifacts):
+    """Either side of a (query, text) pair may be empty, as in TEI (/rerank, /predict and gRPC); the
+    logits are transformers'. Two empty sides, or an empty single text, are refused."""
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     checkpoint = json.loads((artifacts[2] / "manifest.json").read_text())["model"]["path"]
-    tokenizer, model = AutoTokenizer.from_pretrained(checkpoint), BertForSequenceClassification.from_pretrained(checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = BertForSequenceClassification.from_pretrained(checkpoint)
     rerank = pb_grpc.RerankStub(channel)
     for query, texts in ((TEXTS[0], [TEXTS[1], ""]), ("", TEXTS[:2])):
         with torch.no_grad():
@@ -183,10 +185,33 @@ def test_rerank_scores_a_pair_with_one_empty_side_as_tei_does(channel, http, art
         ranked = rerank.Rerank(pb.RerankRequest(query=query, texts=texts, raw_scores=True), metadata=AUTH)
         np.testing.assert_allclose(sorted(r.score for r in ranked.ranks), sorted(scores.values()), atol=1e-6)
     both = http.post("/rerank", json={"query": "", "texts": [TEXTS[1], ""]})
-    assert both.status_code == 422 and both.json()["error"] == ("`query` and `texts[1]` are both empty: a pair "
-                                                               "needs a text")
+    assert both.status_code == 422
+    assert both.json()["error"] == "input 1 is a pair of two empty texts: a pair needs a text"
     refused = status_of(rerank.Rerank, pb.RerankRequest(query="", texts=[""]), metadata=AUTH)
-    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "both empty" in refused.details()
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "two empty texts" in refused.details()
+
+    checkpoint = json.loads((artifacts[1] / "manifest.json").read_text())["model"]["path"]  # the classifier
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    model = BertForSequenceClassification.from_pretrained(checkpoint)
+    pairs = [[TEXTS[0], ""], ["", TEXTS[1]]]
+    with torch.no_grad():
+        expected = model.eval()(**tokenizer([a for a, _ in pairs], [b for _, b in pairs], padding=True,
+                                            return_tensors="pt")).logits.numpy()
+    batch = http.post("/predict", json={"inputs": pairs, "raw_scores": True, "model": "tiny-classify"})
+    flat = http.post("/predict", json={"inputs": pairs[0], "raw_scores": True, "model": "tiny-classify"})
+    assert batch.status_code == 200 and flat.status_code == 200, (batch.text, flat.text)
+    labels = model.config.id2label
+    for row, answer in zip(expected, [*batch.json(), flat.json()]):
+        by_label = {item["label"]: item["score"] for item in answer}
+        np.testing.assert_allclose([by_label[labels[i]] for i in range(len(row))], row, atol=1e-4)
+    predict = pb_grpc.PredictStub(channel)
+    pair = predict.PredictPair(pb.PredictPairRequest(inputs=["", TEXTS[1]], raw_scores=True), metadata=AUTH)
+    np.testing.assert_allclose(sorted(p.score for p in pair.predictions), sorted(expected[1]), atol=1e-4)
+    for inputs in (["", ""], [["", ""]], [[""]], ""):
+        refused = http.post("/predict", json={"inputs": inputs, "model": "tiny-classify"})
+        assert refused.status_code == 422, (inputs, refused.text)
+    zero_shot = http.post("/predict", json={"inputs": [TEXTS[0], ""], "labels": ["a", "b"], "model": "tiny-embed"})
+    assert zero_shot.status_code == 422 and zero_shot.json()["error"] == "`inputs` cannot contain an empty string"
 
 
 def status_of(call, *args, **kwargs) -> grpc.RpcError:

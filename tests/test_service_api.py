@@ -221,7 +221,7 @@ def test_predict_takes_teis_batch_of_single_texts_and_pairs(client, tiny_classif
     np.testing.assert_allclose([{p["label"]: p["score"] for p in one}[label] for label in labels], expected[0],
                                atol=1e-4)
     for inputs, message in (([["a", "b", "c"]], "lists of one text or of a pair"), ([[]], "lists of one text"),
-                            ([["a", ""]], "cannot contain an empty string"),
+                            ([[""]], "cannot contain an empty string"), ([["", ""]], "a pair of two empty texts"),
                             (["a", "b", "c"], "a flat list is one text or one (text, text) pair, as in TEI")):
         refused = client.post("/predict", json={"inputs": inputs})
         assert refused.status_code == 422 and message in refused.json()["error"], refused.text

@@ -210,8 +210,8 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         if isinstance(request, pb.PredictPairRequest):
             if len(request.inputs) not in (1, 2):
                 raise InvalidInput(f"`inputs` must hold one text or a pair, not {len(request.inputs)}")
-            text = tuple(_text(value) for value in request.inputs)
-            text = text[0] if len(text) == 1 else text
+            # a pair may have one empty side (two: `ModelService.compute`); a single text may not be empty
+            text = _text(request.inputs[0]) if len(request.inputs) == 1 else tuple(request.inputs)
         else:
             text = _text(request.inputs)
         service = self.runtime.model("classify")

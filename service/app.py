@@ -25,7 +25,7 @@ from swagger_ui_bundle import swagger_ui_path
 
 from .auth import bearer_key_matches
 from .backends import load_backend
-from .errors import ServiceError, TooLarge, Unauthorized, error_body
+from .errors import InvalidInput, ServiceError, TooLarge, Unauthorized, error_body
 from .grpc_api.server import start_grpc
 from .metrics import Metrics
 from .routes import router, with_body_schemas
@@ -177,7 +177,7 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(request.url.path, _validation_message(exc), "Validation"), status_code=422)
+        return error_response(InvalidInput(_validation_message(exc)), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -187,8 +187,7 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return JSONResponse(error_body(request.url.path, f"internal error: {type(exc).__name__}", "Backend"),
-                            status_code=500)
+        return error_response(ServiceError(f"internal error: {type(exc).__name__}"), request.url.path)
 
     app.add_middleware(BodyLimitMiddleware, limit=settings.payload_limit)
     if settings.api_key:

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from artifact.errors import ArtifactError
 
@@ -23,11 +23,12 @@ from .settings import ENV_PREFIX, Settings
 
 
 def _switch(text: str) -> bool:
-    """A flag's value as TEI's command line takes it: `--auto-truncate false`."""
-    value = text.strip().lower()
-    if value not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
-    return value in ("true", "1", "yes", "on")
+    """A flag's value as TEI's command line takes it (`--auto-truncate false`), read as the settings
+    read the same value from the environment."""
+    try:
+        return TypeAdapter(bool).validate_python(text)
+    except ValidationError:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

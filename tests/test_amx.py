@@ -16,7 +16,6 @@ import subprocess
 import numpy as np
 import pytest
 import tvm
-from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te, tirx
 from tvm.sym import Analyzer
 
@@ -29,6 +28,7 @@ from compile.build import make_target
 from compile.kernels import amx, bf16, int8, launch
 from compile.lowering import tir_pipeline
 from compile.precision import GATES
+from tests.support.kernels import int8_linear_inputs, int8_weight_operands
 
 HOST = make_target("cpu")
 AMX_CPU = make_target("cpu", mcpu="sapphirerapids")  # a CPU LLVM knows to have AMX: code is generated on any host
@@ -156,9 +156,9 @@ def amx_model(tmp_path_factory):
     """A model whose every linear fits the tiles (hidden 64, FFN 128), compiled in bf16 and int8 for this CPU."""
     if not RUNS_AMX:
         pytest.skip("this CPU has no AMX")
-    from conftest import TINY_SIZES, compile_artifact
-
     from loadtest.random_checkpoint import save_sentence_transformer
+    from tests.support.artifacts import compile_artifact
+    from tests.support.checkpoints import TINY_SIZES
 
     root = tmp_path_factory.mktemp("amx")
     checkpoint = save_sentence_transformer(root / "model", seed=4, config={
@@ -171,7 +171,7 @@ def amx_model(tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_a_model_on_amx_tiles_matches_pytorch(amx_model, name):
-    from conftest import least_cosine_to_pytorch
+    from tests.support.artifacts import least_cosine_to_pytorch
 
     checkpoint, root = amx_model
     model = load_artifact(root / name)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, int8_simulation, pipeline
@@ -22,6 +21,7 @@ from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.kernels import attention_int8, int8
 from compile.kernels.common import vector_lanes
+from tests.support.kernels import attention_heads, key_padding_bias
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
@@ -111,9 +111,9 @@ def test_the_plan_simulates_reduced_products_where_the_library_runs_them(product
     in bf16 (AMX's tiles round as bf16's products do), they move, and the plan's accuracy says by how
     much (the bf16 arithmetic is tests/test_attention_products.py's)."""
     import transformers
-    from conftest import TINY_SIZES
 
     from compile.passes.quantize import embedding_agreement
+    from tests.support.checkpoints import TINY_SIZES
 
     config = transformers.BertConfig(**{**TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2,
                                         "intermediate_size": 128, "initializer_range": 0.3})  # attention that weighs
@@ -143,9 +143,9 @@ def test_the_plan_simulates_reduced_products_where_the_library_runs_them(product
 def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, monkeypatch):
     """x86-64-v3 int8 with auto's timing injected so that int8 products win: every library is built
     with them, the plan simulated them, the validation kept the gate, and the manifest says why."""
-    from conftest import TINY_SIZES, WHOLE_PANELS, compile_artifact
-
     from loadtest.random_checkpoint import save_sentence_transformer
+    from tests.support.artifacts import compile_artifact
+    from tests.support.checkpoints import TINY_SIZES, WHOLE_PANELS
 
     injected = {"fp32": {"1x64": 1.0}, "int8": {"1x64": 0.6}}
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)

@@ -12,7 +12,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tvm
-from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, pipeline
@@ -20,6 +19,7 @@ from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.int8_plan import kept_precision
 from compile.kernels.common import vector_lanes
+from tests.support.kernels import attention_heads, key_padding_bias
 
 HOST = make_target("cpu")
 HOST_REDUCED = attention_products.reduced_products(HOST)  # ("int8",) where the CPU has AVX2 only
@@ -188,9 +188,9 @@ def test_a_timed_choice_is_the_fastest_kernel_on_this_cpu():
 def test_the_compile_builds_every_library_with_the_chosen_products_and_records_why(tmp_path, monkeypatch):
     """int8 (any AVX2 CPU) with 32-wide heads, auto's timing injected so that fp32 wins: every
     library is built with fp32 products, and the manifest says what was timed and why."""
-    from conftest import TINY_SIZES, WHOLE_PANELS, compile_artifact
-
     from loadtest.random_checkpoint import save_sentence_transformer
+    from tests.support.artifacts import compile_artifact
+    from tests.support.checkpoints import TINY_SIZES, WHOLE_PANELS
 
     injected = _times(1.0, 1.3, "int8")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)

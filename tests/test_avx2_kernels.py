@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 import tvm
-from conftest import int8_linear_inputs, int8_weight_operands
 from tvm import te
 
 from artifact.cpu_features import missing_on_host, target_features
@@ -19,6 +18,7 @@ from compile.build import make_target
 from compile.kernels import dense, int8, rows
 from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
+from tests.support.kernels import int8_linear_inputs, int8_weight_operands
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 V4 = make_target("cpu", mcpu="x86-64-v4")

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import TINY_LATENCIES, compile_artifact, with_latencies
 
 from artifact.cpu_features import host_flags
 from artifact.hashing import file_sha256
 from loadtest import int8_accuracy, kernel_profile, memory, strategy_table
 from loadtest.bench import bert_flops, disagreements, main
+from tests.support.artifacts import TINY_LATENCIES, compile_artifact, with_latencies
 
 
 def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_path, capsys):

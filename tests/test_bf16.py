@@ -134,7 +134,7 @@ def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
     """The tiny model in bf16, packed and padded."""
     if not RUNS_BF16:
         pytest.skip("this CPU has no AVX512_BF16")
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     root = tmp_path_factory.mktemp("bf16")
     for layout, buckets in (("packed", ["packed-16"]), ("padded", ["1x8", "4x16"])):
@@ -145,7 +145,7 @@ def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
-    from conftest import least_cosine_to_pytorch
+    from tests.support.artifacts import least_cosine_to_pytorch
 
     model = load_artifact(bf16_artifacts / layout)
     manifest = model.manifest
@@ -165,9 +165,9 @@ def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     packed and generic libraries within bf16's cosine gate of PyTorch fp32."""
     if not RUNS_BF16:
         pytest.skip("this CPU has no AVX512_BF16")
-    from conftest import TINY_SIZES, compile_artifact, least_cosine_to_pytorch
-
     from loadtest.random_checkpoint import save_sentence_transformer
+    from tests.support.artifacts import compile_artifact, least_cosine_to_pytorch
+    from tests.support.checkpoints import TINY_SIZES
 
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=3, config={
         **TINY_SIZES, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128})
@@ -271,7 +271,7 @@ def test_a_candidate_refused_before_it_was_built_is_never_shipped():
 
 
 def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_bert_dir, tmp_path):
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
                                    precision="auto", generic_shapes=["3x20"])
@@ -289,7 +289,7 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_be
 
 def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_keeps_it(whole_panels_bert_dir,
                                                                                          tmp_path):
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     floor = 0.9999999  # above what bf16 or int8 rounding keeps; fp32, the reference's arithmetic, is exempt
     manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "floor", ["packed-16"], layout="packed",

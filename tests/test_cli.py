@@ -1,20 +1,13 @@
 """The CLI's bad inputs: a one-line error, exit code 2, nothing written."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.commands import REPO, run_cli
+
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "compile", "--quiet", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.fixture

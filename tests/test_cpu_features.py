@@ -12,8 +12,6 @@ import shutil
 
 import pytest
 import tvm
-from conftest import compile_artifact, server_refusal
-from test_verify import run_verify
 
 from artifact import cpu_features
 from artifact.cpu_features import FEATURES, host_flags, linux_flag, missing_on_host, target_features
@@ -21,6 +19,9 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from artifact.manifest import Manifest
 from compile.build import host_cpu, host_llvm, make_target
+from tests.support.artifacts import compile_artifact
+from tests.support.commands import run_verify
+from tests.support.service import server_refusal
 
 FOREIGN_CPUS = ["znver4", "sapphirerapids", "graniterapids"]
 

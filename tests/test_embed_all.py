@@ -7,7 +7,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import compile_artifact
+from tests.support.artifacts import compile_artifact
 
 TEXTS = ["hello", "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j k l m n o p q r s t"]
 

@@ -12,12 +12,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LABELS, compile_artifact
 
 from artifact.manifest import Manifest
 from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import CompileError
 from compile.validate import DRIFT_SENTENCES
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import TINY_LABELS
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -202,13 +203,15 @@ def test_served_classifier_matches_transformers(checkpoints, serve, tmp_path, fa
 def test_a_classifier_with_the_default_labels_is_served_with_them(serve, tmp_path):
     """transformers writes no id2label (nor num_labels) for its default two labels: the artifact still
     names LABEL_0 and LABEL_1, and /predict ranks them (with no labels it failed on every request)."""
-    from conftest import _copy_tokenizer, _tiny_config
     from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from loadtest.random_checkpoint import copy_tokenizer
+    from tests.support.checkpoints import tiny_config
 
     torch.manual_seed(5)
     directory = tmp_path / "two-labels"
-    BertForSequenceClassification(_tiny_config(initializer_range=0.2)).save_pretrained(directory)
-    _copy_tokenizer(directory)
+    BertForSequenceClassification(tiny_config(initializer_range=0.2)).save_pretrained(directory)
+    copy_tokenizer(directory)
     assert not {"id2label", "num_labels"} & set(json.loads((directory / "config.json").read_text()))
     manifest, _ = compile_artifact(directory, tmp_path / "artifact", ["1x16"], task="classify")
     assert manifest.labels == ["LABEL_0", "LABEL_1"] and manifest.output_dim == 2

@@ -14,10 +14,12 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from google.protobuf.descriptor_pool import DescriptorPool
 
+from loadtest.random_checkpoint import copy_tokenizer
 from loadtest.servers import free_port
 from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
-from tests.conftest import _copy_tokenizer, _tiny_config, compile_artifact
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import tiny_config
 
 KEY = "grpc-secret"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -32,9 +34,9 @@ def artifacts(tiny_bert_dir, tiny_embed_artifact, tiny_classify_artifact, tmp_pa
 
     root = tmp_path_factory.mktemp("grpc-artifacts")
     torch.manual_seed(3)
-    BertForSequenceClassification(_tiny_config(num_labels=1, architectures=["BertForSequenceClassification"])
+    BertForSequenceClassification(tiny_config(num_labels=1, architectures=["BertForSequenceClassification"])
                                   ).save_pretrained(root / "reranker-checkpoint")
-    _copy_tokenizer(root / "reranker-checkpoint")
+    copy_tokenizer(root / "reranker-checkpoint")
     compile_artifact(root / "reranker-checkpoint", root / "reranker", ["2x16"], task="rerank", generic_shapes=["3x20"])
     compile_artifact(tiny_bert_dir, root / "tokens", ["2x16"], pooling="none", generic_shapes=["3x20"])
     return [tiny_embed_artifact, tiny_classify_artifact, root / "reranker", root / "tokens"]

@@ -13,7 +13,6 @@ import pytest
 import torch
 import tvm
 import tvm_ffi
-from conftest import int8_linear_inputs, int8_weight_operands, prefetch_guards, prefetched_addresses
 from tvm import relax, s_tir, te, tirx
 from tvm.sym import Analyzer
 
@@ -24,6 +23,7 @@ from compile.int8_simulation import weight_scales
 from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
 from compile.passes.quantize import weight_scales as weight_scales_pass
+from tests.support.kernels import int8_linear_inputs, int8_weight_operands, prefetch_guards, prefetched_addresses
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -243,7 +243,7 @@ UNSEEN = ["Where can I buy fresh bread on Sunday morning?", "The orchestra rehea
 def int8_checkpoint(tmp_path_factory):
     """A tiny sentence embedder whose every linear fits both kernels' panels (widths multiples of 24
     and 32), with heads of 16 (attention fused for either lane count)."""
-    from conftest import save_tiny_sentence_transformer
+    from tests.support.checkpoints import save_tiny_sentence_transformer
 
     return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-int8"), seed=7, config={
         "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6})
@@ -253,7 +253,7 @@ def int8_checkpoint(tmp_path_factory):
 def int8_artifact(request, int8_checkpoint, tmp_path_factory):
     """Both layouts: packed libraries quantize a symbolic token count, padded buckets static rows
     (1 x 5 = 5 rows: not a multiple of the kernel's 4, so padded inside the kernel)."""
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / f"tiny-int8-{request.param}"
     buckets = ["packed-16", "packed-64"] if request.param == "packed" else ["1x5", "4x16"]
@@ -289,9 +289,8 @@ def test_served_int8_embeddings_match_fp32_sentence_transformers(serve, int8_art
 
 
 def test_int8_compile_fails_under_min_cosine_and_leaves_nothing(int8_checkpoint, tmp_path):
-    from conftest import compile_artifact
-
     from compile.errors import ValidationError
+    from tests.support.artifacts import compile_artifact
 
     # the plan keeps linears out of int8 until the simulation keeps the floor: here that is every one
     with pytest.raises(ValidationError, match=r"^--precision int8: int8 cannot keep --min-cosine 1 with any linear "
@@ -305,16 +304,18 @@ def test_int8_compile_fails_under_min_cosine_and_leaves_nothing(int8_checkpoint,
 def int8_classifier(tmp_path_factory):
     """A tiny 3-label BertForSequenceClassification whose linears fit both kernels' panels."""
     import torch
-    from conftest import TINY_LABELS, _copy_tokenizer, _tiny_config
     from transformers import BertForSequenceClassification
+
+    from loadtest.random_checkpoint import copy_tokenizer
+    from tests.support.checkpoints import TINY_LABELS, tiny_config
 
     torch.manual_seed(3)
     directory = tmp_path_factory.mktemp("tiny-int8-classifier")
-    config = _tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_labels=3,
+    config = tiny_config(hidden_size=96, intermediate_size=192, num_attention_heads=6, num_labels=3,
                           id2label=TINY_LABELS, label2id={v: k for k, v in TINY_LABELS.items()},
                           architectures=["BertForSequenceClassification"])
     BertForSequenceClassification(config).save_pretrained(directory)
-    _copy_tokenizer(directory)
+    copy_tokenizer(directory)
     return directory
 
 
@@ -323,8 +324,9 @@ def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path
     it has not seen are PyTorch fp32's."""
     import httpx
     import torch
-    from conftest import compile_artifact
     from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16", "packed-64"],
                                    task="classify", layout="packed", precision="int8", generic_shapes=["3x20"])

@@ -120,8 +120,9 @@ def _planted(directory: Path, defect: str) -> Path:
     `outlier`: channels 0-7 a thousand times the rest (the product unchanged);
     `cancelling`: channels 0 and 1 equal and huge, their weight columns opposite, so that they
     cancel and the answer lies in the small channels that per-token int8 rounds away."""
-    from conftest import save_tiny_sentence_transformer
     from transformers import BertModel
+
+    from tests.support.checkpoints import save_tiny_sentence_transformer
 
     save_tiny_sentence_transformer(directory, seed=7, config=TINY)
     model = BertModel.from_pretrained(directory)
@@ -198,9 +199,8 @@ def test_a_plan_with_no_linear_left_in_int8_has_nothing_to_offer():
 
 def test_int8_refuses_before_building_when_its_gate_needs_every_linear_out_of_int8(outlier_checkpoint, tmp_path,
                                                                                   monkeypatch):
-    from conftest import compile_artifact
-
     from compile.errors import ValidationError
+    from tests.support.artifacts import compile_artifact
 
     monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))  # no arithmetic reaches it
     with pytest.raises(ValidationError, match=r"^--precision int8: int8 cannot keep its accuracy gate with any linear "
@@ -507,7 +507,7 @@ def _artifact(directory: Path, sentences: list[str]) -> np.ndarray:
 
 
 def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
                                    generic_shapes=["3x20"])
@@ -526,10 +526,10 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
     PyTorch's. Attention's products are asked for (fp32), so that no timing of this tiny model's
     kernel (tens of microseconds, within noise) decides the kept unit's precision. Kept in fp32, the
     library loses what its plan's simulation said it would."""
-    from conftest import compile_artifact
     from safetensors.numpy import load_file
 
     from artifact.cpu_features import missing_on_host, target_features
+    from tests.support.artifacts import compile_artifact
 
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
@@ -580,7 +580,7 @@ def test_a_plan_its_library_misses_is_admitted_again_before_the_buckets_are_buil
     loss: the plan is admitted again with that margin, keeps the planted linear out, and is built again;
     then the bucket and the generic library are built once. The artifact keeps the floor and records
     the margin its plan kept."""
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     built = _misplanned(monkeypatch)
     caplog.set_level("INFO", logger="compile.pipeline")
@@ -600,9 +600,8 @@ def test_autos_int8_candidate_is_planned_again_where_its_library_misses(cancelli
     missed the floor, the candidate it measured and timed keeps it. The candidates' timing is injected
     (int8 at half fp32's time), so that which precision ships, and so which tolerance the shipped
     libraries are validated to, does not hang on this machine's speed."""
-    from conftest import compile_artifact
-
     from compile import pipeline
+    from tests.support.artifacts import compile_artifact
 
     def int8_at_half_the_time(candidates, repeats, **_):
         return {name: {"median_s": 0.5 if name == "int8" else 1.0} for name in candidates}
@@ -635,10 +634,9 @@ def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier
     """The built library is measured again: where it misses the gate that its plan kept in
     simulation, the compile fails (the plan here ran under the shipped gate, the build under one
     no arithmetic reaches)."""
-    from conftest import compile_artifact
-
     from compile import pipeline
     from compile.errors import ValidationError
+    from tests.support.artifacts import compile_artifact
 
     shipped_gate, plan_for = precision.GATES["int8"], pipeline.plan_for
 

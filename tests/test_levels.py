@@ -11,8 +11,6 @@ import sys
 
 import httpx
 import pytest
-from conftest import server_refusal
-from test_cli import REPO, run_cli
 
 from artifact import levels
 from artifact.cpu_features import host_flags, linux_flag, missing_on_host, target_features
@@ -23,6 +21,8 @@ from artifact.manifest import Manifest
 from compile.build import make_target
 from compile.config import CompileConfig
 from compile.verify import verify
+from tests.support.commands import REPO, run_cli
+from tests.support.service import server_refusal
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 

@@ -8,7 +8,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.conftest import compile_artifact
+from tests.support.artifacts import compile_artifact
+
 
 TEXTS = ["hello", "the quick brown fox jumps over the lazy dog"]
 

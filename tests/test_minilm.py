@@ -5,11 +5,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tvm
-from conftest import compile_artifact
 
 from artifact.loader import load_artifact
 from artifact.manifest import Manifest
 from compile.checkpoint import example_inputs
+from tests.support.artifacts import compile_artifact
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 

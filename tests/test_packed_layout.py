@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from conftest import compile_artifact
 
 from artifact.bucketing import PackedBucket
 from artifact.loader import load_artifact
@@ -19,6 +18,7 @@ from compile.importer import export_and_import, symbolic_dims
 from compile.packed_model import PackedBertWrapper
 from compile.verify import verify
 from loadtest.servers import compute_path_counts
+from tests.support.artifacts import compile_artifact
 
 
 def _ragged(lengths, seed=0, vocab=30522):

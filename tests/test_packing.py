@@ -17,7 +17,6 @@ import pytest
 import torch
 import tvm
 import tvm_ffi
-from conftest import prefetch_guards, prefetched_addresses
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.sym import Analyzer
@@ -33,6 +32,7 @@ from compile.passes.packing import pack_linear_weights
 from compile.passes.specialize import specialize_te_kernels
 from compile.passes.strategy import apply_strategy
 from compile.schedule import cpu_pipeline
+from tests.support.kernels import prefetch_guards, prefetched_addresses
 
 MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
 TARGETS = {lanes: make_target("cpu", mcpu=mcpu) for lanes, mcpu in MCPU_OF_LANES.items()}

@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_LABELS, TINY_LATENCIES, compile_artifact, with_latencies
 
 from artifact.bucketing import Bucket
 from artifact.costs import CALL_TOKENS, measured_costs
@@ -23,6 +22,8 @@ from compile.errors import ValidationError
 from compile.timing import OtherLoad, fit_cost_model
 from service.backends import TvmBackend
 from service.planning import BatchLimits, plan_batches
+from tests.support.artifacts import TINY_LATENCIES, compile_artifact, with_latencies
+from tests.support.checkpoints import TINY_LABELS
 
 
 def test_manifest_describes_every_library(tiny_embed_artifact, tiny_bert_dir):

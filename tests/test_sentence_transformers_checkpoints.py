@@ -13,11 +13,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import compile_artifact, save_tiny_sentence_transformer
 
 from artifact.loader import load_artifact
 from compile.checkpoint import inspect_checkpoint
 from compile.errors import CompileError
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import save_tiny_sentence_transformer
 
 pytestmark = pytest.mark.slow  # four compiles: collected first, see conftest.py
 

@@ -16,7 +16,8 @@ import re
 import httpx
 import numpy as np
 import pytest
-from conftest import error_of
+
+from tests.support.service import error_of
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from conftest import error_of
 
 from loadtest.servers import metric_value, wait_until
 from service.cli import parse_args
 from service.settings import Settings
+from tests.support.commands import REPO
+from tests.support.service import error_of
 
 TEXTS = ["a short one", "a somewhat longer sentence with several more words in it", "tokens " * 30]
 
@@ -124,12 +124,12 @@ def test_torch_backend_serves_the_same_api(serve, tiny_embed_artifact, tiny_clas
 def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
     """Requests lingering in the queue when SIGTERM arrives are still answered; then exit 0.
 
-    The server expects company and plans by padded tokens (tests/server_expecting_company.py), so
+    The server expects company and plans by padded tokens (tests/support/server_expecting_company.py), so
     three single inputs wait (up to 60 s) for a fourth to fill the 4x16 bucket, whatever the speed
     of this machine; the drain must send them at once."""
-    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    env = {"PYTHONPATH": str(REPO)}
     with serve([tiny_embed_artifact], "--max-wait-ms", "60000", "--workers", "1", "--no-wide-worker",
-               env=env, module="server_expecting_company") as server:
+               env=env, module="tests.support.server_expecting_company") as server:
         statuses: list[int] = []
 
         def send(i: int) -> None:
@@ -152,10 +152,10 @@ def test_a_multi_label_head_scores_each_label_with_a_sigmoid(serve, tmp_path, ti
     """A checkpoint trained with problem_type multi_label_classification: scores are per-label
     sigmoids, as transformers computes them for that head (and as TEI serves them), not a softmax."""
     import torch
-    from conftest import compile_artifact
     from transformers import AutoTokenizer, BertForSequenceClassification
 
     from artifact.manifest import Manifest
+    from tests.support.artifacts import compile_artifact
 
     checkpoint = tmp_path / "multi-label"
     model = BertForSequenceClassification.from_pretrained(tiny_classifier_dir, problem_type="multi_label_classification")

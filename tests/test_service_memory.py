@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compile_artifact, save_tiny_sentence_transformer
 from loadtest.memory import measure
 from service.memory import MemoryGuard, release_cached_memory, resident_bytes
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import save_tiny_sentence_transformer
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 

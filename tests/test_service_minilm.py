@@ -82,9 +82,8 @@ def test_int8_held_to_0_999_admits_groups_to_int8_and_keeps_0_999_on_unseen_sent
     products are asked for in fp32, which the plan simulates exactly on every CPU: bf16 ones, which
     it does not simulate, moved the built library's least cosine by 7.5e-5 on a Zen 4, and the plan
     stops at the floor."""
-    from conftest import compile_artifact
-
     from compile.sentences import ACCURACY_SENTENCES
+    from tests.support.artifacts import compile_artifact
 
     unseen = SENTENCES + ["good night", "maybe"]
     assert not set(unseen) & set(ACCURACY_SENTENCES)
@@ -106,7 +105,7 @@ def test_int8_held_to_0_999_admits_groups_to_int8_and_keeps_0_999_on_unseen_sent
 def test_bf16_artifact_embeds_stay_within_0_999_of_fp32_sentence_transformers(serve, minilm_dir, tmp_path):
     """bf16 rounds each operand of the linears to 8 significant bits, sums in fp32: MiniLM keeps
     cosine > 0.9999 on the shipped sentences, 0.999 is the gate `--precision auto` holds bf16 to."""
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(minilm_dir, tmp_path / "minilm-bf16", ["packed-16", "packed-32"], layout="packed",
                                    precision="bf16", generic_shapes=["3x20"])

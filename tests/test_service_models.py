@@ -10,11 +10,13 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from conftest import _copy_tokenizer, _tiny_config, compile_artifact, save_tiny_sentence_transformer
 
 from compile.errors import CompileError
+from loadtest.random_checkpoint import copy_tokenizer
 from service.errors import InvalidInput
 from service.tokenization import Prompts
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import save_tiny_sentence_transformer, tiny_config
 
 PROMPTS = {"query": "query: ", "passage": "passage: "}
 QUERY = "how do wizards judge boxing"
@@ -30,9 +32,9 @@ def reranker_dir(tmp_path_factory):
 
     torch.manual_seed(3)
     directory = tmp_path_factory.mktemp("tiny-reranker")
-    BertForSequenceClassification(_tiny_config(num_labels=1, architectures=["BertForSequenceClassification"])
+    BertForSequenceClassification(tiny_config(num_labels=1, architectures=["BertForSequenceClassification"])
                                   ).save_pretrained(directory)
-    _copy_tokenizer(directory)
+    copy_tokenizer(directory)
     return directory
 
 

@@ -11,12 +11,12 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from conftest import error_of
 
 from loadtest.servers import running_app, wait_until
 from service.app import create_app
 from service.settings import Settings
 from service.tokenization import TextTokenizer
+from tests.support.service import error_of
 
 PAYLOAD_LIMIT = 65_536
 

@@ -12,10 +12,13 @@ import pytest
 
 from compile.config import CompileConfig
 from compile.errors import CompileError
+from loadtest.random_checkpoint import copy_tokenizer
 from loadtest.servers import free_port
 from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
-from tests.conftest import _copy_tokenizer, _tiny_config, compile_artifact, error_of
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import tiny_config
+from tests.support.service import error_of
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -32,8 +35,8 @@ def checkpoints(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("mlm")
     torch.manual_seed(7)
-    BertForMaskedLM(_tiny_config(architectures=["BertForMaskedLM"])).save_pretrained(root / "bare")
-    _copy_tokenizer(root / "bare")
+    BertForMaskedLM(tiny_config(architectures=["BertForMaskedLM"])).save_pretrained(root / "bare")
+    copy_tokenizer(root / "bare")
     for strategy in ("max", "sum"):
         SparseEncoder(modules=[MLMTransformer(str(root / "bare")), SpladePooling(strategy)]).save(
             str(root / f"splade-{strategy}"))

@@ -188,7 +188,7 @@ def test_tiny_bert_sparse_cuda_build_compiles(tiny_bert):
 
 @pytest.fixture(scope="module")
 def sparse_artifact(tiny_bert_dir, tmp_path_factory):
-    from conftest import compile_artifact
+    from tests.support.artifacts import compile_artifact
 
     out = tmp_path_factory.mktemp("sparse") / "artifact"
     compile_artifact(tiny_bert_dir, out, ["2x16"], sparsity=0.75, block="16x1", sparse_choice="density")
@@ -234,9 +234,8 @@ def test_sparse_artifact_serves_through_the_service(sparse_artifact, serve):
 
 
 def test_sparse_block_that_does_not_divide_is_a_compile_error(tiny_bert_dir, tmp_path):
-    from conftest import compile_artifact
-
     from compile.errors import CompileError
+    from tests.support.artifacts import compile_artifact
 
     with pytest.raises(CompileError, match="block 5x1"):
         compile_artifact(tiny_bert_dir, tmp_path / "bad", ["2x16"], sparsity=0.5, block="5x1")
@@ -247,10 +246,10 @@ def test_from_checkpoint_uses_the_checkpoints_own_zero_blocks_without_changing_i
     """A checkpoint whose FFN weights are 90% zero 16x1 blocks: `--sparsity from-checkpoint` rewrites
     exactly those linears to BSR, prunes nothing, and the artifact verifies against PyTorch on the
     checkpoint itself (what `compile.verify` can do only for an unchanged model)."""
-    from conftest import compile_artifact
     from safetensors.torch import load_file, save_file
 
     from compile.verify import verify
+    from tests.support.artifacts import compile_artifact
 
     checkpoint = tmp_path / "sparse-checkpoint"
     shutil.copytree(tiny_bert_dir, checkpoint)

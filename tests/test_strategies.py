@@ -3,8 +3,6 @@
 import numpy as np
 import pytest
 import tvm
-from conftest import compile_artifact
-from test_passes import BiasFirstQKV
 from tvm import relax
 from tvm.script import relax as R
 
@@ -20,6 +18,8 @@ from compile.passes.lift import lift_and_transform
 from compile.passes.strategy import STRATEGIES, apply_strategy
 from compile.pipeline import Candidates, choose_strategies, save_weights
 from compile.validate import library_diff
+from tests.support.relax_modules import BiasFirstQKV
+from tests.support.artifacts import compile_artifact
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -149,7 +149,7 @@ def test_a_library_leaves_the_shared_weight_set_only_for_more_than_the_margin():
 def test_every_library_of_an_auto_artifact_matches_pytorch_as_loaded(auto_artifact, tiny_bert_dir, tmp_path):
     """Each library, with the weight set of the strategy it chose, read back from disk (the buckets'
     latencies as an idle machine measures them, so that each shape goes where the test says)."""
-    from conftest import with_latencies
+    from tests.support.artifacts import with_latencies
 
     model = load_artifact(with_latencies(auto_artifact, tmp_path / "timed", {(1, 8): 1.0, (4, 16): 2.0}))
     wrapper = load_wrapper(inspect_checkpoint(tiny_bert_dir, "embed"), "embed")

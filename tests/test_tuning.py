@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import tvm
 import tvm_ffi
-from conftest import compile_artifact
 from tvm import s_tir, te
 from tvm.s_tir import meta_schedule as ms
 
@@ -15,6 +14,7 @@ from compile.build import make_target
 from compile.config import CompileConfig
 from compile.kernels.common import SCHEDULED_ATTR
 from compile.tuning import KEEP_MARGIN, _workload, apply_tuned, keeps
+from tests.support.artifacts import compile_artifact
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 

@@ -8,22 +8,13 @@ Each check runs in a subprocess with `TVM_USE_RUNTIME_LIB=1`, so TVM loads only 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import httpx
 import numpy as np
 
 from artifact.manifest import Manifest
-
-RUNTIME_ONLY = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}
-
-
-def run_verify(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compile.verify", *args], env=RUNTIME_ONLY,
-                          capture_output=True, text=True, timeout=300)
+from tests.support.commands import run_verify
 
 
 def test_verify_records_every_library_with_the_runtime_alone(tiny_embed_artifact, tmp_path):

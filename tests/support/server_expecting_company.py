@@ -1,4 +1,4 @@
-"""`python -m server_expecting_company ARGS` (with tests/ on PYTHONPATH): the real server
+"""`python -m tests.support.server_expecting_company ARGS` (from the repository's root): the real server
 (`service.cli.main`: its signals, drain and exit status) with the two inputs of lingering that
 depend on the machine fixed, so a test knows which inputs linger without relying on its speed:
 the arrival predictor always expects another input within the wait, and batches are planned by

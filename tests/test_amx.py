@@ -26,14 +26,12 @@ from artifact.loader import load_artifact
 from compile import precision
 from compile.build import make_target
 from compile.kernels import amx, bf16, int8, launch
-from compile.lowering import tir_pipeline
 from compile.precision import GATES
 from tests.support.kernels import int8_linear_inputs, int8_weight_operands
+from tests.support.tvm_run import build_kernel, call_kernel
 
 HOST = make_target("cpu")
 AMX_CPU = make_target("cpu", mcpu="sapphirerapids")  # a CPU LLVM knows to have AMX: code is generated on any host
-RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
-needs_amx = pytest.mark.skipif(not RUNS_AMX, reason="this CPU has no AMX")
 
 
 def _i64(value: int) -> tirx.IntImm:
@@ -47,7 +45,7 @@ def _rows(m):
 def _export(func, schedule, target, path):
     sch = schedule(func)
     assert sch is not None
-    library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
+    library = build_kernel(sch.mod, target)
     library.export_library(str(path), addons=[*launch.linked_objects(target), str(bf16.kernels_object()),
                                               str(amx.kernels_object())])
     return path
@@ -131,7 +129,7 @@ def test_the_tiles_read_their_activations_in_blocks_of_one_row_tile(m):
     assert Analyzer().can_prove_equal(blocked.shape[0], (rows + 31) // 32 * 2)  # 16-row blocks, rows padded to 32
 
 
-@needs_amx
+@pytest.mark.requires("amx")
 @pytest.mark.parametrize("m", [32, 13, None])
 def test_amx_int8_linear_is_exact_in_int32(tmp_path, m):
     n, k, kernel = 96, 192, int8.VNNI
@@ -144,18 +142,16 @@ def test_amx_int8_linear_is_exact_in_int32(tmp_path, m):
     w_scale = rng.uniform(0.01, 0.1, n).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     library = tvm.runtime.load_module(str(_int8_linear(m, n, k, HOST, tmp_path / "linear.so")))
-    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32))
     given = [codes.astype(np.uint8), x_scale, zero, panels, w_scale, column_sum, bias]
-    library["main"](*(tvm.runtime.tensor(a) for a in given), out)
+    (out,) = call_kernel(library, given, [((rows, n), "float32")])
     exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
-    np.testing.assert_allclose(out.numpy(), exact * x_scale[:, None] * w_scale[None, :] + bias, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out, exact * x_scale[:, None] * w_scale[None, :] + bias, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
 def amx_model(tmp_path_factory):
-    """A model whose every linear fits the tiles (hidden 64, FFN 128), compiled in bf16 and int8 for this CPU."""
-    if not RUNS_AMX:
-        pytest.skip("this CPU has no AMX")
+    """A model whose every linear fits the tiles (hidden 64, FFN 128), compiled in bf16 and int8 for this CPU
+    (its tests require amx)."""
     from loadtest.random_checkpoint import save_sentence_transformer
     from tests.support.artifacts import compile_artifact
     from tests.support.checkpoints import TINY_SIZES
@@ -169,6 +165,7 @@ def amx_model(tmp_path_factory):
     return checkpoint, root
 
 
+@pytest.mark.requires("amx")
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_a_model_on_amx_tiles_matches_pytorch(amx_model, name):
     from tests.support.artifacts import least_cosine_to_pytorch
@@ -184,6 +181,7 @@ def test_a_model_on_amx_tiles_matches_pytorch(amx_model, name):
     assert least_cosine_to_pytorch(model, checkpoint, [(2, 16), (3, 20)]) >= GATES[name].cosine_min
 
 
+@pytest.mark.requires("amx")
 def test_loader_refuses_an_amx_artifact_on_a_cpu_without_amx(amx_model, monkeypatch):
     _, root = amx_model
     flags = {linux_flag(feature) for feature in FEATURES} - {"amx_bf16", "amx_tile"}

@@ -15,17 +15,17 @@ import pytest
 import torch
 import tvm
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, int8_simulation, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.kernels import attention_int8, int8
 from compile.kernels.common import vector_lanes
 from tests.support.kernels import attention_heads, key_padding_bias
+from tests.support.tvm_run import run, runs_here
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
-pytestmark = pytest.mark.skipif(bool(missing_on_host(target_features(V3))), reason="this CPU has no AVX2")
+pytestmark = pytest.mark.requires("avx2")
 
 
 def _attention_inputs(seq: int, length: int, heads: int, head_size: int, seed: int):
@@ -41,14 +41,13 @@ def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias
     """The fused kernel with int8 products built for `mcpu` (its vector width), run on qkv; None where
     this CPU cannot run that level's code."""
     target = make_target("cpu", mcpu=mcpu)
-    if missing_on_host(target_features(target)):
+    if not runs_here(target):
         return None
     lanes = vector_lanes(target)
     path = directory / f"{mcpu}-{head_size}.so"
     build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), lanes, "int8"), target, path,
                   attention="int8")
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
-    return vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
+    return run(tvm.runtime.load_module(str(path)), qkv, bias)
 
 
 @pytest.mark.parametrize("head_size,seq,length", [(16, 64, 37), (32, 9, 9), (32, 64, 37), (64, 64, 37),

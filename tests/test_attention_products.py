@@ -13,18 +13,17 @@ import numpy as np
 import pytest
 import tvm
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.int8_plan import kept_precision
 from compile.kernels.common import vector_lanes
 from tests.support.kernels import attention_heads, key_padding_bias
+from tests.support.tvm_run import run
 
 HOST = make_target("cpu")
 HOST_REDUCED = attention_products.reduced_products(HOST)  # ("int8",) where the CPU has AVX2 only
 HOST_ROUNDED = next((products for products in HOST_REDUCED if products != "int8"), None)  # bf16 / amx
-RUNS_REDUCED = bool(HOST_REDUCED) and not missing_on_host(target_features(HOST))
 SMALL = Geometry(heads=2, head_size=32, max_seq=64)
 
 
@@ -128,19 +127,17 @@ def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
     return (weights @ v).transpose(1, 0, 2).reshape(-1, hidden)
 
 
-@pytest.mark.parametrize("products", ["fp32", "rounded"])
+@pytest.mark.parametrize("products", ["fp32", pytest.param("rounded", marks=pytest.mark.requires("avx512_bf16"))])
 @pytest.mark.parametrize("seq", [9, 64])
 def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     """What is timed is attention: the kernel module's answers against numpy (bf16 rounds each
-    product's operands to 8 significant bits: 2e-2 of values of order 1)."""
+    product's operands to 8 significant bits: 2e-2 of values of order 1). int8 products:
+    tests/test_attention_int8.py."""
     products = HOST_ROUNDED if products == "rounded" else products
-    if products is None or not RUNS_REDUCED and products != "fp32":
-        pytest.skip("this CPU has no AVX512_BF16 (int8 products: tests/test_attention_int8.py)")
     build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), products), HOST, tmp_path / "k.so",
                   attention=products)
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(seq).standard_normal((seq, 3 * 64), dtype=np.float32)
-    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))).numpy()
+    out = run(tvm.runtime.load_module(str(tmp_path / "k.so")), qkv, np.zeros((1, 1, 1, seq), np.float32))
     if products == "fp32":
         np.testing.assert_allclose(out, _reference(qkv, 2, 32), rtol=1e-4, atol=1e-5)
     else:
@@ -148,12 +145,11 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
         np.testing.assert_allclose(out, _reference(rounded, 2, 32), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
     """bf16 (or AMX) products against the int8 plan's simulation of them (int8_simulation.fake_bf16_attention):
     the same operands rounded the same way and the same exp, so the same answers up to the order of
     fp32 sums (where fp32 attention differs by the rounding itself), the padding keys left out."""
-    if HOST_ROUNDED is None or not RUNS_REDUCED:
-        pytest.skip("this CPU has no AVX512_BF16")
     import torch
 
     from compile.int8_simulation import fake_bf16_attention
@@ -161,10 +157,9 @@ def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
     seq, length, heads, head_size = 64, 37, SMALL.heads, SMALL.head_size
     build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), HOST_ROUNDED), HOST,
                   tmp_path / "k.so", attention=HOST_ROUNDED)
-    vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(5).standard_normal((seq, 3 * heads * head_size), dtype=np.float32) * 2
     bias = key_padding_bias(seq, length)
-    out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()[:length]
+    out = run(tvm.runtime.load_module(str(tmp_path / "k.so")), qkv, bias)[:length]
     query, key, value = attention_heads(qkv, heads, head_size)
     simulated, _ = fake_bf16_attention(None, query, key, value, torch.from_numpy(bias))
     simulated = simulated.reshape(seq, heads * head_size).numpy()[:length]
@@ -174,11 +169,10 @@ def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
     assert np.median(from_fp32) > 100 * np.median(from_simulation)
 
 
+@pytest.mark.requires("avx2")
 def test_a_timed_choice_is_the_fastest_kernel_on_this_cpu():
     """Real timing of both kernels (not of which wins: that is this CPU's), and the choice is
     what `decide` makes of the times it recorded."""
-    if not RUNS_REDUCED:
-        pytest.skip("this CPU has neither AVX512_BF16 nor AVX2")
     choice = attention_products.choose(HOST, SMALL, "auto", timed=True)
     assert set(choice.times_ms) == {"fp32", *HOST_REDUCED}
     assert all(set(times) == {"1x64"} and min(times.values()) > 0 for times in choice.times_ms.values())

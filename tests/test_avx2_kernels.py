@@ -13,12 +13,11 @@ import pytest
 import tvm
 from tvm import te
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.kernels import dense, int8, rows
 from compile.kernels.common import vector_lanes
-from compile.lowering import tir_pipeline
 from tests.support.kernels import int8_linear_inputs, int8_weight_operands
+from tests.support.tvm_run import build_kernel, call_kernel, skip_unless_runs_here
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 V4 = make_target("cpu", mcpu="x86-64-v4")
@@ -33,13 +32,7 @@ def _instructions(lib) -> tuple[set[str], str]:
 def _int8_library(kernel: int8.Int8Kernel, rows: int, n: int, k: int, target=V3):
     inputs = int8_linear_inputs(rows, n, k, kernel)
     func = te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)])
-    return tvm.compile(int8.schedule_int8_matmul(func, kernel).mod, target=target, tir_pipeline=tir_pipeline(target))
-
-
-def _run_here(target) -> None:
-    missing = missing_on_host(target_features(target))
-    if missing:
-        pytest.skip(f"this CPU lacks {', '.join(missing)}")
+    return build_kernel(int8.schedule_int8_matmul(func, kernel).mod, target)
 
 
 def test_register_tiles_follow_the_lane_count():
@@ -60,28 +53,26 @@ def test_x86_64_v3_dense_kernel_is_ymm_fma():
     x = te.placeholder((m, k), "float32", name="x")
     panels = te.placeholder((n // nt, k, nt), "float32", name="panels")
     sch = dense.schedule_matmul(te.create_prim_func([x, panels, dense.packed_matmul_te(x, panels)]), lanes)
-    lib = tvm.compile(sch.mod, target=V3, tir_pipeline=tir_pipeline(V3))
+    lib = build_kernel(sch.mod, V3)
     instructions, asm = _instructions(lib)
     assert any(i.startswith("vfmadd") for i in instructions)
     assert "zmm" not in asm and "ymm" in asm
-    _run_here(V3)
+    skip_unless_runs_here(V3)
     rng = np.random.default_rng(0)
     a, w = rng.standard_normal((m, k)).astype("float32"), rng.standard_normal((n, k)).astype("float32")
     packed = w.reshape(n // nt, nt, k).transpose(0, 2, 1).copy()
-    out = tvm.runtime.tensor(np.zeros((m, n), "float32"))
-    lib(tvm.runtime.tensor(a), tvm.runtime.tensor(packed), out)
-    np.testing.assert_allclose(out.numpy(), a @ w.T, rtol=1e-4, atol=1e-4)
+    (out,) = call_kernel(lib, [a, packed], [((m, n), "float32")])
+    np.testing.assert_allclose(out, a @ w.T, rtol=1e-4, atol=1e-4)
 
 
 def _exact_int8_products(kernel: int8.Int8Kernel, lib, x: np.ndarray, weights: np.ndarray) -> None:
     """`lib` (an int8 linear of unit scales) gives x @ weights^T exactly."""
     rows, n = x.shape[0], weights.shape[0]
-    out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
     panels, column_sum = int8_weight_operands(weights, kernel)
     given = [(x + 128).astype(int8.ACTIVATION), np.ones(rows, "float32"), np.full(rows, 128, np.int32), panels,
              np.ones(n, "float32"), column_sum]
-    lib(*(tvm.runtime.tensor(a) for a in given), out)
-    np.testing.assert_array_equal(out.numpy(), (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
+    (out,) = call_kernel(lib, given, [((rows, n), "float32")])
+    np.testing.assert_array_equal(out, (x.astype(np.int64) @ weights.T.astype(np.int64)).astype("float32"))
 
 
 def _pairs_summing_to(total: int, n: int, k: int, rng) -> np.ndarray:
@@ -105,7 +96,7 @@ def test_int8_kernels_without_vnni_are_vpmaddubsw_and_exact_at_their_pair_bound(
     instructions, asm = _instructions(lib)
     assert {"vpmaddubsw", "vpmaddwd"} <= instructions and re.search(rf"vpmaddubsw\s+[^\n]*%{register}", asm)
     assert ("zmm" in asm) == (register == "zmm") and not any(i.startswith("vpdpbusd") for i in instructions)
-    _run_here(target)
+    skip_unless_runs_here(target)
     rng = np.random.default_rng(1)
     x = rng.choice([-128, 127], (rows, k))  # u8 = 0 or 255
     x[0] = 127  # every product of row 0 at its largest
@@ -124,7 +115,7 @@ def test_avx_vnni_int8_kernel_is_vex_vpdpbusd_on_ymm_and_exact_over_the_int8_ran
     instructions, asm = _instructions(lib)
     assert re.search(r"\{vex\}\s+vpdpbusd\s+\(?%?\S*ymm", asm) and "vpmaddubsw" not in instructions
     assert "zmm" not in asm
-    _run_here(AVX_VNNI_CPU)
+    skip_unless_runs_here(AVX_VNNI_CPU)
     rng = np.random.default_rng(2)
     x = rng.choice([-128, 127], (rows, k))
     weights = np.where(rng.random((n, 1)) < 0.5, np.sign(x[0]) * 127, rng.integers(-127, 128, (n, k)))
@@ -144,12 +135,11 @@ def test_layer_norm_keeps_sixteen_partial_sums_at_every_vector_width(target):
     sch = rows.schedule_rows(te.create_prim_func([x, gamma, beta, out]), lanes)
     partials = re.findall(r"_rf = T.sblock_alloc_buffer\(\((?:T\.int64\()?(\d+)", sch.mod["main"].script())
     assert partials == [str(max(lanes, 16))] * 2  # the sum's and the variance's
-    lib = tvm.compile(sch.mod, target=target, tir_pipeline=tir_pipeline(target))
-    _run_here(target)
+    lib = build_kernel(sch.mod, target)
+    skip_unless_runs_here(target)
     rng = np.random.default_rng(2)
     xs, g, b = (rng.standard_normal(shape).astype("float32") for shape in ((5, width), (width,), (width,)))
-    result = tvm.runtime.tensor(np.zeros((5, width), "float32"))
-    lib(*(tvm.runtime.tensor(a) for a in (xs * 3 + 1, g, b)), result)
+    (result,) = call_kernel(lib, [xs * 3 + 1, g, b], [((5, width), "float32")])
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs * 3 + 1), (width,), torch.from_numpy(g),
                                               torch.from_numpy(b), 1e-12)
-    np.testing.assert_allclose(result.numpy(), expected.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(result, expected.numpy(), rtol=1e-4, atol=1e-4)

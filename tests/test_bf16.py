@@ -27,15 +27,12 @@ from artifact.loader import load_artifact
 from compile import precision
 from compile.build import make_target
 from compile.kernels import amx, attention_bf16, bf16, launch
-from compile.lowering import tir_pipeline
 from compile.precision import GATES, Measured, choose
+from tests.support.tvm_run import build_kernel, call_kernel
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
 HOST = make_target("cpu")
-RUNS_BF16 = bf16.supported(HOST) and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
-RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
-needs_bf16 = pytest.mark.skipif(not RUNS_BF16, reason="this CPU has no AVX512_BF16")
 BF16_CPU = "znver4"  # a CPU LLVM knows to have AVX512_BF16: code is generated for it on any host
 
 
@@ -59,7 +56,7 @@ def _schedule_linear(m: int | None, n: int, k: int, amx_tiles: bool = False):
 def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool = False):
     """`_schedule_linear`'s function exported with the micro-kernels."""
     sch = _schedule_linear(m, n, k, amx_tiles)
-    library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
+    library = build_kernel(sch.mod, target)
     library.export_library(str(path), addons=[*launch.linked_objects(target), str(bf16.kernels_object())]
                            + ([str(amx.kernels_object())] if amx_tiles else []))
     return path
@@ -95,13 +92,11 @@ def test_tile_calls_zero_nothing_first_and_the_threads_claim_their_panels(amx_ti
     assert f'"{CLAIM}"' in script
 
 
-@needs_bf16
-@pytest.mark.parametrize("tile", ["avx512", "amx"])
+@pytest.mark.requires("avx512_bf16")
+@pytest.mark.parametrize("tile", ["avx512", pytest.param("amx", marks=pytest.mark.requires("amx"))])
 @pytest.mark.parametrize("m", [32, 13, None])  # whole row tiles, a ragged tail, a symbolic row count
 def test_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m, tile):
     """On the AVX-512 tile and on AMX's (where this CPU has AMX): only the order of the fp32 sums differs."""
-    if tile == "amx" and not RUNS_AMX:
-        pytest.skip("this CPU has no AMX")
     n, k = 96, 192
     rng = np.random.default_rng(0)
     rows = m or 45
@@ -109,12 +104,10 @@ def test_bf16_linear_equals_fp32_sums_of_the_rounded_operands(tmp_path, m, tile)
     weight = rng.standard_normal((n, k), dtype=np.float32)
     bias = rng.standard_normal(n, dtype=np.float32)
     library = tvm.runtime.load_module(str(_build_linear(m, n, k, HOST, tmp_path / "linear.so", tile == "amx")))
-    device = tvm.cpu()
-    out = tvm.runtime.tensor(np.zeros((rows, n), np.float32), device)
-    library["main"](*(tvm.runtime.tensor(a, device) for a in (x.astype(ml_dtypes.bfloat16).view(np.uint16),
-                                                               _panels(weight), bias)), out)
+    (out,) = call_kernel(library, [x.astype(ml_dtypes.bfloat16).view(np.uint16), _panels(weight), bias],
+                         [((rows, n), "float32")])
     exact = x.astype(ml_dtypes.bfloat16).astype(np.float64) @ weight.astype(ml_dtypes.bfloat16).astype(np.float64).T
-    np.testing.assert_allclose(out.numpy(), exact + bias, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(out, exact + bias, rtol=1e-5, atol=1e-4)
 
 
 def test_rounding_to_bf16_is_to_nearest_even(tmp_path):
@@ -122,18 +115,13 @@ def test_rounding_to_bf16_is_to_nearest_even(tmp_path):
                        1.0 + 3 * 2**-8], dtype=np.float32)  # the last two are ties: to even, down then up
     x = te.placeholder((_i64(len(values)),), "float32", name="x")
     func = te.create_prim_func([x, bf16.to_bf16_te(x)])
-    library = tvm.compile(tvm.IRModule({"main": func}), make_target("cpu"), tir_pipeline=tir_pipeline(HOST))
-    device = tvm.cpu()
-    out = tvm.runtime.tensor(np.zeros(len(values), np.uint16), device)
-    library["main"](tvm.runtime.tensor(values, device), out)
-    assert out.numpy().tolist() == values.astype(ml_dtypes.bfloat16).view(np.uint16).tolist()
+    (out,) = call_kernel(build_kernel(func, HOST), [values], [((len(values),), "uint16")])
+    assert out.tolist() == values.astype(ml_dtypes.bfloat16).view(np.uint16).tolist()
 
 
 @pytest.fixture(scope="module")
 def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
-    """The tiny model in bf16, packed and padded."""
-    if not RUNS_BF16:
-        pytest.skip("this CPU has no AVX512_BF16")
+    """The tiny model in bf16, packed and padded (its tests require avx512_bf16)."""
     from tests.support.artifacts import compile_artifact
 
     root = tmp_path_factory.mktemp("bf16")
@@ -143,6 +131,7 @@ def bf16_artifacts(tiny_bert_dir, tmp_path_factory):
     return root
 
 
+@pytest.mark.requires("avx512_bf16")
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
     from tests.support.artifacts import least_cosine_to_pytorch
@@ -159,12 +148,11 @@ def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
     assert least_cosine_to_pytorch(model, tiny_bert_dir, [(1, 8), (3, 16), (5, 20)]) >= 0.999
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     """A model whose heads the bf16 attention products are compiled for (2 x 32 dims; the tiny
     model's 8-dim heads are not fused at all): every layer's attention on the bf16 kernel, and the
     packed and generic libraries within bf16's cosine gate of PyTorch fp32."""
-    if not RUNS_BF16:
-        pytest.skip("this CPU has no AVX512_BF16")
     from loadtest.random_checkpoint import save_sentence_transformer
     from tests.support.artifacts import compile_artifact, least_cosine_to_pytorch
     from tests.support.checkpoints import TINY_SIZES
@@ -181,6 +169,7 @@ def test_bf16_attention_of_a_model_matches_pytorch(tmp_path):
     assert least_cosine_to_pytorch(model, checkpoint, [(2, 16), (3, 20)]) >= GATES["bf16"].cosine_min
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_bf16_weights_ship_at_half_the_bytes(bf16_artifacts, tiny_embed_artifact):
     from safetensors.numpy import load_file
 
@@ -194,6 +183,7 @@ def test_bf16_weights_ship_at_half_the_bytes(bf16_artifacts, tiny_embed_artifact
     assert bf16_panels[np.dtype(np.uint16)] * 2 == fp32_panels[np.dtype(np.float32)]
 
 
+@pytest.mark.requires("avx512_bf16")
 def test_loader_refuses_a_bf16_artifact_on_a_cpu_without_avx512_bf16(bf16_artifacts, monkeypatch):
     flags = {linux_flag(feature) for feature in FEATURES} - {"avx512_bf16"}
     monkeypatch.setattr(cpu_features, "host_flags", lambda *args: flags)

@@ -22,8 +22,8 @@ from compile.build import make_target
 from compile.kernels.common import read_padded_rows_in_place, vector_lanes
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
-from compile.lowering import tir_pipeline
-from compile.schedule import cpu_pipeline, cpu_schedule_pass
+from compile.schedule import cpu_schedule_pass
+from tests.support.tvm_run import build_kernel, build_scheduled, run
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 
@@ -42,12 +42,6 @@ def _fused(mod: tvm.IRModule) -> tvm.IRModule:
 
 def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
     return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
-
-
-def _run(mod: tvm.IRModule, *arrays: np.ndarray):
-    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
-    out = vm["main"](*[tvm.runtime.tensor(a) for a in arrays])
-    return out.numpy() if hasattr(out, "numpy") else [o.numpy() for o in out]
 
 
 def _rand(*shape: int, seed: int = 0) -> np.ndarray:
@@ -94,7 +88,7 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 def test_dense_bias_static_odd_m(m):
     k, n = 48, 40  # n = 40: not a multiple of the AVX2 / AVX-512 N tiles either
     x, w, b = _rand(m, k), _rand(k, n), _rand(n)
-    np.testing.assert_allclose(_run(_dense_module(m, k, n), x, w, b), x @ w + b, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(_dense_module(m, k, n), TARGET), x, w, b), x @ w + b, **TOL)
 
 
 def test_a_schedule_rule_that_fails_is_said_and_a_later_rule_runs_the_kernel(monkeypatch, caplog):
@@ -104,7 +98,7 @@ def test_a_schedule_rule_that_fails_is_said_and_a_later_rule_runs_the_kernel(mon
     monkeypatch.setattr("compile.schedule.schedule_matmul", failing)
     x, w, b = _rand(9, 48), _rand(48, 40), _rand(40)
     with caplog.at_level("WARNING", logger="compile.schedule"):
-        np.testing.assert_allclose(_run(_dense_module(9, 48, 40), x, w, b), x @ w + b, **TOL)
+        np.testing.assert_allclose(run(build_scheduled(_dense_module(9, 48, 40), TARGET), x, w, b), x @ w + b, **TOL)
     assert any(re.match(r"fused_matmul\w*: the matmul schedule failed \(RuntimeError: the matmul rule cannot split "
                         r"this loop\); the next rules try it", message) for message in caplog.messages)
 
@@ -123,24 +117,23 @@ def test_3d_activation_times_2d_weight_symbolic_seq():
     (func,) = (f for n, f in _prim_funcs(_fused(bb.get())).items() if "matmul" in n)
     assert schedule_matmul(func, 8) is not None
     xs, ws, bs = _rand(2, 11, 48), _rand(48, 40), _rand(40)
-    np.testing.assert_allclose(_run(bb.get(), xs, ws, bs), xs @ ws + bs, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(bb.get(), TARGET), xs, ws, bs), xs @ ws + bs, **TOL)
 
 
 def test_dense_residual_and_scale_epilogue():
     m, k, n = 37, 64, 96
     x, w, b, r = _rand(m, k), _rand(k, n), _rand(n), _rand(m, n)
-    out = _run(_dense_module(m, k, n, "residual"), x, w, b, r)
+    out = run(build_scheduled(_dense_module(m, k, n, "residual"), TARGET), x, w, b, r)
     np.testing.assert_allclose(out, (x @ w + b + r) * 0.5, **TOL)
 
 
 def test_symbolic_m_dense_with_bias_gelu():
     mod = _dense_module(tirx.Var("m", "int64"), 64, 96, "gelu")
-    vm = relax.VirtualMachine(tvm.compile(mod, TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
+    vm = relax.VirtualMachine(build_scheduled(mod, TARGET), tvm.cpu())
     w, b = _rand(64, 96), _rand(96)
     for m in (1, 5, 40):
         x = _rand(m, 64)
-        out = vm["main"](*[tvm.runtime.tensor(a) for a in (x, w, b)]).numpy()
-        np.testing.assert_allclose(out, _gelu(x @ w + b), **TOL)
+        np.testing.assert_allclose(run(vm, x, w, b), _gelu(x @ w + b), **TOL)
 
 
 @pytest.mark.parametrize("m", [tirx.Var("m", "int64"), 37])
@@ -238,7 +231,7 @@ def test_attention_batch_matmuls_symbolic_seq(batch, seq):
     q, kt, v = _rand(batch * heads, seq, d), _rand(batch * heads, d, seq), _rand(batch * heads, seq, d)
     scores = q @ kt * d**-0.5
     probs = torch.softmax(torch.from_numpy(scores), -1).numpy()
-    np.testing.assert_allclose(_run(_attention_module(heads, d), q, kt, v), probs @ v, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(_attention_module(heads, d), TARGET), q, kt, v), probs @ v, **TOL)
 
 
 def test_dense_with_transposed_weight():
@@ -256,7 +249,7 @@ def test_dense_with_transposed_weight():
     sch = tvm.s_tir.Schedule(func)
     assert matmul_axes(sch.get(sch.get_sblock("T_matmul_NT"))) == ["I", "J", "K"]
     xs, ws = _rand(m, k), _rand(n, k)
-    np.testing.assert_allclose(_run(mod, xs, ws), xs @ ws.T, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(mod, TARGET), xs, ws), xs @ ws.T, **TOL)
 
 
 def test_norm_softmax_meanpool_symbolic():
@@ -274,13 +267,13 @@ def test_norm_softmax_meanpool_symbolic():
             pooled = relax.op.divide(relax.op.sum(relax.op.multiply(ln, m3), axis=[1]), relax.op.sum(m3, axis=[1]))
             out = bb.emit_output(relax.Tuple([ln, sm, bb.emit(pooled)]))
         bb.emit_func_output(out)
-    vm = relax.VirtualMachine(tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET)), tvm.cpu())
+    vm = relax.VirtualMachine(build_scheduled(bb.get(), TARGET), tvm.cpu())
     g, be = _rand(64), _rand(64, 1)[:, 0]
     for shape in [(1, 1), (3, 17)]:
         x = _rand(*shape, 64)
         msk = np.ones(shape, "float32")
         msk[1:, shape[1] // 2 :] = 0
-        ln, sm, pooled = (o.numpy() for o in vm["main"](*[tvm.runtime.tensor(a) for a in (x, msk, g, be)]))
+        ln, sm, pooled = run(vm, x, msk, g, be)
         t = torch.from_numpy(x)
         ref_ln = torch.nn.functional.layer_norm(t, (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
         ref_sm = torch.softmax(ref_ln + torch.from_numpy(msk)[:, :, None], dim=1)
@@ -299,7 +292,7 @@ def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
     assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
     xs, g, be = _rand(7, 384) * 3 + 1, _rand(384), _rand(384, 1)[:, 0]
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
-    np.testing.assert_allclose(_run(module, xs, g, be), expected.numpy(), **TOL)
+    np.testing.assert_allclose(run(build_scheduled(module, TARGET), xs, g, be), expected.numpy(), **TOL)
 
 
 @pytest.mark.parametrize("lane_multiple", [2, 5])
@@ -327,7 +320,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
     x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
     msk[1, ..., seq // 2:] = -1e9
     expected = torch.softmax(torch.from_numpy(x) / 8.0 + torch.from_numpy(msk), dim=-1).numpy()
-    np.testing.assert_allclose(_run(bb.get(), x, msk), expected, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(bb.get(), TARGET), x, msk), expected, **TOL)
 
 
 def test_row_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
@@ -384,7 +377,7 @@ def test_avx512_tile_compiles_without_running():
     (func,) = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 64, 96))).values()
     sch = schedule_matmul(func, vector_lanes(target))
     assert sch is not None
-    tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "mm")}), target)
+    build_kernel(sch.mod["main"].with_attr("global_symbol", "mm"), target)
 
 
 @T.prim_func(private=True, s_tir=True)
@@ -412,7 +405,7 @@ def test_unrecognised_loop_carried_kernel_stays_correct():
     script = _prim_funcs(after)["prefix_sum"].script()
     assert "T.parallel" not in script and "T.vectorized" not in script
     xs = _rand(64)
-    np.testing.assert_allclose(_run(mod, xs), np.cumsum(xs), **TOL)
+    np.testing.assert_allclose(run(build_scheduled(mod, TARGET), xs), np.cumsum(xs), **TOL)
 
 
 @pytest.mark.parametrize("rows,launches", [(4, "serial"), (4096, "parallel"), ("symbolic", "both")])
@@ -430,7 +423,7 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
     for count in ([4, 4096] if rows == "symbolic" else [rows]):  # both sides of the test
         xs = _rand(count, 64) * 2
         expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
-        np.testing.assert_allclose(_run(module, xs, g, be), expected.numpy(), **TOL)
+        np.testing.assert_allclose(run(build_scheduled(module, TARGET), xs, g, be), expected.numpy(), **TOL)
 
 
 def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
@@ -487,15 +480,13 @@ def test_a_reshape_kernel_becomes_a_view_before_it_is_scheduled():
             embedded = bb.emit(relax.op.reshape(gathered, relax.ShapeExpr([1, tokens, 64])))
             out = bb.emit_output(relax.op.multiply(embedded, relax.const(2.0, "float32")))
         bb.emit_func_output(out)
-    built = tvm.compile(bb.get(), TARGET, relax_pipeline=cpu_pipeline(TARGET), tir_pipeline=tir_pipeline(TARGET))
+    built = build_scheduled(bb.get(), TARGET)
     calls = re.findall(r"call\s+(\S+)", relax.VMExecutable(built).as_text())
     assert "vm.builtin.reshape" in calls
     assert not [name for name in calls if name.startswith("reshape")]
-    vm = relax.VirtualMachine(built, tvm.cpu())
     weights = _rand(50, 64)
     chosen = np.array([3, 0, 49, 3, 17], dtype="int64")
-    got = vm["main"](tvm.runtime.tensor(chosen), tvm.runtime.tensor(weights)).numpy()
-    np.testing.assert_array_equal(got, 2 * weights[chosen][None])
+    np.testing.assert_array_equal(run(built, chosen, weights), 2 * weights[chosen][None])
 
 
 _HELD_ITERATION = r"""
@@ -607,7 +598,7 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     claimed = claim_iterations(held, tirx.IntImm("int64", grain))
     assert "bert_claim" in claimed.script()
     objects = [str(c_object("held_iteration", CLAIM_SOURCE + _HELD_ITERATION, ()))]
-    library = tvm.compile(tvm.IRModule({"main": claimed}), TARGET, tir_pipeline=tir_pipeline(TARGET))
+    library = build_kernel(claimed, TARGET)
     path = str(tmp_path / "held.so")
     library.export_library(path, addons=objects)
     seen, finished = tvm.runtime.tensor(np.zeros(count, np.int64)), tvm.runtime.tensor(np.zeros(1, np.int64))

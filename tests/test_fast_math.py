@@ -12,6 +12,7 @@ from tvm import te
 
 from compile.build import make_target
 from compile.kernels.fast_math import EXP2_POLYNOMIAL, exp2_of_nonpositive, fast_math
+from tests.support.tvm_run import build_kernel, call_kernel
 
 TARGET = make_target("cpu", mcpu="x86-64-v3")
 
@@ -22,27 +23,25 @@ def _build(op):
     sch = tvm.s_tir.Schedule(fast_math(te.create_prim_func([x, y])))
     _, lanes = sch.split(sch.get_loops(sch.get_sblock("y"))[0], [None, 8])
     sch.vectorize(lanes)
-    return tvm.compile(sch.mod, target=TARGET)
+    return build_kernel(sch.mod, TARGET)
 
 
-def _run(lib, values: np.ndarray) -> np.ndarray:
-    out = tvm.runtime.tensor(np.zeros_like(values))
-    lib(tvm.runtime.tensor(values), out)
-    return out.numpy()
+def _elementwise(lib, values: np.ndarray) -> np.ndarray:
+    return call_kernel(lib, [values], [(values.shape, values.dtype)])[0]
 
 
 def test_erf_is_within_4e_7_of_the_c_librarys():
     lib = _build(te.erf)
     values = np.linspace(-6, 6, 4096, dtype=np.float32)
     expected = np.array([math.erf(v) for v in values.astype(np.float64)])
-    assert np.abs(_run(lib, values) - expected).max() < 4e-7
+    assert np.abs(_elementwise(lib, values) - expected).max() < 4e-7
 
 
 def test_exp_is_within_3e_7_relative_of_the_c_librarys():
     lib = _build(te.exp)
     values = np.linspace(-87, 88, 4096, dtype=np.float32)
     expected = np.exp(values.astype(np.float64))
-    assert (np.abs(_run(lib, values) - expected) / expected).max() < 3e-7
+    assert (np.abs(_elementwise(lib, values) - expected) / expected).max() < 3e-7
 
 
 def test_exp_keeps_its_range_ends():
@@ -51,7 +50,7 @@ def test_exp_keeps_its_range_ends():
     lib = _build(te.exp)
     values = np.array([-np.inf, -3e38, -1000, -88.5, -88, 88.39, 88.7, 1000, np.inf] * 456, np.float32)
     expected = [0, 0, 0, 0, 0, np.inf, np.inf, np.inf, np.inf] * 456
-    np.testing.assert_array_equal(_run(lib, np.resize(values, 4096)), np.resize(expected, 4096))
+    np.testing.assert_array_equal(_elementwise(lib, np.resize(values, 4096)), np.resize(expected, 4096))
 
 
 def test_softmax_exp2_reduces_with_adds_and_rounds_without_floor_or_conversion():
@@ -62,8 +61,8 @@ def test_softmax_exp2_reduces_with_adds_and_rounds_without_floor_or_conversion()
     lib = _build(exp2_of_nonpositive)
     values = np.linspace(-126, 0, 4096, dtype=np.float32)
     expected = 2.0 ** values.astype(np.float64)
-    assert (np.abs(_run(lib, values) - expected) / expected).max() < 1e-7
-    np.testing.assert_array_equal(_run(lib, np.resize(np.array([-127.5, -1000, -3e38, -np.inf], np.float32), 4096)), 0)
+    assert (np.abs(_elementwise(lib, values) - expected) / expected).max() < 1e-7
+    np.testing.assert_array_equal(_elementwise(lib, np.resize(np.array([-127.5, -1000, -3e38, -np.inf], np.float32), 4096)), 0)
     assembly = lib.mod.inspect_source("asm")
     instructions = set(re.findall(r"^\s+(v\w+)\s", assembly, re.MULTILINE))
     assert "vpslld" in instructions and not instructions & {"vroundps", "vcvttps2dq", "vcvtps2dq"}

@@ -16,16 +16,14 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 
-from artifact.cpu_features import missing_on_host, target_features
 from artifact.packed_batch import pack_batch
 from compile.build import make_target
 from compile.kernels import amx, attention, attention_amx, attention_bf16, bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.common import vector_lanes
 from compile.kernels.launch import CLAIM
-from compile.lowering import tir_pipeline
 from compile.passes.fuse_attention import fuse_attention_in
-from compile.schedule import cpu_pipeline
+from tests.support.tvm_run import build_scheduled, run, skip_unless_runs_here
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -167,10 +165,6 @@ def _calls(mod: tvm.IRModule) -> list[str]:
 # ----------------------------------------------------------------------------- numerics
 
 
-def _runs_here(target) -> bool:
-    return not missing_on_host(target_features(target))
-
-
 def _inputs(layout: str, seq: int, masks: np.ndarray, seed: int, head_size: int = HEAD_SIZE):
     """Random Q/K/V rows and the additive mask for `masks` [batch, seq] (1: a real token)."""
     rng = np.random.default_rng(seed)
@@ -198,11 +192,8 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
     assert fuse_attention_in(module, lanes)[1] == 1
-    built = {products: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=products),
-                                   tir_pipeline=tir_pipeline(target))
-             for products in (None, "fp32")}
-    if not _runs_here(target):
-        pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")
+    built = {products: build_scheduled(module, target, attention=products) for products in (None, "fp32")}
+    skip_unless_runs_here(target)
     unfused, fused = _run_unfused_and_fused(built[None], built["fp32"], layout, seq)
     # each within 3e-6 of float64 on these inputs (logits up to ~20); the kernel's exp is base 2, the
     # graph's base e, so their rounding errors do not cancel
@@ -214,12 +205,10 @@ def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.run
     """`module` built with attention's products in bf16 (`products` "bf16": for an AVX512_BF16 CPU;
     "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
     target = make_target("cpu", mcpu=PRODUCT_CPUS[products])
-    built = tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=products),
-                        tir_pipeline=tir_pipeline(target))
+    built = build_scheduled(module, target, attention=products)
     built.export_library(str(path), addons=bf16.linked_objects(module, products)
                          + amx.linked_objects(module, target, products))
-    if not _runs_here(target):
-        pytest.skip(f"compiled for {PRODUCT_CPUS[products]}; this CPU lacks its features, so it is not run")
+    skip_unless_runs_here(target)
     return tvm.runtime.load_module(str(path))
 
 
@@ -233,8 +222,7 @@ def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, sy
     bound = tirx.Var("s", "int64") if symbolic else seq
     head_size = 32 if products == "amx" else HEAD_SIZE
     module = _attention_module(layout, bound, head_size=head_size, upper_bound=64 if symbolic else None)
-    unfused_lib = tvm.compile(module, TARGETS[16], relax_pipeline=cpu_pipeline(TARGETS[16], attention=None),
-                              tir_pipeline=tir_pipeline(TARGETS[16]))
+    unfused_lib = build_scheduled(module, TARGETS[16], attention=None)
     unfused, fused = _run_unfused_and_fused(unfused_lib, _bf16_library(module, tmp_path / "fused.so", products),
                                             layout, seq, head_size)
     np.testing.assert_allclose(fused, unfused, rtol=0, atol=0.15)
@@ -262,7 +250,7 @@ def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, 
             q, k, v = _bf16(head[0] * np.float32(1 / math.sqrt(head_size))), _bf16(head[1]), _bf16(head[2])
             scores = _kernel_exp(q @ k.T - (q @ k.T).max(1, keepdims=True))
             expected[rows, h * head_size:(h + 1) * head_size] = _bf16(scores) @ v / scores.sum(1, keepdims=True)
-    got = relax.VirtualMachine(library, tvm.cpu())["main"](*(tvm.runtime.tensor(x) for x in inputs)).numpy()
+    got = run(library, *inputs)
     # a score 1 ulp off (summation order) can round its probability the other way: one bf16 step
     # (2^-8 of it) in that query's head row; rare, so a few rows may show it, no more
     differs = np.abs(got - expected) > 1e-5
@@ -360,8 +348,8 @@ def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
                            head_size: int = HEAD_SIZE) -> tuple[np.ndarray, np.ndarray]:
     """Both libraries' outputs on `_run_masks`' sequences, on the rows any output reads."""
     masks = _run_masks(layout, seq)
-    inputs = [tvm.runtime.tensor(x) for x in _inputs(layout, seq, masks, seed=seq, head_size=head_size)]
-    unfused, fused = (relax.VirtualMachine(lib, tvm.cpu())["main"](*inputs).numpy() for lib in (unfused_lib, fused_lib))
+    inputs = _inputs(layout, seq, masks, seed=seq, head_size=head_size)
+    unfused, fused = (run(lib, *inputs) for lib in (unfused_lib, fused_lib))
     if layout == "padded":
         real = _read_rows(masks, seq)
         unfused, fused = unfused[real], fused[real]

@@ -16,7 +16,6 @@ import tvm_ffi
 from tvm import relax, s_tir, te, tirx
 from tvm.sym import Analyzer
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile import precision
 from compile.build import make_target
 from compile.int8_simulation import weight_scales
@@ -24,6 +23,7 @@ from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
 from compile.passes.quantize import weight_scales as weight_scales_pass
 from tests.support.kernels import int8_linear_inputs, int8_weight_operands, prefetch_guards, prefetched_addresses
+from tests.support.tvm_run import build_kernel, build_reference, call_kernel, run, skip_unless_runs_here
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -41,10 +41,8 @@ each_layout = pytest.mark.parametrize("kernel,panel", [
 def _build(func, schedule, target):
     sch = schedule(func)
     assert sch is not None
-    lib = tvm.compile(sch.mod, target=target)
-    missing = missing_on_host(target_features(target))
-    if missing:
-        pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks {', '.join(missing)}, so it is not run")
+    lib = build_kernel(sch.mod, target)
+    skip_unless_runs_here(target)
     return lib
 
 
@@ -65,8 +63,7 @@ def _pass_weight_scales(weight: np.ndarray, kernel: int8.Int8Kernel) -> np.ndarr
         with builder.dataflow():
             scales = builder.emit_output(builder.normalize(weight_scales_pass(w, n, k, kernel)))
         builder.emit_func_output(scales)
-    vm = relax.VirtualMachine(tvm.compile(builder.get(), "llvm"), tvm.cpu())
-    return vm["main"](tvm.runtime.tensor(weight)).numpy()
+    return run(build_reference(builder.get()), weight)
 
 
 @pytest.mark.parametrize("kernel", [int8.AVX2, int8.VNNI], ids=lambda kernel: kernel.name)
@@ -123,11 +120,10 @@ def test_matmul_with_bias_epilogue_matches_numpy(rows, kernel, panel):
     zero = rng.integers(0, 256, count).astype(np.int32)  # each row its own zero point
     x_scale = rng.uniform(0.01, 0.1, count).astype("float32")
     b = rng.standard_normal(n).astype("float32")
-    result = tvm.runtime.tensor(np.zeros((count, n), "float32"))
     given = [codes.astype(int8.ACTIVATION), x_scale, zero, packed, w_scale, column_sum, b]
-    lib(*(tvm.runtime.tensor(a) for a in given), result)
+    (result,) = call_kernel(lib, given, [((count, n), "float32")])
     exact = ((codes - zero[:, None]) @ quantized.T.astype(np.int64)).astype(np.float64)
-    np.testing.assert_allclose(result.numpy(), exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(result, exact * x_scale[:, None] * w_scale[None, :] + b, rtol=1e-5, atol=1e-5)
 
 
 def test_panels_are_vnni_wide_where_n_allows_and_no_amx_tile_reads_them():
@@ -149,7 +145,7 @@ def test_vnni_tile_keeps_a_zmm_accumulator_per_rows_x_panel_vectors(panel):
     kernel, target = int8.VNNI, KERNEL_TARGETS[int8.VNNI]
     inputs = int8_linear_inputs(tirx.Var("m", "int64"), 2 * panel, 64, kernel, panel)
     sch = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel)
-    asm = tvm.compile(sch.mod, target=target).mod.inspect_source("asm")
+    asm = build_kernel(sch.mod, target).mod.inspect_source("asm")
     products = re.findall(r"^\s+vpdpbusd\s+(.*)$", asm, re.MULTILINE)
     assert products and all(operands.split(",")[-1].strip().startswith("%zmm") for operands in products)
     assert len({operands.split(",")[-1].strip() for operands in products}) == kernel.rows * panel // kernel.lanes
@@ -163,7 +159,7 @@ def test_no_register_of_the_k_loop_is_spilled_to_the_stack(kernel, panel):
     accumulators and 3 weight vectors spilled two accumulators at every k step."""
     inputs = int8_linear_inputs(tirx.Var("m", "int64"), 2 * panel, 64, kernel, panel)
     sch = int8.schedule_int8_matmul(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]), kernel)
-    asm = tvm.compile(sch.mod, target=KERNEL_TARGETS[kernel]).mod.inspect_source("asm")
+    asm = build_kernel(sch.mod, KERNEL_TARGETS[kernel]).mod.inspect_source("asm")
     assert re.findall(r"^\s+(?:\{vex\}\s+)?vp(?:dpbusd|maddubsw)\s", asm, re.MULTILINE)
     assert re.findall(r"^\s+v\w+\s+-?\d*\(%rsp\), %[yz]mm\d+", asm, re.MULTILINE) == []
 
@@ -218,17 +214,14 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     outputs = row_quantize.quantize_rows_te(xt)
     quant = _build(te.create_prim_func([xt, *outputs]), lambda f: row_quantize.schedule_row_quantize(
         f, vector_lanes(target)), target)
-    rows = [tvm.runtime.tensor(np.zeros((count, k), "uint8")), tvm.runtime.tensor(np.zeros(count, "float32")),
-            tvm.runtime.tensor(np.zeros(count, "int32"))]
-    quant(tvm.runtime.tensor(x), *rows)
+    rows = call_kernel(quant, [x], [((count, k), "uint8"), ((count,), "float32"), ((count,), "int32")])
 
     inputs = int8_linear_inputs(m, n, k, kernel)
     matmul = _build(te.create_prim_func([*inputs, int8.int8_matmul_te(*inputs)]),
                     lambda f: int8.schedule_int8_matmul(f, kernel), target)
-    y = tvm.runtime.tensor(np.zeros((count, n), "float32"))
-    matmul(*rows, *(tvm.runtime.tensor(w) for w in (packed, w_scale, column_sum)), y)
+    (y,) = call_kernel(matmul, [*rows, packed, w_scale, column_sum], [((count, n), "float32")])
     reference = x @ weight.T
-    assert np.abs(y.numpy() - reference).max() < 0.02 * np.abs(reference).max()
+    assert np.abs(y - reference).max() < 0.02 * np.abs(reference).max()
 
 
 # ----------------------------------------------------------------------------- compile and serve

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax
 from tvm.script import relax as R
 
 from compile import precision
@@ -26,6 +25,7 @@ from compile.passes.quantize import embedding_agreement, sentence_rows
 from compile.passes.smooth import linear_modules, module_key, smooth_linears, smoothing_scales
 from compile.precision import Gate
 from loadtest.int8_accuracy import artifact_outputs, cosines
+from tests.support.tvm_run import build_reference, run
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -53,13 +53,6 @@ class TwoLinears:
         return down
 
 
-def _run(mod: tvm.IRModule, args: list[np.ndarray]) -> np.ndarray:
-    target = tvm.target.Target({"kind": "llvm"})
-    built = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
-    out = relax.VirtualMachine(built, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
-    return out.numpy() if hasattr(out, "numpy") else out[0].numpy()
-
-
 def test_smoothing_is_exact_in_fp32_and_its_weight_side_is_folded():
     rng = np.random.default_rng(0)
     args = [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32") for p in TwoLinears["main"].params]
@@ -68,7 +61,7 @@ def test_smoothing_is_exact_in_fp32_and_its_weight_side_is_folded():
     smoothed, rewritten = smooth_linears(TwoLinears, scales)
     assert rewritten == 2
     assert count_ops(smoothed).get("relax.multiply", 0) == count_ops(TwoLinears).get("relax.multiply", 0) + 4
-    np.testing.assert_allclose(_run(smoothed, args), _run(TwoLinears, args), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(run(build_reference(smoothed), *args), run(build_reference(TwoLinears), *args), rtol=2e-5, atol=2e-5)
     # W * s is weight-only: lifted out of main, only the two activation multiplies run per call
     lifted = lift_and_transform(smoothed, [tvm.runtime.tensor(a) for a in args[1:]])
     assert count_ops(lifted.mod)["relax.multiply"] == count_ops(TwoLinears).get("relax.multiply", 0) + 2
@@ -103,7 +96,7 @@ def test_smoothing_a_bert_is_exact_in_fp32_and_folds_the_output_projections_into
     outputs, multiplies = [], []
     for module in (mod, smoothed):
         lifted = lift_and_transform(module, imported.params)
-        outputs.append(_run(lifted.mod, [*inputs, *lifted.weights]))
+        outputs.append(run(build_reference(lifted.mod), *inputs, *lifted.weights))
         multiplies.append(count_ops(lifted.mod).get("relax.multiply", 0))
     assert multiplies[1] == multiplies[0] + 2 * 3  # per layer: Q/K/V, FFN in, FFN out
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
@@ -519,24 +512,20 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
     assert cosines(_artifact(tmp_path / "out", UNSEEN), _pytorch(outlier_checkpoint, UNSEEN)).min() > 0.9999
 
 
-@pytest.mark.parametrize("mcpu", ["x86-64-v3", None], ids=["avx2-fp32-fallback", "this-cpu"])
+@pytest.mark.parametrize("mcpu", [pytest.param("x86-64-v3", marks=pytest.mark.requires("avx2"), id="avx2-fp32-fallback"),
+                                  pytest.param(None, marks=pytest.mark.requires("avx512_bf16"), id="this-cpu")])
 def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, mcpu):
     """Under a cosine floor int8 alone cannot keep, the planted linear stays bf16 where the CPU has
     AVX512_BF16, else fp32 (x86-64-v3: AVX2, no bf16), recorded in the manifest; the answers stay
     PyTorch's. Attention's products are asked for (fp32), so that no timing of this tiny model's
     kernel (tens of microseconds, within noise) decides the kept unit's precision. Kept in fp32, the
-    library loses what its plan's simulation said it would."""
+    library loses what its plan's simulation said it would. This CPU's case requires AVX512_BF16: the
+    x86-64-v3 case covers the fp32 fallback."""
     from safetensors.numpy import load_file
 
-    from artifact.cpu_features import missing_on_host, target_features
     from tests.support.artifacts import compile_artifact
 
-    target = make_target("cpu", mcpu=mcpu)
-    if missing_on_host(target_features(target)):
-        pytest.skip(f"this CPU cannot run code for {mcpu}")
-    fallback_precision = kept_precision(target)  # untimed: attention's products are asked for below
-    if mcpu is None and fallback_precision == "fp32":
-        pytest.skip("this CPU has no AVX512_BF16: the x86-64-v3 case covers the fp32 fallback")
+    fallback_precision = kept_precision(make_target("cpu", mcpu=mcpu))  # untimed: attention's products are asked for
     out = tmp_path / "out"
     manifest, _ = compile_artifact(cancelling_checkpoint, out, ["1x5"], precision="int8", min_cosine=0.9999,
                                    attention_products="fp32", generic_shapes=["3x20"],

@@ -12,6 +12,7 @@ from tvm.script import tirx as T
 
 from compile.build import make_target
 from compile.lowering import CPU_TIR_PIPELINE, STACK_BUFFER_BYTES, stack_allocate_small_buffers, tir_pipeline
+from tests.support.tvm_run import build_kernel, call_kernel
 
 SMALL = 256  # floats: 1 KB, where TVM starts using a heap workspace
 LARGE = 4 * STACK_BUFFER_BYTES  # floats, read at every 16th: 16 KB after compaction, 4x the stack limit
@@ -62,7 +63,5 @@ def test_the_cpu_pipeline_computes_the_same():
     target = make_target("cpu")
     assert tir_pipeline(target) == CPU_TIR_PIPELINE and tir_pipeline(make_target("cuda")) == "default"
     a = np.random.default_rng(0).standard_normal(SMALL).astype("float32")
-    out = tvm.runtime.tensor(np.zeros(SMALL, "float32"))
-    module = tvm.IRModule({"main": before.with_attr("global_symbol", "main")})
-    tvm.compile(module, target, tir_pipeline=tir_pipeline(target))["main"](tvm.runtime.tensor(a), out)
-    np.testing.assert_allclose(out.numpy(), 4 * a + 1, rtol=1e-6)
+    (out,) = call_kernel(build_kernel(before.with_attr("global_symbol", "main"), target), [a], [((SMALL,), "float32")])
+    np.testing.assert_allclose(out, 4 * a + 1, rtol=1e-6)

@@ -21,7 +21,6 @@ from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.sym import Analyzer
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.kernels.common import vector_lanes
 from compile.kernels.dense import packed_panel_width, schedule_matmul
@@ -31,17 +30,12 @@ from compile.passes.lift import lift_and_transform
 from compile.passes.packing import pack_linear_weights
 from compile.passes.specialize import specialize_te_kernels
 from compile.passes.strategy import apply_strategy
-from compile.schedule import cpu_pipeline
 from tests.support.kernels import prefetch_guards, prefetched_addresses
+from tests.support.tvm_run import build_scheduled, run, skip_unless_runs_here
 
 MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
 TARGETS = {lanes: make_target("cpu", mcpu=mcpu) for lanes, mcpu in MCPU_OF_LANES.items()}
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
-
-
-def _runs_here(target: tvm.target.Target) -> bool:
-    """Whether this CPU has every feature code for `target` may use (unknown: assume it has)."""
-    return not missing_on_host(target_features(target))
 
 
 def _panel(lanes: int) -> int:
@@ -137,13 +131,12 @@ def test_packed_kernel_matches_torch(m, k, lanes):
     nt = packed_panel_width(n, lanes)
     assert lifted.weights[-1].shape == (n // nt, k, nt)
     np.testing.assert_array_equal(lifted.weights[-1], w.reshape(n // nt, nt, k).transpose(0, 2, 1))
-    executable = tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))
-    if not _runs_here(target):
-        pytest.skip(f"compiled for {MCPU_OF_LANES[lanes]}; this CPU lacks its features, so it is not run")
+    executable = build_scheduled(lifted.mod, target)
+    skip_unless_runs_here(target)
     vm = relax.VirtualMachine(executable, tvm.cpu())
     for rows in ([5, 1, 19] if m == "symbolic" else [m]):
         x = np.random.default_rng(rows).standard_normal((rows, k)).astype("float32")
-        out = vm["main"](tvm.runtime.tensor(x), *[tvm.runtime.tensor(p) for p in lifted.weights]).numpy()
+        out = run(vm, x, *lifted.weights)
         expected = torch.nn.functional.gelu(torch.from_numpy(x) @ torch.from_numpy(w).T + torch.from_numpy(b))
         np.testing.assert_allclose(out, expected.numpy(), rtol=1e-4, atol=1e-4)
 
@@ -252,4 +245,4 @@ def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
     assert count == 1
     lifted = lift_and_transform(mod, [tvm.runtime.tensor(x) for x in _weights(48, n)])
     assert lifted.weights[-1].shape == (n // _panel(lanes), 48, _panel(lanes))
-    tvm.compile(lifted.mod, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))
+    build_scheduled(lifted.mod, target)

@@ -10,6 +10,7 @@ from compile.passes.canonicalize import canonicalize, matmul_first_add
 from compile.passes.combine import combine_parallel_matmuls
 from compile.passes.lift import lift_and_transform
 from tests.support.relax_modules import BiasFirstQKV
+from tests.support.tvm_run import build_reference, run
 
 
 def test_combine_does_nothing_without_canonicalisation():
@@ -40,15 +41,8 @@ def test_passes_are_numerically_neutral():
     rng = np.random.default_rng(0)
     args = [rng.standard_normal(p.ty.shape and [int(d) for d in p.ty.shape]).astype("float32")
             for p in BiasFirstQKV["main"].params]
-    target = tvm.target.Target({"kind": "llvm"})
-
-    def run(mod):
-        ex = tvm.compile(mod, target, relax_pipeline=relax.get_default_pipeline(target))
-        out = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
-        return [out[i].numpy() for i in range(3)]
-
-    expected = run(BiasFirstQKV)
-    actual = run(combine_parallel_matmuls()(canonicalize()(BiasFirstQKV)))
+    expected = run(build_reference(BiasFirstQKV), *args)
+    actual = run(build_reference(combine_parallel_matmuls()(canonicalize()(BiasFirstQKV))), *args)
     for e, a in zip(expected, actual):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 

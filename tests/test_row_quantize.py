@@ -8,27 +8,20 @@ import numpy as np
 import pytest
 import torch
 import tvm
-from tvm import relax, te, tirx
+from tvm import te, tirx
 from tvm.script import relax as R
 
-from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
 from compile.int8_simulation import fake_quantized_linear
 from compile.kernels import int8, row_quantize
 from compile.kernels.common import vector_lanes
-from compile.lowering import tir_pipeline
 from compile.opcount import count_ops
 from compile.passes.quantize import quantize_linears
 from compile.passes.smooth import smooth_linears
-from compile.schedule import cpu_pipeline, schedule_func
+from compile.schedule import schedule_func
+from tests.support.tvm_run import build_kernel, build_scheduled, call_kernel, run, skip_unless_runs_here
 
 LEVELS = [make_target("cpu", mcpu="x86-64-v3"), make_target("cpu", mcpu="x86-64-v4")]  # 8 and 16 lanes
-
-
-def _runnable(target):
-    missing = missing_on_host(target_features(target))
-    if missing:
-        pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks {', '.join(missing)}, so it is not run")
 
 
 def _expected(values: np.ndarray, multiplier: np.ndarray | None) -> tuple[np.ndarray, ...]:
@@ -57,8 +50,8 @@ def test_row_quantizer_maps_each_rows_range_onto_the_bytes(target, smoothed, odd
     func = te.create_prim_func([x, *([multiplier] if smoothed else []), *row_quantize.quantize_rows_te(x, multiplier)])
     assert (row_quantize.schedule_row_quantize(func, lanes) is None) == odd_width
     scheduled = schedule_func(func, target)
-    lib = tvm.compile(tvm.IRModule({"main": scheduled}), target=target, tir_pipeline=tir_pipeline(target))
-    _runnable(target)
+    lib = build_kernel(scheduled, target)
+    skip_unless_runs_here(target)
 
     rng = np.random.default_rng(3)
     values = rng.standard_normal((6, width)).astype("float32")
@@ -66,13 +59,12 @@ def test_row_quantizer_maps_each_rows_range_onto_the_bytes(target, smoothed, odd
     values[3] = np.abs(values[3])  # all positive: zero point 0
     values[4] = np.maximum(values[4], -0.17)  # GELU-like: a short negative tail
     scales = rng.uniform(0.2, 5.0, width).astype("float32") if smoothed else None
-    out = [tvm.runtime.tensor(np.zeros((6, width), "uint8")), tvm.runtime.tensor(np.zeros(6, "float32")),
-           tvm.runtime.tensor(np.zeros(6, "int32"))]
-    lib["main"](tvm.runtime.tensor(values), *([tvm.runtime.tensor(scales)] if smoothed else []), *out)
+    out = call_kernel(lib, [values, *([scales] if smoothed else [])],
+                      [((6, width), "uint8"), ((6,), "float32"), ((6,), "int32")])
     codes, scale, zero = _expected(values, scales)
-    np.testing.assert_array_equal(out[1].numpy(), scale)
-    np.testing.assert_array_equal(out[2].numpy(), zero)
-    np.testing.assert_array_equal(out[0].numpy(), codes)
+    np.testing.assert_array_equal(out[1], scale)
+    np.testing.assert_array_equal(out[2], zero)
+    np.testing.assert_array_equal(out[0], codes)
     assert zero[3] == 0 and all(codes[row].min() == 0 for row in (0, 1, 4))  # the range's ends are codes
     assert all(codes[row].max() >= 254 for row in (0, 1, 3, 4))
 
@@ -113,9 +105,9 @@ def test_quantize_pass_folds_the_smoothing_multiply_into_the_row_quantizer():
     # per call, smoothing multiplied twice (1 / s) and the weights twice (W x s, lifted out later)
     assert count_ops(smoothed)["relax.multiply"] - count_ops(quantized).get("relax.multiply", 0) == 2
 
-    built = tvm.compile(quantized, target, relax_pipeline=cpu_pipeline(target), tir_pipeline=tir_pipeline(target))
-    _runnable(target)
-    ours = relax.VirtualMachine(built, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in args)).numpy()
+    built = build_scheduled(quantized, target)
+    skip_unless_runs_here(target)
+    ours = run(built, *args)
     x, ln_weight, ln_bias, up, down = (torch.from_numpy(a) for a in args)
     h = torch.nn.functional.layer_norm(x, [96], ln_weight, ln_bias)
     linear = {name: torch.nn.Linear(*w.shape[::-1], bias=False) for name, w in (("up", up), ("down", down))}

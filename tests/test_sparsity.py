@@ -24,16 +24,13 @@ from compile.passes.sparsity import (
     to_bsr,
 )
 from compile.passes.strategy import apply_strategy
+from tests.support.tvm_run import build_kernel, build_reference, call_kernel, run, skip_unless_runs_here
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
 CPU = make_target("cpu")
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 VOCAB = 30522
-
-
-def _vm(mod: tvm.IRModule) -> relax.VirtualMachine:
-    return relax.VirtualMachine(tvm.compile(mod, CPU, relax_pipeline=relax.get_default_pipeline(CPU)), tvm.cpu())
 
 
 # ----------------------------------------------------------------------------- pruning
@@ -78,7 +75,6 @@ def test_to_bsr_round_trips():
 def test_bsr_kernel_matches_dense(block, mcpu):
     """One build, symbolic M: M=1, M at and around the kernel's row tile, odd M, and a weight with
     empty block rows; compiled for AVX2 and AVX-512, run where this CPU can."""
-    from artifact.cpu_features import missing_on_host, target_features
     from compile.kernels.common import vector_lanes
     from compile.kernels.sparse import tile_rows
 
@@ -91,16 +87,13 @@ def test_bsr_kernel_matches_dense(block, mcpu):
     data, indices, indptr = to_bsr(weight, block)
     assert indptr[1] == 0
     kernel = bsr_matmul_func(k, len(indices), block, n // block[0], "float32", target)
-    lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target)
-    if missing_on_host(target_features(target)):
-        pytest.skip(f"compiled for {mcpu}; this CPU lacks its features, so it is not run")
+    lib = build_kernel(kernel.with_attr("global_symbol", "main"), target)
+    skip_unless_runs_here(target)
     rows = tile_rows(vector_lanes(target), block[0])
     for m in (1, rows, rows + 1, 37):
         x = rng.standard_normal((m, k)).astype(np.float32)
-        out = np.zeros((m, n // block[0], block[0]), np.float32)
-        args = [tvm.runtime.tensor(a) for a in (x, data, indices, indptr, out)]
-        lib["main"](*args)
-        np.testing.assert_allclose(args[-1].numpy().reshape(m, n), x @ weight.T, rtol=1e-5, atol=1e-5)
+        (out,) = call_kernel(lib, [x, data, indices, indptr], [((m, n // block[0], block[0]), "float32")])
+        np.testing.assert_allclose(out.reshape(m, n), x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite
@@ -141,10 +134,10 @@ def test_sparsify_rewrites_only_eligible_matmuls():
         "w2_bsr_data", "w2_bsr_indices", "w2_bsr_indptr", "w3", "w4"]
     assert [tuple(p.shape) for p in new_params] == [tuple(int(d) for d in p.ty.shape) for p in main.params[2:]]
     x, x3 = rng.standard_normal((5, 32)).astype(np.float32), rng.standard_normal((2, 5, 32)).astype(np.float32)
-    got = _vm(mod)["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(x3), *new_params)
+    got = run(build_reference(mod, CPU), x, x3, *new_params)
     w1, w2, w3, w4 = params
     for out, want in zip(got, ((x @ w1.T) @ w2.T, x3 @ w3.T, x @ w4.T)):
-        np.testing.assert_allclose(out.numpy(), want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
 # ----------------------------------------------------------------------------- tiny BERT
@@ -171,8 +164,7 @@ def test_tiny_bert_sparse_build_matches_torch(tiny_bert):
     assert report["rewritten"] == 6 and report["density"] == pytest.approx(0.25)
     lifted = lift_and_transform(mod, new_params)
     inputs = example_inputs(3, 17, VOCAB, seed=1)
-    args = [tvm.runtime.tensor(a) for a in [*(t.numpy() for t in inputs), *lifted.weights]]
-    got = _vm(lifted.mod)["main"](*args)[0].numpy()
+    got = run(build_reference(lifted.mod, CPU), *(t.numpy() for t in inputs), *lifted.weights)[0]
     with torch.no_grad():
         want = wrapper(*inputs).numpy()
     assert np.abs(got - want).max() <= 1e-4
@@ -182,8 +174,7 @@ def test_tiny_bert_sparse_cuda_build_compiles(tiny_bert):
     _, _, combined, params = tiny_bert
     mod, new_params, _ = sparsify(combined, params, (16, 1), target=CUDA)
     lifted = lift_and_transform(mod, new_params)
-    executable = tvm.compile(lifted.mod, CUDA, relax_pipeline=relax.get_default_pipeline(CUDA))
-    assert executable is not None
+    assert build_reference(lifted.mod, CUDA) is not None
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,11 @@ from compile.passes.lift import lift_and_transform
 from compile.passes.strategy import STRATEGIES, apply_strategy
 from compile.pipeline import Candidates, choose_strategies, save_weights
 from compile.validate import library_diff
-from tests.support.relax_modules import BiasFirstQKV
 from tests.support.artifacts import compile_artifact
+from tests.support.relax_modules import BiasFirstQKV
+from tests.support.tvm_run import build_reference, run
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
-
-CPU = tvm.target.Target({"kind": "llvm"})
 
 
 @tvm.script.ir_module
@@ -42,12 +41,6 @@ class UnequalWidths:
         return out
 
 
-def _run(mod, args):
-    ex = tvm.compile(mod, CPU, relax_pipeline=relax.get_default_pipeline(CPU))
-    out = relax.VirtualMachine(ex, tvm.cpu())["main"](*[tvm.runtime.tensor(a) for a in args])
-    return [out[i].numpy() for i in range(len(out))]
-
-
 def _random_args(mod):
     rng = np.random.default_rng(0)
     return [rng.standard_normal([int(d) for d in p.ty.shape]).astype("float32") for p in mod["main"].params]
@@ -62,7 +55,7 @@ def test_batched_pass_makes_one_batch_matmul_and_is_exact():
                  if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == "relax.matmul"]
     assert [int(d) for d in matmul.ty.shape] == [3, 8, 8]  # [branches, M, N]
     args = _random_args(BiasFirstQKV)
-    for expected, actual in zip(_run(BiasFirstQKV, args), _run(result.mod, args)):
+    for expected, actual in zip(run(build_reference(BiasFirstQKV), *args), run(build_reference(result.mod), *args)):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -73,7 +66,7 @@ def test_batched_pass_refuses_unequal_widths_that_concat_takes():
     concat = combine_parallel_matmuls()(UnequalWidths)
     assert tracked_counts(concat)["matmul"] == 1
     args = _random_args(UnequalWidths)
-    for expected, actual in zip(_run(UnequalWidths, args), _run(concat, args)):
+    for expected, actual in zip(run(build_reference(UnequalWidths), *args), run(build_reference(concat), *args)):
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -89,8 +82,7 @@ def test_each_strategy_matches_pytorch_on_minilm(minilm_imported, minilm_dir, tm
     expected_matmuls = {"concat": 36, "batched": 36, "off": 48}[strategy]
     assert tracked_counts(lifted.mod)["matmul"] == expected_matmuls
     library = tmp_path / "generic.so"
-    ex = tvm.compile(lifted.mod, CPU, relax_pipeline=relax.get_default_pipeline(CPU))
-    ex.export_library(str(library))
+    build_reference(lifted.mod).export_library(str(library))
     # Through the artifact's weight file: lifted names repeat (batched has two "lv73"), which
     # once made the saved file silently lose a tensor.
     entry = save_weights(tmp_path, strategy, lifted)

@@ -28,7 +28,9 @@ from artifact.cpu_features import missing_on_host, target_features
 LEVELS = {"avx2": "x86-64-v3", "avx512": "x86-64-v4", "avx512_vnni": "cascadelake"}
 CAPABILITIES = (*LEVELS, "avx512_bf16", "amx")
 FEATURES_FILE = "BERT_TEST_FEATURES_FILE"
-_PROPERTY = "requires"  # a test report's user property: one per capability it requires
+# a test's user properties (in its reports, so that an xdist controller sees them): one per capability
+# it requires, and one per capability it is skipped for
+REQUIRES, LACKS = "requires", "lacks"
 
 
 @functools.cache
@@ -58,19 +60,14 @@ def missing(capability: str) -> list[str]:
     return [feature for feature in needed if feature not in host()[1] or feature in hidden]
 
 
-def has(capability: str) -> bool:
-    """Whether this CPU has every feature of `capability`."""
-    return not missing(capability)
-
-
 def required(item: pytest.Item) -> list[str]:
     """The capabilities `item`'s requires markers name, in order."""
     return [capability for marker in item.iter_markers("requires") for capability in marker.args]
 
 
 class FeatureRecord:
-    """A pytest plugin: skips a test whose required capabilities this CPU lacks, and records which
-    capabilities the run exercised."""
+    """A pytest plugin: marks a test skipped where this CPU lacks a capability it requires, and counts
+    the tests of each capability that ran and that were skipped."""
 
     def __init__(self) -> None:
         self.ran: Counter[str] = Counter()
@@ -78,24 +75,22 @@ class FeatureRecord:
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         for item in items:
-            unknown = [capability for capability in required(item) if capability not in CAPABILITIES]
-            if unknown:
-                raise pytest.UsageError(f"{item.nodeid}: unknown capability {unknown[0]!r} in requires(); known: "
-                                        f"{', '.join(CAPABILITIES)}")
-            # carried by the test's reports, so that an xdist controller sees them too
-            item.user_properties.extend((_PROPERTY, capability) for capability in required(item))
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        for capability in required(item):
-            lacking = missing(capability)
-            if lacking:
-                pytest.skip(f"requires {capability}: this CPU lacks {', '.join(lacking)}")
+            for capability in required(item):
+                if capability not in CAPABILITIES:
+                    raise pytest.UsageError(f"{item.nodeid}: unknown capability {capability!r} in requires(); known: "
+                                            f"{', '.join(CAPABILITIES)}")
+                item.user_properties.append((REQUIRES, capability))
+                lacking = missing(capability)
+                if lacking:
+                    item.user_properties.append((LACKS, capability))
+                    item.add_marker(pytest.mark.skip(reason=f"requires {capability}: this CPU lacks {', '.join(lacking)}"))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        capabilities = [value for name, value in report.user_properties if name == _PROPERTY]
-        if report.when == "call" or report.when == "setup" and report.skipped:
-            (self.skipped if report.skipped else self.ran).update(capabilities)
+        properties = [tuple(pair) for pair in report.user_properties]
+        if report.when == "setup" and report.skipped:
+            self.skipped.update(value for name, value in properties if name == LACKS)
+        elif report.when == "call" and not report.skipped:
+            self.ran.update(value for name, value in properties if name == REQUIRES)
 
     def record(self) -> dict:
         mcpu, features = host()

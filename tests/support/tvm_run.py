@@ -71,4 +71,6 @@ def skip_unless_runs_here(target: tvm.target.Target) -> None:
     """Skip the rest of a test (which has built for `target`) where this CPU cannot run the code."""
     missing = missing_here(target)
     if missing:
-        pytest.skip(f"compiled for {cpu_name(target)}; this CPU lacks {', '.join(missing)}, so it is not run")
+        # reported at the test, as a skip mark is, not at this line
+        raise pytest.skip.Exception(f"compiled for {cpu_name(target)}; this CPU lacks {', '.join(missing)}, so it is "
+                                    "not run", _use_item_location=True)

@@ -16,7 +16,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from compile.config import default_model_dir  # noqa: E402
 from tests.support.artifacts import compile_artifact  # noqa: E402
 from tests.support.capabilities import FeatureRecord  # noqa: E402
-from tests.support.checkpoints import WHOLE_PANELS, save_tiny_classifier, save_tiny_sentence_transformer  # noqa: E402
+from tests.support.checkpoints import (  # noqa: E402
+    WHOLE_PANELS,
+    save_planted_checkpoint,
+    save_tiny_classifier,
+    save_tiny_sentence_transformer,
+)
 
 
 def pytest_configure(config):
@@ -60,6 +65,18 @@ def whole_panels_bert_dir(tmp_path_factory) -> Path:
 def tiny_classifier_dir(tmp_path_factory) -> Path:
     """A 2-layer BertForSequenceClassification with three named labels."""
     return save_tiny_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+
+
+@pytest.fixture(scope="session")
+def outlier_checkpoint(tmp_path_factory) -> Path:
+    """A tiny embedder with an outlier activation channel, which smoothing removes."""
+    return save_planted_checkpoint(tmp_path_factory.mktemp("outlier"), "outlier")
+
+
+@pytest.fixture(scope="session")
+def cancelling_checkpoint(tmp_path_factory) -> Path:
+    """A tiny embedder with two huge channels that cancel in a product, which keeps a linear out of int8."""
+    return save_planted_checkpoint(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
 @pytest.fixture(scope="session")

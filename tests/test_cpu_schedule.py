@@ -14,70 +14,19 @@ import pytest
 import torch
 import tvm
 import tvm_ffi
-from tvm import relax, s_tir, tirx, topi
-from tvm.relax.backend.cpu_generic import pipeline as cpu
+from tvm import relax, tirx, topi
 from tvm.script import tirx as T
 
-from compile.build import make_target
 from compile.kernels.common import read_padded_rows_in_place, vector_lanes
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
 from compile.schedule import cpu_schedule_pass
+from tests.support.relax_modules import attention_module, dense_module, layer_norm_module
+from tests.support.schedules import compacted_allocations, cpu_target, fused, prim_funcs, random_floats
 from tests.support.tvm_run import build_kernel, build_scheduled, run
 
 TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-def _target(mcpu: str | None = None) -> tvm.target.Target:
-    return tvm.target.Target({**make_target("cpu", mcpu=mcpu).export(), "num-cores": 2})
-
-
-TARGET = _target()
-
-
-def _fused(mod: tvm.IRModule) -> tvm.IRModule:
-    with TARGET:
-        return tvm.transform.Sequential(cpu.legalize_passes(TARGET))(mod)
-
-
-def _prim_funcs(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
-    return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
-
-
-def _rand(*shape: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed + sum(shape)).standard_normal(shape).astype("float32")
-
-
-def _layer_norm_module(m, width: int) -> tvm.IRModule:
-    """layer_norm(x[m, width]) with its own gamma and beta."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((m, width), "float32"))
-    gamma, beta = (relax.Var(name, relax.TensorType((width,), "float32")) for name in ("g", "be"))
-    with bb.function("main", [x, gamma, beta]):
-        with bb.dataflow():
-            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
-def _dense_module(m, k: int, n: int, epilogue: str = "bias") -> tvm.IRModule:
-    """x[m, k] @ w[k, n] + b, then an optional GELU or residual-add-and-scale epilogue."""
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType((m, k), "float32"))
-    w = relax.Var("w", relax.TensorType((k, n), "float32"))
-    b = relax.Var("b", relax.TensorType((n,), "float32"))
-    r = relax.Var("r", relax.TensorType((m, n), "float32"))
-    params = [x, w, b] + ([r] if epilogue == "residual" else [])
-    with bb.function("main", params):
-        with bb.dataflow():
-            y = bb.emit(relax.op.add(relax.op.matmul(x, w), b))
-            if epilogue == "gelu":
-                y = bb.emit(relax.op.nn.gelu(y))
-            elif epilogue == "residual":
-                y = bb.emit(relax.op.multiply(relax.op.add(y, r), relax.const(0.5, "float32")))
-            out = bb.emit_output(y)
-        bb.emit_func_output(out)
-    return bb.get()
+TARGET = cpu_target()
 
 
 def _gelu(x: np.ndarray) -> np.ndarray:
@@ -87,8 +36,8 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("m", [1, 7, 37, 64])
 def test_dense_bias_static_odd_m(m):
     k, n = 48, 40  # n = 40: not a multiple of the AVX2 / AVX-512 N tiles either
-    x, w, b = _rand(m, k), _rand(k, n), _rand(n)
-    np.testing.assert_allclose(run(build_scheduled(_dense_module(m, k, n), TARGET), x, w, b), x @ w + b, **TOL)
+    x, w, b = random_floats(m, k), random_floats(k, n), random_floats(n)
+    np.testing.assert_allclose(run(build_scheduled(dense_module(m, k, n), TARGET), x, w, b), x @ w + b, **TOL)
 
 
 def test_a_schedule_rule_that_fails_is_said_and_a_later_rule_runs_the_kernel(monkeypatch, caplog):
@@ -96,9 +45,9 @@ def test_a_schedule_rule_that_fails_is_said_and_a_later_rule_runs_the_kernel(mon
         raise RuntimeError("the matmul rule cannot split this loop")
 
     monkeypatch.setattr("compile.schedule.schedule_matmul", failing)
-    x, w, b = _rand(9, 48), _rand(48, 40), _rand(40)
+    x, w, b = random_floats(9, 48), random_floats(48, 40), random_floats(40)
     with caplog.at_level("WARNING", logger="compile.schedule"):
-        np.testing.assert_allclose(run(build_scheduled(_dense_module(9, 48, 40), TARGET), x, w, b), x @ w + b, **TOL)
+        np.testing.assert_allclose(run(build_scheduled(dense_module(9, 48, 40), TARGET), x, w, b), x @ w + b, **TOL)
     assert any(re.match(r"fused_matmul\w*: the matmul schedule failed \(RuntimeError: the matmul rule cannot split "
                         r"this loop\); the next rules try it", message) for message in caplog.messages)
 
@@ -114,33 +63,33 @@ def test_3d_activation_times_2d_weight_symbolic_seq():
         with bb.dataflow():
             out = bb.emit_output(relax.op.add(relax.op.matmul(x, w), b))
         bb.emit_func_output(out)
-    (func,) = (f for n, f in _prim_funcs(_fused(bb.get())).items() if "matmul" in n)
+    (func,) = (f for n, f in prim_funcs(fused(bb.get(), TARGET)).items() if "matmul" in n)
     assert schedule_matmul(func, 8) is not None
-    xs, ws, bs = _rand(2, 11, 48), _rand(48, 40), _rand(40)
+    xs, ws, bs = random_floats(2, 11, 48), random_floats(48, 40), random_floats(40)
     np.testing.assert_allclose(run(build_scheduled(bb.get(), TARGET), xs, ws, bs), xs @ ws + bs, **TOL)
 
 
 def test_dense_residual_and_scale_epilogue():
     m, k, n = 37, 64, 96
-    x, w, b, r = _rand(m, k), _rand(k, n), _rand(n), _rand(m, n)
-    out = run(build_scheduled(_dense_module(m, k, n, "residual"), TARGET), x, w, b, r)
+    x, w, b, r = random_floats(m, k), random_floats(k, n), random_floats(n), random_floats(m, n)
+    out = run(build_scheduled(dense_module(m, k, n, "residual"), TARGET), x, w, b, r)
     np.testing.assert_allclose(out, (x @ w + b + r) * 0.5, **TOL)
 
 
 def test_symbolic_m_dense_with_bias_gelu():
-    mod = _dense_module(tirx.Var("m", "int64"), 64, 96, "gelu")
-    vm = relax.VirtualMachine(build_scheduled(mod, TARGET), tvm.cpu())
-    w, b = _rand(64, 96), _rand(96)
+    mod = dense_module(tirx.Var("m", "int64"), 64, 96, "gelu")
+    built = build_scheduled(mod, TARGET)
+    w, b = random_floats(64, 96), random_floats(96)
     for m in (1, 5, 40):
-        x = _rand(m, 64)
-        np.testing.assert_allclose(run(vm, x, w, b), _gelu(x @ w + b), **TOL)
+        x = random_floats(m, 64)
+        np.testing.assert_allclose(run(built, x, w, b), _gelu(x @ w + b), **TOL)
 
 
 @pytest.mark.parametrize("m", [tirx.Var("m", "int64"), 37])
 def test_a_padded_matmul_reads_its_rows_in_place(m):
     """Rows padded to the register tile are read from x itself, clamped to its last row, not from a
     zero-padded copy of x made every call (numerics at these row counts: the tests above)."""
-    (func,) = (f for name, f in _prim_funcs(_fused(_dense_module(m, 64, 96))).items() if "matmul" in name)
+    (func,) = (f for name, f in prim_funcs(fused(dense_module(m, 64, 96), TARGET)).items() if "matmul" in name)
     script = schedule_matmul(func, vector_lanes(TARGET)).mod["main"].script()
     last_row = "m - T.int64(1)" if isinstance(m, tirx.Var) else f"T.int64({m - 1})"
     assert "x_pad" not in script
@@ -208,30 +157,13 @@ def test_a_reader_of_several_padded_rows_keeps_the_copy():
     assert tvm_ffi.structural_equal(rewritten, _sums_padded_row_pairs)
 
 
-def _attention_module(heads: int, d: int, static_seq: int | None = None) -> tvm.IRModule:
-    """softmax(q @ k^T * scale) @ v on [batch * heads, seq, d], seq symbolic unless given."""
-    bh = tirx.Var("bh", "int64")
-    s = static_seq or tirx.Var("s", "int64")
-    bb = relax.BlockBuilder()
-    q = relax.Var("q", relax.TensorType((bh, s, d), "float32"))
-    kt = relax.Var("kt", relax.TensorType((bh, d, s), "float32"))
-    v = relax.Var("v", relax.TensorType((bh, s, d), "float32"))
-    with bb.function("main", [q, kt, v]):
-        with bb.dataflow():
-            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, kt), relax.const(d**-0.5, "float32")))
-            probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
-            out = bb.emit_output(relax.op.matmul(probs, v))
-        bb.emit_func_output(out)
-    return bb.get()
-
-
 @pytest.mark.parametrize("batch, seq", [(1, 1), (1, 7), (2, 33)])
 def test_attention_batch_matmuls_symbolic_seq(batch, seq):
     heads, d = 12, 32
-    q, kt, v = _rand(batch * heads, seq, d), _rand(batch * heads, d, seq), _rand(batch * heads, seq, d)
+    q, kt, v = (random_floats(*shape) for shape in ((batch * heads, seq, d), (batch * heads, d, seq), (batch * heads, seq, d)))
     scores = q @ kt * d**-0.5
     probs = torch.softmax(torch.from_numpy(scores), -1).numpy()
-    np.testing.assert_allclose(run(build_scheduled(_attention_module(heads, d), TARGET), q, kt, v), probs @ v, **TOL)
+    np.testing.assert_allclose(run(build_scheduled(attention_module(heads, d), TARGET), q, kt, v), probs @ v, **TOL)
 
 
 def test_dense_with_transposed_weight():
@@ -245,10 +177,10 @@ def test_dense_with_transposed_weight():
             out = bb.emit_output(bb.emit_te(topi.nn.dense, x, w))
         bb.emit_func_output(out)
     mod = bb.get()
-    (func,) = _prim_funcs(mod).values()
+    (func,) = prim_funcs(mod).values()
     sch = tvm.s_tir.Schedule(func)
     assert matmul_axes(sch.get(sch.get_sblock("T_matmul_NT"))) == ["I", "J", "K"]
-    xs, ws = _rand(m, k), _rand(n, k)
+    xs, ws = random_floats(m, k), random_floats(n, k)
     np.testing.assert_allclose(run(build_scheduled(mod, TARGET), xs, ws), xs @ ws.T, **TOL)
 
 
@@ -267,13 +199,13 @@ def test_norm_softmax_meanpool_symbolic():
             pooled = relax.op.divide(relax.op.sum(relax.op.multiply(ln, m3), axis=[1]), relax.op.sum(m3, axis=[1]))
             out = bb.emit_output(relax.Tuple([ln, sm, bb.emit(pooled)]))
         bb.emit_func_output(out)
-    vm = relax.VirtualMachine(build_scheduled(bb.get(), TARGET), tvm.cpu())
-    g, be = _rand(64), _rand(64, 1)[:, 0]
+    built = build_scheduled(bb.get(), TARGET)
+    g, be = random_floats(64), random_floats(64, 1)[:, 0]
     for shape in [(1, 1), (3, 17)]:
-        x = _rand(*shape, 64)
+        x = random_floats(*shape, 64)
         msk = np.ones(shape, "float32")
         msk[1:, shape[1] // 2 :] = 0
-        ln, sm, pooled = run(vm, x, msk, g, be)
+        ln, sm, pooled = run(built, x, msk, g, be)
         t = torch.from_numpy(x)
         ref_ln = torch.nn.functional.layer_norm(t, (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
         ref_sm = torch.softmax(ref_ln + torch.from_numpy(msk)[:, :, None], dim=1)
@@ -286,11 +218,11 @@ def test_norm_softmax_meanpool_symbolic():
 def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
     """Each row's mean and variance reduced in vector lanes, all under one parallel loop over rows
     (dlight's rule launched the pool once per block and summed each row in a scalar chain)."""
-    module = _layer_norm_module(tirx.Var("t", "int64"), 384)
-    (norm,) = _prim_funcs(_fused(module)).values()
+    module = layer_norm_module(tirx.Var("t", "int64"), 384)
+    (norm,) = prim_funcs(fused(module, TARGET)).values()
     scheduled = schedule_rows(norm, vector_lanes(TARGET)).mod.script()
     assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
-    xs, g, be = _rand(7, 384) * 3 + 1, _rand(384), _rand(384, 1)[:, 0]
+    xs, g, be = random_floats(7, 384) * 3 + 1, random_floats(384), random_floats(384, 1)[:, 0]
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
     np.testing.assert_allclose(run(build_scheduled(module, TARGET), xs, g, be), expected.numpy(), **TOL)
 
@@ -312,12 +244,12 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
             scaled = relax.op.add(relax.op.divide(scores, relax.const(8.0, "float32")), mask)
             out = bb.emit_output(bb.emit(relax.op.nn.softmax(scaled, axis=-1)))
         bb.emit_func_output(out)
-    fused = _prim_funcs(_fused(bb.get()))
-    softmax = next(f for name, f in fused.items() if "softmax" in name)
+    kernels = prim_funcs(fused(bb.get(), TARGET))
+    softmax = next(f for name, f in kernels.items() if "softmax" in name)
     scheduled = schedule_rows(softmax, vector_lanes(TARGET))
     assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
     assert scheduled.mod.script().count("T.parallel") == 1  # one launch of the thread pool
-    x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
+    x, msk = random_floats(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
     msk[1, ..., seq // 2:] = -1e9
     expected = torch.softmax(torch.from_numpy(x) / 8.0 + torch.from_numpy(msk), dim=-1).numpy()
     np.testing.assert_allclose(run(build_scheduled(bb.get(), TARGET), x, msk), expected, **TOL)
@@ -330,7 +262,7 @@ def test_row_rule_leaves_a_width_the_lanes_do_not_divide_to_dlight():
         with bb.dataflow():
             out = bb.emit_output(bb.emit(relax.op.nn.softmax(x, axis=-1)))
         bb.emit_func_output(out)
-    softmax = next(iter(_prim_funcs(_fused(bb.get())).values()))
+    softmax = next(iter(prim_funcs(fused(bb.get(), TARGET)).values()))
     assert schedule_rows(softmax, 8) is None
 
 
@@ -344,9 +276,10 @@ def _walk_loop_kinds(func: tirx.PrimFunc) -> set[str]:
 
 
 def test_rule_applies_parallel_and_vectorized():
-    before = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 384, 1536, "gelu")))
+    dense = dense_module(tirx.Var("m", "int64"), 384, 1536, "gelu")
+    before = prim_funcs(fused(dense, TARGET))
     with TARGET:
-        after = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_dense_module(tirx.Var("m", "int64"), 384, 1536, "gelu"))))
+        after = prim_funcs(cpu_schedule_pass(TARGET)(fused(dense, TARGET)))
     names = [n for n in before if "matmul" in n]
     assert names, before.keys()
     for name in names:
@@ -360,21 +293,21 @@ def test_rule_applies_parallel_and_vectorized():
 
 def test_every_kernel_of_a_layer_is_parallel():
     """No kernel of an attention + norm module is left serial (none may become the bottleneck)."""
-    after = cpu_schedule_pass(TARGET)(_fused(_attention_module(12, 32)))
-    for name, func in _prim_funcs(after).items():
+    after = cpu_schedule_pass(TARGET)(fused(attention_module(12, 32), TARGET))
+    for name, func in prim_funcs(after).items():
         assert "T.parallel" in func.script(), name
 
 
 def test_vector_lanes_follow_target_features():
-    assert vector_lanes(_target("skylake-avx512")) == 16
-    assert vector_lanes(_target("haswell")) == 8
-    assert vector_lanes(_target("x86-64")) == 4
+    assert vector_lanes(cpu_target("skylake-avx512")) == 16
+    assert vector_lanes(cpu_target("haswell")) == 8
+    assert vector_lanes(cpu_target("x86-64")) == 4
 
 
 def test_avx512_tile_compiles_without_running():
     """The AVX-512 variant (8 x 48 tile) must at least build, even where it cannot run."""
-    target = _target("skylake-avx512")
-    (func,) = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 64, 96))).values()
+    target = cpu_target("skylake-avx512")
+    (func,) = prim_funcs(fused(dense_module(tirx.Var("m", "int64"), 64, 96), TARGET)).values()
     sch = schedule_matmul(func, vector_lanes(target))
     assert sch is not None
     build_kernel(sch.mod["main"].with_attr("global_symbol", "mm"), target)
@@ -402,9 +335,9 @@ def test_unrecognised_loop_carried_kernel_stays_correct():
     mod = bb.get()
     with TARGET:
         after = cpu_schedule_pass(TARGET)(mod)
-    script = _prim_funcs(after)["prefix_sum"].script()
+    script = prim_funcs(after)["prefix_sum"].script()
     assert "T.parallel" not in script and "T.vectorized" not in script
-    xs = _rand(64)
+    xs = random_floats(64)
     np.testing.assert_allclose(run(build_scheduled(mod, TARGET), xs), np.cumsum(xs), **TOL)
 
 
@@ -414,14 +347,14 @@ def test_a_kernel_launches_the_pool_only_when_its_work_repays_it(rows, launches)
     symbolic row count behind a run-time test of its iterations, each branch equal to PyTorch."""
     from compile.kernels.launch import MIN_PARALLEL_WORK
 
-    module = _layer_norm_module(tirx.Var("m", "int64") if rows == "symbolic" else rows, 64)
-    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(module))).values()
+    module = layer_norm_module(tirx.Var("m", "int64") if rows == "symbolic" else rows, 64)
+    (scheduled,) = prim_funcs(cpu_schedule_pass(TARGET)(fused(module, TARGET))).values()
     script = scheduled.script()
     assert ("T.parallel" in script) == (launches != "serial")
     assert (f">= T.int64({MIN_PARALLEL_WORK})" in script) == (launches == "both")
-    g, be = _rand(64), _rand(64, 1)[:, 0]
+    g, be = random_floats(64), random_floats(64, 1)[:, 0]
     for count in ([4, 4096] if rows == "symbolic" else [rows]):  # both sides of the test
-        xs = _rand(count, 64) * 2
+        xs = random_floats(count, 64) * 2
         expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (64,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
         np.testing.assert_allclose(run(build_scheduled(module, TARGET), xs, g, be), expected.numpy(), **TOL)
 
@@ -433,23 +366,13 @@ def test_a_matmul_big_enough_at_any_row_count_gets_no_serial_twin():
     from compile.kernels.launch import MIN_PARALLEL_WORK
 
     m = tirx.Var("m", "int64")
-    (scheduled,) = [f for name, f in _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_dense_module(m, 384, 1152)))).items()
-                    if "matmul" in name]
+    scheduled_module = cpu_schedule_pass(TARGET)(fused(dense_module(m, 384, 1152), TARGET))
+    (scheduled,) = [f for name, f in prim_funcs(scheduled_module).items() if "matmul" in name]
     script = scheduled.script()
     assert script.count('T.sblock("matmul_update")') == 1  # one copy of the nest: no serial twin
     assert f">= T.int64({MIN_PARALLEL_WORK})" not in script
-    accumulators = [line for line in _compacted_allocations(scheduled) if "global" in line]
+    accumulators = [line for line in compacted_allocations(scheduled) if "global" in line]
     assert accumulators and all("m" not in line.split("alloc_buffer")[1] for line in accumulators), accumulators
-
-
-def _compacted_allocations(func: tirx.PrimFunc) -> list[str]:
-    """The allocations of `func` (lines of its script) once lowering has shrunk each to the region its
-    users touch."""
-    compacted = tvm.transform.Sequential([s_tir.transform.LowerInitBlock(),
-                                          s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
-                                          s_tir.transform.ConvertBlocksToOpaque(),
-                                          s_tir.transform.CompactBufferAllocation()])(tvm.IRModule({"main": func}))
-    return [line for line in compacted.script().splitlines() if "alloc_buffer" in line]
 
 
 def test_a_serial_twin_has_its_own_copies_of_the_loops_buffers():
@@ -457,8 +380,8 @@ def test_a_serial_twin_has_its_own_copies_of_the_loops_buffers():
     per-row mean and partial sums in buffers of its own, so both shrink to one row (shared, they
     stayed [rows] arrays in memory, the lanes' partial sums `rows` floats apart)."""
     m = tirx.Var("m", "int64")
-    (scheduled,) = _prim_funcs(cpu_schedule_pass(TARGET)(_fused(_layer_norm_module(m, 384)))).values()
-    allocations = _compacted_allocations(scheduled)
+    (scheduled,) = prim_funcs(cpu_schedule_pass(TARGET)(fused(layer_norm_module(m, 384), TARGET))).values()
+    allocations = compacted_allocations(scheduled)
     assert len(allocations) == 2 * 5, allocations  # sum, mean, variance and two partials, twice
     assert all("m" not in line.split("alloc_buffer")[1] for line in allocations), allocations
 
@@ -484,7 +407,7 @@ def test_a_reshape_kernel_becomes_a_view_before_it_is_scheduled():
     calls = re.findall(r"call\s+(\S+)", relax.VMExecutable(built).as_text())
     assert "vm.builtin.reshape" in calls
     assert not [name for name in calls if name.startswith("reshape")]
-    weights = _rand(50, 64)
+    weights = random_floats(50, 64)
     chosen = np.array([3, 0, 49, 3, 17], dtype="int64")
     np.testing.assert_array_equal(run(built, chosen, weights), 2 * weights[chosen][None])
 
@@ -636,11 +559,12 @@ def test_a_library_carries_the_claim_counter_its_linears_call(tmp_path):
     from compile.build import build_library
     from compile.kernels.launch import CLAIM
 
-    module = _dense_module(tirx.Var("m", "int64"), 384, 96)
-    (scheduled,) = [f for name, f in _prim_funcs(cpu_schedule_pass(TARGET)(_fused(module))).items() if "matmul" in name]
+    module = dense_module(tirx.Var("m", "int64"), 384, 96)
+    (scheduled,) = [f for name, f in prim_funcs(cpu_schedule_pass(TARGET)(fused(module, TARGET))).items()
+                    if "matmul" in name]
     assert f'"{CLAIM}"' in scheduled.script()
     build_library(module, TARGET, tmp_path / "dense.so")
-    x, w, b = _rand(37, 384), _rand(384, 96), _rand(96)
+    x, w, b = random_floats(37, 384), random_floats(384, 96), random_floats(96)
     np.save(tmp_path / "x.npy", x), np.save(tmp_path / "w.npy", w), np.save(tmp_path / "b.npy", b)
     script = ("import numpy as np, sys, tvm\n"
               "d = sys.argv[1]\n"

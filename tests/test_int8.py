@@ -11,7 +11,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import tvm
 import tvm_ffi
 from tvm import relax, s_tir, te, tirx
 from tvm.sym import Analyzer

@@ -21,19 +21,18 @@ from compile.build import make_target
 from compile.int8_plan import kept_precision
 from compile.opcount import count_ops
 from compile.passes.lift import lift_and_transform
-from compile.passes.quantize import embedding_agreement, sentence_rows
+from compile.passes.quantize import embedding_agreement
 from compile.passes.smooth import linear_modules, module_key, smooth_linears, smoothing_scales
 from compile.precision import Gate
 from loadtest.int8_accuracy import artifact_outputs, cosines
+from tests.support.checkpoints import SENSITIVE_LINEAR
+from tests.support.int8_plans import plan_inputs
 from tests.support.tvm_run import build_reference, run
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
-TARGET = make_target("cpu", "sm_90", None)
-SENSITIVE = "bert.encoder.layer.1.output.dense"
 UNSEEN = ["maybe", "A sudden storm forced the sailors back to the harbour before dawn.",
           "Compilers translate source code into machine instructions."]
-TINY = {"hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 6}  # both kernels' panels fit
 
 
 @tvm.script.ir_module
@@ -108,57 +107,10 @@ def test_smoothing_scales_follow_smoothquant():
     np.testing.assert_allclose(smoothing_scales(activation, weight, 0.0), [0.5, 0.25, 1.0])
 
 
-def _planted(directory: Path, defect: str) -> Path:
-    """A tiny sentence embedder whose layer-1 FFN output projection reads a planted defect:
-    `outlier`: channels 0-7 a thousand times the rest (the product unchanged);
-    `cancelling`: channels 0 and 1 equal and huge, their weight columns opposite, so that they
-    cancel and the answer lies in the small channels that per-token int8 rounds away."""
-    from transformers import BertModel
-
-    from tests.support.checkpoints import save_tiny_sentence_transformer
-
-    save_tiny_sentence_transformer(directory, seed=7, config=TINY)
-    model = BertModel.from_pretrained(directory)
-    layer = model.encoder.layer[1]
-    up, down = layer.intermediate.dense, layer.output.dense
-    with torch.no_grad():
-        if defect == "outlier":
-            up.weight[:8] *= 1000.0
-            up.bias[:8] = 1000.0
-            down.weight[:, :8] /= 1000.0
-        else:
-            up.weight[1] = up.weight[0] = up.weight[0] * 1000.0
-            up.bias[1] = up.bias[0] = 1000.0
-            down.weight[:, 0] = down.weight[:, 0] * 1000.0
-            down.weight[:, 1] = -down.weight[:, 0]
-    model.save_pretrained(directory)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def outlier_checkpoint(tmp_path_factory) -> Path:
-    return _planted(tmp_path_factory.mktemp("outlier"), "outlier")
-
-
-@pytest.fixture(scope="module")
-def cancelling_checkpoint(tmp_path_factory) -> Path:
-    return _planted(tmp_path_factory.mktemp("cancelling"), "cancelling")
-
-
-def _plan_inputs(checkpoint: Path) -> tuple:
-    """(the PyTorch embedder, the shipped sentences' rows, every linear's key) the int8 plan measures."""
-    from compile.checkpoint import inspect_checkpoint, load_wrapper
-
-    info = inspect_checkpoint(checkpoint, "embed")
-    wrapper = load_wrapper(info, "embed")
-    keys = {module_key(n) for n, m in wrapper.named_modules() if isinstance(m, torch.nn.Linear)}
-    return wrapper, sentence_rows(checkpoint / "tokenizer.json", info.max_seq), keys
-
-
 def _plan(checkpoint: Path, gate, report=lambda text: None, keep_out: bool = True):
     from compile.int8_plan import plan_int8
 
-    wrapper, rows, keys = _plan_inputs(checkpoint)
+    wrapper, rows, keys = plan_inputs(checkpoint)
     return plan_int8(wrapper, rows, keys, embedding_agreement, gate, report=report, keep_out=keep_out)
 
 
@@ -169,7 +121,7 @@ def test_plan_smooths_an_outlier_channel_away(outlier_checkpoint):
     plan = _plan(outlier_checkpoint, lambda accuracy: not precision.gate_failures("int8", accuracy), reported.append)
     assert plan.alphas[0.0]["cosine_min"] < 0.998  # unsmoothed, the outlier costs accuracy
     assert plan.alpha > 0 and plan.simulated["cosine_min"] > 0.9999 and plan.fallback == []
-    assert module_key(SENSITIVE) in plan.scales
+    assert module_key(SENSITIVE_LINEAR) in plan.scales
     # every linear in int8 keeps the gate: no fallback to choose, so no sensitivity pass is run
     assert plan.sensitivity == [] and plan.units == 8
     assert len(reported) == 1 and reported[0].startswith(f"smoothing: alpha {plan.alpha} of {len(ALPHAS)} tried")
@@ -207,16 +159,16 @@ def test_plan_keeps_a_linear_no_scaling_rescues_out_of_int8(cancelling_checkpoin
     reported = []
     plan = _plan(cancelling_checkpoint, lambda accuracy: not strict.failures(accuracy), reported.append)
     assert all(accuracy["cosine_min"] < 0.9999 for accuracy in plan.alphas.values())
-    assert plan.sensitivity[0].unit == SENSITIVE  # the most sensitive: keeping it alone out helps most
+    assert plan.sensitivity[0].unit == SENSITIVE_LINEAR  # the most sensitive: keeping it alone out helps most
     # its progress: the alpha chosen, the sensitivity passes in quarters (the last one complete), the fallback
     units = len(plan.sensitivity)
     assert units == plan.units == 8
     assert reported[1:-1] == [f"sensitivity: {done}/{units} linear groups"
                               for done in sorted({units * q // 4 for q in (1, 2, 3, 4)})]
     assert reported[-1].startswith("fallback: 1/8 linear groups kept in")
-    assert plan.fallback == [SENSITIVE] and plan.fallback_keys == {module_key(SENSITIVE)}
+    assert plan.fallback == [SENSITIVE_LINEAR] and plan.fallback_keys == {module_key(SENSITIVE_LINEAR)}
     assert plan.simulated["cosine_min"] >= 0.9999
-    assert module_key(SENSITIVE) not in plan.scales  # a kept linear is not smoothed either
+    assert module_key(SENSITIVE_LINEAR) not in plan.scales  # a kept linear is not smoothed either
     # a plan that may keep nothing out has nothing to offer here, and runs no sensitivity pass for it
     reported.clear()
     assert _plan(cancelling_checkpoint, lambda accuracy: not strict.failures(accuracy), reported.append,
@@ -315,7 +267,7 @@ def test_the_plan_runs_the_linears_it_keeps_in_their_own_precision(outlier_check
     def largest_difference(actual, reference):  # relative to the largest output
         return {"difference": float(np.abs(actual - reference).max() / np.abs(reference).max())}
 
-    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    wrapper, rows, keys = plan_inputs(outlier_checkpoint)
     difference = {}
     for fallback_precision in ("fp32", "bf16"):
         simulation = Simulation(wrapper, rows, keys, largest_difference, fallback_precision=fallback_precision)
@@ -337,7 +289,7 @@ def test_the_simulation_rounds_a_bf16_value_projection_with_the_smoothing_folded
     def outputs(actual, reference):
         return {"actual": actual}
 
-    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    wrapper, rows, keys = plan_inputs(outlier_checkpoint)
     simulation = Simulation(wrapper, rows, keys, outputs, fallback_precision="bf16")
     simulation.calibrate()
     output = next(u for u in simulation.units if u.name.endswith("layer.0.attention.output.dense"))
@@ -365,7 +317,7 @@ def test_the_simulation_runs_the_sentences_in_length_batches_and_answers_in_thei
     back after each pass."""
     from compile.int8_simulation import FORWARD_COST_TOKENS, Simulation, length_batches
 
-    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    wrapper, rows, keys = plan_inputs(outlier_checkpoint)
     batches, restore = length_batches(rows)
     lengths = [batch[1].sum(1) for batch in batches]
     assert all(int(length.max()) == batch[1].shape[1] for length, batch in zip(lengths, batches))  # cut to the longest
@@ -408,7 +360,7 @@ def test_a_pass_starts_after_the_layers_it_shares_with_an_earlier_one_and_answer
     def outputs(actual, reference):
         return {"actual": actual}
 
-    wrapper, rows, keys = _plan_inputs(outlier_checkpoint)
+    wrapper, rows, keys = plan_inputs(outlier_checkpoint)
     simulation = Simulation(wrapper, rows, keys, outputs)
     simulation.calibrate()
     everyone = {unit.name for unit in simulation.units}
@@ -531,7 +483,7 @@ def test_a_linear_that_loses_stays_out_of_int8(cancelling_checkpoint, tmp_path, 
                                    attention_products="fp32", generic_shapes=["3x20"],
                                    **({"mcpu": mcpu} if mcpu else {}))
     quantization = manifest.quantization
-    assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE, fallback_precision)]
+    assert [(k.unit, k.precision) for k in quantization.kept] == [(SENSITIVE_LINEAR, fallback_precision)]
     assert quantization.linears == 7 and quantization.cosine_min >= 0.9999
     weights = load_file(str(out / manifest.weights["concat"].file))
     assert sum(1 for w in weights.values() if w.dtype == np.int8) == 7
@@ -577,7 +529,7 @@ def test_a_plan_its_library_misses_is_admitted_again_before_the_buckets_are_buil
                                    min_cosine=0.9999, mcpu="x86-64-v3", attention_products="fp32",
                                    generic_shapes=["3x20"])
     quantization = manifest.quantization
-    assert [kept.unit for kept in quantization.kept] == [SENSITIVE] and quantization.cosine_min >= 0.9999
+    assert [kept.unit for kept in quantization.kept] == [SENSITIVE_LINEAR] and quantization.cosine_min >= 0.9999
     assert 5 < quantization.plan_margin < 15  # the library lost ~10x the simulated loss
     assert built == ["int8-plan/plan-0/lib/generic.concat.so", "int8-plan/plan-1/lib/generic.concat.so",
                      "lib/bucket_1x5.concat.so", "lib/generic.concat.so"]

@@ -2,7 +2,6 @@
 
 import re
 
-import tvm
 from tvm import relax
 
 from compile.opcount import count_ops, tracked_counts

@@ -41,3 +41,35 @@ def save_tiny_classifier(directory: Path) -> Path:
     BertForSequenceClassification(config).save_pretrained(directory)
     copy_tokenizer(directory)
     return directory
+
+
+SENSITIVE_LINEAR = "bert.encoder.layer.1.output.dense"  # the linear that reads a planted checkpoint's defect
+
+
+def save_planted_checkpoint(directory: Path, defect: str) -> Path:
+    """A tiny sentence embedder (widths both int8 kernels' panels fit) whose layer-1 FFN output
+    projection (SENSITIVE_LINEAR) reads a planted defect:
+    `outlier`: channels 0-7 a thousand times the rest (the product unchanged), which smoothing removes;
+    `cancelling`: channels 0 and 1 equal and huge, their weight columns opposite, so that they
+    cancel and the answer lies in the small channels that per-token int8 rounds away: no per-channel
+    scaling rescues it."""
+    import torch
+    from transformers import BertModel
+
+    save_tiny_sentence_transformer(directory, seed=7, config={"hidden_size": 96, "intermediate_size": 192,
+                                                              "num_attention_heads": 6})
+    model = BertModel.from_pretrained(directory)
+    layer = model.encoder.layer[1]
+    up, down = layer.intermediate.dense, layer.output.dense
+    with torch.no_grad():
+        if defect == "outlier":
+            up.weight[:8] *= 1000.0
+            up.bias[:8] = 1000.0
+            down.weight[:, :8] /= 1000.0
+        else:
+            up.weight[1] = up.weight[0] = up.weight[0] * 1000.0
+            up.bias[1] = up.bias[0] = 1000.0
+            down.weight[:, 0] = down.weight[:, 0] * 1000.0
+            down.weight[:, 1] = -down.weight[:, 0]
+    model.save_pretrained(directory)
+    return directory

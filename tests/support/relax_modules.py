@@ -1,6 +1,9 @@
-"""Small hand-written Relax modules that several test files rewrite and run."""
+"""Small hand-written Relax modules that several test files rewrite, schedule and run."""
+
+from __future__ import annotations
 
 import tvm
+from tvm import relax, tirx
 from tvm.script import relax as R
 
 
@@ -23,3 +26,52 @@ class BiasFirstQKV:
             out = (q, k, v)
             R.output(out)
         return out
+
+
+def dense_module(m, k: int, n: int, epilogue: str = "bias") -> tvm.IRModule:
+    """x[m, k] @ w[k, n] + b, then an optional GELU or residual-add-and-scale epilogue."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    w = relax.Var("w", relax.TensorType((k, n), "float32"))
+    b = relax.Var("b", relax.TensorType((n,), "float32"))
+    r = relax.Var("r", relax.TensorType((m, n), "float32"))
+    params = [x, w, b] + ([r] if epilogue == "residual" else [])
+    with bb.function("main", params):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(relax.op.matmul(x, w), b))
+            if epilogue == "gelu":
+                y = bb.emit(relax.op.nn.gelu(y))
+            elif epilogue == "residual":
+                y = bb.emit(relax.op.multiply(relax.op.add(y, r), relax.const(0.5, "float32")))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def layer_norm_module(m, width: int) -> tvm.IRModule:
+    """layer_norm(x[m, width]) with its own gamma and beta."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((m, width), "float32"))
+    gamma, beta = (relax.Var(name, relax.TensorType((width,), "float32")) for name in ("g", "be"))
+    with bb.function("main", [x, gamma, beta]):
+        with bb.dataflow():
+            out = bb.emit_output(bb.emit(relax.op.nn.layer_norm(x, gamma, beta, axes=[-1], epsilon=1e-12)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def attention_module(heads: int, d: int, static_seq: int | None = None) -> tvm.IRModule:
+    """softmax(q @ k^T * scale) @ v on [batch * heads, seq, d], seq symbolic unless given."""
+    bh = tirx.Var("bh", "int64")
+    s = static_seq or tirx.Var("s", "int64")
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((bh, s, d), "float32"))
+    kt = relax.Var("kt", relax.TensorType((bh, d, s), "float32"))
+    v = relax.Var("v", relax.TensorType((bh, s, d), "float32"))
+    with bb.function("main", [q, kt, v]):
+        with bb.dataflow():
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, kt), relax.const(d**-0.5, "float32")))
+            probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+            out = bb.emit_output(relax.op.matmul(probs, v))
+        bb.emit_func_output(out)
+    return bb.get()

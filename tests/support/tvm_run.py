@@ -43,10 +43,9 @@ def _numpy(value):
 
 
 def run(built, *arrays: np.ndarray):
-    """`main` of a built (or loaded) Relax module, or of a VirtualMachine, on this CPU: its output as
-    numpy, a list of them where it returns a tuple."""
-    vm = built if isinstance(built, relax.VirtualMachine) else relax.VirtualMachine(built, tvm.cpu())
-    return _numpy(vm["main"](*(tvm.runtime.tensor(a) for a in arrays)))
+    """`main` of a built (or loaded) Relax module on this CPU: its output as numpy, a list of them
+    where it returns a tuple."""
+    return _numpy(relax.VirtualMachine(built, tvm.cpu())["main"](*(tvm.runtime.tensor(a) for a in arrays)))
 
 
 def call_kernel(library, inputs: list[np.ndarray], outputs: list[tuple[tuple[int, ...], str]]) -> list[np.ndarray]:

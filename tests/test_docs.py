@@ -89,3 +89,14 @@ def test_relative_links_point_to_existing_files(doc):
         elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
             broken.append(target)
     assert not broken, f"{doc.relative_to(ROOT)} links to what does not exist: {broken}"
+
+
+def test_docs_cited_in_code_exist():
+    """Comments and configs cite the doc that holds a measurement (docs/experiments/NAME.md)."""
+    sources = [path for folder in ("artifact", "compile", "service", "loadtest", "configs", "scripts")
+               for path in sorted((ROOT / folder).rglob("*")) if path.suffix in (".py", ".yaml", ".sh", ".c", ".h")]
+    cited = {(path.relative_to(ROOT), doc) for path in sources
+             for doc in re.findall(r"\bdocs/[\w./-]+\.md\b", path.read_text())}
+    assert cited
+    missing = sorted(f"{path}: {doc}" for path, doc in cited if not (ROOT / doc).exists())
+    assert not missing, missing

@@ -55,7 +55,8 @@ REFERENCES = (
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell of prose: on one line, its pipes and asterisks taken literally."""
+    return " ".join(text.split()).replace("|", "\\|").replace("*", "\\*")
 
 
 def _default(value: Any) -> str:

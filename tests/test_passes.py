@@ -8,7 +8,7 @@ from compile.opcount import count_ops, tracked_counts
 from compile.passes.canonicalize import canonicalize, matmul_first_add
 from compile.passes.combine import combine_parallel_matmuls
 from compile.passes.lift import lift_and_transform
-from tests.support.relax_modules import BiasFirstQKV
+from tests.support.relax_modules import BiasFirstQKV, calls_of
 from tests.support.tvm_run import build_reference, run
 
 
@@ -30,7 +30,7 @@ def test_canonicalisation_lets_combine_fire():
 
 def test_matmul_first_add_swaps_only_bias_first_adds():
     mod = matmul_first_add(BiasFirstQKV)
-    for call in _calls(mod, "relax.add"):
+    for call in calls_of(mod, "relax.add"):
         assert isinstance(call.args[1], relax.Var) and call.args[1].name.startswith("b")
 
 
@@ -54,7 +54,7 @@ def test_minilm_pipeline_combines_qkv_of_every_layer(minilm_imported):
     mod = combine_parallel_matmuls()(canonicalize()(minilm_imported.mod))
     assert tracked_counts(mod) == {"matmul": 36, "concat": 12, "permute_dims": 54}
     groups = []
-    for concat in _calls(mod, "relax.concat"):
+    for concat in calls_of(mod, "relax.concat"):
         names = [v.name for v in concat.args[0].fields]
         groups.append(names)
     weight_groups = {_layer(names): names for names in groups if names[0].endswith("_weight")}
@@ -79,16 +79,7 @@ def _layer(names):
     return int(re.search(r"layer_(\d+)_", names[0]).group(1))
 
 
-def _calls(mod, op_name):
-    found = []
-    relax.analysis.post_order_visit(
-        mod["main"].body,
-        lambda e: found.append(e) if isinstance(e, relax.Call) and getattr(e.op, "name", "") == op_name else None,
-    )
-    return found
-
-
 def test_canonicalisation_clips_embedding_gathers(minilm_imported):
-    modes = lambda mod: sorted(c.attrs.mode for c in _calls(mod, "relax.take"))  # noqa: E731
+    modes = lambda mod: sorted(c.attrs.mode for c in calls_of(mod, "relax.take"))  # noqa: E731
     assert modes(minilm_imported.mod) == ["fast"] * 3  # word, token-type and position embeddings
     assert modes(canonicalize()(minilm_imported.mod)) == ["clip"] * 3

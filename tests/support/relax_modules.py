@@ -28,6 +28,16 @@ class BiasFirstQKV:
         return out
 
 
+def calls_of(mod: tvm.IRModule, op_name: str) -> list[relax.Call]:
+    """The calls of the op `op_name` (e.g. "relax.matmul") in `mod`'s main."""
+    found = []
+    relax.analysis.post_order_visit(
+        mod["main"].body,
+        lambda e: found.append(e) if isinstance(e, relax.Call) and getattr(e.op, "name", "") == op_name else None,
+    )
+    return found
+
+
 def dense_module(m, k: int, n: int, epilogue: str = "bias") -> tvm.IRModule:
     """x[m, k] @ w[k, n] + b, then an optional GELU or residual-add-and-scale epilogue."""
     bb = relax.BlockBuilder()

@@ -70,7 +70,8 @@ def test_predict_takes_teis_shapes(given, sequences, batched):
 def test_predict_refuses_three_flat_texts_and_malformed_batches():
     assert "a flat list is one text or one (text, text) pair" in refusal(inputs.predict_sequences, ["a", "b", "c"])
     for batch in ([["a", "b", "c"]], [[]], [["a", 1]]):
-        assert refusal(inputs.predict_inputs, batch) == "a batch of sequences holds lists of one text or of a pair of texts"
+        assert refusal(inputs.predict_inputs, batch) == \
+            "a batch of sequences holds lists of one text or of a pair of texts"
     assert refusal(inputs.predict_inputs, [101, 2023]).startswith("token ids are not accepted here")
     assert refusal(inputs.predict_inputs, 42) == "expected a string or a list of strings"
 

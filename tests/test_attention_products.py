@@ -217,3 +217,30 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")
     assert recorded.times_ms == injected and recorded.reason == "fp32: int8 takes 1.30x its time"
+
+
+def test_the_manifest_records_the_products_the_kernel_runs_at_a_head_size_without_reduced_ones(tmp_path):
+    """48-wide heads, which neither the bf16 nor the AMX products are compiled for: bf16 products asked
+    for beside bf16 linears, the manifest says fp32 and why, and the libraries call no bf16 product."""
+    if HOST_ROUNDED is None or not RUNS_REDUCED:
+        pytest.skip("this CPU has no AVX512_BF16")
+    import subprocess
+
+    from conftest import TINY_SIZES, compile_artifact
+
+    from compile.kernels import attention_amx, attention_bf16
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=4, config={
+        **TINY_SIZES, "hidden_size": 96, "num_attention_heads": 2, "intermediate_size": 192})
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "bf16", ["packed-16"], layout="packed", precision="bf16",
+                                   attention_products="bf16", generic_shapes=["3x20"])
+    assert [passes.attention_fused for passes in manifest.passes.strategies.values()] == [2]
+    recorded = manifest.precision.attention
+    assert (recorded.products, recorded.reason) == (
+        "fp32", f"fp32: the fused kernel's {HOST_ROUNDED} products do not take 48-wide heads at 16 lanes")
+    for library in (manifest.buckets[0].library, manifest.generic.library):
+        symbols = subprocess.run(["nm", str(tmp_path / "bf16" / library)], capture_output=True, text=True,
+                                 check=True).stdout
+        assert not any(module.SCORES.format(head=48) in symbols or module.SCORES.format(head=32) in symbols
+                       for module in (attention_bf16, attention_amx))

@@ -20,8 +20,8 @@ from artifact.cpu_features import missing_on_host, target_features
 from compile import attention_products, int8_simulation, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.capabilities import KernelConfig
 from compile.kernels import attention_int8, int8
-from compile.kernels.common import vector_lanes
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
@@ -43,10 +43,10 @@ def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
         return None
-    lanes = vector_lanes(target)
+    kernels = KernelConfig.of(target, products="int8")
     path = directory / f"{mcpu}-{head_size}.so"
-    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), lanes, "int8"), target, path,
-                  attention="int8")
+    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), kernels), target, path,
+                  kernels=kernels)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
     return vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
 
@@ -153,7 +153,7 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     real_build, real_plan = pipeline.build_library, pipeline.plan_for
 
     def build_spy(*args, **kwargs):
-        built_with.append(kwargs["attention"])
+        built_with.append(kwargs["kernels"].products)
         return real_build(*args, **kwargs)
 
     def plan_spy(*args, **kwargs):

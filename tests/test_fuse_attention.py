@@ -34,7 +34,8 @@ TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu=
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
 MIN = float(np.finfo(np.float32).min)
 PRODUCT_CPUS = {"bf16": "znver4", "amx": "sapphirerapids"}  # CPUs LLVM knows to have AVX512_BF16, AMX
-KERNELS = {lanes: KernelConfig.of(target) for lanes, target in TARGETS.items()}  # fp32 products
+# fp32 products at each vector width: SSE's (and NEON's), AVX2's, AVX-512's
+KERNELS = {lanes: KernelConfig.of(target) for lanes, target in {4: make_target("cpu", mcpu="x86-64"), **TARGETS}.items()}
 
 
 def _products_on(products: str) -> KernelConfig:

@@ -3,7 +3,7 @@ reads it here, and `KernelConfig` carries it (with the arithmetic chosen for one
 kernels.
 
 LLVM answers each feature question in about a millisecond and the C compiler builds the bf16 and AMX
-micro-kernels in about a second, while a compile asks for every kernel it schedules: so the answers are
+micro-kernels in about half a second each, while a compile asks for every kernel it schedules: so the answers are
 taken once per target (`Capabilities.of`, by the target's text) and kept.
 """
 

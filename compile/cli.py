@@ -6,9 +6,10 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from artifact.hub import HubError, HubModel, download, is_repo_id
+from artifact.hub import HubError, HubModel, download, is_repo_id, resolve
 
 from .config import CompileConfig, load_config
 from .errors import CompileError
@@ -146,13 +147,11 @@ def _checkpoint_from_hub(config: CompileConfig, args: argparse.Namespace) -> Com
             raise CompileError("--revision is for a model named by its Hub id (--model ORG/NAME), not a directory")
         return config
     model = HubModel(str(config.model), args.revision, args.hf_token, args.huggingface_hub_cache)
+    snapshot = resolve(model)  # before anything is printed: a model that cannot be had is one line
     if not args.quiet:
-        print(f"fetching {model.named} (files already in the Hub cache are not downloaded again)", file=sys.stderr,
-              flush=True)
-    snapshot = download(model)
-    if not args.quiet:
-        print(f"{snapshot.repo_id} at commit {snapshot.sha}: {snapshot.directory}", file=sys.stderr, flush=True)
-    return config.model_copy(update={"model": snapshot.directory})
+        print(f"fetching {snapshot.repo_id} at commit {snapshot.sha} (what the Hub cache holds is not downloaded "
+              "again)", file=sys.stderr, flush=True)
+    return config.model_copy(update={"model": download(replace(model, revision=snapshot.sha)).directory})
 
 
 def _report(manifest, records, validate: bool) -> None:

@@ -1,4 +1,5 @@
-"""Server settings: defaults < TEI's environment variables < BERT_SERVE_* environment variables < command-line flags.
+"""Server settings: defaults < TEI's environment variables < BERT_SERVE_* environment variables < command-line flags;
+the model (`artifacts` or `model_id`) comes whole from the last of these that names one.
 
 pydantic-settings is not a dependency, so the environment is read here: every field `x_y` is
 settable as `BERT_SERVE_X_Y`, and those TEI reads also by TEI's name (TEI_VARIABLES); list fields
@@ -15,6 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 ENV_PREFIX = "BERT_SERVE_"
 TEI_VARIABLES = {"model_id": "MODEL_ID", "revision": "REVISION"}  # a TEI container's environment carries over
+# What names the model: taken together from the first of flags, BERT_SERVE_* and TEI's variables that names one, so
+# that `--model-id` on the command line replaces artifacts a container's environment names.
+MODEL_SOURCE = ("artifacts", "model_id")
 
 
 class Settings(BaseModel):
@@ -88,9 +92,12 @@ class Settings(BaseModel):
     def load(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":
         """Merge environment and flags (flags given as None do not override)."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {name: environ[variable] for name, variable in TEI_VARIABLES.items() if variable in environ}
-        values.update({
-            name: environ[ENV_PREFIX + name.upper()] for name in cls.model_fields if ENV_PREFIX + name.upper() in environ
-        })
-        values.update({name: value for name, value in flags.items() if value is not None})
+        values: dict[str, Any] = {}
+        for level in ({name: environ[variable] for name, variable in TEI_VARIABLES.items() if variable in environ},
+                      {name: environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
+                       if ENV_PREFIX + name.upper() in environ},
+                      {name: value for name, value in flags.items() if value is not None}):
+            if any(name in level for name in MODEL_SOURCE):
+                values = {name: value for name, value in values.items() if name not in MODEL_SOURCE}
+            values.update(level)
         return cls.model_validate(values)

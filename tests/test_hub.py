@@ -366,9 +366,14 @@ def test_settings_read_teis_model_variables_and_want_one_model_source():
     assert (settings.model_id, settings.revision, settings.artifacts) == ("acme/minilm", "v1", [])
     assert Settings.load({}, {"MODEL_ID": "a/b", "BERT_SERVE_MODEL_ID": "c/d"}).model_id == "c/d"
     assert Settings.load({"model_id": "e/f"}, {"MODEL_ID": "a/b"}).model_id == "e/f"
-    for values in ({}, {"model_id": "a/b", "artifacts": ["x"]}):
+    # the command line's model replaces the environment's, whichever way each names it
+    replaced = Settings.load({"model_id": "e/f"}, {"BERT_SERVE_ARTIFACTS": "/opt/bert/artifacts"})
+    assert (replaced.model_id, replaced.artifacts) == ("e/f", [])
+    assert Settings.load({"artifacts": [Path("x")]}, {"MODEL_ID": "a/b"}).model_id is None
+    for flags, environ in (({}, {}), ({"model_id": "a/b", "artifacts": [Path("x")]}, {}),
+                           ({}, {"BERT_SERVE_MODEL_ID": "a/b", "BERT_SERVE_ARTIFACTS": "x"})):
         with pytest.raises(ValueError, match="--artifacts DIR .* or --model-id ORG/NAME"):
-            Settings.load(values, {})
+            Settings.load(flags, environ)
 
 
 def test_the_artifact_cache_defaults_to_the_users_cache_directory(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""Checkpoints by their Hugging Face Hub name, for both stages (`bert-compile --model ORG/NAME`, `bert-serve --model-id`).
+"""Checkpoints by their Hugging Face Hub name, for `bert-compile --model ORG/NAME` and `bert-serve --model-id`.
 
 Files come through huggingface_hub into its own cache, so HF_ENDPOINT, HF_HUB_OFFLINE, HF_TOKEN and HF_HUB_CACHE mean
 what they mean to every Hugging Face tool, and a commit once fetched is there offline. Only what a checkpoint needs is
@@ -143,5 +143,5 @@ def _refused(model: HubModel, exc) -> str:
         return (f"{model.repo_id} is private or gated on {hub} (or does not exist): give a token that can read it "
                 "with --hf-token or HF_TOKEN")
     if status in (401, 403):
-        return f"{hub} refused the token given (--hf-token or HF_TOKEN) for {model.repo_id}: is it one that can read it?"
+        return f"{hub} refused the token given (--hf-token or HF_TOKEN) for {model.repo_id}: can it read the model?"
     return f"{hub} answered {status} for {model.repo_id}: {str(exc).splitlines()[0]}"

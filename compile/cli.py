@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", type=Path, help="checkpoint directory, or a Hugging Face Hub model id ORG/NAME "
                         "(downloaded; a directory of that name wins) (default: bundled all-MiniLM-L6-v2)")
     parser.add_argument("--revision", help="Hub model: the branch, tag or commit (default: main)")
-    parser.add_argument("--hf-token", help="Hub model: a token that can read a private or gated one (default: HF_TOKEN)")
+    parser.add_argument("--hf-token", help="Hub model: a token that can read a private or gated one "
+                        "(default: HF_TOKEN)")
     parser.add_argument("--huggingface-hub-cache", type=Path,
                         help="Hub model: where downloads are cached (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)")
     parser.add_argument("--task", choices=["embed", "classify", "rerank", "sparse"],

@@ -52,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--revision", help="--model-id's branch, tag or commit (default main; env REVISION)")
     add("--hf-token", help="a token that can read a private or gated --model-id (default: HF_TOKEN)")
     add("--huggingface-hub-cache", type=Path, help="where Hub downloads are cached (default: HF_HUB_CACHE)")
-    add("--artifact-cache", type=Path, help="where --model-id's compiled artifacts are kept, one per commit, CPU, config "
-        "and version (default: $XDG_CACHE_HOME/bert-tvm-serve, else ~/.cache/bert-tvm-serve)")
+    add("--artifact-cache", type=Path, help="where --model-id's compiled artifacts are kept, one per commit, CPU, "
+        "config and version (default: $XDG_CACHE_HOME/bert-tvm-serve, else ~/.cache/bert-tvm-serve)")
     add("--config", type=Path, help="compile config (YAML) --model-id compiles with (default: configs/default.yaml)")
     add("--default-prompt-name", help="prepend this prompt of the checkpoint's sentence-transformers `prompts` to "
         "inputs that name none (e.g. query)")
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         pending = None
-        if settings.model_id is not None:  # served as its artifact in the compile cache, compiled there first if need be
+        if settings.model_id is not None:  # served as its artifact in the compile cache, compiled there if need be
             settings, pending = hub_artifact(settings, environ)
         if settings.grpc_port is not None:
             check_grpc_port(settings.host, settings.grpc_port)

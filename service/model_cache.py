@@ -143,16 +143,17 @@ def hub_artifact(settings: Settings, environ: Mapping[str, str]) -> tuple[Settin
         entry.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CacheError(f"cannot write the artifact cache {cache} (--artifact-cache): {exc.strerror or exc}") from None
-    served = settings.model_copy(update={"artifacts": [entry], "served_names": settings.served_names or [model.repo_id]})
+    names = settings.served_names or [model.repo_id]
+    served = settings.model_copy(update={"artifacts": [entry], "served_names": names})
     problem = entry_problem(entry, key)
     if problem is None:
         log.info("%s at commit %s: loading its artifact from the compile cache, %s", model.repo_id, snapshot.sha, entry)
         return served, None
     missing = [name for name in COMPILER_PACKAGES if not _installed(name)]
     if missing:
-        raise CacheError(f"{model.repo_id} at commit {snapshot.sha} is not compiled in {cache} for this CPU and config, "
-                         f"and compiling needs {' and '.join(missing)} (the project's `compile` extra): install them, "
-                         "or give --artifact-cache a cache that holds it")
+        raise CacheError(f"{model.repo_id} at commit {snapshot.sha} is not compiled in {cache} for this CPU and "
+                         f"config, and compiling needs {' and '.join(missing)} (the project's `compile` extra): "
+                         "install them, or give --artifact-cache a cache that holds it")
     return served, CompileJob(key, entry, config_path, replace(model, revision=snapshot.sha), dict(environ))
 
 

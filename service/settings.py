@@ -32,10 +32,12 @@ class Settings(BaseModel):
     revision: str | None = Field(None, description="--model-id's branch, tag or commit (default: main)")
     hf_token: str | None = Field(None, description="a token that can read a private or gated --model-id "
                                  "(default: HF_TOKEN)")
-    huggingface_hub_cache: Path | None = Field(None, description="where Hub downloads are cached (default: HF_HUB_CACHE)")
+    huggingface_hub_cache: Path | None = Field(None, description="where Hub downloads are cached "
+                                               "(default: HF_HUB_CACHE)")
     artifact_cache: Path | None = Field(None, description="where --model-id's compiled artifacts are cached "
                                         "(default: $XDG_CACHE_HOME/bert-tvm-serve)")
-    config: Path | None = Field(None, description="compile config (YAML) for --model-id (default: configs/default.yaml)")
+    config: Path | None = Field(None, description="compile config (YAML) for --model-id "
+                                "(default: configs/default.yaml)")
     served_names: list[str] | None = Field(None, description="the models' names, in --artifacts order "
                                            "(default: each directory's name); requests select one by `model`")
     default_prompt_name: str | None = Field(None, description="a prompt of the checkpoint's sentence-transformers "

@@ -181,7 +181,8 @@ def test_first_start_serves_the_commit_it_compiled(first_start, hub):
 def test_second_start_loads_from_the_cache_without_compiling(first_start, hub, compile_config, serve, expected):
     key = first_start.entry / "cache-key.json"
     written = key.stat().st_mtime_ns, (first_start.entry / "manifest.json").stat().st_mtime_ns
-    with serve([], *model_args(first_start.cache, compile_config), env=hub_env(first_start.hub_home, hub.url)) as server:
+    env = hub_env(first_start.hub_home, hub.url)
+    with serve([], *model_args(first_start.cache, compile_config), env=env) as server:
         assert_serves_minilm(server.url, expected)
         assert httpx.get(f"{server.url}/info").json()["model_sha"] == MAIN
     assert COMPILING not in server.log.read_text()
@@ -305,7 +306,8 @@ def one_line_error(command: list[str], env: dict[str, str]) -> str:
     ("acme/minilm", [], "unreachable", "cannot reach {hub} (ConnectError) and acme/minilm is not in the Hub cache"),
 ], ids=["404", "401-no-token", "401-wrong-token", "not-bert", "no-weights", "no-revision", "offline-not-cached",
         "no-network-not-cached"])
-def test_a_model_that_cannot_be_had_is_one_line_and_exit_2(hub, compile_config, tmp_path, model, more, offline, message):
+def test_a_model_that_cannot_be_had_is_one_line_and_exit_2(hub, compile_config, tmp_path, model, more, offline,
+                                                           message):
     endpoint = f"http://127.0.0.1:{free_port()}" if offline == "unreachable" else hub.url  # nothing listens there
     env = hub_env(tmp_path / "hub", endpoint, HF_HUB_OFFLINE="1" if offline == "1" else "0")
     line = one_line_error([sys.executable, "-m", "service", *model_args(tmp_path / "artifacts", compile_config, model),
@@ -341,8 +343,8 @@ def test_the_manifest_records_a_hub_checkpoints_repository_and_commit(tmp_path):
 def test_checkpoint_files_leave_other_formats_out():
     from huggingface_hub.utils import filter_repo_objects
 
-    repository = ["config.json", "model.safetensors", "tokenizer.json", "1_Pooling/config.json", "2_Dense/model.safetensors",
-                  *NOT_FETCHED]
+    repository = ["config.json", "model.safetensors", "tokenizer.json", "1_Pooling/config.json",
+                  "2_Dense/model.safetensors", *NOT_FETCHED]
     assert set(filter_repo_objects(repository, allow_patterns=[*CHECKPOINT_FILES, "model.safetensors"])) == {
         "config.json", "model.safetensors", "tokenizer.json", "1_Pooling/config.json", "2_Dense/model.safetensors"}
 

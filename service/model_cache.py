@@ -9,7 +9,7 @@ config and the project's version. One process compiles an entry while the others
 (COMMIT-KEY.lock, beside it), then load what it wrote.
 
 The compile runs as a child process (`python -m compile`, with TVM's compiler and torch, which the server itself
-does not load), its progress on the server's stderr, while the server answers /health 200 and /ready 503.
+does not load), its progress in the server's log on stderr, while the server answers /health 200 and /ready 503.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .runtime import VERSION
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+compile_log = logging.getLogger("service.compile")  # bert-compile's output, line by line
 
 DEFAULT_COMPILE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 KEY_FILE = "cache-key.json"
@@ -187,7 +188,7 @@ class CompileJob:
                 log.info("%s was compiled by another process meanwhile: loading it from %s", self.what, self.entry)
                 return
             self._clear(problem)
-            self.status = f"compiling {self.what} for this CPU (progress on the server's stderr)"
+            self.status = f"compiling {self.what} for this CPU (progress in the server's log)"
             log.info("compiling %s for this CPU into the compile cache, %s; later starts load it from there",
                      self.what, self.entry)
             returncode = await self._compile()
@@ -224,15 +225,18 @@ class CompileJob:
             shutil.rmtree(stale, ignore_errors=True)
 
     async def _compile(self) -> int:
-        """`python -m compile` into the entry; its output is the server's. Cancelled (the server stops), it is
-        asked to stop, which removes its staging directory."""
+        """`python -m compile` into the entry, its progress lines logged as the server's (plain text or JSON, as
+        --log-format says). Cancelled (the server stops), it is asked to stop, which removes its staging directory."""
         command = [sys.executable, "-m", "compile", "--config", str(self.config), "--model", self.model.repo_id,
                    "--revision", self.key.sha, "--out", str(self.entry)]
         if self.model.cache_dir is not None:
             command += ["--huggingface-hub-cache", str(self.model.cache_dir)]
         environ = {**self.environ, **({"HF_TOKEN": self.model.token} if self.model.token else {})}  # not in argv
-        process = await asyncio.create_subprocess_exec(*command, env=environ, stdin=subprocess.DEVNULL)
+        process = await asyncio.create_subprocess_exec(*command, env=environ, stdin=subprocess.DEVNULL,
+                                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
+            async for line in process.stdout:
+                compile_log.info("%s", line.decode(errors="replace").rstrip())
             return await process.wait()
         except asyncio.CancelledError:
             process.terminate()

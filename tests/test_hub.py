@@ -48,7 +48,7 @@ strategy: concat
 validate: false
 """
 SENTENCES = ["The striker scored twice and the team won the final.", "Heavy rain is expected across the region."]
-COMPILING = "[compile "  # bert-compile's progress lines
+COMPILING = "msg=[compile "  # bert-compile's progress lines, in the server's log
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +100,8 @@ def started(args: list[str], env: dict[str, str], log: Path):
     """`python -m service ARGS` on a free port, not waited for: yields (process, url); stopped on exit."""
     port = free_port()
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port),
-                                    "--log-level", "warning", *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, **env})
+        process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port), *args],
+                                   stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **env})
     try:
         yield process, f"http://127.0.0.1:{port}"
     finally:
@@ -128,7 +127,8 @@ def wait_ready(process: subprocess.Popen, url: str, log: Path) -> None:
 
 
 def model_args(cache: Path, config: Path, model: str = "acme/minilm", *more: str) -> list[str]:
-    return ["--model-id", model, "--config", str(config), "--artifact-cache", str(cache), *more]
+    """The server's arguments; its log at info, where the compile's progress lines are."""
+    return ["--model-id", model, "--config", str(config), "--artifact-cache", str(cache), "--log-level", "info", *more]
 
 
 def only_entry(cache: Path) -> Path:

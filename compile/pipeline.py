@@ -39,13 +39,13 @@ from artifact.manifest import (
 )
 
 from . import attention_products, precision
-from .build import build_library, check_mcpu, cpu_name, make_target, specialize
+from .build import build_library, check_mcpu, make_target, specialize
+from .capabilities import Capabilities, KernelConfig, cpu_name
 from .checkpoint import TOKENIZER_FILES, CheckpointInfo, example_inputs, inspect_checkpoint, load_wrapper
 from .config import RELATIVE_TOLERANCES, CompileConfig
 from .errors import CompileError, ValidationError
 from .importer import export_and_import
 from .int8_plan import Int8Plan, plan_for
-from .kernels.common import vector_lanes
 from .opcount import tracked_counts
 from .passes import quantize
 from .passes.bf16 import linears_to_bf16
@@ -200,16 +200,16 @@ class LibraryBuilder:
 
     def __init__(self, config: CompileConfig, target: tvm.target.Target, staging: Path,
                  variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
-                 vocab_size: int, can_run: bool | None = None, attention: str = "fp32"):
+                 vocab_size: int, can_run: bool, kernels: KernelConfig):
         self.config = config
-        self.attention = attention  # attention's products (attention_products.py)
+        self.kernels = kernels  # what the libraries' kernels are written for
         self.staging = staging
         self.variants = variants
         self.wrapper = wrapper
         self.vocab_size = vocab_size
         self.target = target
         self.device = device_for(config.target)
-        self.can_run = bool(self.device.exist) if can_run is None else can_run
+        self.can_run = can_run
         self.layout = config.layout
         self.validate = config.validate_artifacts and self.can_run
         # Libraries are timed (for the server's batch planner) when validated, with every core:
@@ -240,7 +240,7 @@ class LibraryBuilder:
                 self.tuner.tune(name, module, self.config.tune / len(self.variants))
             build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
                           tuned=self.tuner.database if self.tuner is not None else None,
-                          attention=self.attention)
+                          kernels=self.kernels)
             libraries[strategy] = library
         strategy_ms = self._time_strategies(libraries, workloads[0])
         return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
@@ -307,7 +307,7 @@ class LibraryBuilder:
         model; under `min_cosine`, or int8 under its gate, the compile fails (what a precision
         costs is unknown when not run)."""
         name = self.config.precision
-        kernel = precision.kernel_description(name, self.target)
+        kernel = self.kernels.capabilities.linears_kernel(self.kernels.linears)
         entry = (chosen or PrecisionEntry(precision=name, requested=name)).model_copy(
             update={"kernel": kernel, "linears": linears})
         measured_here = self.validate and kernel is not None and not self.config.token_outputs
@@ -351,6 +351,7 @@ class Plan:
 
     info: CheckpointInfo
     target: tvm.target.Target
+    capabilities: Capabilities  # what the target's CPU runs
     buckets: list[AnyBucket]
     generic_shapes: list[Bucket]
     cpu_features: list[str]
@@ -372,16 +373,17 @@ def plan_compile(config: CompileConfig) -> Plan:
                            f"{info.config['position_embedding_type']}")
     check_mcpu(config.mcpu)
     target = make_target(config.target, config.cuda_arch, config.mcpu)
-    if config.precision != "auto" and (problem := precision.refusal(config.precision, target)):
+    capabilities = Capabilities.of(target)
+    if config.precision != "auto" and (problem := capabilities.refusal(config.precision)):
         raise CompileError(problem)
-    if problem := attention_products.refusal(config.attention_products, target):
+    if problem := attention_products.refusal(config.attention_products, capabilities):
         raise CompileError(problem)
     cpu_features = target_features(target)
     can_run = runs_here(config.target, target, cpu_features)
     strategies = [config.strategy]
     if config.strategy == "auto":  # timing needs to run the libraries; where they cannot, build one strategy only
         strategies = list(STRATEGIES) if can_run else [UNTIMED_AUTO_STRATEGY]
-    return Plan(info, target, buckets, generic_shapes, cpu_features, can_run, strategies)
+    return Plan(info, target, capabilities, buckets, generic_shapes, cpu_features, can_run, strategies)
 
 
 def load_model(config: CompileConfig, info: CheckpointInfo) -> tuple[torch.nn.Module, torch.nn.Module, dict | None]:
@@ -424,12 +426,12 @@ def transform(config: CompileConfig, plan: Plan, imported, strategies: list[str]
             packed, rewritten = linears_to_bf16(packed)
             pipeline.insert(-1, "LinearsToBF16")
         if config.target == "cpu":  # weights in the CPU kernel's panel layout, packed at load
-            packed, _ = pack_linear_weights(packed, vector_lanes(target))
+            packed, _ = pack_linear_weights(packed, plan.capabilities.lanes)
             pipeline.insert(-1, "PackLinearWeights")
         variants[strategy] = lift_and_transform(packed, params)
         attention_fused = None
         if config.target == "cpu":  # what each library's build will fuse (FuseAttention runs there)
-            attention_fused = fuse_attention_in(variants[strategy].mod, vector_lanes(target))[1]
+            attention_fused = fuse_attention_in(variants[strategy].mod, KernelConfig(plan.capabilities))[1]
             pipeline.append("FuseAttention")
         passes[strategy] = StrategyPasses(
             pipeline=pipeline,
@@ -446,7 +448,7 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
     each against the fp32 model on the shipped sentences, time each (interleaved, at a few shapes),
     and keep the fastest that passes its gate and `min_cosine` (compile/precision.py). Where the libraries cannot
     run here, nothing can be measured and fp32 ships."""
-    candidates = precision.available(plan.target)
+    candidates = plan.capabilities.precisions
     why = None
     if len(candidates) == 1:
         why = "fp32: the only precision this target runs"
@@ -492,6 +494,13 @@ def choose_precision(config: CompileConfig, plan: Plan, imported, reference: tor
     return config.model_copy(update={"precision": chosen.precision}), entry
 
 
+def kernel_config(plan: Plan, linears: str) -> KernelConfig:
+    """What the kernels of a library whose linears are in `linears` are written for: attention's
+    products as chosen beside them (fp32 where nothing was chosen)."""
+    products = plan.attention.for_precision(linears) if plan.attention is not None else "fp32"
+    return KernelConfig(plan.capabilities, linears=linears, products=products)
+
+
 def candidate_strategy(plan: Plan) -> str:
     """The strategy a candidate library is built in: the one planned, or `auto`'s untimed default."""
     return plan.strategies[0] if len(plan.strategies) == 1 else UNTIMED_AUTO_STRATEGY
@@ -505,8 +514,7 @@ def build_candidate(config: CompileConfig, plan: Plan, imported, reference: torc
     variants, _, _ = transform(config, plan, imported, [strategy], None)
     weights = {strategy: save_weights(directory, strategy, variants[strategy])}
     builder = LibraryBuilder(config, plan.target, directory, variants, weights, reference,
-                             int(plan.info.config["vocab_size"]), plan.can_run,
-                             plan.attention.for_precision(config.precision))
+                             int(plan.info.config["vocab_size"]), plan.can_run, kernel_config(plan, config.precision))
     library = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False).libraries[strategy]
     return builder, library, builder.agreement(library, strategy, plan.info)
 
@@ -623,7 +631,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     progress = progress or Progress(0, quiet=True)
     plans_int8 = config.precision == "int8" or (  # auto's int8 candidate, where auto measures candidates
         config.precision == "auto" and not config.token_outputs and plan.can_run and config.validate_artifacts
-        and "int8" in precision.available(plan.target))
+        and "int8" in plan.capabilities.precisions)
     chooses_attention = config.target == "cpu" and config.precision != "fp32"
     checks_int8 = (config.precision == "int8" and plan.can_run and config.validate_artifacts  # auto checks its own
                    and not config.token_outputs)
@@ -646,7 +654,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
             if config.precision == "int8":
                 check_int8_plan(config, plan, imported, reference, staging, progress, measurable=checks_int8)
         if config.precision == "auto":
-            with progress.step(f"precision auto: measure {', '.join(precision.available(plan.target))}"):
+            with progress.step(f"precision auto: measure {', '.join(plan.capabilities.precisions)}"):
                 config, chosen_precision = choose_precision(config, plan, imported, reference, staging, progress)
         with progress.step(f"passes for strategy {', '.join(plan.strategies)}; lift weights"):
             variants, passes, rewritten = transform(config, plan, imported, plan.strategies, sparsity)
@@ -655,8 +663,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         (staging / "lib").mkdir()
         weight_files = {strategy: save_weights(staging, strategy, variant) for strategy, variant in variants.items()}
         builder = LibraryBuilder(config, plan.target, staging, variants, weight_files, reference, vocab_size,
-                                 plan.can_run, plan.attention.for_precision(config.precision) if plan.attention
-                                 else "fp32")
+                                 plan.can_run, kernel_config(plan, config.precision))
         records, shared_strategy = build_libraries(builder, config, plan, progress)
         with progress.step(f"{config.precision} accuracy against the fp32 model on the shipped sentences"):
             precision_entry, quantization = builder.precision_report(records[-1], info, rewritten, chosen_precision,

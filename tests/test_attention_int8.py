@@ -18,8 +18,8 @@ import tvm
 from compile import attention_products, int8_simulation, pipeline
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.capabilities import KernelConfig
 from compile.kernels import attention_int8, int8
-from compile.kernels.common import vector_lanes
 from tests.support.kernels import attention_heads, key_padding_bias
 from tests.support.tvm_run import run, runs_here
 
@@ -43,10 +43,10 @@ def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias
     target = make_target("cpu", mcpu=mcpu)
     if not runs_here(target):
         return None
-    lanes = vector_lanes(target)
+    kernels = KernelConfig.of(target, products="int8")
     path = directory / f"{mcpu}-{head_size}.so"
-    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), lanes, "int8"), target, path,
-                  attention="int8")
+    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), kernels), target, path,
+                  kernels=kernels)
     return run(tvm.runtime.load_module(str(path)), qkv, bias)
 
 
@@ -152,7 +152,7 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     real_build, real_plan = pipeline.build_library, pipeline.plan_for
 
     def build_spy(*args, **kwargs):
-        built_with.append(kwargs["attention"])
+        built_with.append(kwargs["kernels"].products)
         return real_build(*args, **kwargs)
 
     def plan_spy(*args, **kwargs):

@@ -17,7 +17,8 @@ import tvm_ffi
 from tvm import relax, tirx, topi
 from tvm.script import tirx as T
 
-from compile.kernels.common import read_padded_rows_in_place, vector_lanes
+from compile.capabilities import Capabilities
+from compile.kernels.common import read_padded_rows_in_place
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
 from compile.schedule import cpu_schedule_pass
@@ -90,7 +91,7 @@ def test_a_padded_matmul_reads_its_rows_in_place(m):
     """Rows padded to the register tile are read from x itself, clamped to its last row, not from a
     zero-padded copy of x made every call (numerics at these row counts: the tests above)."""
     (func,) = (f for name, f in prim_funcs(fused(dense_module(m, 64, 96), TARGET)).items() if "matmul" in name)
-    script = schedule_matmul(func, vector_lanes(TARGET)).mod["main"].script()
+    script = schedule_matmul(func, Capabilities.of(TARGET).lanes).mod["main"].script()
     last_row = "m - T.int64(1)" if isinstance(m, tirx.Var) else f"T.int64({m - 1})"
     assert "x_pad" not in script
     assert re.search(rf"x\[T\.min\(v_\w+, {re.escape(last_row)}\), v_k\]", script), script
@@ -220,7 +221,7 @@ def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
     (dlight's rule launched the pool once per block and summed each row in a scalar chain)."""
     module = layer_norm_module(tirx.Var("t", "int64"), 384)
     (norm,) = prim_funcs(fused(module, TARGET)).values()
-    scheduled = schedule_rows(norm, vector_lanes(TARGET)).mod.script()
+    scheduled = schedule_rows(norm, Capabilities.of(TARGET).lanes).mod.script()
     assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
     xs, g, be = random_floats(7, 384) * 3 + 1, random_floats(384), random_floats(384, 1)[:, 0]
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
@@ -234,7 +235,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
     equal to PyTorch; symbolic batch. The bound is a multiple of this CPU's lanes (16 and 40 with
     AVX2, 32 and 80 with AVX-512)."""
 
-    seq = lane_multiple * vector_lanes(TARGET)
+    seq = lane_multiple * Capabilities.of(TARGET).lanes
     b = tirx.Var("b", "int64")
     bb = relax.BlockBuilder()
     scores = relax.Var("scores", relax.TensorType((b, 4, seq, seq), "float32"))
@@ -246,7 +247,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
         bb.emit_func_output(out)
     kernels = prim_funcs(fused(bb.get(), TARGET))
     softmax = next(f for name, f in kernels.items() if "softmax" in name)
-    scheduled = schedule_rows(softmax, vector_lanes(TARGET))
+    scheduled = schedule_rows(softmax, Capabilities.of(TARGET).lanes)
     assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
     assert scheduled.mod.script().count("T.parallel") == 1  # one launch of the thread pool
     x, msk = random_floats(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
@@ -299,16 +300,16 @@ def test_every_kernel_of_a_layer_is_parallel():
 
 
 def test_vector_lanes_follow_target_features():
-    assert vector_lanes(cpu_target("skylake-avx512")) == 16
-    assert vector_lanes(cpu_target("haswell")) == 8
-    assert vector_lanes(cpu_target("x86-64")) == 4
+    assert Capabilities.of(cpu_target("skylake-avx512")).lanes == 16
+    assert Capabilities.of(cpu_target("haswell")).lanes == 8
+    assert Capabilities.of(cpu_target("x86-64")).lanes == 4
 
 
 def test_avx512_tile_compiles_without_running():
     """The AVX-512 variant (8 x 48 tile) must at least build, even where it cannot run."""
     target = cpu_target("skylake-avx512")
     (func,) = prim_funcs(fused(dense_module(tirx.Var("m", "int64"), 64, 96), TARGET)).values()
-    sch = schedule_matmul(func, vector_lanes(target))
+    sch = schedule_matmul(func, Capabilities.of(target).lanes)
     assert sch is not None
     build_kernel(sch.mod["main"].with_attr("global_symbol", "mm"), target)
 

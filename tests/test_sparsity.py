@@ -75,7 +75,7 @@ def test_to_bsr_round_trips():
 def test_bsr_kernel_matches_dense(block, mcpu):
     """One build, symbolic M: M=1, M at and around the kernel's row tile, odd M, and a weight with
     empty block rows; compiled for AVX2 and AVX-512, run where this CPU can."""
-    from compile.kernels.common import vector_lanes
+    from compile.capabilities import Capabilities
     from compile.kernels.sparse import tile_rows
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
@@ -89,7 +89,7 @@ def test_bsr_kernel_matches_dense(block, mcpu):
     kernel = bsr_matmul_func(k, len(indices), block, n // block[0], "float32", target)
     lib = build_kernel(kernel.with_attr("global_symbol", "main"), target)
     skip_unless_runs_here(target)
-    rows = tile_rows(vector_lanes(target), block[0])
+    rows = tile_rows(Capabilities.of(target).lanes, block[0])
     for m in (1, rows, rows + 1, 37):
         x = rng.standard_normal((m, k)).astype(np.float32)
         (out,) = call_kernel(lib, [x, data, indices, indptr], [((m, n // block[0], block[0]), "float32")])

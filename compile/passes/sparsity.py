@@ -20,8 +20,8 @@ from tvm import relax, te, tirx
 from tvm.target import Target
 
 from ..build import make_target
+from ..capabilities import Capabilities
 from ..kernels import sparse
-from ..kernels.common import vector_lanes
 from .linears import bindings, transposed_linears
 
 LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
@@ -110,7 +110,7 @@ def bsr_matmul_func(k: int, nnz: int, block: tuple[int, int], block_rows: int, d
     m = tirx.Var("m", "int64")
     if target.kind.name == "cuda":
         return sparse.bsr_matmul_gpu(m, k, nnz, block, block_rows, dtype)
-    return sparse.bsr_matmul_cpu(m, k, nnz, block, block_rows, dtype, vector_lanes(target))
+    return sparse.bsr_matmul_cpu(m, k, nnz, block, block_rows, dtype, Capabilities.of(target).lanes)
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite
@@ -183,7 +183,7 @@ def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, row
     from ..timing import interleaved_medians
 
     n, k = weight.shape
-    lanes = vector_lanes(target)
+    lanes = Capabilities.of(target).lanes
     nt = dense.packed_panel_width(n, lanes) or n  # an unpackable width: one panel, as the dense path runs it
     x = te.placeholder((rows, k), "float32", name="x")
     panels = te.placeholder((n // nt, k, nt), "float32", name="panels")

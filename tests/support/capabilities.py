@@ -3,7 +3,8 @@ them, and the record of which the suite exercised.
 
 A capability is present where LLVM gives this machine's target its features (the compile stage
 then uses them) and /proc/cpuinfo lists them (a library using them runs here), as
-artifact/cpu_features.py reads both. A test that builds for a named CPU and runs only where this one
+artifact/cpu_features.py reads both; a kernel family's also where compile/capabilities.py's table says
+its micro-kernels run here. A test that builds for a named CPU and runs only where this one
 can run that code skips at run time instead (tests/support/tvm_run.skip_unless_runs_here): its code
 generation is checked on every host.
 
@@ -36,7 +37,8 @@ REQUIRES, LACKS = "requires", "lacks"
 @functools.cache
 def host() -> tuple[str, tuple[str, ...]]:
     """This machine's CPU as the compile stage targets it: (LLVM's name for it, the features LLVM gives it)."""
-    from compile.build import cpu_name, make_target
+    from compile.build import make_target
+    from compile.capabilities import cpu_name
 
     target = make_target("cpu")
     return cpu_name(target), tuple(target_features(target))
@@ -53,11 +55,20 @@ def features(capability: str) -> tuple[str, ...]:
     return {"avx512_bf16": bf16.REQUIRED_FEATURES, "amx": amx.REQUIRED_FEATURES}[capability]
 
 
-def missing(capability: str) -> list[str]:
-    """The features of `capability` this CPU lacks, per LLVM or per /proc/cpuinfo."""
+@functools.cache
+def missing(capability: str) -> tuple[str, ...]:
+    """What this CPU lacks of `capability`: its features that LLVM or /proc/cpuinfo does not list, or,
+    for a kernel family, the C compiler that builds its micro-kernels (compile/capabilities.py)."""
+    from compile.build import make_target
+    from compile.capabilities import Capabilities
+
     needed = features(capability)
     hidden = missing_on_host(needed) or []
-    return [feature for feature in needed if feature not in host()[1] or feature in hidden]
+    lacking = tuple(feature for feature in needed if feature not in host()[1] or feature in hidden)
+    kernels = {"avx512_bf16": "bf16", "amx": "amx"}.get(capability)
+    if not lacking and kernels and not getattr(Capabilities.of(make_target("cpu")), kernels):
+        return (f"a C compiler that builds its {kernels} micro-kernels",)
+    return lacking
 
 
 def required(item: pytest.Item) -> list[str]:

@@ -12,7 +12,7 @@ import tvm
 from tvm import relax
 
 from artifact.cpu_features import missing_on_host, target_features
-from compile.build import cpu_name
+from compile.capabilities import cpu_name
 from compile.lowering import tir_pipeline
 from compile.schedule import cpu_pipeline
 

@@ -64,7 +64,3 @@ class PassRecorder:
 
     def names(self) -> list[str]:
         return [name for name, _ in self.after]
-
-    def counts_after(self, name: str) -> dict[str, int]:
-        """The counts after the last run of pass `name`."""
-        return next(counts for ran, counts in reversed(self.after) if ran == name)

@@ -115,7 +115,7 @@ def ship(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, variants: Va
     builder = LibraryBuilder(config, plan, arithmetic, staging, variants.models, weight_files, reference)
     records, shared_strategy = build_libraries(builder, config, plan, progress)
     with progress.step(f"{arithmetic.precision} accuracy against the fp32 model on the shipped sentences"):
-        precision_entry, quantization = builder.precision_report(records[-1], plan.info, variants.linears, auto_entry)
+        precision_entry, quantization = builder.precision_report(records[-1], variants.linears, auto_entry)
     used = {r.strategy for r in records}
     for strategy in set(weight_files) - used:
         (staging / weight_files.pop(strategy).file).unlink()

@@ -93,7 +93,7 @@ def build_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, i
     weights = {strategy: save_weights(directory, strategy, variants[strategy])}
     builder = LibraryBuilder(config, plan, arithmetic, directory, variants, weights, reference)
     library = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False).libraries[strategy]
-    return builder, library, builder.agreement(library, strategy, plan.info)
+    return builder, library, builder.agreement(library, strategy)
 
 
 def checked_int8_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,

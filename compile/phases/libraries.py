@@ -19,7 +19,7 @@ from artifact.manifest import CostModel, PrecisionCandidate, PrecisionEntry, Qua
 
 from .. import precision
 from ..build import build_library, cpu_name, specialize
-from ..checkpoint import CheckpointInfo, example_inputs
+from ..checkpoint import example_inputs
 from ..config import RELATIVE_TOLERANCES, CompileConfig
 from ..passes import quantize
 from ..passes.lift import LiftedModel
@@ -129,6 +129,7 @@ class LibraryBuilder:
     def __init__(self, config: CompileConfig, plan: Plan, arithmetic: Arithmetic, staging: Path,
                  variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module):
         self.config = config
+        self.plan = plan
         self.arithmetic = arithmetic  # what the libraries compute in (the chosen precision)
         self.staging = staging
         self.variants = variants
@@ -211,9 +212,10 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def agreement(self, library: str, strategy: str, info: CheckpointInfo) -> dict:
+    def agreement(self, library: str, strategy: str) -> dict:
         """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
         embedding, or a classifier's top-1 agreement and largest probability difference."""
+        info = self.plan.info
         rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
         runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
@@ -225,7 +227,7 @@ class LibraryBuilder:
             return quantize.classifier_agreement(actual, expected)
         return quantize.embedding_agreement(actual, expected)
 
-    def precision_report(self, generic: BuildRecord, info: CheckpointInfo, linears: int,
+    def precision_report(self, generic: BuildRecord, linears: int,
                          chosen: PrecisionEntry | None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
         """What the linear layers compute in (`chosen`: auto's record of how) and how close the generic
         library stays to the fp32 model; under `min_cosine`, or int8 under its gate, the compile fails
@@ -236,8 +238,8 @@ class LibraryBuilder:
             update={"kernel": kernel, "linears": linears})
         if attention is not None and name in precision.ROUNDED:  # auto may have shipped fp32
             entry = entry.model_copy(update={"attention": attention.entry(name)})
-        measured_here = self.validate and kernel is not None and not self.config.token_outputs
-        accuracy = self.agreement(generic.library, generic.strategy, info) if measured_here else {}
+        measured = self.plan.measures_precisions and kernel is not None
+        accuracy = self.agreement(generic.library, generic.strategy) if measured else {}
         if entry.requested != "auto" and accuracy:
             failures = precision.gate_failures(name, accuracy)
             entry = entry.model_copy(update={"candidates": [PrecisionCandidate(

@@ -17,7 +17,7 @@ same Xeon with znver4's code the compile timed the int8 kernel at 0.62-0.68x the
 time at heads of 64 and 32, and bf16 at 1.41-1.63x. The int8 plan simulates them (int8_simulation.Simulation): they cost
 accuracy where bf16 ones do not, so where every linear in int8 beside them misses the gate, the
 compile gives int8 libraries the products bf16 ones have instead (`AttentionChoice.without_int8`,
-pipeline.plan_int8_linears).
+phases.decisions.plan_int8_linears).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ where the built library does.
 
 The simulation is close, not exact (its margin, `SIMULATION_TOLERANCE`, covers what MiniLM's libraries
 have shown), so the compile measures the plan's built library before it builds the rest
-(compile/pipeline.py, `checked_int8_candidate`): where that misses what the plan kept, the plan is
+(compile/phases/decisions.py, `checked_int8_candidate`): where that misses what the plan kept, the plan is
 admitted again from the same simulation and sensitivity with the margin that library showed it needs
 (`Int8Plan.replanned`), and built again.
 """

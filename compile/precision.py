@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .errors import ValidationError
+
 PRECISIONS = ("fp32", "bf16", "int8")  # most accurate first
 PRECISION_MARGIN = 0.03  # how much faster a less accurate candidate must be to ship
 
@@ -81,6 +83,17 @@ def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
     worst = f" (least on {accuracy['worst_sentence']!r})" if accuracy.get("worst_sentence") else ""
     return (f"--precision {precision} misses its accuracy gate to the fp32 model on the shipped sentences: "
             f"{'; '.join(failures)}{worst}; use --precision auto, bf16 or fp32")
+
+
+def refuse_missed_gate(name: str, accuracy: dict, min_cosine: float | None) -> None:
+    """Fail the compile (one line) where int8's measured `accuracy` misses its gate, or a rounded
+    precision's misses `min_cosine`; an unmeasured precision (`accuracy` empty) passes."""
+    failures = gate_failures(name, accuracy) if accuracy else []
+    if failures and name == "int8":
+        raise ValidationError(gate_refusal(name, accuracy, failures))
+    if under_cosine_floor(name, accuracy, min_cosine):
+        raise ValidationError(f"{name} embeddings reach cosine {accuracy['cosine_min']:.6f} to the fp32 model's "
+                              f"on the shipped sentences, under {min_cosine_flag(min_cosine)}")
 
 
 @dataclass

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import tvm
 
-from compile import attention_products, pipeline
+from compile import attention_products
+from compile.phases import decisions, libraries
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.capabilities import Capabilities, KernelConfig
@@ -193,20 +194,20 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     injected = _times(1.0, 1.3, "int8")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with = []
-    real_build = pipeline.build_library
+    real_build = libraries.build_library
 
     def spy(*args, **kwargs):
         built_with.append(kwargs["kernels"].products)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "build_library", spy)
-    planned_with, real_plan = [], pipeline.plan_for
+    monkeypatch.setattr(libraries, "build_library", spy)
+    planned_with, real_plan = [], decisions.plan_for
 
     def plan_spy(*args, **kwargs):
         planned_with.append(kwargs["bf16_pays"])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "plan_for", plan_spy)
+    monkeypatch.setattr(decisions, "plan_for", plan_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])

@@ -236,7 +236,7 @@ def test_specialised_kernel_keeps_its_epilogue_fused(lanes):
 
 @each_lane_count
 def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
-    """What compile/pipeline.py does for a CPU target: pack at `Capabilities.of(target).lanes`, then build
+    """What a compile does for a CPU target: pack at `Capabilities.of(target).lanes`, then build
     for that target (the AVX-512 build must succeed on an AVX2 machine, where it is not run)."""
     target = TARGETS[lanes]
     n = _packable(Capabilities.of(target).lanes)

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
-from tvm.script import relax as R
 
 from artifact.bucketing import Bucket
 from artifact.loader import LibraryRunner, load_artifact, load_weights
@@ -16,29 +15,15 @@ from compile.passes.combine import combine_parallel_matmuls
 from compile.passes.combine_batched import batch_parallel_linears
 from compile.passes.lift import lift_and_transform
 from compile.passes.strategy import STRATEGIES, apply_strategy
-from compile.pipeline import Candidates, choose_strategies, save_weights
+from compile.phases.libraries import Candidates, choose_strategies
+from compile.phases.transform import save_weights
 from compile.validate import library_diff
 from tests.support.artifacts import compile_artifact
-from tests.support.relax_modules import BiasFirstQKV
+from tests.support.relax_modules import BiasFirstQKV, UnequalWidths
 from tests.support.tvm_run import build_reference, run
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
-
-@tvm.script.ir_module
-class UnequalWidths:
-    """Two linears on one input with different output widths (8 and 4)."""
-
-    @R.function
-    def main(x: R.Tensor((6, 8), "float32"), wa: R.Tensor((8, 8), "float32"), ba: R.Tensor((8,), "float32"),
-             wb: R.Tensor((4, 8), "float32"), bb: R.Tensor((4,), "float32")):
-        R.func_attr({"num_input": 1})
-        with R.dataflow():
-            a = R.add(R.matmul(x, R.permute_dims(wa)), ba)
-            b = R.add(R.matmul(x, R.permute_dims(wb)), bb)
-            out = (a, b)
-            R.output(out)
-        return out
 
 
 def _random_args(mod):

@@ -31,6 +31,7 @@ from tvm import relax
 from ..capabilities import Capabilities
 from ..kernels import int8, row_quantize
 from ..sentences import ACCURACY_SENTENCES
+from . import as_pass
 from .bf16 import bf16_linear
 from .linears import rewrite_linears
 from .packing import linears_on_weights
@@ -72,6 +73,13 @@ def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozens
 
     quantized_count = [0]
     return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]
+
+
+
+def QuantizeLinearsInt8(target: tvm.target.Target, keep: frozenset[str] = frozenset(),
+                        keep_in_bf16: bool = False) -> tvm.transform.Pass:
+    """`quantize_linears` as a pass."""
+    return as_pass("QuantizeLinearsInt8", lambda mod: quantize_linears(mod, target, keep, keep_in_bf16)[0])
 
 
 def weight_scales(w: relax.Expr, n: int, k: int, kernel: int8.Int8Kernel) -> relax.Expr:

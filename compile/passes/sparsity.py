@@ -13,6 +13,8 @@ see the same weights), import, `apply_strategy`, `sparsify` (weights must still 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import tvm
@@ -22,6 +24,7 @@ from tvm.target import Target
 from ..build import make_target
 from ..capabilities import Capabilities
 from ..kernels import sparse
+from . import as_pass
 from .linears import bindings, transposed_linears
 
 LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
@@ -255,3 +258,22 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
         "choices": choices,
     }
     return mutator.builder_.get(), [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in new_values], report
+
+
+@dataclass
+class SparseWeights:
+    """`main`'s weights, which `SparsifyLinears` reads and replaces (with its report): the pass
+    changes `main`'s signature, so its weights travel beside the module."""
+
+    params: list
+    report: dict | None = None
+
+
+def SparsifyLinears(weights: SparseWeights, block: tuple[int, int], max_density: float, target: Target,
+                    timed: bool) -> tvm.transform.Pass:
+    """`sparsify` as a pass over `weights`."""
+    def rewrite(mod: tvm.IRModule) -> tvm.IRModule:
+        mod, weights.params, weights.report = sparsify(mod, weights.params, block, max_density, target, timed)
+        return mod
+
+    return as_pass("SparsifyLinears", rewrite)

@@ -28,6 +28,33 @@ class BiasFirstQKV:
         return out
 
 
+@tvm.script.ir_module
+class UnequalWidths:
+    """Two linears on one input with different output widths (8 and 4)."""
+
+    @R.function
+    def main(x: R.Tensor((6, 8), "float32"), wa: R.Tensor((8, 8), "float32"), ba: R.Tensor((8,), "float32"),
+             wb: R.Tensor((4, 8), "float32"), bb: R.Tensor((4,), "float32")):
+        R.func_attr({"num_input": 1})
+        with R.dataflow():
+            a = R.add(R.matmul(x, R.permute_dims(wa)), ba)
+            b = R.add(R.matmul(x, R.permute_dims(wb)), bb)
+            out = (a, b)
+            R.output(out)
+        return out
+
+
+def linear_module(k: int, n: int, weight: str = "w") -> tvm.IRModule:
+    """`y = x @ W^T` for x [6, k], W [n, k] (a parameter named `weight`): the other linear passes' Before too."""
+    builder = relax.BlockBuilder()
+    x, w = relax.Var("x", R.Tensor((6, k), "float32")), relax.Var(weight, R.Tensor((n, k), "float32"))
+    with builder.function("main", [x, w], attrs={"num_input": 1}):
+        with builder.dataflow():
+            y = builder.emit_output(relax.op.matmul(x, builder.emit(relax.op.permute_dims(w))))
+        builder.emit_func_output(y)
+    return builder.get()
+
+
 def calls_of(mod: tvm.IRModule, op_name: str) -> list[relax.Call]:
     """The calls of the op `op_name` (e.g. "relax.matmul") in `mod`'s main."""
     found = []

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import error_of
 
-from loadtest.servers import metric_value, wait_until
+from loadtest.servers import free_port, metric_value, wait_until
 from service.cli import parse_args
 from service.settings import Settings
 
@@ -157,9 +157,24 @@ def _refuses_connections(url: str) -> bool:
     return False
 
 
+def _grpc_refuses(address: str) -> bool:
+    import grpc
+
+    from service.grpc_api import tei_pb2 as pb
+    from service.grpc_api import tei_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.InfoStub(channel).Info(pb.InfoRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
 def test_sigterm_answers_a_request_still_tokenizing(serve, tiny_embed_artifact):
     """A request received before SIGTERM is answered even while its inputs are still being
-    tokenized, before they reach a queue; connections made after the signal are refused.
+    tokenized, before they reach a queue; connections made after the signal are refused, and so
+    are gRPC calls.
 
     The server's tokenizer holds the request until the test lets it go
     (tests/server_holding_tokenization.py): the signal comes while it tokenizes, whatever the
@@ -168,7 +183,10 @@ def test_sigterm_answers_a_request_still_tokenizing(serve, tiny_embed_artifact):
     with socket.create_server(("127.0.0.1", 0)) as hold:
         hold.settimeout(120)
         env = {"PYTHONPATH": str(Path(__file__).parent), "HOLD_PORT": str(hold.getsockname()[1])}
-        with serve([tiny_embed_artifact], env=env, module="server_holding_tokenization") as server:
+        grpc_port = free_port()
+        with serve([tiny_embed_artifact], "--grpc-port", str(grpc_port), env=env,
+                   module="server_holding_tokenization") as server:
+            assert not _grpc_refuses(f"127.0.0.1:{grpc_port}")
             answers: list[httpx.Response] = []
             request = threading.Thread(target=lambda: answers.append(
                 httpx.post(f"{server.url}/embed", json={"inputs": inputs}, timeout=120)))
@@ -178,6 +196,7 @@ def test_sigterm_answers_a_request_still_tokenizing(serve, tiny_embed_artifact):
                 assert tokenizer.recv(10) == b"tokenizing"
                 server.process.send_signal(signal.SIGTERM)
                 wait_until(lambda: _refuses_connections(server.url), what="new connections refused")
+                wait_until(lambda: _grpc_refuses(f"127.0.0.1:{grpc_port}"), what="new gRPC calls refused")
                 assert answers == []
                 tokenizer.sendall(b"go")
             request.join(timeout=120)

@@ -1,8 +1,8 @@
 """The FastAPI application: lifespan, error handlers and the ASGI middleware around the routes.
 
 Middleware is plain ASGI (not BaseHTTPMiddleware) so it neither buffers responses nor breaks
-cancellation. Outermost first: the request's trace span (with --otlp-endpoint), metrics (counts
-every answer, refusals included), CORS (with --cors-allow-origin: a preflight needs no API key),
+cancellation. Outermost first: metrics and the request's trace span (with --otlp-endpoint; they
+count every answer, refusals included), CORS (with --cors-allow-origin: a preflight needs no API key),
 API key, body-size limit.
 """
 
@@ -64,37 +64,25 @@ class Answer:
 
 
 class MetricsMiddleware:
-    """Request count and latency per endpoint and status; unknown paths share one label."""
+    """Request count and latency per endpoint and status (unknown paths share one label) and, with
+    --otlp-endpoint, the request's trace span, named by its route (`service.tracing`)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]):
-        self.app, self.metrics, self.paths = app, metrics, paths
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str], tracing: Tracing | None):
+        self.app, self.metrics, self.paths, self.tracing = app, metrics, paths, tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         answer = Answer(send)
+        route = scope["path"] if scope["path"] in self.paths else None
         try:
-            await self.app(scope, receive, answer.send)
+            with contextlib.nullcontext() if self.tracing is None else self.tracing.request_span(scope, route, answer):
+                await self.app(scope, receive, answer.send)
         finally:
-            endpoint = scope["path"] if scope["path"] in self.paths else "other"
-            status = str(answer.status)
+            endpoint, status = route or "other", str(answer.status)
             self.metrics.requests.labels(endpoint, status).inc()
             self.metrics.request_seconds.labels(endpoint, status).observe(time.perf_counter() - started)
-
-
-class TracingMiddleware:
-    """A trace span around every HTTP request, named by its route (`service.tracing`)."""
-
-    def __init__(self, app: ASGIApp, tracing: Tracing, paths: frozenset[str]):
-        self.app, self.tracing, self.paths = app, tracing, paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        answer = Answer(send)
-        with self.tracing.request_span(scope, scope["path"] if scope["path"] in self.paths else None, answer):
-            await self.app(scope, receive, answer.send)
 
 
 class ApiKeyMiddleware:
@@ -224,14 +212,12 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
         log.exception("unhandled error")
         return error_response(ServiceError(f"internal error: {type(exc).__name__}"), request.url.path)
 
-    routed = frozenset(route.path for route in router.routes)
     app.add_middleware(BodyLimitMiddleware, limit=settings.payload_limit)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     if settings.cors_allow_origin:  # TEI's methods, and the API key's header
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origin, allow_methods=["GET", "POST"],
                            allow_headers=["content-type", "authorization"])
-    app.add_middleware(MetricsMiddleware, metrics=metrics, paths=routed)
-    if runtime.tracing is not None:
-        app.add_middleware(TracingMiddleware, tracing=runtime.tracing, paths=routed)
+    app.add_middleware(MetricsMiddleware, metrics=metrics, paths=frozenset(route.path for route in router.routes),
+                       tracing=runtime.tracing)
     return app

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces (--otlp-endpoint): a server span per HTTP request (app.TracingMiddleware),
+"""OpenTelemetry traces (--otlp-endpoint): a server span per HTTP request (app.MetricsMiddleware),
 with child spans for its tokenization, its wait in the queue and its inference, exported over
 OTLP/HTTP by a background thread. Without an endpoint this module is not even imported: no
 middleware, no spans, no exporter thread.

@@ -35,7 +35,7 @@ class _RefusedFlag(argparse.Action):
     """A TEI flag that means nothing here: one line saying what to use instead, exit 2."""
 
     def __init__(self, *args, instead: str, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, help=f"refused: {instead}", **kwargs)
         self.instead = instead
 
     def __call__(self, parser, namespace, values, option_string=None):
@@ -49,7 +49,8 @@ class _Granted(argparse.Action):
         pass
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each also a BERT_SERVE_* variable; docs/SERVE.md's reference is rendered from them."""
     parser = argparse.ArgumentParser(
         prog="bert-serve",
         description="Serve compiled BERT artifacts over HTTP (TEI- and OpenAI-compatible).",
@@ -113,7 +114,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--api-key", help="require Authorization: Bearer KEY on every route but the probes and /metrics")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _settings_error(exc: ValidationError) -> str:

@@ -67,10 +67,10 @@ class Tracing:
         [started, tokenized], the queue until the request's first batch started, inference until
         its last batch ended (each result's queue and inference seconds count from its admission,
         right after tokenizing). Nothing where no request span is recording (a gRPC call)."""
-        if not trace.get_current_span().is_recording():
-            return
         batches = {(tokenized + result.queue_seconds, tokenized + result.queue_seconds + result.inference_seconds)
                    for result in results}
+        if not batches or not trace.get_current_span().is_recording():
+            return
         first_start, last_end = min(start for start, _ in batches), max(end for _, end in batches)
         offset = time.time_ns() - time.perf_counter_ns()  # perf_counter seconds -> epoch nanoseconds
 

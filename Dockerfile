@@ -125,13 +125,18 @@ RUN if [ "$TARGET" = cuda ]; then \
 # runtime: the serving venv and the artifacts only; no compiler, no torch, no source tree, no pip cache
 # ---------------------------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS runtime-base
-# A fixed numeric UID, so Kubernetes' runAsNonRoot can check it.
-RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp bert
+# A fixed numeric UID, so Kubernetes' runAsNonRoot can check it. /data holds a --model-id's
+# downloads and compiled artifacts, as TEI's image keeps its models there: mount a volume on it
+# (`-v $PWD/data:/data`) so that a model is downloaded and compiled once.
+RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp bert \
+    && install -d -o 10001 -g 10001 /data
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
+    HF_HUB_CACHE=/data/hub \
+    BERT_SERVE_ARTIFACT_CACHE=/data/artifacts \
     BERT_SERVE_HOST=0.0.0.0 \
     BERT_SERVE_PORT=8080 \
     BERT_SERVE_GRPC_PORT=50051

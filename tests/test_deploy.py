@@ -262,7 +262,7 @@ def _variant(deployment: dict) -> str:
     return deployment["metadata"]["labels"].get("app.kubernetes.io/variant", "cpu")
 
 
-@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+@pytest.mark.parametrize("variant", ["cpu", "gpu", "model-id"])
 def test_probes_point_at_ready_and_health_on_the_container_port(variant):
     (deployment,) = [d for d in _deployments() if _variant(d) == variant]
     container = _container(deployment)
@@ -377,6 +377,7 @@ def test_arguments_after_the_image_name_go_to_bert_serve_and_none_serve_the_bake
         if _variant(deployment) == "model-id":
             assert "args" in _container(deployment) and loaded.model_id == "BAAI/bge-small-en-v1.5"
             assert {m["mountPath"] for m in _container(deployment)["volumeMounts"]} >= {"/data"}
+            assert str(loaded.artifact_cache).startswith("/data/")
         else:
             assert "args" not in _container(deployment)
             assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], _variant(deployment)

@@ -121,43 +121,19 @@ INT8_DESCRIPTION = ("amx tdpbusd (uint8 activations x int8 weights, 32 x 32 tile
                     "not a multiple of 64), int32 accumulation")
 
 
-_SUPPORTED: dict[str, bool] = {}  # by target: the schedule pass asks once per kernel (LLVM's answer takes ~1 ms)
-
-
-def supported(target: tvm.target.Target) -> bool:
-    """Whether the target's CPU has AMX-BF16 and AMX-INT8 and the C compiler builds the tiles: where
-    it does, the bf16 and int8 linears run on them (the one place that decides it)."""
-    key = str(target.host or target)
-    if key not in _SUPPORTED:
-        _SUPPORTED[key] = _supported(target.host or target)
-    return _SUPPORTED[key]
-
-
-def _supported(llvm: tvm.target.Target) -> bool:
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    if llvm.kind.name != "llvm" or not all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES):
-        return False
-    try:
-        kernels_object()
-    except RuntimeError:
-        return False
-    return True
-
-
 def kernels_object() -> Path:
     """The tiles, compiled once per process to an object file the libraries link."""
     return c_object("amx_tiles", SOURCE + attention_amx.SOURCE,
                     ("-mamx-tile", "-mamx-bf16", "-mamx-int8", "-mavx512f", "-mavx512bw", "-mavx512bf16"))
 
 
-def linked_objects(mod: tvm.IRModule, target: tvm.target.Target, attention: str = "fp32") -> list[str]:
-    """The tiles' object where a library built from `mod` for `target` runs its bf16 or int8
-    linears on them (compile/kernels/bf16.py and int8.py schedule them so where `supported`) or its
-    attention's products (`attention` "amx")."""
+def linked_objects(mod: tvm.IRModule, amx_tiles: bool, products: str = "fp32") -> list[str]:
+    """The tiles' object where a library built from `mod` runs its bf16 or int8 linears on them
+    (compile/kernels/bf16.py and int8.py schedule them so where the target has them, `amx_tiles`) or
+    attention's products (`products` "amx")."""
     from . import bf16, int8  # they schedule onto these tiles: imported here, not at the top
 
     linears = (bf16.MATMUL, int8.MATMUL)
-    uses = attention == "amx" or any(isinstance(func, tvm.tirx.PrimFunc) and gvar.name_hint.startswith(linears)
+    uses = products == "amx" or any(isinstance(func, tvm.tirx.PrimFunc) and gvar.name_hint.startswith(linears)
                                      for gvar, func in mod.functions_items())
-    return [str(kernels_object())] if uses and supported(target) else []
+    return [str(kernels_object())] if uses and amx_tiles else []

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -61,6 +62,9 @@ from . import attention_amx, attention_bf16, attention_int8, script
 from .common import prescheduled, without_param
 from .fast_math import LOG2E, exp2_of_nonpositive, fast_math
 from .launch import MIN_PARALLEL_WORK, claim_iterations
+
+if TYPE_CHECKING:  # the capabilities ask the kernel modules what they support: a type only here
+    from ..capabilities import KernelConfig
 
 KERNEL_NAME = "fused_attention"
 REAL_KEY_BIAS = -1e30  # an additive bias at or below this marks a padding key (float32 min)
@@ -126,16 +130,20 @@ def _context_passes(head_size: int, lanes: int, tile: int) -> tuple[int, int, in
     return per_pass, queries, passes - smaller, smaller
 
 
-def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -> tirx.PrimFunc:
-    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
-    `products` "bf16" runs its two products on attention_bf16's micro-kernels, "amx" on
-    attention_amx's tiles (each where it supports the head size and lanes, else the next of
-    amx, bf16, fp32), "int8" on attention_int8's (else fp32), "fp32" in the loops below.
+def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFunc:
+    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled), at
+    `kernels`' lanes with its products in `kernels.products`: "bf16" on attention_bf16's micro-kernels,
+    "amx" on attention_amx's tiles, "int8" on attention_int8's, "fp32" in the loops below. Products
+    the CPU has no kernel for at this head size (`Capabilities.attention_products`) are refused.
 
     Parsing the script takes seconds (each use of a macro parses it again), and a compile asks for
     the same kernel for every library it builds and for its pass report, so each kernel is written
     once per process where its sizes are ints or vars: vars are told apart by name and type (a
     PrimFunc's vars are its own)."""
+    lanes, products = kernels.capabilities.lanes, kernels.products
+    if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
+        raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
+                         f"at {lanes} lanes")
     sizes = (shape.batch, shape.seq, shape.rows)
     if not all(isinstance(x, (int, tirx.Var)) for x in sizes):  # an expression of a var: written as given
         return _write_attention(shape, lanes, products)
@@ -151,9 +159,7 @@ def _written(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
 
 
 def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
-    amx = products == "amx" and attention_amx.supports(shape.head_size, lanes)
-    bf16 = amx or (products in ("bf16", "amx") and attention_bf16.supports(shape.head_size, lanes))
-    int8 = products == "int8" and attention_int8.supports(shape.head_size, lanes)
+    amx, bf16, int8 = products == "amx", products in ("bf16", "amx"), products == "int8"
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
     queries_per_tile, keys_per_tile = ((lanes, KEYS) if bf16 else (attention_int8.QUERIES, attention_int8.KEY_STEP)
                                        if int8 else _score_tile(lanes))

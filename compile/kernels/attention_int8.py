@@ -39,8 +39,6 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import tvm
-
 from . import int8
 from .attention_bf16 import EXP_MACROS
 from .int8 import PAIR_CODES, WEIGHT_CODES
@@ -442,7 +440,7 @@ def kernels_object(kernel: int8.Int8Kernel) -> Path:
     return c_object(f"int8_attention_{kernel.name}", SOURCE, (*isa, "-mfma", "-fno-tree-coalesce-vars"))
 
 
-def linked_objects(target: tvm.target.Target, attention: str) -> list[str]:
-    """What a library for `target` whose attention products are `attention` must link for them."""
-    kernel = int8.kernel_for(target)
-    return [str(kernels_object(kernel))] if attention == "int8" and kernel is not None else []
+def linked_objects(kernel: int8.Int8Kernel | None, products: str) -> list[str]:
+    """What a library whose attention products are `products` must link for them, on the CPUs of the int8
+    linears' `kernel`."""
+    return [str(kernels_object(kernel))] if products == "int8" and kernel is not None else []

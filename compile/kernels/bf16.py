@@ -75,14 +75,6 @@ int32_t bert_bf16_tile_8x32(float *c, int64_t ldc, const uint16_t *a, int64_t ld
 """
 
 
-def supported(target: tvm.target.Target) -> bool:
-    """Whether the target's CPU runs the bf16 micro-kernel."""
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    llvm = target.host or target
-    return llvm.kind.name == "llvm" and all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES)
-
-
 def kernels_object() -> Path:
     """The micro-kernels (the linears' tile, attention's products) compiled once per process to an
     object file the libraries link."""
@@ -90,11 +82,11 @@ def kernels_object() -> Path:
                     ("-mavx512f", "-mavx512bw", "-mavx512bf16"))
 
 
-def linked_objects(mod: tvm.IRModule, attention: str = "fp32") -> list[str]:
+def linked_objects(mod: tvm.IRModule, products: str = "fp32") -> list[str]:
     """The objects a library built from `mod` must link: the micro-kernels where it runs a bf16
-    matmul or its attention products in bf16 (`attention` "bf16", or "amx", whose softmax is
+    matmul or attention's products in bf16 (`products` "bf16", or "amx", whose softmax is
     theirs: the kernel FuseAttention will write)."""
-    uses = attention in ("bf16", "amx") or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
+    uses = products in ("bf16", "amx") or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
                                       for gvar, func in mod.functions_items())
     return [str(kernels_object())] if uses else []
 
@@ -166,7 +158,7 @@ def _bf16_matmul_block(sch: s_tir.Schedule):
 def schedule_bf16_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.Schedule | None:
     """Schedule the bf16 matmul (and its fused epilogue) of `func` as whole-K tile calls
     (`tiles.schedule_tiles`), or None when it has none: AMX's 32 x 32 tile where `amx_tiles` (the target
-    has it, `amx.supported`) and K is a multiple of its step, else the 8 x 32 AVX-512 tile."""
+    has it, `Capabilities.amx`) and K is a multiple of its step, else the 8 x 32 AVX-512 tile."""
     sch = s_tir.Schedule(func)
     main = _bf16_matmul_block(sch)
     if main is None:

@@ -177,15 +177,15 @@ def test_sigterm_answers_a_request_still_tokenizing(serve, tiny_embed_artifact):
     are gRPC calls.
 
     The server's tokenizer holds the request until the test lets it go
-    (tests/server_holding_tokenization.py): the signal comes while it tokenizes, whatever the
+    (tests/support/server_holding_tokenization.py): the signal comes while it tokenizes, whatever the
     speed of this machine. Its 32 inputs, over 2048 characters, are tokenized off the event loop."""
     inputs = [f"hold {i}: " + "a few more words " * 8 for i in range(32)]
     with socket.create_server(("127.0.0.1", 0)) as hold:
         hold.settimeout(120)
-        env = {"PYTHONPATH": str(Path(__file__).parent), "HOLD_PORT": str(hold.getsockname()[1])}
+        env = {"PYTHONPATH": str(REPO), "HOLD_PORT": str(hold.getsockname()[1])}
         grpc_port = free_port()
         with serve([tiny_embed_artifact], "--grpc-port", str(grpc_port), env=env,
-                   module="server_holding_tokenization") as server:
+                   module="tests.support.server_holding_tokenization") as server:
             assert not _grpc_refuses(f"127.0.0.1:{grpc_port}")
             answers: list[httpx.Response] = []
             request = threading.Thread(target=lambda: answers.append(

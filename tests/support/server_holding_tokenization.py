@@ -1,4 +1,4 @@
-"""`python -m server_holding_tokenization ARGS` (with tests/ on PYTHONPATH): the real server
+"""`python -m tests.support.server_holding_tokenization ARGS` (from the repository's root): the real server
 (`service.cli.main`: its signals, drain and exit status) whose tokenizer holds a request whose
 first input starts with "hold" until the test lets it go, so a test can place a signal while a
 received request is still being tokenized, whatever the speed of this machine. The tokenizer

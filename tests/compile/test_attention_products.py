@@ -2,7 +2,7 @@
 linears, chosen by timing the fused kernel on the compiling CPU (injected times for the choice
 itself), the timed kernel's answers against numpy, the compile recording and building what
 was chosen, and the int8 plan's kept units following the same timing. bf16 execution needs a CPU
-with AVX512_BF16 and skips elsewhere; the int8 products have tests/test_attention_int8.py."""
+with AVX512_BF16 and skips elsewhere; the int8 products have tests/compile/kernels/test_attention_int8.py."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
 def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     """What is timed is attention: the kernel module's answers against numpy (bf16 rounds each
     product's operands to 8 significant bits: 2e-2 of values of order 1). int8 products:
-    tests/test_attention_int8.py."""
+    tests/compile/kernels/test_attention_int8.py."""
     products = HOST_ROUNDED if products == "rounded" else products
     kernels = KernelConfig.of(HOST, products=products)
     build_library(attention_products.kernel_module(SMALL, kernels), HOST, tmp_path / "k.so", kernels=kernels)

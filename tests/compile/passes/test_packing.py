@@ -1,14 +1,14 @@
 """compile/passes/packing.py: linear weights packed at load into the CPU kernel's panels.
 
-Counts of ops before and after the pass on the real MiniLM, the packed layout of the lifted
-weights, numerics of the packed kernel through the real CPU pipeline on odd shapes (symbolic and
-static M, fused epilogues), and that the schedule reads the panels without repacking them.
+PackLinearWeights as Before/Expected; counts of ops before and after the pass on the real MiniLM, the
+packed layout of the lifted weights, numerics of the packed kernel through the real CPU pipeline on odd
+shapes (symbolic and static M, fused epilogues), and that the schedule reads the panels without
+repacking them.
 
 Every test runs for both AVX2 (8 fp32 lanes) and AVX-512 (16 lanes), with shapes derived from the
 lane count, so an AVX2 machine checks the AVX-512 layout and schedule too. The targets are the
 x86-64 levels v3 and v4 (the features every AVX2 / AVX-512 CPU has, znver3 and znver4 included);
-code for a level this CPU does not reach is compiled, never run.
-"""
+code for a level this CPU does not reach is compiled, never run."""
 
 from __future__ import annotations
 
@@ -19,18 +19,21 @@ import tvm
 import tvm_ffi
 from tvm import relax, tirx
 from tvm.relax.backend.cpu_generic import pipeline as cpu
+from tvm.script import relax as R
 from tvm.sym import Analyzer
 
 from compile.build import make_target
 from compile.capabilities import Capabilities
+from compile.kernels import dense
 from compile.kernels.dense import packed_panel_width, schedule_matmul
 from compile.lowering import tir_pipeline
 from compile.opcount import tracked_counts
 from compile.passes.lift import lift_and_transform
-from compile.passes.packing import pack_linear_weights
+from compile.passes.packing import PackLinearWeights, pack_linear_weights
 from compile.passes.specialize import specialize_te_kernels
 from compile.passes.strategy import apply_strategy
 from tests.support.kernels import prefetch_guards, prefetched_addresses
+from tests.support.relax_modules import linear_module
 from tests.support.tvm_run import build_scheduled, run, skip_unless_runs_here
 
 MCPU_OF_LANES = {8: "x86-64-v3", 16: "x86-64-v4"}  # AVX2 + FMA; AVX-512 F/BW/CD/DQ/VL
@@ -245,3 +248,23 @@ def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
     lifted = lift_and_transform(mod, [tvm.runtime.tensor(x) for x in _weights(48, n)])
     assert lifted.weights[-1].shape == (n // _panel(lanes), 48, _panel(lanes))
     build_scheduled(lifted.mod, target)
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_a_linear_runs_on_packed_panels(lanes):
+    k, n = 16, 6 * lanes
+    nt = dense.packed_panel_width(n, lanes)
+    builder = relax.BlockBuilder()
+    x, w = relax.Var("x", R.Tensor((6, k), "float32")), relax.Var("w", R.Tensor((n, k), "float32"))
+    with builder.function("main", [x, w], attrs={"num_input": 1}):
+        with builder.dataflow():
+            panels = builder.emit(relax.op.permute_dims(relax.op.reshape(w, (n // nt, nt, k)), [0, 2, 1]))
+            y = builder.emit_output(builder.emit_te(dense.packed_matmul_te, x, panels,
+                                                    primfunc_name_hint=dense.KERNEL_NAME))
+        builder.emit_func_output(y)
+    tvm.ir.assert_structural_equal(PackLinearWeights(lanes)(linear_module(k, n)), builder.get())
+
+
+def test_a_width_no_panel_divides_is_left_alone():
+    before = linear_module(16, 20)
+    tvm.ir.assert_structural_equal(PackLinearWeights(16)(before), before)

@@ -110,7 +110,7 @@ def test_values_are_scaled_by_their_pair_bound():
 def test_the_plan_simulates_reduced_products_where_the_library_runs_them(products, least):
     """With no linear in int8 the fp32 model's answers are kept exactly; with the products in int8, or
     in bf16 (AMX's tiles round as bf16's products do), they move, and the plan's accuracy says by how
-    much (the bf16 arithmetic is tests/test_attention_products.py's)."""
+    much (the bf16 arithmetic is tests/compile/test_attention_products.py's)."""
     import transformers
 
     from compile.passes.quantize import embedding_agreement

@@ -1,4 +1,5 @@
-"""Block sparsity: pruning, the BSR kernel, the Relax rewrite, and a tiny BERT end to end."""
+"""compile/passes/sparsity.py: block sparsity: pruning, the BSR kernel, SparsifyLinears as Before/Expected,
+the Relax rewrite, and a tiny BERT end to end."""
 
 from __future__ import annotations
 
@@ -10,12 +11,17 @@ import torch
 import transformers
 import tvm
 from tvm import relax
+from tvm.script import relax as R
 
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.checkpoint import BertWrapper, example_inputs
 from compile.importer import export_and_import
+from compile.kernels import dense
 from compile.passes.lift import lift_and_transform
 from compile.passes.sparsity import (
+    SparseWeights,
+    SparsifyLinears,
     block_density,
     bsr_matmul_func,
     prune_blocks,
@@ -24,6 +30,7 @@ from compile.passes.sparsity import (
     to_bsr,
 )
 from compile.passes.strategy import apply_strategy
+from tests.support.relax_modules import linear_module
 from tests.support.tvm_run import build_kernel, build_reference, call_kernel, run, skip_unless_runs_here
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
@@ -31,9 +38,6 @@ pytestmark = pytest.mark.slow  # collected first: see conftest.py
 CPU = make_target("cpu")
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"}, host={"kind": "llvm"})
 VOCAB = 30522
-
-
-# ----------------------------------------------------------------------------- pruning
 
 
 def test_prune_blocks_keeps_the_largest_blocks():
@@ -67,9 +71,6 @@ def test_to_bsr_round_trips():
     assert indices.dtype == indptr.dtype == np.int32
 
 
-# ----------------------------------------------------------------------------- the kernel
-
-
 @pytest.mark.parametrize("mcpu", ["x86-64-v3", "x86-64-v4"])  # 8 and 16 lanes: different row tiles
 @pytest.mark.parametrize("block", [(16, 1), (32, 1), (4, 2)])
 def test_bsr_kernel_matches_dense(block, mcpu):
@@ -94,9 +95,6 @@ def test_bsr_kernel_matches_dense(block, mcpu):
         x = rng.standard_normal((m, k)).astype(np.float32)
         (out,) = call_kernel(lib, [x, data, indices, indptr], [((m, n // block[0], block[0]), "float32")])
         np.testing.assert_allclose(out.reshape(m, n), x @ weight.T, rtol=1e-5, atol=1e-5)
-
-
-# ----------------------------------------------------------------------------- the Relax rewrite
 
 
 def _three_linears() -> tvm.IRModule:
@@ -138,9 +136,6 @@ def test_sparsify_rewrites_only_eligible_matmuls():
     w1, w2, w3, w4 = params
     for out, want in zip(got, ((x @ w1.T) @ w2.T, x3 @ w3.T, x @ w4.T)):
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
-
-
-# ----------------------------------------------------------------------------- tiny BERT
 
 
 @pytest.fixture(scope="module")
@@ -284,3 +279,42 @@ def test_sparse_bench_times_a_table_and_a_sparse_checkpoint(tiny_bert_dir, tmp_p
     assert sparse["sparsity"]["mode"] == "from-checkpoint" and len(sparse["sparsity"]["choices"]) == 2 * 3
     assert sparse["sparsity"]["rewritten"] == sum(c["bsr"] for c in sparse["sparsity"]["choices"])
     assert "| from-checkpoint |" in capsys.readouterr().out
+
+
+V3 = make_target("cpu", mcpu="x86-64-v3")
+BLOCK = (16, 1)
+
+
+def _half_zero_blocks(n: int, k: int) -> np.ndarray:
+    weight = np.random.default_rng(0).standard_normal((n, k)).astype("float32")
+    weight[:16, ::2] = 0.0  # half of the first block row's blocks
+    weight[16:, 1::2] = 0.0
+    return weight
+
+
+def test_a_sparse_enough_linear_runs_on_the_bsr_kernel():
+    k, n = 8, 32
+    weight = _half_zero_blocks(n, k)
+    arrays = to_bsr(weight, BLOCK)
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", R.Tensor((6, k), "float32"))
+    parts = [relax.Var(f"w_bsr_{part}", relax.TensorType(a.shape, str(a.dtype)))
+             for part, a in zip(("data", "indices", "indptr"), arrays)]
+    with builder.function("main", [x, *parts], attrs={"num_input": 1}):
+        with builder.dataflow():
+            kernel = builder.add_func(bsr_matmul_func(k, len(arrays[1]), BLOCK, n // 16, "float32", V3), "bsr_matmul")
+            blocked = builder.emit(relax.call_tir(kernel, [x, *parts], R.Tensor((6, n // 16, 16), "float32")))
+            y = builder.emit_output(relax.op.reshape(blocked, (6, n)))
+        builder.emit_func_output(y)
+    weights = SparseWeights([tvm.runtime.tensor(weight)])
+    sparsified = SparsifyLinears(weights, BLOCK, max_density=0.5, target=V3, timed=False)(linear_module(k, n))
+    tvm.ir.assert_structural_equal(sparsified, builder.get())
+    assert [w.numpy().tolist() for w in weights.params] == [a.tolist() for a in arrays]
+    assert (weights.report["rewritten"], weights.report["kept_dense"], weights.report["density"]) == (1, 0, 0.5)
+
+
+def test_a_denser_linear_stays_dense():
+    before = linear_module(8, 32)
+    weights = SparseWeights([tvm.runtime.tensor(_half_zero_blocks(32, 8))])
+    tvm.ir.assert_structural_equal(SparsifyLinears(weights, BLOCK, 0.25, V3, timed=False)(before), before)
+    assert (weights.report["rewritten"], weights.report["kept_dense"]) == (0, 1)

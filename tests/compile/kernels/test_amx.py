@@ -3,7 +3,7 @@
 Code generation is checked on every host (a library built for sapphirerapids holds tdpbf16ps and
 tdpbusd tiles and calls them; a K the tile's step does not divide keeps the AVX-512 tile). Execution
 needs a CPU with AMX and skips elsewhere: the int8 tile must be exact in int32 (the dequantised
-result then within fp32 rounding; the bf16 tile's numerics are tests/test_bf16.py's, beside the
+result then within fp32 rounding; the bf16 tile's numerics are tests/compile/kernels/test_bf16.py's, beside the
 AVX-512 tile's), and a model compiled for this CPU runs its linears on the tiles within each
 precision's gate of PyTorch fp32.
 """

@@ -7,6 +7,7 @@ from tvm import relax
 from tvm.script import relax as R
 
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.kernels import int8, row_quantize
 from compile.passes.quantize import QuantizeLinearsInt8
 
@@ -15,7 +16,7 @@ VNNI = make_target("cpu", mcpu="cascadelake")  # AVX-512 VNNI, no AMX: one code 
 
 def test_a_linear_runs_on_int8_panels():
     k, n = 64, 96
-    kernel = int8.kernel_for(VNNI)
+    kernel = Capabilities.of(VNNI).int8_kernel
     panel, group, op = int8.panel_width(kernel, n, False), kernel.group, relax.op
     builder = relax.BlockBuilder()
     x, w = relax.Var("x", R.Tensor((6, k), "float32")), relax.Var("w", R.Tensor((n, k), "float32"))

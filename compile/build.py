@@ -14,6 +14,7 @@ from artifact.cpu_features import missing_on_host, target_features
 
 from .errors import CompileError
 from .importer import symbolic_dims
+from .kernels import int8
 from .kernels.linking import linked_objects
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
@@ -124,4 +125,4 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
             lowered = relax_pipeline(target, tuned, attention)(mod)
         executable = tvm.compile(lowered, target, relax_pipeline=None, tir_pipeline=tir_pipeline(target))
     # the C objects defining what its kernels call (compile/kernels/linking.py)
-    executable.export_library(str(path), addons=linked_objects(lowered, target))
+    executable.export_library(str(path), addons=linked_objects(lowered, int8.kernel_for(target)))

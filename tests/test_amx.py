@@ -49,7 +49,7 @@ def _export(func, schedule, target, path):
     sch = schedule(func)
     assert sch is not None
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
-    library.export_library(str(path), addons=linked_objects(sch.mod, target))
+    library.export_library(str(path), addons=linked_objects(sch.mod))
     return path
 
 

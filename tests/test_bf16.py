@@ -61,7 +61,7 @@ def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool =
     """`_schedule_linear`'s function exported with the micro-kernels."""
     sch = _schedule_linear(m, n, k, amx_tiles)
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
-    library.export_library(str(path), addons=linked_objects(sch.mod, target))
+    library.export_library(str(path), addons=linked_objects(sch.mod))
     return path
 
 

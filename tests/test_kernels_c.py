@@ -97,12 +97,12 @@ def _calling(*symbols: str) -> tvm.IRModule:
 
 
 def test_a_library_links_the_objects_whose_symbols_it_calls():
-    target = tvm.target.Target({"kind": "llvm", "mcpu": "znver4"})
     module = _calling(launch.CLAIM, bf16.TILE_SYMBOL, "expf")  # a libm routine: no object of ours
     assert linking.extern_symbols(module) == {launch.CLAIM, bf16.TILE_SYMBOL, "expf"}
-    assert linking.linked_objects(module, target) == [str(launch.claims_object()), str(bf16.kernels_object())]
-    int8_tile = attention_int8.TILE.format(head=32)
-    assert linking.linked_objects(_calling(int8_tile), target) == [
-        str(attention_int8.kernels_object(int8.kernel_for(target)))]
-    with pytest.raises(RuntimeError, match="no C object for llvm defines bert_nowhere"):
-        linking.linked_objects(_calling("bert_nowhere"), target)
+    assert linking.linked_objects(module, int8.AVX2) == [str(launch.claims_object()), str(bf16.kernels_object())]
+    tile = attention_int8.TILE.format(head=32)
+    assert linking.linked_objects(_calling(tile), int8.AVX2) == [str(attention_int8.kernels_object(int8.AVX2))]
+    with pytest.raises(RuntimeError, match=f"no C object here defines {tile}"):
+        linking.linked_objects(_calling(tile))  # a CPU without an int8 kernel has no int8 products
+    with pytest.raises(RuntimeError, match="no C object here defines bert_nowhere"):
+        linking.linked_objects(_calling("bert_nowhere"), int8.AVX2)

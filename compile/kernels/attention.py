@@ -44,6 +44,11 @@ the staged keys and values, each tile's queries and its probabilities quantized,
 tile, keys staged to whole quads). In every library the threads claim the (sequence, head) tasks as
 they come free (launch.claim_iterations): a mixed batch's long sequences do not land on one thread.
 
+The code follows that split: one skeleton (`_write_attention`: each task's length, its keys and values
+staged, the padding rows) and one object per arithmetic (`Fp32Products`, `Bf16Products`, `AmxProducts`,
+`Int8Products`) that stages the products' operands and writes a tile of queries' rows; `arithmetic_for`
+picks it.
+
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
 take(context, scatter).

@@ -22,10 +22,9 @@ _CALL_EXTERN = tvm.ir.Op.get("tirx.call_extern")
 SINGLE = (launch.CLAIMS, bf16.TILE_OBJECT, attention_bf16.OBJECT, amx.TILES_OBJECT, attention_amx.OBJECT)
 
 
-def library_objects(target: tvm.target.Target) -> tuple[CObject, ...]:
-    """Every object a library for `target` may link: the int8 products in the variant of its int8 kernel."""
-    kernel = int8.kernel_for(target)
-    return (*SINGLE, *((attention_int8.c_object(kernel),) if kernel is not None else ()))
+def library_objects(int8_kernel: int8.Int8Kernel | None) -> tuple[CObject, ...]:
+    """Every object a library may link, the int8 products in the variant of its CPU's int8 kernel."""
+    return (*SINGLE, *((attention_int8.c_object(int8_kernel),) if int8_kernel is not None else ()))
 
 
 def every_object() -> tuple[CObject, ...]:
@@ -47,13 +46,13 @@ def extern_symbols(mod: tvm.IRModule) -> set[str]:
     return symbols
 
 
-def linked_objects(mod: tvm.IRModule, target: tvm.target.Target) -> list[str]:
-    """The object files a library built from `mod` (lowered: its kernels written and scheduled) for
-    `target` links: each object defining a symbol its kernels call."""
+def linked_objects(mod: tvm.IRModule, int8_kernel: int8.Int8Kernel | None = None) -> list[str]:
+    """The object files a library built from `mod` (lowered: its kernels written and scheduled) links:
+    each object defining a symbol its kernels call, the int8 products built for `int8_kernel`'s CPUs."""
     called = extern_symbols(mod)
-    objects = [obj for obj in library_objects(target) if obj.symbols & called]
+    objects = [obj for obj in library_objects(int8_kernel) if obj.symbols & called]
     undefined = {symbol for symbol in called if symbol.startswith(PREFIX)}.difference(
         *(obj.symbols for obj in objects))
     if undefined:
-        raise RuntimeError(f"no C object for {target.kind.name} defines {', '.join(sorted(undefined))}")
+        raise RuntimeError(f"no C object here defines {', '.join(sorted(undefined))}")
     return [str(obj.build()) for obj in objects]

@@ -104,7 +104,7 @@ def on_huge_pages(arrays: list[np.ndarray]) -> list[tvm.runtime.Tensor]:
     `madvise` mode of transparent huge pages waits for). A call streams every weight, MiniLM's 42 MB
     of linears past a 32 MB L3, and on 4 KB pages that is 10,000 pages a call, each a TLB miss and an
     end of the hardware prefetcher's stream: on 2 MB pages MiniLM's calls took 0.97-0.99x the time at
-    16 tokens, 0.99x at 128 and 0.99-1.01x at 512 (docs/PERFORMANCE.md, `python -m loadtest.weight_pages`).
+    16 tokens, 0.99x at 128 and 0.99-1.01x at 512 (docs/experiments/weight-pages.md, `python -m loadtest.weight_pages`).
     Where the kernel does not grant them the region keeps 4 KB pages and nothing else changes."""
     spans = [-(-array.nbytes // ALIGNMENT) * ALIGNMENT for array in arrays]
     size = -(-max(sum(spans), 1) // HUGE_PAGE) * HUGE_PAGE

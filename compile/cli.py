@@ -13,7 +13,8 @@ from .errors import CompileError
 from .progress import Progress, summary_table
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each overriding its config key; docs/COMPILE.md's reference is rendered from them."""
     parser = argparse.ArgumentParser(
         prog="bert-compile",
         description="Compile a Hugging Face BERT checkpoint into bucketed TVM libraries.",
@@ -69,7 +70,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-validate", dest="validate", action="store_false", default=None,
                         help="skip the comparison with PyTorch")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _sparsity(value: str) -> float | str:

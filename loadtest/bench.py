@@ -237,7 +237,7 @@ def check_arguments(args) -> list[tuple[object, str]] | str:
 
 def limit_spinning() -> None:
     """Every runtime's idle workers spin between the parallel sections of a call (without it, a
-    call waits for sleeping workers to wake at each one; docs/PERFORMANCE.md compares the two),
+    call waits for sleeping workers to wake at each one; docs/PERFORMANCE.md says how each runtime spins),
     and by default go on spinning long after it, which, interleaved in one process, steals the
     cores the next backend runs on (torch at 1x16 went from 15 to 570 ms). So each spins within
     a call and sleeps within ~2 ms of its end: TVM's pools as the server's

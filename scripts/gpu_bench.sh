@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CUDA measurements of docs/PERFORMANCE.md, on any GPU host. CUDA libraries compile on any
+# The CUDA measurements of docs/CUDA.md, on any GPU host. CUDA libraries compile on any
 # machine (no GPU needed) but run only on a GPU, so the stages say where they run:
 #   compile       (anywhere)  configs/cuda.yaml in fp32 and fp16, each with CUDA graphs and without,
 #                             into $ARTIFACTS/cuda-{float32,float16}-{graph,plain}

@@ -31,7 +31,8 @@ def _switch(text: str) -> bool:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags, each also a BERT_SERVE_* variable; docs/SERVE.md's reference is rendered from them."""
     parser = argparse.ArgumentParser(
         prog="bert-serve",
         description="Serve compiled BERT artifacts over HTTP (TEI- and OpenAI-compatible).",
@@ -73,7 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--api-key", help="require Authorization: Bearer KEY on every route but the probes and /metrics")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def _settings_error(exc: ValidationError) -> str:

@@ -33,8 +33,9 @@ class ServiceError(Exception):
         return error_body(path, self.message, self.error_type)
 
 
-class InvalidInput(ServiceError):
-    """Malformed or empty input."""
+class InvalidInput(ServiceError, ValueError):
+    """Malformed or empty input. A ValueError too: raised in a pydantic validator (`inputs.py`'s rules
+    are the HTTP schemas'), pydantic reports it at the field it refuses."""
 
     status = 422
     error_type = "Validation"

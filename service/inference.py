@@ -15,8 +15,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from .batcher import Batcher
-from .errors import InvalidInput, TooLarge
-from .tokenization import Prompts, TextInput, TextTokenizer, TokenIds, Truncation
+from .errors import TooLarge
+from .inputs import (
+    TextInput,
+    TokenIds,
+    Truncation,
+    no_empty_pair,
+    ranked_labels,
+    ranked_texts,
+    rerank_pairs,
+    valid_dimensions,
+)
+from .tokenization import Prompts, TextTokenizer
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
@@ -75,10 +85,8 @@ class ModelService:
         raise TooLarge(f"{size} > maximum allowed batch size {self.max_client_batch_size}")
 
     async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
-        """Tokenize, batch and run `inputs`. As in TEI, a (text, text) pair may have one empty side, not two."""
-        empty = next((i for i, item in enumerate(inputs) if isinstance(item, tuple) and not any(item)), None)
-        if empty is not None:
-            raise InvalidInput(f"input {empty} is a pair of two empty texts: a pair needs a text")
+        """Tokenize, batch and run `inputs` (a pair may have one empty side: `inputs.no_empty_pair`)."""
+        no_empty_pair(inputs)
         started = time.perf_counter()
         characters = sum(map(_characters, inputs))
         encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
@@ -117,8 +125,7 @@ class ModelService:
                     dimensions: int | None = None, prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
         """Embeddings of texts or token ids; with `dimensions`, the first d components (Matryoshka),
         normalised after the cut; `prompt_name` (else the default prompt) is prepended to every text."""
-        if dimensions is not None and not 0 < dimensions <= self.output_dim:  # gRPC's may be 0
-            raise InvalidInput(f"`dimensions` must be at least 1 and at most the model's {self.output_dim}, got {dimensions}")
+        valid_dimensions(dimensions, self.output_dim)
         computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         vectors = computed.outputs[:, :dimensions]
         return (l2_normalize(vectors) if normalize else vectors), computed
@@ -145,16 +152,15 @@ class ModelService:
         logits = computed.outputs
         scores = {"auto": lambda: probabilities(logits, self.problem_type), "none": lambda: logits,
                   "softmax": lambda: softmax(logits), "sigmoid": lambda: sigmoid(logits)}[scoring]()
-        return [ranked(self.labels, row) for row in scores], computed
+        return [ranked_labels(self.labels, row) for row in scores], computed
 
-    async def rerank(self, query: str, texts: list[str], raw_scores: bool,
-                     truncation: Truncation) -> tuple[np.ndarray, Computed]:
-        """A cross-encoder's score of each (query, text) pair: its logit, or the sigmoid of it."""
-        if not texts:
-            raise InvalidInput("`texts` cannot be empty")
-        computed = await self.compute([(query, text) for text in texts], truncation)
+    async def rerank(self, query: str, texts: list[str], raw_scores: bool, truncation: Truncation,
+                     return_text: bool = False) -> tuple[list[dict], Computed]:
+        """`texts` ranked by a cross-encoder's score of each (query, text) pair: its logit, or the sigmoid
+        of it (`inputs.ranked_texts`)."""
+        computed = await self.compute(rerank_pairs(query, texts), truncation)
         logits = computed.outputs[:, 0]
-        return (logits if raw_scores else sigmoid(logits)), computed
+        return ranked_texts(logits if raw_scores else sigmoid(logits), texts, return_text), computed
 
     async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
                         truncation: Truncation) -> tuple[list[list[dict]], Computed]:
@@ -162,7 +168,7 @@ class ModelService:
         vectors, computed = await self.embed(texts + labels, normalize=True, truncation=truncation)
         similarity = vectors[: len(texts)] @ vectors[len(texts):].T
         scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
-        return [ranked(labels, row) for row in scores], computed
+        return [ranked_labels(labels, row) for row in scores], computed
 
 
 def _characters(item: TextInput | TokenIds) -> int:
@@ -195,7 +201,3 @@ def probabilities(logits: np.ndarray, problem_type: str | None = None) -> np.nda
         return sigmoid(logits)
     return softmax(logits)
 
-
-def ranked(labels: list[str], scores: np.ndarray) -> list[dict]:
-    order = np.argsort(-scores, kind="stable")
-    return [{"label": labels[i], "score": float(scores[i])} for i in order]

@@ -8,9 +8,9 @@ Inputs are sorted by token count, then cut into the batches of least total cost.
 buckets that hold a batch, the cheapest runs it; inputs longer than every bucket go to the
 generic library, at their own shape, in batches of their own. (Letting the generic library
 compete with padded buckets by its fitted cost model was measured and halved throughput on mixed
-traffic: the fit is too coarse to beat a bucket's own measurement, see docs/PERFORMANCE.md.) No batch overflows the token or
-request budget or needs a bigger batch than any bucket has (an oversized batch is split into
-bucket-sized ones, never sent to the generic path wholesale).
+traffic: the fit is too coarse to beat a bucket's own measurement, docs/experiments/padded-grid.md.)
+No batch overflows the token or request budget or needs a bigger batch than any bucket has (an
+oversized batch is split into bucket-sized ones, never sent to the generic path wholesale).
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import InvalidInput, NotSupported, Unavailable
+from .errors import NotSupported, Unavailable
 from .inference import Computed, ModelService
+from .inputs import Truncation, one_per_item, predict_sequences, truncation, zero_shot_texts
 from .runtime import Runtime
 from .schemas import (
     ClassifyRequest,
@@ -35,7 +36,6 @@ from .schemas import (
     SimilarityRequest,
     TokenizeRequest,
 )
-from .tokenization import TextInput, Truncation, truncation
 
 router = APIRouter()
 
@@ -144,34 +144,13 @@ def _runtime(request: Request) -> Runtime:
     return request.app.state.runtime
 
 
-def _listed(inputs: str | list) -> list:
-    """A request's inputs one per item: a string or one input's token ids stand alone."""
-    return [inputs] if isinstance(inputs, str) or isinstance(inputs[0], int) else inputs
-
-
-def _sequence(item: str | list[str]) -> TextInput:
-    """One of /predict's inputs: a text, or a TEI sequence of one text or a pair (a cross-encoder's)."""
-    return item if isinstance(item, str) else item[0] if len(item) == 1 else (item[0], item[1])
-
-
-def _predict_sequences(inputs: str | list) -> tuple[list[TextInput], bool]:
-    """TEI's /predict inputs: (the sequences, whether they came as a batch). A string or a flat list is
-    one sequence, a text or a (text, text) pair (`["a", "b"]` is a pair, as TEI reads it); a batch is a
-    list of sequences, `[["a"], ["a", "b"]]`."""
-    if isinstance(inputs, str):
-        return [inputs], False
-    if isinstance(inputs[0], list):
-        return [_sequence(item) for item in inputs], True
-    if len(inputs) > 2:
-        raise InvalidInput("`inputs`: a flat list is one text or one (text, text) pair, as in TEI; send a batch "
-                           "as [[text], [text, text], ...]")
-    return [_sequence(inputs)], False
-
-
-def _truncation(request: Request, body) -> Truncation:
-    """`body`'s truncation: its `truncate` (default: the server's --auto-truncate) at its `truncation_direction`."""
-    return truncation(request.app.state.settings.auto_truncate if body.truncate is None else body.truncate,
-                      body.truncation_direction)
+def _truncation(request: Request, body=None) -> Truncation:
+    """`body`'s truncation (`inputs.truncation`), where it does not say the server's --auto-truncate;
+    without a body (OpenAI's, which has no truncation fields) always the server's."""
+    auto_truncate = request.app.state.settings.auto_truncate
+    if body is None:
+        return truncation(None, auto_truncate=auto_truncate)
+    return truncation(body.truncate, body.truncation_direction, auto_truncate=auto_truncate)
 
 
 def _json(content, headers: dict[str, str]) -> Response:
@@ -238,7 +217,7 @@ async def metrics(request: Request) -> Response:
 async def embed(body: EmbedRequest, request: Request) -> Response:
     started = time.perf_counter()
     service = _runtime(request).model("embed", body.model)
-    inputs = _listed(body.inputs)
+    inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed(inputs, body.normalize, _truncation(request, body), body.dimensions,
                                             body.prompt_name)
@@ -249,7 +228,7 @@ async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Resp
     """One answer per input from the model serving `task` (embed_all or embed_sparse)."""
     started = time.perf_counter()
     service = _runtime(request).model(task, body.model)
-    inputs = _listed(body.inputs)
+    inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
     answer = service.embed_all if task == "embed_all" else service.embed_sparse
     answers, computed = await answer(inputs, _truncation(request, body), body.prompt_name)
@@ -270,16 +249,12 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 
 @post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
-    """A fine-tuned head over TEI's inputs (a text, a pair, or a batch of both: `_predict_sequences`), or
-    zero-shot over `labels` with the embed model (a text or a list of texts)."""
+    """A fine-tuned head over TEI's inputs (a text, a pair, or a batch of both: `inputs.predict_sequences`),
+    or zero-shot over `labels` with the embed model (a text or a list of texts: `inputs.zero_shot_texts`)."""
     started = time.perf_counter()
     truncation = _truncation(request, body)
     if body.labels:
-        texts, batched = [_sequence(item) for item in _listed(body.inputs)], not isinstance(body.inputs, str)
-        if any(isinstance(text, tuple) for text in texts):
-            raise InvalidInput("zero-shot `labels` score single texts, not pairs")
-        if "" in texts:
-            raise InvalidInput("`inputs` cannot contain an empty string")
+        texts, batched = zero_shot_texts(body.inputs)
         try:
             service = _runtime(request).model("embed", body.model)
         except NotSupported as exc:
@@ -287,7 +262,7 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         service.check_batch_size(len(texts), labels=len(body.labels))
         predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
     else:
-        texts, batched = _predict_sequences(body.inputs)
+        texts, batched = predict_sequences(body.inputs)
         service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
         scoring = "none" if body.raw_scores else "auto"
@@ -307,9 +282,8 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
     started = time.perf_counter()
     service = _runtime(request).model("rerank", body.model)
     service.check_batch_size(len(body.texts))
-    scores, computed = await service.rerank(body.query, body.texts, body.raw_scores, _truncation(request, body))
-    ranks = [{"index": int(i), "score": float(scores[i]), **({"text": body.texts[i]} if body.return_text else {})}
-             for i in np.argsort(-scores, kind="stable")]
+    ranks, computed = await service.rerank(body.query, body.texts, body.raw_scores, _truncation(request, body),
+                                           body.return_text)
     return JSONResponse(ranks, headers=_headers(service, computed, started))
 
 
@@ -318,7 +292,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     """TEI's /tokenize: the tokens each input would be run as (one list per input, its prompt included,
     the offsets into the prompted text); any model."""
     service = _runtime(request).model(None, body.model)
-    texts = _listed(body.inputs)
+    texts = one_per_item(body.inputs)
     service.check_batch_size(len(texts))
     return JSONResponse(await service.tokens(texts, body.add_special_tokens, body.prompt_name))
 
@@ -327,7 +301,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 async def decode(body: DecodeRequest, request: Request) -> Response:
     """TEI's /decode: token ids (one list, or one per input) back to text; any model."""
     service = _runtime(request).model(None, body.model)
-    ids = body.ids if body.ids and isinstance(body.ids[0], list) else [body.ids]
+    ids = one_per_item(body.ids)
     service.check_batch_size(len(ids))
     return JSONResponse(await service.decode(ids, body.skip_special_tokens))
 
@@ -398,10 +372,9 @@ async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> R
     """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
     started = time.perf_counter()
     service = _runtime(request).openai_model(body.model)
-    inputs = _listed(body.input)
+    inputs = one_per_item(body.input)
     service.check_batch_size(len(inputs))
-    vectors, computed = await service.embed(inputs, normalize=True,  # OpenAI's API has no truncation fields
-                                            truncation=truncation(request.app.state.settings.auto_truncate),
+    vectors, computed = await service.embed(inputs, normalize=True, truncation=_truncation(request),
                                             dimensions=body.dimensions, prompt_name=body.prompt_name)
     if body.encoding_format == "base64":
         data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]

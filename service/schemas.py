@@ -10,77 +10,20 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-
-def _texts(value: object) -> object:
-    """A string or a list of strings passes; anything else is refused in one line (not as the
-    union's error per branch, `inputs.str: Input should be a valid string`), token ids by name."""
-    if isinstance(value, str) or (isinstance(value, list) and all(isinstance(text, str) for text in value)):
-        return value
-    if isinstance(value, list) and value and all(_token_id(item) or _token_ids(item) for item in value):
-        raise ValueError("token ids are not accepted here: send the text, a string or a list of strings")
-    raise ValueError("expected a string or a list of strings")
-
-
-def _texts_or_ids(value: object) -> object:
-    """What TEI's embedding routes and OpenAI's take: a string, one input's token ids, or a list whose
-    items are each a string or a list of token ids; anything else is refused in one line."""
-    if isinstance(value, str) or _token_ids(value):
-        return value
-    if isinstance(value, list) and all(isinstance(item, str) or _token_ids(item) for item in value):
-        return value
-    raise ValueError("expected a string, a list of token ids, or a list of strings and lists of token ids")
-
-
-def _token_id(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _token_ids(value: object) -> bool:
-    """One input's token ids: a list of them (an empty one is refused later, by name)."""
-    return isinstance(value, list) and all(_token_id(item) for item in value)
-
-
-def _non_empty(value: str | list) -> str | list:
-    """The messages leave the field unnamed: the error's location names it (`input: cannot be empty`)."""
-    if value == "" or value == []:
-        raise ValueError("cannot be empty")
-    items = [value] if isinstance(value, str) or _token_id(value[0]) else value
-    if "" in items:
-        raise ValueError("cannot contain an empty string")
-    if [] in items:
-        raise ValueError("cannot contain an empty list of token ids")
-    return value
-
-
-def _sequences(value: object) -> object:
-    """/predict's inputs: texts, or TEI's batch of sequences, each a list of one text or of a pair."""
-    if isinstance(value, list) and value and all(isinstance(item, list) for item in value):
-        if not all(len(item) in (1, 2) and all(isinstance(text, str) for text in item) for item in value):
-            raise ValueError("a batch of sequences holds lists of one text or of a pair of texts")
-        return value
-    return _texts(value)
-
-
-def _non_empty_sequences(value: str | list) -> str | list:
-    """No empty text; a (text, text) pair may have one empty side, as in TEI (two: `ModelService.compute`).
-    A flat list of two is TEI's pair (zero-shot reads it as two texts: the route refuses an empty one)."""
-    if isinstance(value, list) and value and isinstance(value[0], list):
-        return [sequence if len(sequence) == 2 else _non_empty(sequence) for sequence in value]
-    if isinstance(value, list) and len(value) == 2:
-        return value
-    return _non_empty(value)
-
+from .inputs import no_empty_input, no_empty_sequence, non_empty, predict_inputs, texts_only, texts_or_ids
 
 # Texts only (classification, tokenization): one string or several, none empty
-Inputs = Annotated[str | list[str], BeforeValidator(_texts), AfterValidator(_non_empty)]
+Inputs = Annotated[str | list[str], BeforeValidator(texts_only), AfterValidator(no_empty_input)]
 # /predict's: a text, a flat list (TEI: one text or a pair; zero-shot: texts), or TEI's batch [[text], [text, text]]
-PredictInputs = Annotated[str | list[str] | list[list[str]], BeforeValidator(_sequences),
-                          AfterValidator(_non_empty_sequences)]
+PredictInputs = Annotated[str | list[str] | list[list[str]], BeforeValidator(predict_inputs),
+                          AfterValidator(no_empty_sequence)]
 # The embedding routes': texts or token ids (run as given: no special tokens or prompt added), none empty
-EmbeddingInputs = Annotated[str | list[int] | list[str | list[int]], BeforeValidator(_texts_or_ids),
-                            AfterValidator(_non_empty)]
+EmbeddingInputs = Annotated[str | list[int] | list[str | list[int]], BeforeValidator(texts_or_ids),
+                            AfterValidator(no_empty_input)]
+# Texts none of which is empty (zero-shot labels, /similarity's sentences)
+Texts = Annotated[list[str], AfterValidator(no_empty_input)]
 
 
 class _Strict(BaseModel):
@@ -126,25 +69,16 @@ class PipelineParameters(_Strict):
 class ClassifyRequest(_Truncating):
     inputs: PredictInputs
     raw_scores: bool = False
-    labels: list[str] | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
+    labels: Texts | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
     parameters: PipelineParameters | None = Field(
         None, description="the HF Inference API's payload: answers take its shape, a list per input")
-
-    @field_validator("labels")
-    @classmethod
-    def _check_labels(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None and (not value or any(label == "" for label in value)):
-            raise ValueError("`labels` must be a non-empty list of non-empty strings")
-        return value
 
 
 class RerankRequest(_Truncating):
     query: str
     texts: list[str]
     raw_scores: bool = False
-    return_text: bool = False
-
-    # an empty query or text is scored (TEI's rule: not both of a pair, `ModelService.compute`)
+    return_text: bool = False  # an empty query or text is scored (TEI's rule: not both of a pair, `inputs.py`)
 
 
 class TokenizeRequest(_Request):
@@ -154,30 +88,13 @@ class TokenizeRequest(_Request):
 
 
 class DecodeRequest(_Request):
-    ids: list[int] | list[list[int]]
+    ids: Annotated[list[int] | list[list[int]], AfterValidator(non_empty)]
     skip_special_tokens: bool = True
-
-    @field_validator("ids")
-    @classmethod
-    def _check_ids(cls, value: list[int] | list[list[int]]) -> list[int] | list[list[int]]:
-        if not value:
-            raise ValueError("`ids` cannot be empty")
-        return value
 
 
 class SimilarityInputs(_Strict):
-    source_sentence: str
-    sentences: list[str]
-
-    @field_validator("sentences")
-    @classmethod
-    def _check_sentences(cls, value: list[str]) -> list[str]:
-        return _non_empty(value)
-
-    @field_validator("source_sentence")
-    @classmethod
-    def _check_source(cls, value: str) -> str:
-        return _non_empty(value)
+    source_sentence: Annotated[str, AfterValidator(no_empty_input)]
+    sentences: Texts
 
 
 class SimilarityParameters(_Strict):

@@ -6,27 +6,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
 import numpy as np
 from tokenizers import Tokenizer
 
 from .errors import InvalidInput, TooLarge
+from .inputs import TextInput, TokenIds, Truncation, in_vocabulary
 
 ST_CONFIG = "sentence_bert_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"  # model_max_length: sentence-transformers 6's max_seq_length
 ST_PROMPTS = "config_sentence_transformers.json"  # `prompts` {name: text} and `default_prompt_name`
-TextInput = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
-TokenIds = list[int]  # one input already tokenized: the model's input ids, run as given
-# Where over-long inputs lose tokens (TEI's truncation_direction): at their end or their start; None:
-# they are refused (413)
-Truncation = Literal["right", "left"] | None
-
-
-def truncation(truncate: bool, direction: str = "right") -> Truncation:
-    """A request's Truncation: `direction` ("Left" or "Right", either case) where it asks to truncate."""
-    return direction.lower() if truncate else None
-
 
 @dataclass(frozen=True)
 class Encoded:
@@ -124,9 +112,7 @@ class TextTokenizer:
         return result
 
     def decode(self, ids: list[list[int]], skip_special_tokens: bool) -> list[str]:
-        vocab = self._full.get_vocab_size()
-        if any(not 0 <= token < vocab for row in ids for token in row):
-            raise InvalidInput(f"`ids` must lie in [0, {vocab})")
+        in_vocabulary((token for row in ids for token in row), self._full.get_vocab_size(), "`ids`")
         return self._full.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
     def encode(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> list[Encoded]:
@@ -149,8 +135,7 @@ class TextTokenizer:
     def encode_ids(self, ids: TokenIds, truncation: Truncation) -> Encoded:
         """One input given as token ids (TEI's and OpenAI's pre-tokenized input): run as given, no
         special tokens added, one segment; cut to the length limit at its end or start when truncating."""
-        if not all(0 <= token < self.vocab_size for token in ids):  # before int64: a JSON integer has no bound
-            raise InvalidInput(f"token ids must lie in [0, {self.vocab_size})")
+        in_vocabulary(ids, self.vocab_size, "token ids")
         if truncation == "right":
             ids = ids[: self.max_length]
         elif truncation == "left":

@@ -50,7 +50,7 @@ def plan_topology(cores: int, backend: str, workers: int | None = None, threads_
     `gpu` (CUDA artifacts): one worker, since every call shares the GPU's one stream and runs
     alone (artifact/loader.py); more workers only queue batches that could have merged (on an
     H100 one worker served 156 req/s of mixed traffic, the default CPU topology 99:
-    docs/PERFORMANCE.md).
+    docs/CUDA.md).
     """
     if gpu:
         workers = workers or 1

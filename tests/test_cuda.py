@@ -132,12 +132,12 @@ def _gpu_bench(*args: str, artifacts: Path) -> subprocess.CompletedProcess:
 
 
 def test_every_gpu_bench_stage_named_in_the_docs_exists():
-    """The stages README.md, docs/PERFORMANCE.md, this file and the script's usage line run
+    """The stages README.md, docs/CUDA.md, this file and the script's usage line run
     (`bash scripts/gpu_bench.sh STAGE`) are the ones its `case` handles."""
     script = GPU_BENCH.read_text()
     stages = set(re.findall(r"^  ([a-z0-9-]+)\)$", script, re.M))
     assert stages == {"compile", "verify", "bench", "serve"}
-    for source in (ROOT / "README.md", ROOT / "docs" / "PERFORMANCE.md", Path(__file__), GPU_BENCH):
+    for source in (ROOT / "README.md", ROOT / "docs" / "CUDA.md", Path(__file__), GPU_BENCH):
         named = set(re.findall(r"bash\s+scripts/gpu_bench\.sh\s+([a-z][a-z0-9-]*)", source.read_text()))
         assert named <= stages, f"{source.name} names gpu_bench.sh stages {sorted(named - stages)} it does not have"
 

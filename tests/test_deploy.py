@@ -1,5 +1,5 @@
 """Deployment files: the Dockerfile (hadolint), the Kubernetes manifests (kubernetes-validate)
-and the commands in README.md. No Docker engine or cluster is needed; runs in about a second.
+and the commands in docs/DEPLOY.md. No Docker engine or cluster is needed; runs in about a second.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = ROOT / "Dockerfile"
 K8S = ROOT / "deploy" / "k8s"
-DEPLOY_README = ROOT / "README.md"
+DEPLOY_DOC = ROOT / "docs" / "DEPLOY.md"
 BIN = Path(sys.executable).parent  # the venv's bin/, where hadolint and kubernetes-validate live
 KUBERNETES_VERSION = "1.35.0"
 CHECKS_MARKER = "<!-- deploy-checks:"
@@ -35,12 +35,12 @@ def _run(argv_or_line, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(argv_or_line, cwd=ROOT, capture_output=True, text=True, timeout=60, **kwargs)
 
 
-# ----------------------------------------------------------------------------- README commands
+# ----------------------------------------------------------------------------- docs/DEPLOY.md commands
 
 
 def _readme_blocks() -> list[tuple[str, list[str]]]:
-    """(text before the block, lines) for every ```bash block of README.md."""
-    text = DEPLOY_README.read_text()
+    """(text before the block, lines) for every ```bash block of docs/DEPLOY.md."""
+    text = DEPLOY_DOC.read_text()
     blocks = []
     for match in re.finditer(r"```bash\n(.*?)```", text, re.S):
         lines = [line.strip() for line in match.group(1).splitlines() if line.strip() and not line.startswith("#")]
@@ -49,14 +49,14 @@ def _readme_blocks() -> list[tuple[str, list[str]]]:
 
 
 def _check_commands() -> list[str]:
-    """The lines of the README block marked as the checks, pytest itself left out."""
+    """The lines of the docs/DEPLOY.md block marked as the checks, pytest itself left out."""
     marked = [lines for before, lines in _readme_blocks() if before.rstrip().splitlines()[-1].startswith(CHECKS_MARKER)]
-    assert len(marked) == 1, f"README.md needs exactly one ```bash block right after {CHECKS_MARKER} ...-->"
+    assert len(marked) == 1, f"docs/DEPLOY.md needs exactly one ```bash block right after {CHECKS_MARKER} ...-->"
     return [line for line in marked[0] if "pytest" not in line]
 
 
 def _localise(line: str) -> str:
-    """`.venv/bin/tool` in the README -> the tool of the interpreter running the tests."""
+    """`.venv/bin/tool` in docs/DEPLOY.md -> the tool of the interpreter running the tests."""
     return re.sub(r"(^|\s)\.venv/bin/", lambda m: m.group(1) + shlex.quote(str(BIN)) + "/", line)
 
 
@@ -69,7 +69,7 @@ def test_readme_check_commands_are_hadolint_and_kubernetes_validate():
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_readme_check_command_passes(index):
-    """Runs the README's check commands exactly as written (with this venv's bin/)."""
+    """Runs docs/DEPLOY.md's check commands exactly as written (with this venv's bin/)."""
     command = _check_commands()[index]
     _tool("hadolint"), _tool("kubernetes-validate")
     result = _run(["bash", "-c", "set -euo pipefail; " + _localise(command)])
@@ -77,12 +77,12 @@ def test_readme_check_command_passes(index):
 
 
 def test_readme_validates_every_manifest():
-    """The README's kubernetes-validate globs cover every YAML file under deploy/k8s/."""
+    """docs/DEPLOY.md's kubernetes-validate globs cover every YAML file under deploy/k8s/."""
     command = next(c for c in _check_commands() if "kubernetes-validate" in c)
     assert f"--kubernetes-version {KUBERNETES_VERSION}" in command
     globbed = _run(["bash", "-c", "printf '%s\\n' " + " ".join(a for a in shlex.split(command) if a.startswith("deploy/"))])
     covered = {ROOT / line for line in globbed.stdout.split()}
-    assert covered == set(_manifest_files()), "a manifest under deploy/k8s/ escapes the README's validation command"
+    assert covered == set(_manifest_files()), "a manifest under deploy/k8s/ escapes docs/DEPLOY.md's validation command"
 
 
 def test_readme_deploy_commands_match_the_files():
@@ -94,7 +94,7 @@ def test_readme_deploy_commands_match_the_files():
             assert paths and all((ROOT / p).exists() for p in paths), line
     images = {_container(d)["image"] for d in _deployments()}
     built = {m.group(1) for line in lines for m in [re.search(r"docker build .*-t (\S+) \.$", line)] if m}
-    assert images <= built, f"Deployments use {images}, the README builds {built}"
+    assert images <= built, f"Deployments use {images}, docs/DEPLOY.md builds {built}"
     assert any("TARGET=cuda" in line and "CUDA_ARCH=" in line for line in lines)
 
 

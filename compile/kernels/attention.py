@@ -15,15 +15,15 @@ with queries in the vector lanes (a tile of them: two vectors with AVX2 or AVX-5
 
 The second product turns the layout around: a few queries' scores are broadcast against whole
 vectors of Vh's dims, so each output row is written as D / lanes vector stores, not lane by lane
-as a transposed scalar write of every query's row (docs/PERFORMANCE.md). Keys are broadcast
+as a transposed scalar write of every query's row. Keys are broadcast
 from Kh, values read from Vh: this head's columns of the sequence's K and V rows, staged once per
 task (not transposed). Every query tile's products read them at fixed strides from one pointer
 per key tile, where reading the source rows cost a clamped row gather per key and tile (2-3% of
-the kernel's time in a 512-token call, docs/PERFORMANCE.md). With queries in the lanes the
+the kernel's time in a 512-token call). With queries in the lanes the
 softmax over keys is plain vector max / exp / add down the keys, no horizontal reductions. The
 scores are in log2 units, so the softmax's exp is 2^x (fast_math.exp2_of_nonpositive), whose
 reduction is two adds where exp's takes two multiply-adds on the ports the products need: the
-fp32 kernel took 0.93-0.96x the time in MiniLM calls at 128 and 512 tokens (docs/PERFORMANCE.md).
+fp32 kernel took 0.93-0.96x the time in MiniLM calls at 128 and 512 tokens (docs/experiments/attention-exp2.md).
 
 Q, K and V are read from the linear layers' outputs (the Q/K/V concatenation included: one source
 tensor, three column offsets), through `row`: a token's row in the packed layout's [tokens,
@@ -106,7 +106,7 @@ def _score_tile(lanes: int) -> tuple[int, int]:
     keys: 12 accumulators, 8 loads per 12 FMAs. With 32 zmm, 2 x 12 keys: 24 accumulators, 14 loads per
     24 FMAs. One vector x 8 keys (8 accumulators) took 9 loads per 8 FMAs: against it the attention
     kernel takes 0.93-0.95x the time at x86-64-v3 and 0.84-0.87x at x86-64-v4, at 128 and 512 tokens
-    (docs/PERFORMANCE.md). The softmax x V product has its own passes (`_context_passes`)."""
+    (docs/experiments/attention-score-tile.md). The softmax x V product has its own passes (`_context_passes`)."""
     return (2 * lanes, 6) if lanes == 8 else (2 * lanes, 12) if lanes == 16 else (lanes, KEYS)
 
 
@@ -122,7 +122,7 @@ def _context_passes(head_size: int, lanes: int, tile: int) -> tuple[int, int, in
     out as evenly as that allows (16 as 6 + 5 + 5: a pass of 8 accumulators ran at 0.85x the rate of one
     of 12). Against passes of whole head rows (1-2 queries, 8 ymm), the attention kernel takes 0.94-0.98x
     the time at x86-64-v3 on MiniLM's 32-wide heads, 0.76-0.87x on bert-base's 64-wide ones, and
-    0.98-1.00x at x86-64-v4, at 128 and 512 tokens (docs/PERFORMANCE.md)."""
+    0.98-1.00x at x86-64-v4, at 128 and 512 tokens (docs/experiments/context-passes.md)."""
     vectors = head_size // lanes
     per_pass = next(n for n in (2, 3, 1) if vectors % n == 0)
     passes = -(-tile // ((24 if lanes >= 16 else 12) // per_pass))

@@ -80,17 +80,17 @@ def prefetch_next_panel(func: tirx.PrimFunc, k_var: tirx.Var, tile_var: tirx.Var
     iteration of a k loop unrolled by that many (`dense._unrolled_steps`). The later tiles find it
     there, and their prefetches only took load slots from the products: issued by the first tile
     alone, MiniLM's x86-64-v3 int8 calls at 128-512 tokens took 0.96x the time, its x86-64-v3 and
-    x86-64-v4 fp32 calls 0.97-1.01x, 16-token calls the same within noise (docs/PERFORMANCE.md).
+    x86-64-v4 fp32 calls 0.97-1.01x, 16-token calls the same within noise (docs/experiments/first-tile-prefetch.md).
 
     `panels` is `[count, steps, *row]`, each panel's rows contiguous, a row per step of the k loop
     (fp32: `[N / nt, K, nt]`; int8: `[N / panel, K / group, panel, group]`). The hardware prefetcher
     follows the panel being read but cannot know which one comes next, so at small M (one or two M
     tiles per panel) each panel starts with a stall on memory, and the weights stream from DRAM
     (MiniLM's 42 MB of fp32 linears exceed a 32 MB L3): with it a 16-token fp32 call of the whole
-    model went from 0.88x to 0.82x ONNX Runtime's time (docs/PERFORMANCE.md; int8: its AVX2
-    section). The parallel loop's index is (batch..., panel) fused, so the next panel is tile + 1
-    modulo the panel count (the last one's prefetch is wasted). The accumulator must then be a stack
-    alloca (compile/lowering.py), or LLVM spills it every step.
+    model went from 0.88x to 0.82x ONNX Runtime's time (int8: docs/experiments/exp-and-int8-panels.md).
+    The parallel loop's index is (batch..., panel) fused, so the next panel is tile + 1 modulo the
+    panel count (the last one's prefetch is wasted). The accumulator must then be a stack alloca
+    (compile/lowering.py), or LLVM spills it every step.
     """
     count, row = int(panels.shape[0]), [int(d) for d in panels.shape[2:]]
     dtype = tvm.runtime.DataType(panels.dtype)

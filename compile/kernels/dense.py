@@ -47,7 +47,7 @@ def _tile_sizes(n: int | None, lanes: int) -> tuple[int, int, bool]:
     broadcast: AVX2 has 16 ymm -> 4 x 24 (12 accumulators, measured best of 4x16, 4x24, 6x16,
     8x16 here); AVX-512 has 32 zmm -> 8 x 48 (24 accumulators, 3 B vectors and 8 broadcasts per 24
     FMAs, where 8 x 32 took 2 and 8 per 16: MiniLM's linears at 128-512 tokens in 0.90-0.96x its
-    time on an Intel Xeon, docs/PERFORMANCE.md; 4 x 64, 6 x 64 and 12 x 32 were slower there).
+    time on an Intel Xeon, docs/experiments/dense-tile-avx512.md; 4 x 64, 6 x 64 and 12 x 32 were slower there).
     nt is the widest candidate dividing a static N, so the N tail needs no padding; otherwise N
     is padded to 2 vectors (1 vector when N is that small).
     """
@@ -64,7 +64,7 @@ def _unrolled_steps(k: int | None) -> int:
     divide it. An AVX2 step is 12 multiply-adds, 3 loads and 4 broadcasts, and the loop's increments,
     compare and branch and the prefetch's test were 4 more instructions a step: unrolled by 4, MiniLM's
     x86-64-v3 linears took 0.88-0.99x the time in its calls at 16-512 tokens on 2 threads in a busy
-    hour of a shared host, 0.97-1.03x in a quiet one, paired (docs/PERFORMANCE.md). AVX-512's steps
+    hour of a shared host, 0.97-1.03x in a quiet one, paired (docs/experiments/unrolled-k-loop.md). AVX-512's steps
     are twice the work; its linears took the same time. (The int8 kernels' steps unrolled so took
     1.01-1.10x.)"""
     return 1 if k is None else next(steps for steps in (4, 2, 1) if k % steps == 0)

@@ -30,7 +30,7 @@ Four micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
   compile/passes/quantize.py): 8-bit codes where a channel's large weights of one sign are not
   adjacent, 7-bit at worst (MiniLM's channels: 7.65 bits at the median). On MiniLM that took the
   plan's least cosine from 0.987 to 0.994 before any linear was kept out of int8, and none is now
-  (docs/PERFORMANCE.md). Every x86-64-v3 CPU has it.
+  (docs/experiments/int8-pair-bounds.md). Every x86-64-v3 CPU has it.
 - `AVX512BW` (`vpmaddubsw` + `vpmaddwd` on zmm): AVX2's arithmetic and weight scales in 16 int32
   lanes, on VNNI's 8-row tile and panels, for AVX-512 CPUs without VNNI (Skylake-SP) and for the
   `x86-64-v4` level, which every AVX-512 CPU loads and which names no VNNI.
@@ -80,7 +80,8 @@ VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
 # 4 x 16 tile: 8 ymm accumulators, 2 weight vectors, the ones vector, a broadcast and a product (LLVM
 # keeps each weight vector in a register for the 4 rows: a 4 x 24 tile then needs 18 of the 16 ymm and
 # spilled two accumulators at every k step; MiniLM's x86-64-v3 int8 calls at 16-512 tokens, paired
-# against it, 0.96-1.00x the time, docs/PERFORMANCE.md); weights scaled so that each pair's int16 sum is exact
+# against it, 0.96-1.00x the time, docs/experiments/avx2-int8-tile.md); weights scaled so that each pair's int16 sum
+# is exact
 AVX2 = Int8Kernel("avx2", 4, 8, 16, 4, "bert_dot_8x4_u8i8_avx2",
                   "avx2 vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
                   "summing to at most 128), int32 accumulation", int16_pairs=True)
@@ -124,7 +125,7 @@ def panel_width(kernel: Int8Kernel, n: int, amx_tiles: bool) -> int:
     """Columns of the weight panels of a linear of N outputs on `kernel`: its wide panel where N is a
     multiple and the target has no AMX tiles, which read 32-column panels (VNNI's 48: 3 weight vectors
     and 8 broadcasts per 24 `vpdpbusd`, where 32 columns took 2 and 8 per 16; MiniLM's int8 linears
-    then take 0.90-0.99x the time at 128-512 tokens, docs/PERFORMANCE.md), else its panel."""
+    then take 0.90-0.99x the time at 128-512 tokens, docs/experiments/vnni-wide-panels.md), else its panel."""
     wide = kernel.wide_panel
     return wide if wide is not None and not on_amx(kernel, amx_tiles) and n % wide == 0 else kernel.panel
 

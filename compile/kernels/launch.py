@@ -19,14 +19,14 @@ they come free instead (one atomic compare-and-swap per claim, c/claims.c), as T
 OpenMP's dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every
 CPU library, which links the counter (`claims_object`). Paired against fixed shares on that host:
 bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.91-0.97x
-at 1x128 and 8x128 (alternating calls), 0.85-0.98x on mixed lengths (docs/PERFORMANCE.md); the
+at 1x128 and 8x128 (alternating calls), 0.85-0.98x on mixed lengths (docs/experiments/claimed-iterations.md); the
 fastest calls unchanged.
 
 Claims shrink as the loop runs out, as OpenMP's guided schedule's do: each takes a share of what is
 left, so the first are long (a thread's prefetched panels stay its own) and the last a grain, and
 the threads reach the join at most a grain apart. With claims of a fixed 1/16 of the loop, perf of
 an x86-64-v3 fp32 MiniLM call at 128 tokens found the calling thread waiting at the linears' joins
-~3% of its time in a busy hour of a shared host (docs/PERFORMANCE.md pairs the two kinds of
+~3% of its time in a busy hour of a shared host (docs/experiments/guided-claims.md pairs the two kinds of
 claim: 0.99-1.00x the time in a quiet hour, where the threads rarely wait).
 """
 

@@ -18,16 +18,15 @@ import socket
 import time
 
 import grpc
-import numpy as np
 from grpc_reflection.v1alpha import reflection
 
 from ..auth import bearer_key_matches
 from ..errors import InvalidInput, ServiceError, Unauthorized
 from ..inference import Computed
+from ..inputs import Truncation, non_empty, sequence, truncation
 from ..metrics import Metrics
 from ..runtime import Runtime, model_kind
 from ..settings import Settings
-from ..tokenization import Truncation, truncation
 from . import tei_pb2 as pb
 from . import tei_pb2_grpc as pb_grpc
 
@@ -143,9 +142,8 @@ def _metadata(computed: Computed, started: float) -> pb.Metadata:
 
 
 def _text(value: str) -> str:
-    if not value:
-        raise InvalidInput("`inputs` cannot be empty")
-    return value
+    """A message's one text (`inputs`), which may not be empty."""
+    return non_empty(value, field="inputs")
 
 
 def _prompt(request) -> str | None:
@@ -161,8 +159,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
 
     def _truncation(self, request) -> Truncation:
         """Where `request`'s over-long inputs lose tokens (its `truncation_direction`), or None: refused.
-        Only where the request sets `truncate`: TEI's gRPC ignores --auto-truncate (proto3 cannot tell
-        false from unset)."""
+        Only where the request sets `truncate`: TEI's gRPC ignores --auto-truncate (`inputs.truncation`)."""
         return truncation(request.truncate,
                           "left" if request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT else "right")
 
@@ -207,13 +204,7 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
 
     async def _predict(self, request) -> pb.PredictResponse:
         started = time.perf_counter()
-        if isinstance(request, pb.PredictPairRequest):
-            if len(request.inputs) not in (1, 2):
-                raise InvalidInput(f"`inputs` must hold one text or a pair, not {len(request.inputs)}")
-            # a pair may have one empty side (two: `ModelService.compute`); a single text may not be empty
-            text = _text(request.inputs[0]) if len(request.inputs) == 1 else tuple(request.inputs)
-        else:
-            text = _text(request.inputs)
+        text = sequence(request.inputs) if isinstance(request, pb.PredictPairRequest) else _text(request.inputs)
         service = self.runtime.model("classify")
         predictions, computed = await service.classify([text], "none" if request.raw_scores else "auto",
                                                        self._truncation(request))
@@ -225,10 +216,9 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         started = time.perf_counter()
         service = self.runtime.model("rerank")
         service.check_batch_size(len(texts))
-        scores, computed = await service.rerank(query, texts, options.raw_scores, self._truncation(options))
-        ranks = [pb.Rank(index=int(i), score=float(scores[i]), **({"text": texts[i]} if options.return_text else {}))
-                 for i in np.argsort(-scores, kind="stable")]
-        return pb.RerankResponse(ranks=ranks, metadata=_metadata(computed, started))
+        ranks, computed = await service.rerank(query, texts, options.raw_scores, self._truncation(options),
+                                               options.return_text)
+        return pb.RerankResponse(ranks=[pb.Rank(**rank) for rank in ranks], metadata=_metadata(computed, started))
 
     async def _tokenize(self, request) -> pb.EncodeResponse:
         service = self.runtime.model(None)
@@ -237,10 +227,9 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
                                          for token in tokens])
 
     async def _decode(self, request) -> pb.DecodeResponse:
-        if not request.ids:
-            raise InvalidInput("`ids` cannot be empty")
+        ids = non_empty(list(request.ids), field="ids")
         service = self.runtime.model(None)
-        return pb.DecodeResponse(text=(await service.decode([list(request.ids)], request.skip_special_tokens))[0])
+        return pb.DecodeResponse(text=(await service.decode([ids], request.skip_special_tokens))[0])
 
     async def _rerank_request(self, request) -> pb.RerankResponse:
         return await self._rerank(request.query, list(request.texts), request)

@@ -11,8 +11,8 @@
    product of this one that reads it, and the next step's panel lines are prefetched (the order of
    Intel's mm_amx kernels). Against loading all four tiles, then the four products, whole MiniLM calls
    took 0.89-0.98x the time in bf16 and 0.90-1.04x in int8 (an interleaved `loadtest.bench --compare` of
-   the two builds, docs/PERFORMANCE.md). One step of K, expanded inside the tile function (it reads its
-   a, b and strides). */
+   the two builds, docs/experiments/amx-tile-order.md). One step of K, expanded inside the tile function (it
+   reads its a, b and strides). */
 #define BERT_AMX_STEP(PRODUCT, GROUP, g, NEXT_ROW_TILE)        \
   _tile_loadd(6, b + (g) * 32 * GROUP, b_stride);              \
   PRODUCT(0, 4, 6);                                            \

@@ -49,7 +49,8 @@ int32_t bert_bf16_transpose_round(uint16_t *dst, const float *src, int64_t rows,
    are taken while the next group's products run (a vector load of rows a tile store has just written
    waits for the store). Against one block at a time, in a C loop over L1-resident operands (heads 32-128):
    0.62-0.80x the time of 512 keys' scores, 0.86-0.91x with the softmax and context products of a query tile;
-   whole 12 x 768 BERT calls took 0.98-1.01x the time (docs/PERFORMANCE.md), within this machine's noise. */
+   whole 12 x 768 BERT calls took 0.98-1.01x the time, within this machine's noise
+   (docs/experiments/amx-attention-scores.md). */
 #define AMX_SCORES(HEAD, A0, B0, A1, B1)                                                                  \
   int32_t bert_amx_attention_scores_d##HEAD(float *scores, float *top, const uint16_t *keys,              \
                                             const uint16_t *queries, const float *bias, int64_t length) { \

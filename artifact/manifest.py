@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bucketing import AnyBucket, Bucket, PackedBucket
 from .errors import ArtifactError
@@ -15,6 +16,11 @@ SCHEMA_VERSION = 1
 # SPLADE: max (SPLADE v2 on) or sum over the real tokens of log(1 + relu(MLM logits)), [batch, vocab]
 SPLADE_POOLINGS = ("splade", "splade-sum")
 MANIFEST_FILE = "manifest.json"
+# The BERT family members compile/families.py compiles, by their config.json `model_type`: known here, without
+# torch, so that a Hub model of another family is refused before anything is downloaded or compiled.
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
+# huggingface_hub's cache holds a repository's commit as models--ORG--NAME/snapshots/COMMIT
+HUB_SNAPSHOT = re.compile(r"/models--(?P<folder>[\w.-]+)/snapshots/(?P<sha>[0-9a-f]{40})$")
 
 
 def write_json_atomically(model: BaseModel, path: Path) -> None:
@@ -42,12 +48,24 @@ class TargetEntry(_Strict):
 class ModelEntry(_Strict):
     path: str
     weights_sha256: str
-    model_type: str = "bert"  # the family: bert, roberta, xlm-roberta, distilbert
+    model_type: str = "bert"  # the family: one of MODEL_TYPES
     architecture: str
     hidden_size: int
     max_position_embeddings: int
     vocab_size: int
     pad_token_id: int
+    # the Hub repository and commit the checkpoint was downloaded at (None: a checkpoint of a local directory)
+    repo_id: str | None = None
+    sha: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hub_source(cls, data: dict) -> dict:
+        """A checkpoint in huggingface_hub's cache names its repository and commit by its path."""
+        found = HUB_SNAPSHOT.search(Path(str(data.get("path", ""))).as_posix()) if isinstance(data, dict) else None
+        if found is None or data.get("repo_id") is not None:
+            return data
+        return {**data, "repo_id": found["folder"].replace("--", "/"), "sha": found["sha"]}
 
 
 class LibraryEntry(_Strict):
@@ -298,6 +316,11 @@ class Manifest(_Strict):
     def sparse_outputs(self) -> bool:
         """Whether the libraries return SPLADE weights over the vocabulary (a sparse embedding model)."""
         return self.task == "embed" and self.pooling in SPLADE_POOLINGS
+
+    def hashed_files(self) -> dict[str, str]:
+        """Every file whose sha256 the manifest records (weights, libraries), by its path in the artifact."""
+        libraries = {entry.library: entry.sha256 for entry in [*self.buckets, self.generic]}
+        return {**{weights.file: weights.sha256 for weights in self.weights.values()}, **libraries}
 
     def write(self, directory: Path) -> None:
         write_json_atomically(self, Path(directory) / MANIFEST_FILE)

@@ -6,9 +6,12 @@ import argparse
 import logging
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from .config import load_config
+from artifact.hub import HubError, HubModel, download, is_repo_id, resolve
+
+from .config import CompileConfig, load_config
 from .errors import CompileError
 from .progress import Progress, summary_table
 
@@ -20,7 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile a Hugging Face BERT checkpoint into bucketed TVM libraries.",
     )
     parser.add_argument("--config", type=Path, help="YAML file of compile settings (configs/*.yaml)")
-    parser.add_argument("--model", type=Path, help="checkpoint directory (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory, or a Hugging Face Hub model id ORG/NAME "
+                        "(downloaded; a directory of that name wins) (default: bundled all-MiniLM-L6-v2)")
+    parser.add_argument("--revision", help="Hub model: the branch, tag or commit (default: main)")
+    parser.add_argument("--hf-token", help="Hub model: a token that can read a private or gated one "
+                        "(default: HF_TOKEN)")
+    parser.add_argument("--huggingface-hub-cache", type=Path,
+                        help="Hub model: where downloads are cached (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)")
     parser.add_argument("--task", choices=["embed", "classify", "rerank", "sparse"],
                         help="rerank: a cross-encoder (a classifier with one label), served on /rerank; sparse: SPLADE "
                              "from a *ForMaskedLM or SparseEncoder checkpoint, served on /embed_sparse")
@@ -111,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             overrides[key] = getattr(args, key).split(",")
     try:
-        config = load_config(args.config, overrides)
+        config = _checkpoint_from_hub(load_config(args.config, overrides), args)
         from .pipeline import compile_model  # heavy imports (torch, tvm) only once input is sane
 
         progress = Progress(0, quiet=args.quiet)
@@ -121,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             results = compile_levels(config, progress)
         else:
             results = [compile_model(config, progress)]
-    except CompileError as exc:
+    except (CompileError, HubError) as exc:
         print(f"bert-compile: error: {exc}", file=sys.stderr)
         return 2
     except Exception:
@@ -134,6 +143,21 @@ def main(argv: list[str] | None = None) -> int:
         _report(manifest, records, config.validate_artifacts)
     print(f"wrote {config.out}" + (f" (levels {config.mcpu})" if len(results) > 1 else ""), file=sys.stderr)
     return 0
+
+
+def _checkpoint_from_hub(config: CompileConfig, args: argparse.Namespace) -> CompileConfig:
+    """A model named by its Hub id rather than a directory: its checkpoint, downloaded (or from the Hub cache). The
+    artifact's default name is the model's (artifacts/NAME), and its manifest records the repository and commit."""
+    if config.model is None or not is_repo_id(str(config.model)):
+        if args.revision is not None:
+            raise CompileError("--revision is for a model named by its Hub id (--model ORG/NAME), not a directory")
+        return config
+    model = HubModel(str(config.model), args.revision, args.hf_token, args.huggingface_hub_cache)
+    snapshot = resolve(model)  # before anything is printed: a model that cannot be had is one line
+    if not args.quiet:
+        print(f"fetching {snapshot.repo_id} at commit {snapshot.sha} (what the Hub cache holds is not downloaded "
+              "again)", file=sys.stderr, flush=True)
+    return config.model_copy(update={"model": download(replace(model, revision=snapshot.sha)).directory})
 
 
 def _report(manifest, records, validate: bool) -> None:

@@ -62,7 +62,7 @@ def _cell(text: str) -> str:
 def _default(value: Any) -> str:
     if value is PydanticUndefined:
         return "required"
-    if value is None:
+    if value is None or value == []:
         return ""
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"

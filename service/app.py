@@ -29,7 +29,7 @@ from .errors import InvalidInput, ServiceError, TooLarge, Unauthorized, error_bo
 from .grpc_api.server import start_grpc
 from .metrics import Metrics
 from .routes import router, with_body_schemas
-from .runtime import BackendLoader, Runtime
+from .runtime import BackendLoader, PendingArtifact, Runtime
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -145,10 +145,10 @@ def _serve_docs(app: FastAPI) -> None:
 
 
 def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
-               on_fatal: Callable[[], None] | None = None) -> FastAPI:
-    """Build the app; the artifacts load in the background once the server runs."""
+               on_fatal: Callable[[], None] | None = None, pending: PendingArtifact | None = None) -> FastAPI:
+    """Build the app; the artifacts load (`pending`: are built, then load) in the background once the server runs."""
     metrics = Metrics()
-    runtime = Runtime(settings, metrics, loader, on_fatal)
+    runtime = Runtime(settings, metrics, loader, on_fatal, pending)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):

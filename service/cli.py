@@ -1,6 +1,6 @@
 """`bert-serve` / `python -m service`: parse flags (each also a BERT_SERVE_* variable) and serve.
 
-Bad settings or artifact directories print one line and exit 2; a failure while loading in
+Bad settings, artifact directories or Hub models (--model-id) print one line and exit 2; a failure while loading in
 the background stops the server with exit 1; SIGTERM/SIGINT drain in-flight work, then exit 0.
 """
 
@@ -17,6 +17,8 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from artifact.errors import ArtifactError
+from artifact.hub import HubError
+from compile.errors import CompileError
 
 from . import memory
 from .settings import ENV_PREFIX, Settings
@@ -45,6 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-name", dest="served_names", action="append",
         help="the model's name in requests and GET /v1/models, one per --artifacts in order "
              "(default: the directory's name)")
+    add("--model-id", help="a Hugging Face Hub model ORG/NAME to serve instead of --artifacts (env MODEL_ID, as TEI): "
+        "compiled for this CPU on first start, /ready 503 meanwhile, then loaded from --artifact-cache")
+    add("--revision", help="--model-id's branch, tag or commit (default main; env REVISION)")
+    add("--hf-token", help="a token that can read a private or gated --model-id (default: HF_TOKEN)")
+    add("--huggingface-hub-cache", type=Path, help="where Hub downloads are cached (default: HF_HUB_CACHE)")
+    add("--artifact-cache", type=Path, help="where --model-id's compiled artifacts are kept, one per commit, CPU, "
+        "config and version (default: $XDG_CACHE_HOME/bert-tvm-serve, else ~/.cache/bert-tvm-serve)")
+    add("--config", type=Path, help="compile config (YAML) --model-id compiles with (default: configs/default.yaml)")
     add("--default-prompt-name", help="prepend this prompt of the checkpoint's sentence-transformers `prompts` to "
         "inputs that name none (e.g. query)")
     add("--default-prompt", help="prepend this text to inputs that name no prompt (e.g. 'query: ')")
@@ -129,6 +139,7 @@ def torch_installed() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     memory.configure_allocator()  # before any thread exists (glibc fixes its arena count on the first)
+    environ = dict(os.environ)  # before TVM's variables are set here: what a --model-id's compile runs in
     args = parse_args(argv)
     try:
         settings = Settings.load(vars(args))
@@ -150,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import create_app
     from .grpc_api.server import GrpcPortTaken, check_grpc_port
+    from .model_cache import CacheError, hub_artifact
     from .runtime import ArtifactSetError
 
     DrainingServer = _draining_server_class()
@@ -164,10 +176,13 @@ def main(argv: list[str] | None = None) -> int:
         server.should_exit = True
 
     try:
+        pending = None
+        if settings.model_id is not None:  # served as its artifact in the compile cache, compiled there if need be
+            settings, pending = hub_artifact(settings, environ)
         if settings.grpc_port is not None:
             check_grpc_port(settings.host, settings.grpc_port)
-        app = create_app(settings, on_fatal=stop_on_load_failure)
-    except (ArtifactError, ArtifactSetError, TopologyError, GrpcPortTaken) as exc:
+        app = create_app(settings, on_fatal=stop_on_load_failure, pending=pending)
+    except (ArtifactError, ArtifactSetError, TopologyError, GrpcPortTaken, HubError, CacheError, CompileError) as exc:
         print(f"bert-serve: error: {exc}", file=sys.stderr)
         return 2
     server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,

@@ -3,7 +3,9 @@
 The HTTP server starts listening at once (so `/health` answers and `/ready` says 503); loading,
 warm-up of every library on every worker thread, and starting the batchers happen in a task,
 after which `/ready` turns 200 (and back to 503 while a batcher is down). Manifests are read and
-the core topology is planned up front, so a wrong directory or flag fails fast.
+the core topology is planned up front, so a wrong directory or flag fails fast; where the artifact
+must first be built (a --model-id the compile cache does not hold yet), that task builds it first,
+and until it is built every route that needs a model answers 503 as well.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from importlib import metadata as package_metadata
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 from artifact.cores import limit_pool_spinning, usable_cores
 from artifact.levels import artifact_for_this_cpu
@@ -46,6 +48,14 @@ BackendLoader = Callable[[Path, str, "int | None"], Backend]  # (directory, back
 
 class ArtifactSetError(ValueError):
     """The --artifacts given cannot be served together."""
+
+
+class PendingArtifact(Protocol):
+    """An artifact to build before it can be read (service.model_cache.CompileJob: a --model-id's compile)."""
+
+    status: str  # what it is doing, for /ready
+
+    async def run(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -94,15 +104,16 @@ def freeze_startup_objects() -> None:
 
 class Runtime:
     def __init__(self, settings: Settings, metrics: Metrics, loader: BackendLoader = load_backend,
-                 on_fatal: Callable[[], None] | None = None):
+                 on_fatal: Callable[[], None] | None = None, pending: PendingArtifact | None = None):
         self.settings = settings
         self.metrics = metrics
         self.loader = loader
         self.on_fatal = on_fatal
-        self.artifacts = served_artifacts(settings)
+        self.pending = pending  # built (for the CPU: no GPU to plan for) before the artifacts are read
+        self._artifacts = served_artifacts(settings) if pending is None else []
         self.topology = plan_topology(cores_to_use(settings.cores, usable_cores()), settings.backend, settings.workers,
                                       settings.threads_per_worker, settings.wide_worker, settings.queue_ahead,
-                                      gpu=any(a.manifest.target.kind == "cuda" for a in self.artifacts))
+                                      gpu=any(a.manifest.target.kind == "cuda" for a in self._artifacts))
         # TVM sizes each thread's pool from TVM_NUM_THREADS when that thread first needs one (the
         # workers then use part of it, see TvmBackend.configure_thread); unpinned threads let the
         # OS place the wide worker and the narrow ones, whose pools would otherwise pin to the same
@@ -119,6 +130,13 @@ class Runtime:
         self._tokenizer_pool = ThreadPoolExecutor(TOKENIZATION_WORKERS, thread_name_prefix="tokenize")
 
     @property
+    def artifacts(self) -> list[ServedArtifact]:
+        """The models served, in --artifacts order; 503 while the artifact is still being built."""
+        if self.pending is not None:
+            raise Unavailable(f"model is not ready: {self.not_ready_reason}")
+        return self._artifacts
+
+    @property
     def ready(self) -> bool:
         return self.loaded and all(service.batcher.healthy for service in self.models.values())
 
@@ -126,6 +144,8 @@ class Runtime:
     def not_ready_reason(self) -> str:
         if self.error:
             return self.error
+        if self.pending is not None:
+            return self.pending.status
         down = [f"{name}: {service.batcher.failure or 'batcher restarting'}" for name, service in self.models.items()
                 if not service.batcher.healthy]
         return "; ".join(down) if down and self.loaded else "warming up"
@@ -146,6 +166,10 @@ class Runtime:
         """Load, warm up and start every model; on failure record why and ask the server to stop."""
         started = time.perf_counter()
         try:
+            if self.pending is not None:
+                await self.pending.run()
+                self._artifacts = await asyncio.to_thread(served_artifacts, self.settings)
+                self.pending = None
             for artifact in self.artifacts:
                 log.info("loading %s artifact %s as %r (backend %s)", artifact.manifest.task, artifact.directory,
                          artifact.name, self.settings.backend)
@@ -233,7 +257,8 @@ class Runtime:
         service = self.models.get(primary.name)
         return {
             "model_id": primary.name,
-            "model_sha": primary.manifest.model.weights_sha256,
+            # TEI's: the Hub commit; a checkpoint from a local directory has none, its weights' sha256 stands in
+            "model_sha": primary.manifest.model.sha or primary.manifest.model.weights_sha256,
             "model_dtype": model_dtype(primary.manifest),
             "served_model_name": primary.name,
             "model_type": tei_model_type(primary.manifest),

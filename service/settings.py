@@ -1,7 +1,9 @@
-"""Server settings: defaults < BERT_SERVE_* environment variables < command-line flags.
+"""Server settings: defaults < TEI's environment variables < BERT_SERVE_* environment variables < command-line flags;
+the model (`artifacts` or `model_id`) comes whole from the last of these that names one.
 
 pydantic-settings is not a dependency, so the environment is read here: every field `x_y` is
-settable as `BERT_SERVE_X_Y`; list fields (`artifacts`, `served_names`) take comma-separated values.
+settable as `BERT_SERVE_X_Y`, and those TEI reads also by TEI's name (TEI_VARIABLES); list fields
+(`artifacts`, `served_names`) take comma-separated values.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENV_PREFIX = "BERT_SERVE_"
+TEI_VARIABLES = {"model_id": "MODEL_ID", "revision": "REVISION"}  # a TEI container's environment carries over
+# What names the model: taken together from the first of flags, BERT_SERVE_* and TEI's variables that names one, so
+# that `--model-id` on the command line replaces artifacts a container's environment names.
+MODEL_SOURCE = ("artifacts", "model_id")
 
 
 class Settings(BaseModel):
@@ -20,7 +26,18 @@ class Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    artifacts: list[Path] = Field(min_length=1, description="artifact directories; the first is what `/` serves")
+    artifacts: list[Path] = Field([], description="artifact directories; the first is what `/` serves")
+    # A Hub model instead (service/model_cache.py): compiled for this CPU on first start, from the cache after
+    model_id: str | None = Field(None, description="Hugging Face Hub model ORG/NAME, compiled once and cached")
+    revision: str | None = Field(None, description="--model-id's branch, tag or commit (default: main)")
+    hf_token: str | None = Field(None, description="a token that can read a private or gated --model-id "
+                                 "(default: HF_TOKEN)")
+    huggingface_hub_cache: Path | None = Field(None, description="where Hub downloads are cached "
+                                               "(default: HF_HUB_CACHE)")
+    artifact_cache: Path | None = Field(None, description="where --model-id's compiled artifacts are cached "
+                                        "(default: $XDG_CACHE_HOME/bert-tvm-serve)")
+    config: Path | None = Field(None, description="compile config (YAML) for --model-id "
+                                "(default: configs/default.yaml)")
     served_names: list[str] | None = Field(None, description="the models' names, in --artifacts order "
                                            "(default: each directory's name); requests select one by `model`")
     default_prompt_name: str | None = Field(None, description="a prompt of the checkpoint's sentence-transformers "
@@ -61,6 +78,13 @@ class Settings(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _one_model_source(self) -> "Settings":
+        if bool(self.artifacts) == (self.model_id is not None):
+            raise ValueError("give --artifacts DIR (compiled artifacts) or --model-id ORG/NAME (a Hub model), "
+                             "one of the two")
+        return self
+
+    @model_validator(mode="after")
     def _one_default_prompt(self) -> "Settings":
         if self.default_prompt_name is not None and self.default_prompt is not None:
             raise ValueError("give --default-prompt-name or --default-prompt, not both")
@@ -70,8 +94,12 @@ class Settings(BaseModel):
     def load(cls, flags: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> "Settings":
         """Merge environment and flags (flags given as None do not override)."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {
-            name: environ[ENV_PREFIX + name.upper()] for name in cls.model_fields if ENV_PREFIX + name.upper() in environ
-        }
-        values.update({name: value for name, value in flags.items() if value is not None})
+        values: dict[str, Any] = {}
+        for level in ({name: environ[variable] for name, variable in TEI_VARIABLES.items() if variable in environ},
+                      {name: environ[ENV_PREFIX + name.upper()] for name in cls.model_fields
+                       if ENV_PREFIX + name.upper() in environ},
+                      {name: value for name, value in flags.items() if value is not None}):
+            if any(name in level for name in MODEL_SOURCE):
+                values = {name: value for name, value in values.items() if name not in MODEL_SOURCE}
+            values.update(level)
         return cls.model_validate(values)

@@ -17,7 +17,7 @@ same Xeon with znver4's code the compile timed the int8 kernel at 0.62-0.68x the
 time at heads of 64 and 32, and bf16 at 1.41-1.63x. The int8 plan simulates them (int8_simulation.Simulation): they cost
 accuracy where bf16 ones do not, so where every linear in int8 beside them misses the gate, the
 compile gives int8 libraries the products bf16 ones have instead (`AttentionChoice.without_int8`,
-pipeline.plan_int8_linears).
+phases.decisions.plan_int8_linears).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from artifact.manifest import AttentionProductsEntry
 
 from . import precision
 from .build import build_library
+from .capabilities import Capabilities, KernelConfig
 from .checkpoint import CheckpointInfo
-from .kernels import amx, attention, attention_int8, int8
+from .kernels import attention
 from .kernels.attention import AttentionShape
-from .kernels.common import vector_lanes
 from .timing import interleaved_medians
 
 TIMED_SEQS = (128, 512)  # one sequence of each, clipped to the model's bound: where attention weighs
@@ -104,38 +104,27 @@ class AttentionChoice:
                                       reason=self.reasons[name], times_ms=self.times_ms)
 
 
-def reduced_products(target: tvm.target.Target) -> tuple[str, ...]:
-    """The arithmetic below fp32 the target's CPU can run attention's products in: "amx" on AMX
-    tiles or else "bf16" on AVX512_BF16, and "int8" where the int8 linears' kernel works on the
-    target's full vector width (AVX2, or AVX512BW: kernels/attention_int8.py)."""
-    rounded = () if precision.refusal("bf16", target) else ("amx" if amx.supported(target) else "bf16",)
-    kernel = int8.kernel_for(target)
-    return rounded + (("int8",) if kernel is not None and kernel.lanes == vector_lanes(target) else ())
-
-
-def refusal(requested: str, target: tvm.target.Target) -> str | None:
-    """Why `target` cannot run attention's products as `requested` (one line), or None."""
-    return precision.bf16_refusal("--attention-products bf16", "fp32 or auto", target) if requested == "bf16" else None
-
-
-def _kernel_supports(products: str, head_size: int, lanes: int) -> bool:
-    return attention.supports(head_size, lanes) and (products != "int8" or attention_int8.supports(head_size, lanes))
+def refusal(requested: str, capabilities: Capabilities) -> str | None:
+    """Why the CPU cannot run attention's products as `requested` (one line), or None."""
+    return capabilities.bf16_refusal("--attention-products bf16", "fp32 or auto") if requested == "bf16" else None
 
 
 def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
     """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in each reduced
-    arithmetic of the CPU (when `timed`: the libraries run here), the fastest kept per library
-    precision (`decide`), else the CPU's bf16 where it has it, int8 beside int8 linears where not."""
-    lanes = vector_lanes(target)
-    reduced = reduced_products(target)
+    arithmetic the CPU runs at the model's head size (when `timed`: the libraries run here), the
+    fastest kept per library precision (`decide`), else the CPU's bf16 where it has it, int8 beside
+    int8 linears where not."""
+    capabilities = Capabilities.of(target)
+    reduced = capabilities.reduced_products
     if requested == "fp32" or not reduced:
         return AttentionChoice.alike("fp32", requested, "fp32: asked for" if requested == "fp32" else
                                      "fp32: no bf16 or int8 products here (AVX512_BF16, AVX2 or AVX512BW)")
     offered = tuple(products for products in reduced if requested == "auto" or products != "int8")
-    candidates = tuple(products for products in offered if _kernel_supports(products, geometry.head_size, lanes))
+    candidates = tuple(products for products in capabilities.attention_products(geometry.head_size)
+                       if requested == "auto" or products != "int8")
     if not candidates:
         return AttentionChoice.alike("fp32", requested, f"fp32: the fused kernel's {' and '.join(offered)} products "
-                                     f"do not take {geometry.head_size}-wide heads at {lanes} lanes")
+                                     f"do not take {geometry.head_size}-wide heads at {capabilities.lanes} lanes")
     if requested == "bf16":
         return AttentionChoice.alike(candidates[0], requested, f"{candidates[0]}: asked for")
     if not timed:
@@ -190,7 +179,8 @@ class _TimedKernel:
 
     def __init__(self, target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path):
         path = scratch / f"attention-{products}.so"
-        build_library(kernel_module(geometry, vector_lanes(target), products), target, path, attention=products)
+        kernels = KernelConfig.of(target, products=products)
+        build_library(kernel_module(geometry, kernels), target, path, kernels=kernels)
         self.geometry = geometry
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
 
@@ -202,7 +192,7 @@ class _TimedKernel:
         return lambda: self.vm["main"](qkv, bias)
 
 
-def kernel_module(geometry: Geometry, lanes: int, products: str) -> tvm.IRModule:
+def kernel_module(geometry: Geometry, kernels: KernelConfig) -> tvm.IRModule:
     """`main(qkv, bias)`: one call of the kernel on Q, K and V at their offsets in one projection
     (built by `build.build_library`, whose pipeline leaves a written kernel as it is)."""
     heads, width = geometry.heads, geometry.head_size
@@ -216,7 +206,7 @@ def kernel_module(geometry: Geometry, lanes: int, products: str) -> tvm.IRModule
     bias = relax.Var("bias", relax.TensorType((1, 1, 1, seq), "float32"))
     with bb.function("main", [qkv, bias]):
         with bb.dataflow():
-            kernel = bb.add_func(attention.write_attention(shape, lanes, products), attention.KERNEL_NAME)
+            kernel = bb.add_func(attention.write_attention(shape, kernels), attention.KERNEL_NAME)
             out = bb.emit_output(relax.call_tir(kernel, [qkv, qkv, qkv, bias],
                                                 relax.TensorType((seq, hidden), "float32")))
         bb.emit_func_output(out)

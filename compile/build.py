@@ -12,9 +12,9 @@ from tvm import relax
 from artifact.bucketing import AnyBucket, Bucket
 from artifact.cpu_features import missing_on_host, target_features
 
+from .capabilities import KernelConfig
 from .errors import CompileError
 from .importer import symbolic_dims
-from .kernels import int8
 from .kernels.linking import linked_objects
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
@@ -53,15 +53,6 @@ def host_llvm(flags: set[str] | None = None) -> dict:
     return {"kind": "llvm", "mcpu": mcpu, **({"mattr": [f"-{feature}" for feature in hidden]} if hidden else {})}
 
 
-def cpu_name(target: tvm.target.Target) -> str:
-    """The CPU a target's (host) code is for, as messages name it: `znver4`, or `emeraldrapids
-    (without avx512bf16, amx-tile)` where features of the model are turned off."""
-    llvm = target.host or target
-    turned_off = [attr[1:] for attr in llvm.attrs.get("mattr", []) if attr.startswith("-")]
-    mcpu = llvm.attrs.get("mcpu", "?")
-    return f"{mcpu} (without {', '.join(turned_off)})" if turned_off else mcpu
-
-
 def make_target(kind: str, cuda_arch: str = "sm_90", mcpu: str | None = None) -> tvm.target.Target:
     """A target for `mcpu` (LLVM's CPU name, with all its features), or for this machine's CPU."""
     host = {"kind": "llvm", "mcpu": mcpu} if mcpu else host_llvm()
@@ -79,15 +70,14 @@ def specialize(mod: tvm.IRModule, bucket: AnyBucket) -> tvm.IRModule:
     return specialize_te_kernels(relax.transform.BindSymbolicVars(bound)(mod))
 
 
-def relax_pipeline(target: tvm.target.Target, tuned=None, attention: str = "fp32") -> tvm.transform.Pass:
+def relax_pipeline(target: tvm.target.Target, kernels: KernelConfig, tuned=None) -> tvm.transform.Pass:
     """CPU: the default fusing pipeline plus our CPU schedules (and `tuned`'s kept ones, a
-    MetaSchedule database), attention's products in `attention`'s arithmetic; CUDA: the default
-    (dlight) one.
+    MetaSchedule database), the kernels as `kernels` says; CUDA: the default (dlight) one.
 
     `tvm.compile` alone neither fuses nor schedules on CPU, so we always pass the pipeline.
     """
     if target.kind.name == "llvm":
-        return cpu_pipeline(target, attention=attention, tuned=tuned)
+        return cpu_pipeline(target, kernels, tuned)
     return relax.get_default_pipeline(target)
 
 
@@ -113,16 +103,16 @@ def import_cuda_tensor_intrinsics() -> None:
 
 
 def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda_graph: bool = False,
-                  tuned=None, attention: str = "fp32") -> None:
+                  tuned=None, kernels: KernelConfig | None = None) -> None:
     """Build and export one library; `cuda_graph` captures its static-shape kernels as a CUDA graph;
-    `tuned` (CPU) replaces hand schedules with the tuned ones it holds; `attention` is the
-    arithmetic of the fused attention kernel's products (CPU: "fp32", "bf16", "amx" or "int8":
-    attention_products.py)."""
+    `tuned` (CPU) replaces hand schedules with the tuned ones it holds; `kernels` (CPU) is what its
+    kernels are written for (default: the target's, attention's products in fp32)."""
     if target.kind.name == "cuda":
         import_cuda_tensor_intrinsics()
+    kernels = kernels or KernelConfig.of(target)
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
         with target:  # as tvm.compile runs a Relax pipeline
-            lowered = relax_pipeline(target, tuned, attention)(mod)
+            lowered = relax_pipeline(target, kernels, tuned)(mod)
         executable = tvm.compile(lowered, target, relax_pipeline=None, tir_pipeline=tir_pipeline(target))
     # the C objects defining what its kernels call (compile/kernels/linking.py)
-    executable.export_library(str(path), addons=linked_objects(lowered, int8.kernel_for(target)))
+    executable.export_library(str(path), addons=linked_objects(lowered, kernels.capabilities.int8_kernel))

@@ -213,13 +213,13 @@ class CompileConfig(BaseModel):
         a sparse model is an embedding model pooled with SPLADE (the service serves it on /embed_sparse)."""
         return {"rerank": "classify", "sparse": "embed"}.get(self.task, self.task)
 
-    @property
-    def effective_tolerance(self) -> float:
-        """Max |tvm - torch|; for bf16 and int8, max |tvm - torch| / |torch| per output row."""
+    def tolerance_for(self, precision: str) -> float:
+        """Max |tvm - torch| of libraries whose linears run in `precision` (the chosen one); for bf16
+        and int8, max |tvm - torch| / |torch| per output row."""
         if self.tolerance is not None:
             return self.tolerance
-        if self.precision in RELATIVE_TOLERANCES:
-            return RELATIVE_TOLERANCES[self.precision]
+        if precision in RELATIVE_TOLERANCES:
+            return RELATIVE_TOLERANCES[precision]
         return FP16_TOLERANCE if self.dtype == "float16" else FP32_TOLERANCE
 
     def model_dir(self) -> Path:

@@ -24,7 +24,7 @@ where the built library does.
 
 The simulation is close, not exact (its margin, `SIMULATION_TOLERANCE`, covers what MiniLM's libraries
 have shown), so the compile measures the plan's built library before it builds the rest
-(compile/pipeline.py, `checked_int8_candidate`): where that misses what the plan kept, the plan is
+(compile/phases/decisions.py, `checked_int8_candidate`): where that misses what the plan kept, the plan is
 admitted again from the same simulation and sensitivity with the margin that library showed it needs
 (`Int8Plan.replanned`), and built again.
 """
@@ -41,6 +41,7 @@ import torch
 import tvm
 
 from . import precision
+from .capabilities import Capabilities
 from .int8_simulation import SIMULATION_TOLERANCE, Simulation
 from .kernels import int8
 from .passes.packing import linears_on_weights
@@ -241,7 +242,7 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
     """What units kept out of int8 run in: bf16 where the target's CPU has it, unless this CPU timed
     bf16 arithmetic slower than fp32 (`bf16_pays` False: attention_products.py's timing, as on Intel
     CPUs with AVX512_BF16 and no AMX, where `vdpbf16ps` issues at the FMA's rate); else fp32."""
-    return "bf16" if precision.refusal("bf16", target) is None and bf16_pays is not False else "fp32"
+    return "bf16" if Capabilities.of(target).bf16 and bf16_pays is not False else "fp32"
 
 
 def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
@@ -253,7 +254,7 @@ def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.M
     `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
-    kernel = int8.kernel_for(target)
+    kernel = Capabilities.of(target).int8_kernel
     keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,

@@ -7,7 +7,8 @@ from artifact.manifest import Manifest
 
 from .build import check_mcpu
 from .config import CompileConfig
-from .pipeline import BuildRecord, compile_model
+from .phases.libraries import BuildRecord
+from .pipeline import compile_model
 from .progress import Progress
 from .staging import atomic_directory
 

@@ -1,5 +1,5 @@
-"""The arithmetic of the linear layers (fp32, bf16 or int8): what a target can run, the accuracy
-each must keep, and `auto`'s choice among measured candidates.
+"""The arithmetic of the linear layers (fp32, bf16 or int8): the accuracy each must keep, and `auto`'s
+choice among measured candidates (what a target runs: capabilities.py).
 
 `--precision auto` builds every precision the target's CPU runs, measures each one's answers
 against the PyTorch fp32 model on the shipped sentences (compile/sentences.py, one-word queries to
@@ -14,10 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import tvm
-
-from .build import cpu_name
-from .kernels import amx, bf16, int8
+from .errors import ValidationError
 
 PRECISIONS = ("fp32", "bf16", "int8")  # most accurate first
 PRECISION_MARGIN = 0.03  # how much faster a less accurate candidate must be to ship
@@ -56,33 +53,6 @@ GATES = {
 ROUNDED = tuple(GATES)  # the precisions that round the linears' operands, each held to its gate
 
 
-def bf16_refusal(option: str, alternatives: str, target: tvm.target.Target) -> str | None:
-    """Why `target` cannot run what `option` asks in bf16 (one line, naming `alternatives`), or None."""
-    if not bf16.supported(target):
-        return f"{option} needs a CPU with AVX512_BF16; mcpu {cpu_name(target)} has none (use {alternatives})"
-    try:
-        bf16.kernels_object()  # the micro-kernels every bf16 library links
-    except RuntimeError as exc:
-        return f"{option}: {exc}"
-    return None
-
-
-def refusal(precision: str, target: tvm.target.Target) -> str | None:
-    """Why `target` cannot run `precision` (one line), or None when it can."""
-    if precision == "bf16":
-        return bf16_refusal("--precision bf16", "fp32, int8 or auto", target)
-    if precision == "int8" and int8.kernel_for(target) is None:
-        return f"--precision int8 needs a CPU with AVX2; mcpu {cpu_name(target)} has none"
-    return None
-
-
-def available(target: tvm.target.Target) -> list[str]:
-    """The precisions `auto` considers for `target`: every one its CPU runs."""
-    if target.kind.name != "llvm":
-        return ["fp32"]
-    return [p for p in PRECISIONS if refusal(p, target) is None]
-
-
 def gate_failures(precision: str, accuracy: dict) -> list[str]:
     """What `accuracy` misses of `precision`'s gate (fp32, the reference's own arithmetic, has none)."""
     gate = GATES.get(precision)
@@ -115,14 +85,15 @@ def gate_refusal(precision: str, accuracy: dict, failures: list[str]) -> str:
             f"{'; '.join(failures)}{worst}; use --precision auto, bf16 or fp32")
 
 
-def kernel_description(precision: str, target: tvm.target.Target) -> str | None:
-    """The micro-kernel `precision`'s linears run on for `target`, as the manifest names it (None: fp32)."""
-    if precision == "int8":
-        kernel = int8.kernel_for(target)
-        return amx.INT8_DESCRIPTION if int8.on_amx(kernel, amx.supported(target)) else kernel.description
-    if precision == "bf16":
-        return amx.BF16_DESCRIPTION if amx.supported(target) else bf16.DESCRIPTION
-    return None
+def refuse_missed_gate(name: str, accuracy: dict, min_cosine: float | None) -> None:
+    """Fail the compile (one line) where int8's measured `accuracy` misses its gate, or a rounded
+    precision's misses `min_cosine`; an unmeasured precision (`accuracy` empty) passes."""
+    failures = gate_failures(name, accuracy) if accuracy else []
+    if failures and name == "int8":
+        raise ValidationError(gate_refusal(name, accuracy, failures))
+    if under_cosine_floor(name, accuracy, min_cosine):
+        raise ValidationError(f"{name} embeddings reach cosine {accuracy['cosine_min']:.6f} to the fp32 model's "
+                              f"on the shipped sentences, under {min_cosine_flag(min_cosine)}")
 
 
 @dataclass

@@ -31,8 +31,9 @@ from tvm import relax, tirx
 from tvm.s_tir.dlight.cpu import Reduction
 from tvm.target import Target
 
-from .kernels import amx, bf16, int8
-from .kernels.common import SCHEDULED_ATTR, vector_lanes
+from .capabilities import Capabilities, KernelConfig
+from .kernels import bf16, int8
+from .kernels.common import SCHEDULED_ATTR
 from .kernels.dense import schedule_matmul
 from .kernels.fallback import schedule_fallback
 from .kernels.fast_math import fast_math
@@ -47,13 +48,12 @@ log = logging.getLogger(__name__)
 def schedule_func(func: tirx.PrimFunc, target: Target, name: str = "a kernel") -> tirx.PrimFunc | None:
     """The scheduled `func` (called `name` in the warnings), or None when no rule recognises it (or
     every rule fails on it)."""
-    lanes = vector_lanes(target)
-    amx_tiles = amx.supported(target)
-    int8_kernel = int8.kernel_for(target)
+    capabilities = Capabilities.of(target)
+    lanes = capabilities.lanes
     func = fast_math(func)
     rules = (
-        ("bf16 matmul", lambda f: bf16.schedule_bf16_matmul(f, amx_tiles)),
-        ("int8 matmul", lambda f: int8.schedule_int8_matmul(f, int8_kernel, amx_tiles)),
+        ("bf16 matmul", lambda f: bf16.schedule_bf16_matmul(f, capabilities.amx)),
+        ("int8 matmul", lambda f: int8.schedule_int8_matmul(f, capabilities.int8_kernel, capabilities.amx)),
         ("matmul", lambda f: schedule_matmul(f, lanes)),
         ("row quantize", lambda f: schedule_row_quantize(f, lanes)),
         ("rows", lambda f: schedule_rows(f, lanes)),
@@ -105,24 +105,47 @@ def schedule_unscheduled(mod: tvm.IRModule,
     return mod
 
 
-def fusion_passes(target: Target, attention: str | None = "fp32") -> list[tvm.ir.transform.Pass]:
+def apply_tuned(database, target: Target) -> tvm.ir.transform.Pass:
+    """Module pass: every PrimFunc `database` (a MetaSchedule one, compile/tuning.py) holds a kept
+    record for gets that schedule, and is marked scheduled so that the CPU schedule pass leaves it;
+    the others pass unchanged."""
+
+    def tuned(_name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
+        sch = database.query_schedule(tuning_workload(fast_math(func)), target, workload_name="main")
+        return None if sch is None else sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
+
+    @tvm.transform.module_pass(opt_level=0, name="ApplyTunedSchedules")
+    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+        return schedule_unscheduled(mod, tuned)
+
+    return _pass
+
+
+def tuning_workload(func: tirx.PrimFunc) -> tvm.IRModule:
+    """`func` as MetaSchedule keys it in a database (tune_tir's own normalisation)."""
+    if "global_symbol" not in (func.attrs or {}):
+        func = func.with_attr("global_symbol", "main")
+    return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
+
+
+def fusion_passes(target: Target, kernels: KernelConfig) -> list[tvm.ir.transform.Pass]:
     """`cpu_pipeline` up to the schedule pass: its fused PrimFuncs are what is scheduled (and tuned)."""
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    return (([fuse_attention(vector_lanes(target), attention)] if attention else [])
+    return (([fuse_attention(kernels)] if kernels.fused_attention else [])
             + cpu.library_dispatch_passes(target)
             + cpu.legalize_passes(target)
             + [relax.transform.RewriteDataflowReshape()])
 
 
-def cpu_pipeline(target: Target, attention: str | None = "fp32", tuned=None) -> tvm.ir.transform.Pass:
+def cpu_pipeline(target: Target, kernels: KernelConfig | None = None, tuned=None) -> tvm.ir.transform.Pass:
     """TVM's default CPU Relax pipeline (relax/backend/cpu_generic) with our two passes in it:
-    `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level,
-    its products in `attention`'s arithmetic, "fp32" or "bf16"; None leaves them unfused, the
-    kernel's reference) and `cpu_schedule_pass` after fusion.
+    `fuse_attention` first (attention cores onto the fused kernel, while the ops are high-level, as
+    `kernels` says: by default the target's, its products in fp32) and `cpu_schedule_pass` after fusion.
     Reshape kernels become `vm.builtin.reshape` views before the schedule pass: once scheduled,
     TVM's own rewrite (later in the pipeline) no longer recognises them, and each would stay a copy.
-    `tuned` (a MetaSchedule database, compile/tuning.py) schedules the kernels it holds records for.
+    `tuned` (a MetaSchedule database, compile/tuning.py) schedules the kernels it holds records for
+    (`apply_tuned`).
 
     A drop-in for `relax.get_default_pipeline(target)` on an llvm target, lowered as the libraries
     are with compile/lowering.py's TIR pipeline (the dense kernel relies on it to keep its
@@ -131,10 +154,8 @@ def cpu_pipeline(target: Target, attention: str | None = "fp32", tuned=None) -> 
     """
     from tvm.relax.backend.cpu_generic import pipeline as cpu
 
-    from .tuning import apply_tuned
-
     passes = (
-        fusion_passes(target, attention)
+        fusion_passes(target, kernels or KernelConfig.of(target))
         + ([apply_tuned(tuned, target)] if tuned is not None else [])
         + [cpu_schedule_pass(target)]
         + cpu.dataflow_lower_passes(target)

@@ -6,7 +6,7 @@ schedule pass) MetaSchedule samples schedules from its default CPU design space 
 tiling, parallel / vectorise / unroll) and measures them; the best one is then timed against our
 hand schedule (`schedule.schedule_func`), interleaved, on the same random inputs, and checked to
 give the same outputs. Only a tuned kernel faster by more than `KEEP_MARGIN` is kept: the build
-applies it in place of the hand schedule (`apply_tuned`), and its record ships in the artifact's
+applies it in place of the hand schedule (`schedule.apply_tuned`), and its record ships in the artifact's
 `tuning/` database, so the service never tunes. The search uses MetaSchedule's random cost model
 (the pinned environment has no xgboost); packed and generic libraries have symbolic token counts
 and are not tuned. The budget is spent per bucket, split over its kernels, and is approximate:
@@ -31,11 +31,12 @@ from tvm.target import Target
 
 from artifact.manifest import KernelTuning, TuningEntry
 
+from .capabilities import KernelConfig
 from .kernels import script
 from .kernels.common import SCHEDULED_ATTR
 from .kernels.fast_math import fast_math
 from .lowering import tir_pipeline
-from .schedule import fusion_passes, schedule_func, schedule_unscheduled
+from .schedule import fusion_passes, schedule_func, tuning_workload
 from .timing import interleaved_medians
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class Tuner:
     def _tune_kernel(self, library: str, name: str, func: tirx.PrimFunc, hand: tirx.PrimFunc,
                      trials: int) -> KernelTuning:
         started = time.monotonic()
-        workload = _workload(func)
+        workload = tuning_workload(func)
         with tempfile.TemporaryDirectory(prefix="bert-tune-") as work_dir:
             # each round's builds run in new worker processes, each importing TVM's tensor intrinsics
             builder = ms.builder.LocalBuilder(
@@ -131,7 +132,7 @@ def tunable_kernels(mod: tvm.IRModule, target: Target) -> dict[str, tirx.PrimFun
     them (fast-math applied), that have constant shapes and only float tensors (random inputs can
     run them safely: no index tensors); one per structure."""
     with target:
-        fused = tvm.transform.Sequential(fusion_passes(target))(mod)
+        fused = tvm.transform.Sequential(fusion_passes(target, KernelConfig.of(target)))(mod)
     kernels: dict[str, tirx.PrimFunc] = {}
     seen = set()
     for gvar, func in fused.functions_items():
@@ -147,28 +148,6 @@ def tunable_kernels(mod: tvm.IRModule, target: Target) -> dict[str, tirx.PrimFun
             seen.add(key)
             kernels[gvar.name_hint] = func
     return kernels
-
-
-def apply_tuned(database: ms.Database, target: Target) -> tvm.ir.transform.Pass:
-    """Module pass: every PrimFunc the database holds a (kept) record for gets that schedule, and
-    is marked scheduled so that the CPU schedule pass leaves it; the others pass unchanged."""
-
-    def tuned(_name: str, func: tirx.PrimFunc) -> tirx.PrimFunc | None:
-        sch = database.query_schedule(_workload(fast_math(func)), target, workload_name="main")
-        return None if sch is None else sch.mod["main"].with_attr(SCHEDULED_ATTR, True)
-
-    @tvm.transform.module_pass(opt_level=0, name="ApplyTunedSchedules")
-    def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return schedule_unscheduled(mod, tuned)
-
-    return _pass
-
-
-def _workload(func: tirx.PrimFunc) -> tvm.IRModule:
-    """`func` as MetaSchedule keys it in a database (tune_tir's own normalisation)."""
-    if "global_symbol" not in (func.attrs or {}):
-        func = func.with_attr("global_symbol", "main")
-    return tvm.IRModule({"main": func.with_attr("tirx.noalias", True)})
 
 
 def _interleaved_ms(funcs: dict[str, tirx.PrimFunc], target: Target) -> dict[str, float | None]:

@@ -28,13 +28,14 @@ def describe() -> dict:
 
 def _llvm_cpu() -> str | None:
     """LLVM's name for this CPU, with the features of that model a VM hides (`emeraldrapids (without
-    amx-tile, ...)`, `compile.build.cpu_name`); None where TVM runs without its compiler library (a
+    amx-tile, ...)`, `compile.capabilities.cpu_name`); None where TVM runs without its compiler library (a
     serving host, `TVM_USE_RUNTIME_LIB=1`): LLVM lives in that library."""
     from tvm.base import _RUNTIME_ONLY
 
     if _RUNTIME_ONLY:
         return None
-    from compile.build import cpu_name, make_target
+    from compile.build import make_target
+    from compile.capabilities import cpu_name
 
     return cpu_name(make_target("cpu"))
 

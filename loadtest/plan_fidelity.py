@@ -36,11 +36,11 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
     import tvm
 
     from artifact.loader import load_artifact
+    from compile.capabilities import Capabilities
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.importer import export_and_import
     from compile.int8_plan import quantizable_modules
     from compile.int8_simulation import Simulation
-    from compile.kernels import int8
     from compile.passes.quantize import sentence_rows
 
     model = load_artifact(directory)
@@ -49,7 +49,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
         raise ArtifactError(f"{directory} is not an int8 CPU embedding artifact: it has no int8 plan to check")
     info = inspect_checkpoint(Path(manifest.model.path), "embed")
     wrapper = load_wrapper(info, "embed")
-    kernel = int8.kernel_for(tvm.target.Target(manifest.target.tvm_target))
+    kernel = Capabilities.of(tvm.target.Target(manifest.target.tvm_target)).int8_kernel
     imported = export_and_import(wrapper, manifest.generic.max_batch, info.max_seq, manifest.model.vocab_size)
     kept = {unit.unit: unit.precision for unit in quantization.kept}
     attention = manifest.precision.attention

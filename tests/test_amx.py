@@ -24,8 +24,8 @@ from artifact import cpu_features
 from artifact.cpu_features import FEATURES, linux_flag
 from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
-from compile import precision
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.kernels import amx, bf16, int8
 from compile.kernels.linking import linked_objects
 from compile.lowering import tir_pipeline
@@ -33,7 +33,7 @@ from compile.precision import GATES
 
 HOST = make_target("cpu")
 AMX_CPU = make_target("cpu", mcpu="sapphirerapids")  # a CPU LLVM knows to have AMX: code is generated on any host
-RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
+RUNS_AMX = Capabilities.of(HOST).amx and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
 needs_amx = pytest.mark.skipif(not RUNS_AMX, reason="this CPU has no AMX")
 
 
@@ -59,7 +59,7 @@ def _bf16_linear(m, n: int, k: int, target, path):
     bias = te.placeholder((_i64(n),), "float32", name="bias")
     product = bf16.bf16_matmul_te(x, panels)
     y = te.compute(product.shape, lambda i, j: product[i, j] + bias[j], name="T_add")
-    schedule = lambda f: bf16.schedule_bf16_matmul(f, amx_tiles=amx.supported(target))  # noqa: E731
+    schedule = lambda f: bf16.schedule_bf16_matmul(f, amx_tiles=Capabilities.of(target).amx)  # noqa: E731
     return _export(te.create_prim_func([x, panels, bias, y]), schedule, target, path)
 
 
@@ -69,7 +69,7 @@ def _int8_linear(m, n: int, k: int, target, path):
     bias = te.placeholder((n,), "float32", name="bias")
     y = int8.int8_matmul_te(*inputs)
     out = te.compute(y.shape, lambda i, j: y[i, j] + bias[j], name="add_bias")
-    schedule = lambda f: int8.schedule_int8_matmul(f, kernel, amx.supported(target))  # noqa: E731
+    schedule = lambda f: int8.schedule_int8_matmul(f, kernel, Capabilities.of(target).amx)  # noqa: E731
     return _export(te.create_prim_func([*inputs, bias, out]), schedule, target, path)
 
 
@@ -83,12 +83,12 @@ def _disassemble(path) -> str:
 
 
 def test_amx_is_what_a_target_with_its_three_features_runs():
-    assert amx.supported(AMX_CPU)
-    assert not amx.supported(make_target("cpu", mcpu="znver4"))  # AVX512_BF16 and VNNI, no AMX
-    assert not amx.supported(make_target("cpu", mcpu="x86-64-v3"))
-    assert precision.kernel_description("bf16", AMX_CPU) == amx.BF16_DESCRIPTION
-    assert precision.kernel_description("int8", AMX_CPU) == amx.INT8_DESCRIPTION
-    assert precision.kernel_description("int8", make_target("cpu", mcpu="znver4")) == int8.VNNI.description
+    assert Capabilities.of(AMX_CPU).amx
+    assert not Capabilities.of(make_target("cpu", mcpu="znver4")).amx  # AVX512_BF16 and VNNI, no AMX
+    assert not Capabilities.of(make_target("cpu", mcpu="x86-64-v3")).amx
+    assert Capabilities.of(AMX_CPU).linears_kernel("bf16") == amx.BF16_DESCRIPTION
+    assert Capabilities.of(AMX_CPU).linears_kernel("int8") == amx.INT8_DESCRIPTION
+    assert Capabilities.of(make_target("cpu", mcpu="znver4")).linears_kernel("int8") == int8.VNNI.description
 
 
 def test_the_tiles_are_tdpbf16ps_and_tdpbusd_in_the_library(tmp_path):

@@ -17,11 +17,13 @@ import tvm
 from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
-from compile import attention_products, int8_simulation, pipeline
+from compile import attention_products, int8_simulation
+from compile.phases import decisions, libraries
+from compile.plan import Arithmetic
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.capabilities import KernelConfig
 from compile.kernels import attention_int8, int8
-from compile.kernels.common import vector_lanes
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
 ZMM = ("x86-64-v4", "icelake-server")  # the int8 products on zmm: vpmaddubsw, vpdpbusd
@@ -43,10 +45,10 @@ def _int8_attention(mcpu: str, head_size: int, heads: int, qkv: np.ndarray, bias
     target = make_target("cpu", mcpu=mcpu)
     if missing_on_host(target_features(target)):
         return None
-    lanes = vector_lanes(target)
+    kernels = KernelConfig.of(target, products="int8")
     path = directory / f"{mcpu}-{head_size}.so"
-    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), lanes, "int8"), target, path,
-                  attention="int8")
+    build_library(attention_products.kernel_module(Geometry(heads, head_size, 64), kernels), target, path,
+                  kernels=kernels)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
     return vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(bias)).numpy()
 
@@ -150,18 +152,18 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     injected = {"fp32": {"1x64": 1.0}, "int8": {"1x64": 0.6}}
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with, planned_with = [], []
-    real_build, real_plan = pipeline.build_library, pipeline.plan_for
+    real_build, real_plan = libraries.build_library, decisions.plan_for
 
     def build_spy(*args, **kwargs):
-        built_with.append(kwargs["attention"])
+        built_with.append(kwargs["kernels"].products)
         return real_build(*args, **kwargs)
 
     def plan_spy(*args, **kwargs):
         planned_with.append(kwargs["attention_products"])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "build_library", build_spy)
-    monkeypatch.setattr(pipeline, "plan_for", plan_spy)
+    monkeypatch.setattr(libraries, "build_library", build_spy)
+    monkeypatch.setattr(decisions, "plan_for", plan_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=6, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    mcpu="x86-64-v3", generic_shapes=["3x20"])
@@ -189,7 +191,7 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
         return Int8Plan(alpha=0.5, scales={}, fallback=["encoder.layer.0.output.dense"] if misses else [],
                         fallback_keys=set(), simulated={}, units=4)
 
-    monkeypatch.setattr(pipeline, "plan_for", fake_plan)
+    monkeypatch.setattr(decisions, "plan_for", fake_plan)
     info = SimpleNamespace(path=Path("model"), max_seq=128)
     config = SimpleNamespace(model_task="embed", min_cosine=0.999)
     progress = SimpleNamespace(note=lambda text: None)
@@ -201,9 +203,11 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
                                            (slower_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
                                            (faster_bf16, True, "bf16", [("int8", False), ("bf16", True)])):
         planned = []
-        plan = SimpleNamespace(info=info, target=V3, attention=attention_products.decide(timed), int8=None)
-        pipeline.plan_int8_linears(config, plan, SimpleNamespace(mod=None), None, progress)
-        assert (plan.attention.products["int8"], planned, len(plan.int8.fallback)) == (products, plans, int(misses))
-        assert plan.attention.reasons["int8"] == (f"{products}: with int8 products, int8 linears miss the gate"
-                                                  if misses else "int8: 0.70x the fp32 kernel's time")
-        assert plan.attention.times_ms == timed
+        plan = SimpleNamespace(info=info, target=V3)
+        asked = Arithmetic("int8", attention=attention_products.decide(timed))
+        chosen = decisions.plan_int8_linears(config, plan, asked, SimpleNamespace(mod=None), None, progress)
+        assert (chosen.attention.products["int8"], planned, len(chosen.int8.fallback)) == (products, plans,
+                                                                                            int(misses))
+        assert chosen.attention.reasons["int8"] == (f"{products}: with int8 products, int8 linears miss the gate"
+                                                    if misses else "int8: 0.70x the fp32 kernel's time")
+        assert chosen.attention.times_ms == timed and asked.int8 is None  # a new value; the asked one stays

@@ -7,6 +7,9 @@ with AVX512_BF16 and skips elsewhere; the int8 products have tests/test_attentio
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -15,14 +18,15 @@ import tvm
 from conftest import attention_heads, key_padding_bias
 
 from artifact.cpu_features import missing_on_host, target_features
-from compile import attention_products, pipeline
+from compile import attention_products
+from compile.phases import decisions, libraries
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
+from compile.capabilities import Capabilities, KernelConfig
 from compile.int8_plan import kept_precision
-from compile.kernels.common import vector_lanes
 
 HOST = make_target("cpu")
-HOST_REDUCED = attention_products.reduced_products(HOST)  # ("int8",) where the CPU has AVX2 only
+HOST_REDUCED = Capabilities.of(HOST).reduced_products  # ("int8",) where the CPU has AVX2 only
 HOST_ROUNDED = next((products for products in HOST_REDUCED if products != "int8"), None)  # bf16 / amx
 RUNS_REDUCED = bool(HOST_REDUCED) and not missing_on_host(target_features(HOST))
 SMALL = Geometry(heads=2, head_size=32, max_seq=64)
@@ -68,7 +72,7 @@ def test_the_choice_by_geometric_mean_weighs_every_length_alike():
 def test_the_reduced_arithmetic_is_the_cpus(mcpu, expected):
     """bf16 where the CPU has it (on AMX tiles where it has them), and int8 wherever the int8 linears'
     kernel fills the target's vectors (AVX2's ymm, AVX512BW's zmm)."""
-    assert attention_products.reduced_products(make_target("cpu", mcpu=mcpu)) == expected
+    assert Capabilities.of(make_target("cpu", mcpu=mcpu)).reduced_products == expected
 
 
 def test_what_is_asked_or_cannot_be_timed_is_not_timed(monkeypatch):
@@ -113,10 +117,11 @@ def test_units_kept_out_of_int8_follow_the_timing_of_bf16():
 
 
 def test_asking_bf16_products_of_a_cpu_without_avx512_bf16_is_refused():
-    assert attention_products.refusal("bf16", make_target("cpu", mcpu="x86-64-v3")) == (
+    v3, znver4 = (Capabilities.of(make_target("cpu", mcpu=mcpu)) for mcpu in ("x86-64-v3", "znver4"))
+    assert attention_products.refusal("bf16", v3) == (
         "--attention-products bf16 needs a CPU with AVX512_BF16; mcpu x86-64-v3 has none (use fp32 or auto)")
-    assert attention_products.refusal("auto", make_target("cpu", mcpu="x86-64-v3")) is None
-    assert attention_products.refusal("bf16", make_target("cpu", mcpu="znver4")) is None
+    assert attention_products.refusal("auto", v3) is None
+    assert attention_products.refusal("bf16", znver4) is None
 
 
 def _reference(qkv: np.ndarray, heads: int, head_size: int) -> np.ndarray:
@@ -136,8 +141,8 @@ def test_the_timed_kernel_computes_attention(products, seq, tmp_path):
     products = HOST_ROUNDED if products == "rounded" else products
     if products is None or not RUNS_REDUCED and products != "fp32":
         pytest.skip("this CPU has no AVX512_BF16 (int8 products: tests/test_attention_int8.py)")
-    build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), products), HOST, tmp_path / "k.so",
-                  attention=products)
+    kernels = KernelConfig.of(HOST, products=products)
+    build_library(attention_products.kernel_module(SMALL, kernels), HOST, tmp_path / "k.so", kernels=kernels)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(seq).standard_normal((seq, 3 * 64), dtype=np.float32)
     out = vm["main"](tvm.runtime.tensor(qkv), tvm.runtime.tensor(np.zeros((1, 1, 1, seq), np.float32))).numpy()
@@ -159,8 +164,8 @@ def test_the_rounded_kernel_computes_what_the_int8_plan_simulates(tmp_path):
     from compile.int8_simulation import fake_bf16_attention
 
     seq, length, heads, head_size = 64, 37, SMALL.heads, SMALL.head_size
-    build_library(attention_products.kernel_module(SMALL, vector_lanes(HOST), HOST_ROUNDED), HOST,
-                  tmp_path / "k.so", attention=HOST_ROUNDED)
+    kernels = KernelConfig.of(HOST, products=HOST_ROUNDED)
+    build_library(attention_products.kernel_module(SMALL, kernels), HOST, tmp_path / "k.so", kernels=kernels)
     vm = tvm.relax.VirtualMachine(tvm.runtime.load_module(str(tmp_path / "k.so")), tvm.cpu())
     qkv = np.random.default_rng(5).standard_normal((seq, 3 * heads * head_size), dtype=np.float32) * 2
     bias = key_padding_bias(seq, length)
@@ -195,20 +200,20 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     injected = _times(1.0, 1.3, "int8")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with = []
-    real_build = pipeline.build_library
+    real_build = libraries.build_library
 
     def spy(*args, **kwargs):
-        built_with.append(kwargs["attention"])
+        built_with.append(kwargs["kernels"].products)
         return real_build(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "build_library", spy)
-    planned_with, real_plan = [], pipeline.plan_for
+    monkeypatch.setattr(libraries, "build_library", spy)
+    planned_with, real_plan = [], decisions.plan_for
 
     def plan_spy(*args, **kwargs):
         planned_with.append(kwargs["bf16_pays"])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "plan_for", plan_spy)
+    monkeypatch.setattr(decisions, "plan_for", plan_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])
@@ -217,3 +222,41 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")
     assert recorded.times_ms == injected and recorded.reason == "fp32: int8 takes 1.30x its time"
+
+
+def _called_products(library: Path) -> str:
+    """The arithmetic of attention's products that `library`'s code calls: the products' symbols in its
+    disassembled calls (a linked object defines them all, called or not)."""
+    from compile.kernels import attention_amx, attention_bf16, attention_int8
+
+    disassembly = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
+    called = set(re.findall(r"call\s.*<(\w+?)(?:@plt)?>", disassembly))
+    symbols = {"amx": attention_amx.SCORES, "bf16": attention_bf16.SCORES, "int8": attention_int8.TILE}
+    return next((products for products, symbol in symbols.items()
+                 if any(symbol.format(head=head) in called for head in (16, 32, 48, 64, 96, 128))), "fp32")
+
+
+@pytest.mark.parametrize("head_size", [32, 48])
+def test_the_manifest_records_the_products_the_libraries_call(head_size, tmp_path):
+    """bf16 products asked for beside bf16 linears: 32-wide heads run them (AMX's where the CPU has
+    them), 48-wide ones, which neither the bf16 nor the AMX products are compiled for, fp32. What the
+    manifest records is what every library calls."""
+    if HOST_ROUNDED is None or not RUNS_REDUCED:
+        pytest.skip("this CPU has no AVX512_BF16")
+    from conftest import TINY_SIZES, compile_artifact
+
+    from loadtest.random_checkpoint import save_sentence_transformer
+
+    checkpoint = save_sentence_transformer(tmp_path / "model", seed=4, config={
+        **TINY_SIZES, "hidden_size": 2 * head_size, "num_attention_heads": 2, "intermediate_size": 4 * head_size})
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "bf16", ["packed-16"], layout="packed", precision="bf16",
+                                   attention_products="bf16", generic_shapes=["3x20"])
+    assert [passes.attention_fused for passes in manifest.passes.strategies.values()] == [2]
+    recorded = manifest.precision.attention
+    expected = HOST_ROUNDED if head_size == 32 else "fp32"
+    assert recorded.products == expected
+    if expected == "fp32":
+        assert recorded.reason == (f"fp32: the fused kernel's {HOST_ROUNDED} products do not take 48-wide heads "
+                                   "at 16 lanes")
+    assert [_called_products(tmp_path / "bf16" / library)
+            for library in (manifest.buckets[0].library, manifest.generic.library)] == [expected] * 2

@@ -16,8 +16,8 @@ from tvm import te
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.kernels import dense, int8, rows
-from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
 
 V3 = make_target("cpu", mcpu="x86-64-v3")
@@ -46,7 +46,7 @@ def test_register_tiles_follow_the_lane_count():
     """16 ymm: 4 rows x 3 vectors (12 accumulators); 32 zmm: 8 rows x 3 vectors (24). An N that 3
     vectors do not divide takes 2 (4 x 2 x lanes: 64 columns at AVX-512)."""
     for target, tile_rows in ((V3, 4), (V4, 8)):
-        lanes = vector_lanes(target)
+        lanes = Capabilities.of(target).lanes
         n = 2 * 3 * lanes * 4  # a multiple of every width
         assert dense._tile_sizes(n, lanes) == (tile_rows, 3 * lanes, False)
         assert dense.packed_panel_width(n, lanes) == 3 * lanes
@@ -54,7 +54,7 @@ def test_register_tiles_follow_the_lane_count():
 
 
 def test_x86_64_v3_dense_kernel_is_ymm_fma():
-    lanes = vector_lanes(V3)
+    lanes = Capabilities.of(V3).lanes
     m, n, k = 4 * 4, 3 * lanes * 2, 64
     nt = dense.packed_panel_width(n, lanes)
     x = te.placeholder((m, k), "float32", name="x")
@@ -98,7 +98,7 @@ def test_int8_kernels_without_vnni_are_vpmaddubsw_and_exact_at_their_pair_bound(
     Codes whose pairs of one sign sum to `PAIR_CODES` (128) against u8 activations of 255 are the
     largest int16 pair sums the weight scales allow (compile/passes/quantize.py): they must come out
     exact. One code more, and vpmaddubsw saturates: the bound is the instruction's."""
-    kernel = int8.kernel_for(target)
+    kernel = Capabilities.of(target).int8_kernel
     assert kernel.int16_pairs and int8.PAIR_CODES == 128
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
     lib = _int8_library(kernel, rows, n, k, target)
@@ -117,7 +117,7 @@ def test_int8_kernels_without_vnni_are_vpmaddubsw_and_exact_at_their_pair_bound(
 def test_avx_vnni_int8_kernel_is_vex_vpdpbusd_on_ymm_and_exact_over_the_int8_range():
     """A CPU with AVX-VNNI and no AVX-512 takes VNNI's dot product on ymm, with 8-bit weights:
     vpdpbusd sums in int32 and never saturates."""
-    kernel = int8.kernel_for(AVX_VNNI_CPU)
+    kernel = Capabilities.of(AVX_VNNI_CPU).int8_kernel
     assert kernel is int8.AVX_VNNI and not kernel.int16_pairs
     rows, n, k = 2 * kernel.rows, 2 * kernel.panel, 16 * kernel.group
     lib = _int8_library(kernel, rows, n, k, AVX_VNNI_CPU)
@@ -137,7 +137,8 @@ def test_layer_norm_keeps_sixteen_partial_sums_at_every_vector_width(target):
     chain of dependent adds is width / 16 long at both widths. Numbers against PyTorch on x86-64-v3."""
     import torch
 
-    width, lanes = 24 * vector_lanes(target), vector_lanes(target)
+    lanes = Capabilities.of(target).lanes
+    width = 24 * lanes
     x = te.placeholder((tvm.tirx.Var("t", "int64"), width), "float32", name="x")
     gamma, beta = (te.placeholder((width,), "float32", name=name) for name in ("gamma", "beta"))
     out = tvm.topi.nn.layer_norm(x, gamma, beta, axis=[1], epsilon=1e-12)

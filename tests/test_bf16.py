@@ -24,8 +24,8 @@ from artifact import cpu_features
 from artifact.cpu_features import FEATURES, linux_flag
 from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
-from compile import precision
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.kernels import amx, attention_bf16, bf16
 from compile.kernels.linking import linked_objects
 from compile.lowering import tir_pipeline
@@ -34,8 +34,8 @@ from compile.precision import GATES, Measured, choose
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
 HOST = make_target("cpu")
-RUNS_BF16 = bf16.supported(HOST) and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
-RUNS_AMX = amx.supported(HOST) and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
+RUNS_BF16 = Capabilities.of(HOST).bf16 and not cpu_features.missing_on_host(bf16.REQUIRED_FEATURES)
+RUNS_AMX = Capabilities.of(HOST).amx and not cpu_features.missing_on_host(amx.REQUIRED_FEATURES)
 needs_bf16 = pytest.mark.skipif(not RUNS_BF16, reason="this CPU has no AVX512_BF16")
 BF16_CPU = "znver4"  # a CPU LLVM knows to have AVX512_BF16: code is generated for it on any host
 
@@ -150,7 +150,7 @@ def test_bf16_artifact_matches_pytorch(bf16_artifacts, tiny_bert_dir, layout):
     model = load_artifact(bf16_artifacts / layout)
     manifest = model.manifest
     assert manifest.linear_precision == "bf16" and manifest.precision.requested == "bf16"
-    assert manifest.precision.kernel == precision.kernel_description("bf16", HOST)
+    assert manifest.precision.kernel == Capabilities.of(HOST).linears_kernel("bf16")
     assert manifest.precision.linears == 2 * 4
     measured = manifest.precision.candidates[0]
     assert measured.precision == "bf16" and measured.cosine_min >= GATES["bf16"].cosine_min
@@ -212,9 +212,9 @@ def test_bf16_for_a_cpu_without_avx512_bf16_is_one_line_and_exit_2(tmp_path):
 
 
 def test_auto_considers_what_the_target_runs():
-    assert precision.available(make_target("cpu", mcpu="x86-64-v3")) == ["fp32", "int8"]
-    assert precision.available(make_target("cpu", mcpu=BF16_CPU)) == ["fp32", "bf16", "int8"]
-    assert precision.available(make_target("cpu", mcpu="x86-64")) == ["fp32"]  # SSE2 only: no int8 kernel
+    assert Capabilities.of(make_target("cpu", mcpu="x86-64-v3")).precisions == ["fp32", "int8"]
+    assert Capabilities.of(make_target("cpu", mcpu=BF16_CPU)).precisions == ["fp32", "bf16", "int8"]
+    assert Capabilities.of(make_target("cpu", mcpu="x86-64")).precisions == ["fp32"]  # SSE2 only: no int8 kernel
 
 
 def _candidate(name, ms, cosine_min, cosine_mean=None):
@@ -277,7 +277,7 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_be
                                    precision="auto", generic_shapes=["3x20"])
     entry = manifest.precision
     assert entry.requested == "auto"
-    assert [c.precision for c in entry.candidates] == precision.available(HOST)
+    assert [c.precision for c in entry.candidates] == Capabilities.of(HOST).precisions
     measured = [Measured(c.precision, {k: v for k, v in c.model_dump().items() if k in
                                        ("cosine_min", "cosine_mean", "top1_agreement", "max_probability_diff")},
                          c.times_ms) for c in entry.candidates]
@@ -321,7 +321,7 @@ def test_a_c_compiler_without_avx512_bf16_refuses_bf16_and_auto_does_without_it(
         raise RuntimeError("the C compiler (cc) cannot build the bf16 micro-kernel: unknown option -mavx512bf16")
 
     monkeypatch.setattr(bf16, "kernels_object", cannot_build)
-    target = make_target("cpu", mcpu=BF16_CPU)
-    assert precision.refusal("bf16", target) == ("--precision bf16: the C compiler (cc) cannot build the bf16 "
-                                                 "micro-kernel: unknown option -mavx512bf16")
-    assert precision.available(target) == ["fp32", "int8"]
+    capabilities = Capabilities.asked_of(make_target("cpu", mcpu=BF16_CPU))  # not the answers kept from before
+    assert capabilities.refusal("bf16") == ("--precision bf16: the C compiler (cc) cannot build the bf16 "
+                                            "micro-kernel: unknown option -mavx512bf16")
+    assert capabilities.precisions == ["fp32", "int8"]

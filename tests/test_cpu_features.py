@@ -93,8 +93,8 @@ def test_this_cpus_target_turns_off_what_the_cpu_hides():
 def test_a_vm_that_hides_avx512_gets_this_cpus_avx2_code():
     """Some clouds turn AVX-512 off on CPUs that have it: the default target then has 8 lanes and the
     AVX2 int8 and fp32 kernels, whatever LLVM's name for the CPU implies."""
-    from compile.kernels import bf16, int8
-    from compile.kernels.common import vector_lanes
+    from compile.capabilities import Capabilities
+    from compile.kernels import int8
 
     flags = host_flags()
     if flags is None or "avx512f" not in flags:
@@ -102,8 +102,9 @@ def test_a_vm_that_hides_avx512_gets_this_cpus_avx2_code():
     hidden = {flag for flag in flags if flag.startswith("avx512")}
     target = tvm.target.Target(host_llvm(flags - hidden))
     assert not any(feature.startswith("avx512") for feature in target_features(target))
-    assert vector_lanes(target) == 8 and int8.kernel_for(target) in (int8.AVX2, int8.AVX_VNNI)
-    assert not bf16.supported(target)
+    capabilities = Capabilities.of(target)
+    assert capabilities.lanes == 8 and capabilities.int8_kernel in (int8.AVX2, int8.AVX_VNNI)
+    assert not capabilities.bf16
 
 
 def test_an_artifact_compiled_for_this_cpu_records_its_features_and_loads(tiny_embed_artifact):

@@ -19,7 +19,8 @@ from tvm.relax.backend.cpu_generic import pipeline as cpu
 from tvm.script import tirx as T
 
 from compile.build import make_target
-from compile.kernels.common import read_padded_rows_in_place, vector_lanes
+from compile.capabilities import Capabilities
+from compile.kernels.common import read_padded_rows_in_place
 from compile.kernels.dense import matmul_axes, schedule_matmul
 from compile.kernels.rows import schedule_rows
 from compile.lowering import tir_pipeline
@@ -148,7 +149,7 @@ def test_a_padded_matmul_reads_its_rows_in_place(m):
     """Rows padded to the register tile are read from x itself, clamped to its last row, not from a
     zero-padded copy of x made every call (numerics at these row counts: the tests above)."""
     (func,) = (f for name, f in _prim_funcs(_fused(_dense_module(m, 64, 96))).items() if "matmul" in name)
-    script = schedule_matmul(func, vector_lanes(TARGET)).mod["main"].script()
+    script = schedule_matmul(func, Capabilities.of(TARGET).lanes).mod["main"].script()
     last_row = "m - T.int64(1)" if isinstance(m, tirx.Var) else f"T.int64({m - 1})"
     assert "x_pad" not in script
     assert re.search(rf"x\[T\.min\(v_\w+, {re.escape(last_row)}\), v_k\]", script), script
@@ -295,7 +296,7 @@ def test_layer_norm_is_one_parallel_loop_with_vectorised_reductions():
     (dlight's rule launched the pool once per block and summed each row in a scalar chain)."""
     module = _layer_norm_module(tirx.Var("t", "int64"), 384)
     (norm,) = _prim_funcs(_fused(module)).values()
-    scheduled = schedule_rows(norm, vector_lanes(TARGET)).mod.script()
+    scheduled = schedule_rows(norm, Capabilities.of(TARGET).lanes).mod.script()
     assert scheduled.count("T.parallel") == 1 and scheduled.count("_rf") >= 2 and "T.vectorized" in scheduled
     xs, g, be = _rand(7, 384) * 3 + 1, _rand(384), _rand(384, 1)[:, 0]
     expected = torch.nn.functional.layer_norm(torch.from_numpy(xs), (384,), torch.from_numpy(g), torch.from_numpy(be), 1e-12)
@@ -309,7 +310,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
     equal to PyTorch; symbolic batch. The bound is a multiple of this CPU's lanes (16 and 40 with
     AVX2, 32 and 80 with AVX-512)."""
 
-    seq = lane_multiple * vector_lanes(TARGET)
+    seq = lane_multiple * Capabilities.of(TARGET).lanes
     b = tirx.Var("b", "int64")
     bb = relax.BlockBuilder()
     scores = relax.Var("scores", relax.TensorType((b, 4, seq, seq), "float32"))
@@ -321,7 +322,7 @@ def test_attention_softmax_rows_get_the_vectorised_rule(lane_multiple):
         bb.emit_func_output(out)
     fused = _prim_funcs(_fused(bb.get()))
     softmax = next(f for name, f in fused.items() if "softmax" in name)
-    scheduled = schedule_rows(softmax, vector_lanes(TARGET))
+    scheduled = schedule_rows(softmax, Capabilities.of(TARGET).lanes)
     assert scheduled is not None and "_rf" in scheduled.mod.script()  # the partial reductions
     assert scheduled.mod.script().count("T.parallel") == 1  # one launch of the thread pool
     x, msk = _rand(3, 4, seq, seq) * 4, np.zeros((3, 1, 1, seq), "float32")
@@ -373,16 +374,16 @@ def test_every_kernel_of_a_layer_is_parallel():
 
 
 def test_vector_lanes_follow_target_features():
-    assert vector_lanes(_target("skylake-avx512")) == 16
-    assert vector_lanes(_target("haswell")) == 8
-    assert vector_lanes(_target("x86-64")) == 4
+    assert Capabilities.of(_target("skylake-avx512")).lanes == 16
+    assert Capabilities.of(_target("haswell")).lanes == 8
+    assert Capabilities.of(_target("x86-64")).lanes == 4
 
 
 def test_avx512_tile_compiles_without_running():
     """The AVX-512 variant (8 x 48 tile) must at least build, even where it cannot run."""
     target = _target("skylake-avx512")
     (func,) = _prim_funcs(_fused(_dense_module(tirx.Var("m", "int64"), 64, 96))).values()
-    sch = schedule_matmul(func, vector_lanes(target))
+    sch = schedule_matmul(func, Capabilities.of(target).lanes)
     assert sch is not None
     tvm.compile(tvm.IRModule({"main": sch.mod["main"].with_attr("global_symbol", "mm")}), target)
 

@@ -19,9 +19,9 @@ from tvm import relax, tirx
 from artifact.cpu_features import missing_on_host, target_features
 from artifact.packed_batch import pack_batch
 from compile.build import build_library, make_target
+from compile.capabilities import KernelConfig
 from compile.kernels import attention, attention_amx, attention_bf16
 from compile.kernels.attention import AttentionShape
-from compile.kernels.common import vector_lanes
 from compile.kernels.launch import CLAIM
 from compile.lowering import tir_pipeline
 from compile.passes.fuse_attention import fuse_attention_in
@@ -34,6 +34,13 @@ TARGETS = {8: make_target("cpu", mcpu="x86-64-v3"), 16: make_target("cpu", mcpu=
 each_lane_count = pytest.mark.parametrize("lanes", sorted(TARGETS))
 MIN = float(np.finfo(np.float32).min)
 PRODUCT_CPUS = {"bf16": "znver4", "amx": "sapphirerapids"}  # CPUs LLVM knows to have AVX512_BF16, AMX
+# fp32 products at each vector width: SSE's (and NEON's), AVX2's, AVX-512's
+KERNELS = {lanes: KernelConfig.of(target) for lanes, target in {4: make_target("cpu", mcpu="x86-64"), **TARGETS}.items()}
+
+
+def _products_on(products: str) -> KernelConfig:
+    """The kernels of a CPU that has `products` (PRODUCT_CPUS), with attention's products in them."""
+    return KernelConfig.of(make_target("cpu", mcpu=PRODUCT_CPUS[products]), products=products)
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
@@ -108,7 +115,7 @@ def _expected_module(layout: str, seq: int, lanes: int) -> tvm.IRModule:
                            packed=packed, widths=(3 * hidden,) * 3, offsets=(0, hidden, 2 * hidden))
     with bb.function("main", params):
         with bb.dataflow():
-            kernel = bb.add_func(attention.write_attention(shape, lanes), attention.KERNEL_NAME)
+            kernel = bb.add_func(attention.write_attention(shape, KERNELS[lanes]), attention.KERNEL_NAME)
             args = [qkv, qkv, qkv, bias] + ([params[2]] if packed else [])
             call = relax.call_tir(kernel, args, relax.TensorType((tokens, hidden), "float32"))
             out = bb.emit_output(call if packed else relax.op.reshape(bb.emit(call), (batch, seq, hidden)))
@@ -122,21 +129,20 @@ def _expected_module(layout: str, seq: int, lanes: int) -> tvm.IRModule:
 @each_lane_count
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_attention_core_becomes_one_kernel_call(layout, lanes):
-    after, fused = fuse_attention_in(_attention_module(layout, 16), lanes)
+    after, fused = fuse_attention_in(_attention_module(layout, 16), KERNELS[lanes])
     assert fused == 1
     tvm.ir.assert_structural_equal(after, _expected_module(layout, 16, lanes))
 
 
 @pytest.mark.parametrize("case", ["head size the lanes do not divide", "mask per query", "unbounded sequence"])
 def test_attention_the_kernel_cannot_run_is_left_as_it_was(case):
-    lanes = 16
     if case == "head size the lanes do not divide":
         before = _attention_module("packed", 16, heads=2, head_size=24)
     elif case == "mask per query":
         before = _attention_module("packed", 16, mask_rows=16)
     else:
         before = _attention_module("padded", tirx.Var("s", "int64"))
-    after, fused = fuse_attention_in(before, lanes)
+    after, fused = fuse_attention_in(before, KERNELS[16])
     assert fused == 0
     tvm.ir.assert_structural_equal(after, before)
 
@@ -151,7 +157,7 @@ def test_minilm_attention_fuses_once_per_layer_in_both_layouts(minilm_dir):
     for layout in ("packed", "padded"):
         imported = export_and_import(wrapper, 16, info.max_seq, info.config["vocab_size"], layout)
         for strategy in ("concat", "off"):  # one Q/K/V source at three offsets, or three sources
-            after, fused = fuse_attention_in(apply_strategy(imported.mod, strategy), vector_lanes(TARGETS[16]))
+            after, fused = fuse_attention_in(apply_strategy(imported.mod, strategy), KERNELS[16])
             assert fused == 6, (layout, strategy)
             calls = [c for c in _calls(after) if c in ("relax.nn.softmax", "relax.matmul")]
             assert calls.count("relax.nn.softmax") == 0
@@ -197,13 +203,12 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     target = TARGETS[lanes]
     bound = tirx.Var("s", "int64") if symbolic else seq
     module = _attention_module(layout, bound, upper_bound=64 if symbolic else None)
-    assert fuse_attention_in(module, lanes)[1] == 1
-    built = {products: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, attention=products),
-                                   tir_pipeline=tir_pipeline(target))
-             for products in (None, "fp32")}
+    assert fuse_attention_in(module, KERNELS[lanes])[1] == 1
+    built = {fused: tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, KernelConfig.of(
+        target, fused_attention=fused)), tir_pipeline=tir_pipeline(target)) for fused in (False, True)}
     if not _runs_here(target):
         pytest.skip(f"compiled for {target.attrs['mcpu']}; this CPU lacks its features, so it is not run")
-    unfused, fused = _run_unfused_and_fused(built[None], built["fp32"], layout, seq)
+    unfused, fused = _run_unfused_and_fused(built[False], built[True], layout, seq)
     # each within 3e-6 of float64 on these inputs (logits up to ~20); the kernel's exp is base 2, the
     # graph's base e, so their rounding errors do not cancel
     np.testing.assert_allclose(fused, unfused, rtol=1e-5, atol=4e-6)
@@ -213,8 +218,9 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
 def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.runtime.Module:
     """`module` built with attention's products in bf16 (`products` "bf16": for an AVX512_BF16 CPU;
     "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
+    kernels = _products_on(products)
     target = make_target("cpu", mcpu=PRODUCT_CPUS[products])
-    build_library(module, target, path, attention=products)
+    build_library(module, target, path, kernels=kernels)
     if not _runs_here(target):
         pytest.skip(f"compiled for {PRODUCT_CPUS[products]}; this CPU lacks its features, so it is not run")
     return tvm.runtime.load_module(str(path))
@@ -230,7 +236,8 @@ def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, sy
     bound = tirx.Var("s", "int64") if symbolic else seq
     head_size = 32 if products == "amx" else HEAD_SIZE
     module = _attention_module(layout, bound, head_size=head_size, upper_bound=64 if symbolic else None)
-    unfused_lib = tvm.compile(module, TARGETS[16], relax_pipeline=cpu_pipeline(TARGETS[16], attention=None),
+    unfused_lib = tvm.compile(module, TARGETS[16], relax_pipeline=cpu_pipeline(TARGETS[16], KernelConfig.of(
+                              TARGETS[16], fused_attention=False)),
                               tir_pipeline=tir_pipeline(TARGETS[16]))
     unfused, fused = _run_unfused_and_fused(unfused_lib, _bf16_library(module, tmp_path / "fused.so", products),
                                             layout, seq, head_size)
@@ -291,34 +298,39 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 def test_bf16_products_run_on_the_micro_kernels():
     """A bf16 kernel calls the micro-kernels for its head size (the softmax's exp included: none is
-    left in TIR), its threads claiming the tasks; a head size they are not compiled for keeps the
-    fp32 kernel, whose threads claim the tasks too."""
+    left in TIR), its threads claiming the tasks; the fp32 kernel's threads claim the tasks too. A head
+    size they are not compiled for has no bf16 products (`Capabilities.attention_products`), and the
+    kernel refuses to be written with them rather than run fp32 under their name."""
     shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, 24, 0.25, True,
                            (3 * HEADS * HEAD_SIZE,) * 3, (0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
-    called = _extern_calls(attention.write_attention(shape, 16, "bf16"))
+    called = _extern_calls(attention.write_attention(shape, _products_on("bf16")))
     assert {attention_bf16.SCORES.format(head=HEAD_SIZE), attention_bf16.CONTEXT.format(head=HEAD_SIZE),
             attention_bf16.QUERY_PAIRS, attention_bf16.PAIR_ROWS, attention_bf16.ROUND,
             attention_bf16.SOFTMAX_PAIRS, CLAIM} == called
-    assert "scores" not in _stored(attention.write_attention(shape, 16, "bf16"))  # TIR has no softmax pass left
-    assert "scores" in _stored(attention.write_attention(shape, 16, "fp32"))
-    assert _extern_calls(attention.write_attention(shape, 16, "fp32")) == {CLAIM}
+    assert "scores" not in _stored(attention.write_attention(shape, _products_on("bf16")))  # no softmax pass left
+    assert "scores" in _stored(attention.write_attention(shape, KERNELS[16]))
+    assert _extern_calls(attention.write_attention(shape, KERNELS[16])) == {CLAIM}
     wide = dataclasses.replace(shape, head_size=48, widths=(3 * HEADS * 48,) * 3)
-    assert _extern_calls(attention.write_attention(wide, 16, "bf16")) == {CLAIM}
+    assert _products_on("bf16").capabilities.attention_products(48) == ()
+    with pytest.raises(ValueError, match="no bf16 products for 48-wide heads at 16 lanes"):
+        attention.write_attention(wide, _products_on("bf16"))
 
 
 def test_amx_products_run_on_the_tiles():
     """An "amx" kernel calls the AMX products for head sizes of whole tile rows (32, 64, 128), with
-    the values transposed and the bf16 softmax between them; a head size of 16 keeps the AVX-512
-    micro-kernels."""
+    the values transposed and the bf16 softmax between them; at a head size of 16 an AMX CPU's
+    products are the AVX-512 micro-kernels' (`Capabilities.attention_products`), and the kernel
+    refuses "amx" there."""
     shape = AttentionShape(tirx.Var("b", "int64"), 24, tirx.Var("t", "int64"), HEADS, 32, 24, 0.25, True,
                            (3 * HEADS * 32,) * 3, (0, HEADS * 32, 2 * HEADS * 32))
-    assert _extern_calls(attention.write_attention(shape, 16, "amx")) == {
+    assert _extern_calls(attention.write_attention(shape, _products_on("amx"))) == {
         attention_amx.SCORES.format(head=32), attention_amx.CONTEXT.format(head=32), attention_amx.TRANSPOSE,
         attention_bf16.QUERY_PAIRS, attention_bf16.ROUND, attention_bf16.SOFTMAX_PAIRS, CLAIM}
     narrow = dataclasses.replace(shape, head_size=HEAD_SIZE, widths=(3 * HEADS * HEAD_SIZE,) * 3,
                                  offsets=(0, HEADS * HEAD_SIZE, 2 * HEADS * HEAD_SIZE))
-    assert _extern_calls(attention.write_attention(narrow, 16, "amx")) == _extern_calls(
-        attention.write_attention(narrow, 16, "bf16"))
+    assert _products_on("amx").capabilities.attention_products(HEAD_SIZE) == ("bf16", "int8")
+    with pytest.raises(ValueError, match=f"no amx products for {HEAD_SIZE}-wide heads"):
+        attention.write_attention(narrow, _products_on("amx"))
 
 
 def _nodes(stmt, node_type) -> list:
@@ -398,7 +410,7 @@ def test_each_task_reads_its_keys_and_values_once_not_per_query_tile(layout):
     rows = tirx.Var("t", "int64") if packed else batch * 24
     shape = AttentionShape(batch, 24, rows, HEADS, HEAD_SIZE, 24, 0.25, packed, (3 * hidden,) * 3,
                            (0, hidden, 2 * hidden))
-    func = attention.write_attention(shape, 16)
+    func = attention.write_attention(shape, KERNELS[16])
 
     def loaded(stmt) -> set[str]:
         return {str(load.source.name) for load in _nodes(stmt, tvm.ir.expr.TensorLoad)}
@@ -419,7 +431,7 @@ def test_each_output_row_is_written_as_whole_vectors(layout, lanes):
     rows = tirx.Var("t", "int64") if packed else batch * 24
     shape = AttentionShape(batch, 24, rows, HEADS, HEAD_SIZE, 24, 0.25, packed, (3 * hidden,) * 3,
                            (0, hidden, 2 * hidden))
-    func = attention.write_attention(shape, lanes)
+    func = attention.write_attention(shape, KERNELS[lanes])
 
     def output_stores(stmt) -> list:
         return [store for store in _nodes(stmt, tirx.BufferStore)
@@ -444,7 +456,7 @@ def test_softmax_times_values_passes_fill_the_register_budget(lanes, head_size, 
     left with a few accumulators), and together the passes cover every query's head row once."""
     shape = AttentionShape(1, 40, 40, 2, head_size, 40, 0.25, False, (3 * 2 * head_size,) * 3,
                            (0, 2 * head_size, 4 * head_size))
-    func = attention.write_attention(shape, lanes)
+    func = attention.write_attention(shape, KERNELS[lanes])
     parts = [loop for loop in _nodes(func.body, tirx.For) if loop.loop_var.name == "part"]
     assert len(parts) == 2  # the parallel loop over (sequence, head) tasks and its serial twin
     for part in parts:
@@ -468,10 +480,10 @@ def test_a_kernel_is_written_once_per_process_for_each_shape_and_products():
         return AttentionShape(batch, seq, tirx.Var("t", "int64") if packed else batch * seq, HEADS, HEAD_SIZE, 40,
                               0.25, packed, (3 * hidden,) * 3, (0, hidden, 2 * hidden))
 
-    kernel, again = attention.write_attention(shape(24), 16), shape(24)
-    assert attention.write_attention(again, 16) is kernel
+    kernel, again = attention.write_attention(shape(24), KERNELS[16]), shape(24)
+    assert attention.write_attention(again, KERNELS[16]) is kernel
     tvm.ir.assert_structural_equal(kernel, attention._write_attention(again, 16, "fp32"), map_free_vars=True)
-    assert attention.write_attention(again, 16, "bf16") is not kernel
-    assert attention.write_attention(shape(32), 16) is not kernel
+    assert attention.write_attention(again, _products_on("bf16")) is not kernel
+    assert attention.write_attention(shape(32), KERNELS[16]) is not kernel
     padded = shape(24, packed=False)
-    assert attention.write_attention(padded, 16) is not attention.write_attention(padded, 16)
+    assert attention.write_attention(padded, KERNELS[16]) is not attention.write_attention(padded, KERNELS[16])

@@ -18,11 +18,10 @@ from tvm import relax, s_tir, te, tirx
 from tvm.sym import Analyzer
 
 from artifact.cpu_features import missing_on_host, target_features
-from compile import precision
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.int8_simulation import weight_scales
 from compile.kernels import int8, row_quantize
-from compile.kernels.common import vector_lanes
 from compile.passes.quantize import weight_scales as weight_scales_pass
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
@@ -96,12 +95,12 @@ def test_weight_scales_bound_avx2_pairs_and_keep_eight_bits_elsewhere(kernel):
 
 
 def test_the_best_kernel_the_cpu_runs_is_chosen():
-    assert int8.kernel_for(KERNEL_TARGETS[int8.VNNI]) is int8.VNNI
-    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX2]) is int8.AVX2
-    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX_VNNI]) is int8.AVX_VNNI  # AVX-VNNI without AVX-512
-    assert int8.kernel_for(KERNEL_TARGETS[int8.AVX512BW]) is int8.AVX512BW  # AVX-512 without VNNI
-    assert int8.kernel_for(make_target("cpu", mcpu="skylake-avx512")) is int8.AVX512BW
-    assert int8.kernel_for(make_target("cpu", mcpu="x86-64")) is None  # no AVX2
+    assert Capabilities.of(KERNEL_TARGETS[int8.VNNI]).int8_kernel is int8.VNNI
+    assert Capabilities.of(KERNEL_TARGETS[int8.AVX2]).int8_kernel is int8.AVX2
+    assert Capabilities.of(KERNEL_TARGETS[int8.AVX_VNNI]).int8_kernel is int8.AVX_VNNI  # AVX-VNNI without AVX-512
+    assert Capabilities.of(KERNEL_TARGETS[int8.AVX512BW]).int8_kernel is int8.AVX512BW  # AVX-512 without VNNI
+    assert Capabilities.of(make_target("cpu", mcpu="skylake-avx512")).int8_kernel is int8.AVX512BW
+    assert Capabilities.of(make_target("cpu", mcpu="x86-64")).int8_kernel is None  # no AVX2
 
 
 @each_layout
@@ -217,7 +216,7 @@ def test_quantized_linear_is_close_to_fp32(kernel):
     xt = te.placeholder((m, k), "float32", name="x")
     outputs = row_quantize.quantize_rows_te(xt)
     quant = _build(te.create_prim_func([xt, *outputs]), lambda f: row_quantize.schedule_row_quantize(
-        f, vector_lanes(target)), target)
+        f, Capabilities.of(target).lanes), target)
     rows = [tvm.runtime.tensor(np.zeros((count, k), "uint8")), tvm.runtime.tensor(np.zeros(count, "float32")),
             tvm.runtime.tensor(np.zeros(count, "int32"))]
     quant(tvm.runtime.tensor(x), *rows)
@@ -268,7 +267,7 @@ def test_int8_artifact_ships_int8_weights_and_its_accuracy(int8_artifact):
 
     manifest = Manifest.read(int8_artifact)
     assert manifest.quantization.linears == 2 * 4  # per layer: Q/K/V (concatenated), output, two FFN
-    assert manifest.quantization.kernel == precision.kernel_description("int8", TARGET)  # the best this CPU runs
+    assert manifest.quantization.kernel == Capabilities.of(TARGET).linears_kernel("int8")  # the best this CPU runs
     assert manifest.quantization.sentences > 20 and manifest.quantization.cosine_min >= 0.99
     assert "QuantizeLinearsInt8" in manifest.passes.strategies["concat"].pipeline
     weights = load_file(str(int8_artifact / manifest.weights["concat"].file))

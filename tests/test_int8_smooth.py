@@ -555,10 +555,10 @@ def _misplanned(monkeypatch) -> list[str]:
     """A simulation that claims a tenth of what int8 loses, so that the plan puts every linear of the
     cancelling checkpoint in int8 past --min-cosine 0.9999 (its planted linear alone loses ~4e-4); and
     the list of the libraries the compile then builds, by their path in the staging directory."""
-    from compile import pipeline
     from compile.int8_simulation import Simulation
+    from compile.phases import libraries
 
-    simulate, build = Simulation.accuracy, pipeline.build_library
+    simulate, build = Simulation.accuracy, libraries.build_library
     built = []
 
     def a_tenth_of_the_loss(self, alpha, kept):
@@ -570,7 +570,7 @@ def _misplanned(monkeypatch) -> list[str]:
         return build(mod, target, path, **kwargs)
 
     monkeypatch.setattr(Simulation, "accuracy", a_tenth_of_the_loss)
-    monkeypatch.setattr(pipeline, "build_library", counted)
+    monkeypatch.setattr(libraries, "build_library", counted)
     return built
 
 
@@ -583,7 +583,7 @@ def test_a_plan_its_library_misses_is_admitted_again_before_the_buckets_are_buil
     from conftest import compile_artifact
 
     built = _misplanned(monkeypatch)
-    caplog.set_level("INFO", logger="compile.pipeline")
+    caplog.set_level("INFO", logger="compile.phases.decisions")
     manifest, _ = compile_artifact(cancelling_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
                                    min_cosine=0.9999, mcpu="x86-64-v3", attention_products="fp32",
                                    generic_shapes=["3x20"])
@@ -602,13 +602,13 @@ def test_autos_int8_candidate_is_planned_again_where_its_library_misses(cancelli
     libraries are validated to, does not hang on this machine's speed."""
     from conftest import compile_artifact
 
-    from compile import pipeline
+    from compile.phases import decisions
 
     def int8_at_half_the_time(candidates, repeats, **_):
         return {name: {"median_s": 0.5 if name == "int8" else 1.0} for name in candidates}
 
     built = _misplanned(monkeypatch)
-    monkeypatch.setattr(pipeline, "interleaved_medians", int8_at_half_the_time)
+    monkeypatch.setattr(decisions, "interleaved_medians", int8_at_half_the_time)
     manifest, _ = compile_artifact(cancelling_checkpoint, tmp_path / "out", ["1x5"], precision="auto",
                                    min_cosine=0.9999, mcpu="x86-64-v3", attention_products="fp32",
                                    generic_shapes=["3x20"])
@@ -637,17 +637,17 @@ def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier
     no arithmetic reaches)."""
     from conftest import compile_artifact
 
-    from compile import pipeline
     from compile.errors import ValidationError
+    from compile.phases import decisions
 
-    shipped_gate, plan_for = precision.GATES["int8"], pipeline.plan_for
+    shipped_gate, plan_for = precision.GATES["int8"], decisions.plan_for
 
     def plan_under_the_shipped_gate(*args, **kwargs):
         with monkeypatch.context() as planning:
             planning.setitem(precision.GATES, "int8", shipped_gate)
             return plan_for(*args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "plan_for", plan_under_the_shipped_gate)
+    monkeypatch.setattr(decisions, "plan_for", plan_under_the_shipped_gate)
     monkeypatch.setitem(precision.GATES, "int8", Gate(1.01, 1.01, 1.0, 0.0))
     with pytest.raises(ValidationError, match=r"^--precision int8 misses its accuracy gate .*cosine_min [\d.]+ < 1\.01"
                                               r".* \(least on ['\"].+['\"]\); use"):

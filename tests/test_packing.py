@@ -24,7 +24,7 @@ from tvm.sym import Analyzer
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
-from compile.kernels.common import vector_lanes
+from compile.capabilities import Capabilities
 from compile.kernels.dense import packed_panel_width, schedule_matmul
 from compile.lowering import tir_pipeline
 from compile.opcount import tracked_counts
@@ -90,7 +90,7 @@ def _fused_packed_kernel(mod: tvm.IRModule, lanes: int) -> tirx.PrimFunc:
 
 
 def test_targets_have_the_lane_counts_they_stand_for():
-    assert {lanes: vector_lanes(target) for lanes, target in TARGETS.items()} == {8: 8, 16: 16}
+    assert {lanes: Capabilities.of(target).lanes for lanes, target in TARGETS.items()} == {8: 8, 16: 16}
     assert _packable(8) == 72 and _packable(16) == 144
     assert _unpackable(8) == 20 and _unpackable(16) == 40
 
@@ -244,11 +244,11 @@ def test_specialised_kernel_keeps_its_epilogue_fused(lanes):
 
 @each_lane_count
 def test_pipeline_packs_for_the_lane_count_of_its_target(lanes):
-    """What compile/pipeline.py does for a CPU target: pack at `vector_lanes(target)`, then build
+    """What a compile does for a CPU target: pack at `Capabilities.of(target).lanes`, then build
     for that target (the AVX-512 build must succeed on an AVX2 machine, where it is not run)."""
     target = TARGETS[lanes]
-    n = _packable(vector_lanes(target))
-    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, n), vector_lanes(target))
+    n = _packable(Capabilities.of(target).lanes)
+    mod, count = pack_linear_weights(_linear_module(tirx.Var("m", "int64"), 48, n), Capabilities.of(target).lanes)
     assert count == 1
     lifted = lift_and_transform(mod, [tvm.runtime.tensor(x) for x in _weights(48, n)])
     assert lifted.weights[-1].shape == (n // _panel(lanes), 48, _panel(lanes))

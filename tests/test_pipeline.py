@@ -16,7 +16,7 @@ from artifact.cpu_features import target_features
 from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from artifact.manifest import CostModel, Manifest
-from compile import pipeline
+from compile.phases import libraries
 from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.errors import ValidationError
@@ -150,7 +150,7 @@ def test_compiling_beside_a_busy_process_warns_that_the_latencies_are_off(tiny_b
     planner costs batches with) are inflated, and the compile says so."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
-        with caplog.at_level(logging.WARNING, logger="compile.pipeline"):
+        with caplog.at_level(logging.WARNING, logger="compile.phases.libraries"):
             compile_artifact(tiny_bert_dir, tmp_path / "out", ["1x8"])
     finally:
         spinner.kill()
@@ -270,8 +270,8 @@ def test_interrupted_compile_keeps_previous_artifact(tiny_bert_dir, tiny_embed_a
             raise KeyboardInterrupt
         return real_build(*args, **kwargs)
 
-    real_build = pipeline.build_library
-    monkeypatch.setattr(pipeline, "build_library", interrupted_build)
+    real_build = libraries.build_library
+    monkeypatch.setattr(libraries, "build_library", interrupted_build)
     with pytest.raises(KeyboardInterrupt):
         compile_artifact(tiny_bert_dir, out, ["1x8", "2x16"])
     assert _leftovers(tmp_path) == ["out"]
@@ -311,3 +311,35 @@ def test_an_export_is_reused_only_for_the_same_weights_and_bounds(tiny_bert_dir)
     changed = export_and_import(wrapper, 4, info.max_seq, 30522)
     assert not changed.mod.same_as(first.mod)
     assert sum(not np.array_equal(a.numpy(), b.numpy()) for a, b in zip(changed.params, first.params)) == 1
+
+
+def test_progress_counts_the_phases_a_compile_runs(tiny_bert_dir, tmp_path):
+    """The total the progress lines count to is the declared phases' steps, and the compile reports each."""
+    import io
+
+    from compile.config import CompileConfig
+    from compile.pipeline import compile_model, progress_steps
+    from compile.plan import plan_compile
+    from compile.progress import Progress
+
+    config = CompileConfig(model=tiny_bert_dir, out=tmp_path / "out", buckets=["1x8", "2x16"], max_batch=16,
+                           generic_shapes=["3x5"])
+    stream = io.StringIO()
+    compile_model(config, Progress(0, stream=stream))
+    steps = progress_steps(plan_compile(config))
+    assert steps == 2 + 1 + 1 + 2 * 3 + 1  # load + import, passes, tokenizer, 3 libraries built and checked, accuracy
+    finished = [line for line in stream.getvalue().splitlines() if line.startswith("[compile") and " done in " in line]
+    assert [line.split("]")[0] for line in finished] == [f"[compile {i}/{steps}" for i in range(1, steps + 1)]
+
+
+def test_the_phases_and_each_strategys_passes_are_listed_from_the_pipeline(capsys):
+    from compile.pipeline import PHASES, main
+    from compile.plan import Arithmetic
+    from compile.phases.transform import compile_sequence
+
+    main(["--list"])
+    listed = capsys.readouterr().out
+    assert all(f"  {phase.name} " in listed for phase in PHASES)
+    passes, _ = compile_sequence("batched", make_target("cpu"), "float32", Arithmetic("bf16"))
+    assert " -> ".join(p.info.name for p in passes) in listed
+    assert "CanonicalizeForCombine -> BatchParallelLinears -> ReorderPermuteDimsAfterConcat -> LinearsToBF16" in listed

@@ -13,9 +13,9 @@ from tvm.script import relax as R
 
 from artifact.cpu_features import missing_on_host, target_features
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.int8_simulation import fake_quantized_linear
 from compile.kernels import int8, row_quantize
-from compile.kernels.common import vector_lanes
 from compile.lowering import tir_pipeline
 from compile.opcount import count_ops
 from compile.passes.quantize import quantize_linears
@@ -49,7 +49,7 @@ def test_row_quantizer_maps_each_rows_range_onto_the_bytes(target, smoothed, odd
     """Bit for bit numpy's: the scale, the zero point (an all-zero row does not divide by zero; an
     all-positive row's is 0) and every code, at a symbolic row count. Where the lanes divide the
     width the written kernel takes the TE form's place; elsewhere the generic rules schedule it."""
-    lanes = vector_lanes(target)
+    lanes = Capabilities.of(target).lanes
     width = 5 * lanes + (3 if odd_width else 0)
     m = tirx.Var("m", "int64")
     x = te.placeholder((m, width), "float32", name="x")

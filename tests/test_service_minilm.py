@@ -14,6 +14,7 @@ import pytest
 from artifact.cores import usable_cores
 from artifact.cpu_features import missing_on_host
 from compile.build import make_target
+from compile.capabilities import Capabilities
 from compile.kernels import bf16
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
@@ -101,7 +102,7 @@ def test_int8_held_to_0_999_admits_groups_to_int8_and_keeps_0_999_on_unseen_sent
             _assert_matches_sentence_transformers(client, minilm_dir, least_cosine=0.999, sentences=unseen)
 
 
-@pytest.mark.skipif(not bf16.supported(make_target("cpu")) or bool(missing_on_host(bf16.REQUIRED_FEATURES)),
+@pytest.mark.skipif(not Capabilities.of(make_target("cpu")).bf16 or bool(missing_on_host(bf16.REQUIRED_FEATURES)),
                     reason="this CPU has no AVX512_BF16")
 def test_bf16_artifact_embeds_stay_within_0_999_of_fp32_sentence_transformers(serve, minilm_dir, tmp_path):
     """bf16 rounds each operand of the linears to 8 significant bits, sums in fp32: MiniLM keeps

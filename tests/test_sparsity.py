@@ -79,7 +79,7 @@ def test_bsr_kernel_matches_dense(block, mcpu):
     """One build, symbolic M: M=1, M at and around the kernel's row tile, odd M, and a weight with
     empty block rows; compiled for AVX2 and AVX-512, run where this CPU can."""
     from artifact.cpu_features import missing_on_host, target_features
-    from compile.kernels.common import vector_lanes
+    from compile.capabilities import Capabilities
     from compile.kernels.sparse import tile_rows
 
     target = tvm.target.Target({"kind": "llvm", "mcpu": mcpu})
@@ -94,7 +94,7 @@ def test_bsr_kernel_matches_dense(block, mcpu):
     lib = tvm.compile(tvm.IRModule({"main": kernel.with_attr("global_symbol", "main")}), target)
     if missing_on_host(target_features(target)):
         pytest.skip(f"compiled for {mcpu}; this CPU lacks its features, so it is not run")
-    rows = tile_rows(vector_lanes(target), block[0])
+    rows = tile_rows(Capabilities.of(target).lanes, block[0])
     for m in (1, rows, rows + 1, 37):
         x = rng.standard_normal((m, k)).astype(np.float32)
         out = np.zeros((m, n // block[0], block[0]), np.float32)

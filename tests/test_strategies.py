@@ -18,7 +18,8 @@ from compile.passes.combine import combine_parallel_matmuls
 from compile.passes.combine_batched import batch_parallel_linears
 from compile.passes.lift import lift_and_transform
 from compile.passes.strategy import STRATEGIES, apply_strategy
-from compile.pipeline import Candidates, choose_strategies, save_weights
+from compile.phases.libraries import Candidates, choose_strategies
+from compile.phases.transform import save_weights
 from compile.validate import library_diff
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py

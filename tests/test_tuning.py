@@ -14,7 +14,8 @@ from artifact.manifest import Manifest
 from compile.build import make_target
 from compile.config import CompileConfig
 from compile.kernels.common import SCHEDULED_ATTR
-from compile.tuning import KEEP_MARGIN, _workload, apply_tuned, keeps
+from compile.schedule import apply_tuned, tuning_workload
+from compile.tuning import KEEP_MARGIN, keeps
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -34,7 +35,7 @@ def _add_kernel(n: int = 64):
 def test_apply_tuned_replaces_exactly_the_kernels_the_database_holds():
     target = make_target("cpu")
     scale, add = _scale_kernel(), _add_kernel()
-    workload = _workload(scale)
+    workload = tuning_workload(scale)
     sch = s_tir.Schedule(workload)
     i, _ = sch.get_loops(sch.get_sblock("y"))
     sch.parallel(i)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import tvm
-
 from .objects import CObject
 from .tiles import Tile
 
@@ -41,30 +39,6 @@ BF16_DESCRIPTION = ("amx tdpbf16ps (bf16 activations x bf16 weights in 32 x 32 t
                     "not a multiple of 32), fp32 accumulation")
 INT8_DESCRIPTION = ("amx tdpbusd (uint8 activations x int8 weights, 32 x 32 tiles; avx512 vnni vpdpbusd where K is "
                     "not a multiple of 64), int32 accumulation")
-
-
-_SUPPORTED: dict[str, bool] = {}  # by target: the schedule pass asks once per kernel (LLVM's answer takes ~1 ms)
-
-
-def supported(target: tvm.target.Target) -> bool:
-    """Whether the target's CPU has AMX-BF16 and AMX-INT8 and the C compiler builds the tiles: where
-    it does, the bf16 and int8 linears run on them (the one place that decides it)."""
-    key = str(target.host or target)
-    if key not in _SUPPORTED:
-        _SUPPORTED[key] = _supported(target.host or target)
-    return _SUPPORTED[key]
-
-
-def _supported(llvm: tvm.target.Target) -> bool:
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    if llvm.kind.name != "llvm" or not all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES):
-        return False
-    try:
-        kernels_object()
-    except RuntimeError:
-        return False
-    return True
 
 
 def kernels_object() -> Path:

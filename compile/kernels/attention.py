@@ -46,8 +46,7 @@ they come free (launch.claim_iterations): a mixed batch's long sequences do not 
 
 The code follows that split: one skeleton (`_write_attention`: each task's length, its keys and values
 staged, the padding rows) and one object per arithmetic (`Fp32Products`, `Bf16Products`, `AmxProducts`,
-`Int8Products`) that stages the products' operands and writes a tile of queries' rows; `arithmetic_for`
-picks it.
+`Int8Products`) that stages the products' operands and writes a tile of queries' rows.
 
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
@@ -58,6 +57,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -66,6 +66,9 @@ from . import attention_amx, attention_bf16, attention_int8, script
 from .common import prescheduled, without_param
 from .fast_math import LOG2E, exp2_of_nonpositive, fast_math
 from .launch import MIN_PARALLEL_WORK, claim_iterations
+
+if TYPE_CHECKING:  # the capabilities ask the kernel modules what they support: a type only here
+    from ..capabilities import KernelConfig
 
 KERNEL_NAME = "fused_attention"
 REAL_KEY_BIAS = -1e30  # an additive bias at or below this marks a padding key (float32 min)
@@ -131,16 +134,20 @@ def _context_passes(head_size: int, lanes: int, tile: int) -> tuple[int, int, in
     return per_pass, queries, passes - smaller, smaller
 
 
-def write_attention(shape: AttentionShape, lanes: int, products: str = "fp32") -> tirx.PrimFunc:
-    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled).
-    `products` "bf16" runs its two products on attention_bf16's micro-kernels, "amx" on
-    attention_amx's tiles, "int8" on attention_int8's, "fp32" in TIR loops: each where it takes the head
-    size and lanes, else the next (`arithmetic_for`).
+def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFunc:
+    """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled), at
+    `kernels`' lanes with its products in `kernels.products`: "bf16" on attention_bf16's micro-kernels,
+    "amx" on attention_amx's tiles, "int8" on attention_int8's, "fp32" in TIR loops (`ARITHMETIC`). Products
+    the CPU has no kernel for at this head size (`Capabilities.attention_products`) are refused.
 
     Parsing the script takes seconds (each use of a macro parses it again), and a compile asks for
     the same kernel for every library it builds and for its pass report, so each kernel is written
     once per process where its sizes are ints or vars: vars are told apart by name and type (a
     PrimFunc's vars are its own)."""
+    lanes, products = kernels.capabilities.lanes, kernels.products
+    if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
+        raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
+                         f"at {lanes} lanes")
     sizes = (shape.batch, shape.seq, shape.rows)
     if not all(isinstance(x, (int, tirx.Var)) for x in sizes):  # an expression of a var: written as given
         return _write_attention(shape, lanes, products)
@@ -553,22 +560,12 @@ class Int8Products:
 
 
 ARITHMETIC = {"fp32": Fp32Products, "bf16": Bf16Products, "amx": AmxProducts, "int8": Int8Products}
-# each products' fallbacks, the first that takes the head size and lanes kept
-_FALLBACKS = {"amx": ("amx", "bf16"), "bf16": ("bf16",), "int8": ("int8",)}
-_SUPPORTS = {"bf16": attention_bf16.supports, "amx": attention_amx.supports, "int8": attention_int8.supports}
-
-
-def arithmetic_for(products: str, head_size: int, lanes: int):
-    """The arithmetic a kernel asked for `products` runs its products in at this head size and lanes: the
-    first of `products`' fallbacks whose C routines take them (amx, then bf16; int8), else fp32."""
-    name = next((name for name in _FALLBACKS.get(products, ()) if _SUPPORTS[name](head_size, lanes)), "fp32")
-    return ARITHMETIC[name](lanes)
 
 
 def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
     """The skeleton: per (sequence, head) task, its length, its keys and values staged, the arithmetic's
     products over the tiles of queries, and (padded layout) its padding rows zeroed."""
-    arithmetic = arithmetic_for(products, shape.head_size, lanes)
+    arithmetic = ARITHMETIC[products](lanes)
     k = _Kernel.of(shape, lanes, arithmetic.queries, arithmetic.stage)
     H, D, S_MAX, B, S, R, R_OUT, NQ, staged = k.H, k.D, k.S_MAX, k.B, k.S, k.R, k.R_OUT, k.NQ, k.staged
     (NK, NV), (KO, VO) = (_i64(w) for w in shape.widths[1:]), (_i64(o) for o in shape.offsets[1:])

@@ -43,14 +43,6 @@ ISA = ("-mavx512f", "-mavx512bw", "-mavx512bf16")  # what the C of the bf16 kern
 TILE_OBJECT = CObject("bf16_tile.c", frozenset({TILE_SYMBOL}), ISA)
 
 
-def supported(target: tvm.target.Target) -> bool:
-    """Whether the target's CPU runs the bf16 micro-kernel."""
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    llvm = target.host or target
-    return llvm.kind.name == "llvm" and all(llvm_cpu_has_features(f, llvm) for f in REQUIRED_FEATURES)
-
-
 def kernels_object() -> Path:
     """The linears' micro-kernel (c/bf16_tile.c) compiled once per process to an object file the libraries
     link."""
@@ -124,7 +116,7 @@ def _bf16_matmul_block(sch: s_tir.Schedule):
 def schedule_bf16_matmul(func: tirx.PrimFunc, amx_tiles: bool = False) -> s_tir.Schedule | None:
     """Schedule the bf16 matmul (and its fused epilogue) of `func` as whole-K tile calls
     (`tiles.schedule_tiles`), or None when it has none: AMX's 32 x 32 tile where `amx_tiles` (the target
-    has it, `amx.supported`) and K is a multiple of its step, else the 8 x 32 AVX-512 tile."""
+    has it, `Capabilities.amx`) and K is a multiple of its step, else the 8 x 32 AVX-512 tile."""
     sch = s_tir.Schedule(func)
     main = _bf16_matmul_block(sch)
     if main is None:

@@ -1,13 +1,10 @@
-"""What every CPU kernel schedule here shares: the host's vector width and small helpers over
-`s_tir.Schedule`."""
+"""What every CPU kernel schedule here shares: small helpers over `s_tir.Schedule`."""
 
 from __future__ import annotations
 
 import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
-from tvm.target import Target
-from tvm.target.codegen import llvm_cpu_has_features
 
 SCHEDULED_ATTR = "tirx.is_scheduled"  # a PrimFunc the CPU schedule pass must leave as it is
 
@@ -22,20 +19,6 @@ def without_param(func: tirx.PrimFunc, name: str) -> tirx.PrimFunc:
     """`func` without the buffer parameter `name`, which its body does not read: one written kernel
     for variants whose signatures differ by an optional input."""
     return tirx.PrimFunc([p for p in func.params if p.name != name], func.body, func.ret_type, func.attrs)
-
-
-def vector_lanes(target: Target) -> int:
-    """fp32 lanes of one SIMD register: 16 with AVX-512, 8 with AVX2, else 4 (SSE / NEON).
-
-    `llvm_get_vector_width` is no help here: it answers 512 even for AVX2-only CPUs.
-    """
-    if target.kind.name != "llvm":
-        return 4
-    if llvm_cpu_has_features("avx512f", target):
-        return 16
-    if llvm_cpu_has_features("avx2", target):
-        return 8
-    return 4
 
 
 def static_extent(sch: s_tir.Schedule, loop) -> int | None:

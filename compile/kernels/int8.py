@@ -11,7 +11,7 @@ the inputs of the FFN's second linear. The kernel subtracts zero x the weight co
 (computed at compile time) from each accumulator: exact in int32. The loop nest is the fp32
 kernel's (`dense.schedule_matmul`): parallel over panels, a `rows` x `panel` int32 accumulator in
 registers, the dequantisation and any fused epilogue (bias, GELU, residual) applied on write-back.
-Four micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
+Four micro-kernels, chosen by the target's CPU (`Capabilities.int8_kernel`), all u8 x s8:
 
 - `VNNI` (AVX-512 VNNI, `vpdpbusd`): 16 columns x 4 k of the panel times 4 broadcast activation
   bytes, 64 multiply-adds accumulated into 16 int32 lanes by one instruction (fp32 FMA: 16),
@@ -38,10 +38,8 @@ Four micro-kernels, chosen by the target's CPU (`kernel_for`), all u8 x s8:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
-import tvm
 from tvm import s_tir, te, tirx
 from tvm.s_tir import TensorIntrin
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
@@ -69,6 +67,7 @@ class Int8Kernel:
     rows: int  # activation rows per register tile
     intrin: str
     description: str  # as the manifest records it
+    features: tuple[str, ...]  # the LLVM features its instructions need (capabilities.py picks the best it finds)
     int16_pairs: bool = False  # pairs of products summed in saturating int16 (`PAIR_CODES`)
     wide_panel: int | None = None  # columns of a wider panel, where N is a multiple (`panel_width`)
 
@@ -76,7 +75,8 @@ class Int8Kernel:
 # 8 x 48 tile where N allows: 24 zmm accumulators, as the fp32 AVX-512 kernel's; 8 x 32 (16) else and
 # on CPUs with AMX, whose tiles read 32-column panels (`panel_width`)
 VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
-                  "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation", wide_panel=48)
+                  "avx512 vnni vpdpbusd (uint8 activations x int8 weights), int32 accumulation",
+                  ("avx512bw", "avx512vnni"), wide_panel=48)
 # 4 x 16 tile: 8 ymm accumulators, 2 weight vectors, the ones vector, a broadcast and a product (LLVM
 # keeps each weight vector in a register for the 4 rows: a 4 x 24 tile then needs 18 of the 16 ymm and
 # spilled two accumulators at every k step; MiniLM's x86-64-v3 int8 calls at 16-512 tokens, paired
@@ -84,41 +84,23 @@ VNNI = Int8Kernel("vnni", 4, 16, 32, 8, "bert_dot_16x4_u8i8_vnni",
 # is exact
 AVX2 = Int8Kernel("avx2", 4, 8, 16, 4, "bert_dot_8x4_u8i8_avx2",
                   "avx2 vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
-                  "summing to at most 128), int32 accumulation", int16_pairs=True)
+                  "summing to at most 128), int32 accumulation", ("avx2",), int16_pairs=True)
 # 4 x 24 (12 accumulators, 3 weight vectors, a broadcast: vpdpbusd needs no product), one vpdpbusd per
 # 8 columns x 4 k (AVX2: three instructions), 8-bit weights
 AVX_VNNI = Int8Kernel("avxvnni", 4, 8, 24, 4, "bert_dot_8x4_u8i8_avxvnni",
-                      "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation")
+                      "avx-vnni vpdpbusd on ymm (uint8 activations x int8 weights), int32 accumulation",
+                      ("avx2", "avxvnni"))
 # VNNI's tile and panels (8 x 48: 24 zmm accumulators, the ones vector, a broadcast, a product), AVX2's
 # arithmetic: three instructions per 16 columns x 4 k where VNNI takes one
 AVX512BW = Int8Kernel("avx512bw", 4, 16, 32, 8, "bert_dot_16x4_u8i8_avx512bw",
                       "avx512bw vpmaddubsw + vpmaddwd (uint8 activations x int8 weights, same-sign pairs of codes "
-                      "summing to at most 128), int32 accumulation", int16_pairs=True, wide_panel=48)
-KERNELS = (VNNI, AVX512BW, AVX_VNNI, AVX2)  # the best first
+                      "summing to at most 128), int32 accumulation", ("avx512bw",), int16_pairs=True,
+                      wide_panel=48)
+KERNELS = (VNNI, AVX512BW, AVX_VNNI, AVX2)  # the best first: a CPU runs the first whose features it has
 WEIGHT_CODES = 127  # weights symmetric onto [-127, 127]
 # vpmaddubsw: the largest sum of a pair's codes of one sign whose products with u8 activations stay
 # within int16 (128)
 PAIR_CODES = 32767 // ACTIVATION_CODES
-
-
-def kernel_for(target: tvm.target.Target) -> Int8Kernel | None:
-    """The best int8 micro-kernel the target's CPU runs, or None (no AVX2). Asked once per target
-    (each LLVM feature query costs about a millisecond, and the schedule asks for every kernel)."""
-    return _kernel_for(str(target))
-
-
-@functools.lru_cache(maxsize=None)
-def _kernel_for(target_text: str) -> Int8Kernel | None:
-    from tvm.target.codegen import llvm_cpu_has_features
-
-    target = tvm.target.Target(target_text)
-    if target.kind.name != "llvm":
-        return None
-    if llvm_cpu_has_features("avx512bw", target):
-        return VNNI if llvm_cpu_has_features("avx512vnni", target) else AVX512BW
-    if not llvm_cpu_has_features("avx2", target):
-        return None
-    return AVX_VNNI if llvm_cpu_has_features("avxvnni", target) else AVX2
 
 
 def panel_width(kernel: Int8Kernel, n: int, amx_tiles: bool) -> int:
@@ -132,7 +114,7 @@ def panel_width(kernel: Int8Kernel, n: int, amx_tiles: bool) -> int:
 
 def on_amx(kernel: Int8Kernel, amx_tiles: bool) -> bool:
     """Whether `kernel`'s linears run on AMX's int8 tile (where K is a multiple of its step): it
-    reads VNNI's activations and panels, on a target that has the tiles (`amx.supported`)."""
+    reads VNNI's activations and panels, on a target that has the tiles (`Capabilities.amx`)."""
     return amx_tiles and kernel is VNNI
 
 
@@ -268,8 +250,8 @@ def _int8_matmul_block(sch: s_tir.Schedule, kernel: Int8Kernel):
 def schedule_int8_matmul(func: tirx.PrimFunc, kernel: Int8Kernel | None,
                          amx_tiles: bool = False) -> s_tir.Schedule | None:
     """Schedule the int8 matmul (and its fused epilogue) of `func` on `kernel`, the target's
-    (`kernel_for`), or None when it has none in that kernel's layouts.
-    Where `amx_tiles` (the target has them, `amx.supported`), VNNI's layouts are read by AMX's 32 x 32
+    (`Capabilities.int8_kernel`), or None when it has none in that kernel's layouts.
+    Where `amx_tiles` (the target has them, `Capabilities.amx`), VNNI's layouts are read by AMX's 32 x 32
     tile in whole-K calls (`tiles.schedule_tiles`) when K is a multiple of its step; else:
 
         parallel (N / panel, claimed by the threads as they come free: launch.claim_iterations):

@@ -19,6 +19,7 @@ import tvm
 from tvm import relax
 
 from ..kernels import bf16
+from . import as_pass
 from .linears import rewrite_linears
 from .packing import linears_on_weights
 
@@ -45,3 +46,8 @@ def linears_to_bf16(mod: tvm.IRModule) -> tuple[tvm.IRModule, int]:
     """`mod` with `main`'s linears on bf16 weights, and how many were rewritten (run before
     LiftTransformParams and before compile/passes/packing.py, which packs what is left in fp32)."""
     return rewrite_linears(mod, linears_on_weights(mod["main"]), bf16_linear)
+
+
+def LinearsToBF16() -> tvm.transform.Pass:
+    """`linears_to_bf16` as a pass."""
+    return as_pass("LinearsToBF16", lambda mod: linears_to_bf16(mod)[0])

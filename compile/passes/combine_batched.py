@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import tvm
 from tvm import relax
 
+from . import as_pass
+
 _MATMUL = tvm.ir.Op.get("relax.matmul")
 _ADD = tvm.ir.Op.get("relax.add")
 _PERMUTE = tvm.ir.Op.get("relax.permute_dims")
@@ -118,3 +120,8 @@ def batch_parallel_linears(mod: tvm.IRModule) -> BatchedResult:
         [relax.transform.DeadCodeElimination(["main"]), relax.transform.CanonicalizeBindings()]
     )(mutator.builder_.get())
     return BatchedResult(cleaned, len(accepted), len(groups) - len(accepted))
+
+
+def BatchParallelLinears() -> tvm.transform.Pass:
+    """`batch_parallel_linears` as a pass."""
+    return as_pass("BatchParallelLinears", lambda mod: batch_parallel_linears(mod).mod)

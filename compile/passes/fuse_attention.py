@@ -28,6 +28,7 @@ import tvm_ffi
 from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer
 
+from ..capabilities import KernelConfig
 from ..kernels import attention
 from ..kernels.attention import AttentionShape
 
@@ -354,11 +355,10 @@ def _constant(sizes: _Sizes, offset, index_vars: dict) -> int | None:
 
 @relax.expr_functor.mutator
 class _Rebind(relax.PyExprMutator):
-    def __init__(self, mod: tvm.IRModule, cores: list[_Core], lanes: int, products: str):
+    def __init__(self, mod: tvm.IRModule, cores: list[_Core], kernels: KernelConfig):
         super().__init__(mod)
         self.cores = {core.end: core for core in cores}
-        self.lanes = lanes
-        self.products = products
+        self.kernel_config = kernels
         self.kernels: dict[AttentionShape, relax.GlobalVar] = {}
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
@@ -369,7 +369,7 @@ class _Rebind(relax.PyExprMutator):
         kernel = self.kernels.get(core.shape)
         if kernel is None:
             kernel = self.kernels[core.shape] = self.builder_.add_func(
-                attention.write_attention(core.shape, self.lanes, self.products), attention.KERNEL_NAME)
+                attention.write_attention(core.shape, self.kernel_config), attention.KERNEL_NAME)
         args = [self.visit_expr(x) for x in (*core.sources, core.bias)]
         if core.gather is not None:
             args.append(self.visit_expr(core.gather))
@@ -383,22 +383,22 @@ class _Rebind(relax.PyExprMutator):
         self.set_var_remap(binding.var, emit(output))
 
 
-def fuse_attention_in(mod: tvm.IRModule, lanes: int, products: str = "fp32") -> tuple[tvm.IRModule, int]:
-    """`mod` with every provable attention core of `main` on the fused kernel, and how many;
-    `products` is the arithmetic of its two products (attention.write_attention)."""
-    cores = _Matcher(mod["main"], lanes).cores()
+def fuse_attention_in(mod: tvm.IRModule, kernels: KernelConfig) -> tuple[tvm.IRModule, int]:
+    """`mod` with every provable attention core of `main` on the fused kernel written as `kernels`
+    says (its lanes, its products' arithmetic: attention.write_attention), and how many."""
+    cores = _Matcher(mod["main"], kernels.capabilities.lanes).cores()
     if not cores:
         return mod, 0
-    mutator = _Rebind(mod, cores, lanes, products)
+    mutator = _Rebind(mod, cores, kernels)
     mutator.builder_.update_func(mod.get_global_var("main"), mutator.visit_expr(mod["main"]))
     return relax.transform.DeadCodeElimination(["main"])(mutator.builder_.get()), len(cores)
 
 
-def fuse_attention(lanes: int, products: str = "fp32") -> tvm.transform.Pass:
+def fuse_attention(kernels: KernelConfig) -> tvm.transform.Pass:
     """Module pass form of `fuse_attention_in` (the first pass of the CPU pipeline)."""
 
     @tvm.transform.module_pass(opt_level=0, name="FuseAttention")
     def _pass(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-        return fuse_attention_in(mod, lanes, products)[0]
+        return fuse_attention_in(mod, kernels)[0]
 
     return _pass

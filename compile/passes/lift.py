@@ -24,7 +24,12 @@ class LiftedModel:
 
 
 def lift_and_transform(mod: tvm.IRModule, params: list[tvm.runtime.Tensor]) -> LiftedModel:
-    lifted = relax.transform.LiftTransformParams()(mod)
+    """LiftTransformParams, then `transform_weights`."""
+    return transform_weights(relax.transform.LiftTransformParams()(mod), params)
+
+
+def transform_weights(lifted: tvm.IRModule, params: list[tvm.runtime.Tensor]) -> LiftedModel:
+    """Run a lifted module's `main_transform_params` on the checkpoint's weights, once, here."""
     main = lifted["main"]
     # the transform and the kernels it calls (e.g. the bf16 rounding of weights)
     transform = relax.transform.DeadCodeElimination([TRANSFORM_FUNC])(

@@ -18,6 +18,7 @@ from tvm import relax, tirx
 
 from ..kernels import dense
 from ..kernels.dense import packed_matmul_te, packed_panel_width
+from . import as_pass
 from .linears import bindings, rewrite_linears, transposed_linears
 
 
@@ -56,3 +57,8 @@ def pack_linear_weights(mod: tvm.IRModule, lanes: int) -> tuple[tvm.IRModule, in
         return builder.emit_te(packed_matmul_te, x, panels, primfunc_name_hint=dense.KERNEL_NAME)
 
     return rewrite_linears(mod, linears_on_weights(mod["main"]), pack)
+
+
+def PackLinearWeights(lanes: int) -> tvm.transform.Pass:
+    """`pack_linear_weights` as a pass."""
+    return as_pass("PackLinearWeights", lambda mod: pack_linear_weights(mod, lanes)[0])

@@ -11,7 +11,6 @@ import tvm
 from tvm import relax
 
 
-def to_precision(mod: tvm.IRModule, dtype: str) -> tvm.IRModule:
-    if dtype == "float32":
-        return mod
-    return relax.transform.ToMixedPrecision(out_dtype=dtype)(mod)
+def precision_passes(dtype: str) -> list[tvm.transform.Pass]:
+    """What casts a float32 import to `dtype` (nothing for float32)."""
+    return [] if dtype == "float32" else [relax.transform.ToMixedPrecision(out_dtype=dtype)]

@@ -12,7 +12,7 @@ compile/passes/packing.py finds them, Q/K/V concatenations included), into
                                                           kernels/row_quantize.py; a smoothing multiply folded in)
     y = int8_matmul(xq, scale_x, zero_x, panels, scale_w, colsum)  (int32, compile/kernels/int8.py)
 
-with the micro-kernel the target's CPU runs best (`int8.kernel_for`: AVX-512 VNNI, AVX-VNNI, AVX2).
+with the micro-kernel the target's CPU runs best (`Capabilities.int8_kernel`: AVX-512 VNNI, AVX-VNNI, AVX2).
 
 The weight-side ops sit in the weight-only part of `main`, so `LiftTransformParams` runs them at
 compile time and the artifact ships the int8 panels and fp32 scales instead of the fp32 weights.
@@ -28,8 +28,10 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from ..kernels import amx, int8, row_quantize
+from ..capabilities import Capabilities
+from ..kernels import int8, row_quantize
 from ..sentences import ACCURACY_SENTENCES
+from . import as_pass
 from .bf16 import bf16_linear
 from .linears import rewrite_linears
 from .packing import linears_on_weights
@@ -42,11 +44,12 @@ SCHEME = ("int8: weights symmetric per output channel (compile time), activation
 
 def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozenset[str] = frozenset(),
                      keep_in_bf16: bool = False) -> tuple[tvm.IRModule, int]:
-    """`mod` with `main`'s linears on int8 weights for `target`'s micro-kernel (`int8.kernel_for`) and
+    """`mod` with `main`'s linears on int8 weights for `target`'s micro-kernel (`Capabilities.int8_kernel`) and
     panels (`int8.panel_width`), and how many were quantized (run before LiftTransformParams and
     before compile/passes/packing.py, which packs what is left in fp32). A linear over a torch Linear
     in `keep` (its `smooth.module_key`) stays out of int8: on bf16 panels when `keep_in_bf16`, else fp32."""
-    kernel, amx_tiles = int8.kernel_for(target), amx.supported(target)
+    capabilities = Capabilities.of(target)
+    kernel, amx_tiles = capabilities.int8_kernel, capabilities.amx
     linears = linears_on_weights(mod["main"])
     kept = {linears[var] for var, keys in linear_modules(mod["main"], linears).items() if set(keys) & keep}
 
@@ -70,6 +73,13 @@ def quantize_linears(mod: tvm.IRModule, target: tvm.target.Target, keep: frozens
 
     quantized_count = [0]
     return rewrite_linears(mod, linears, quantize)[0], quantized_count[0]
+
+
+
+def QuantizeLinearsInt8(target: tvm.target.Target, keep: frozenset[str] = frozenset(),
+                        keep_in_bf16: bool = False) -> tvm.transform.Pass:
+    """`quantize_linears` as a pass."""
+    return as_pass("QuantizeLinearsInt8", lambda mod: quantize_linears(mod, target, keep, keep_in_bf16)[0])
 
 
 def weight_scales(w: relax.Expr, n: int, k: int, kernel: int8.Int8Kernel) -> relax.Expr:

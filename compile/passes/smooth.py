@@ -25,6 +25,7 @@ import numpy as np
 import tvm
 from tvm import relax
 
+from . import as_pass
 from .linears import bindings, rewrite_linears
 from .packing import linears_on_weights
 
@@ -141,3 +142,8 @@ class _ScaleParams(relax.PyExprMutator):
     def transform(self) -> tvm.IRModule:
         self.builder_.update_func(self.module.get_global_var("main"), self.visit_expr(self.module["main"]))
         return self.builder_.get()
+
+
+def SmoothLinears(scales: dict[str, np.ndarray]) -> tvm.transform.Pass:
+    """`smooth_linears` as a pass."""
+    return as_pass("SmoothLinears", lambda mod: smooth_linears(mod, scales)[0])

@@ -13,6 +13,8 @@ see the same weights), import, `apply_strategy`, `sparsify` (weights must still 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import tvm
@@ -20,8 +22,9 @@ from tvm import relax, te, tirx
 from tvm.target import Target
 
 from ..build import make_target
+from ..capabilities import Capabilities
 from ..kernels import sparse
-from ..kernels.common import vector_lanes
+from . import as_pass
 from .linears import bindings, transposed_linears
 
 LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
@@ -110,7 +113,7 @@ def bsr_matmul_func(k: int, nnz: int, block: tuple[int, int], block_rows: int, d
     m = tirx.Var("m", "int64")
     if target.kind.name == "cuda":
         return sparse.bsr_matmul_gpu(m, k, nnz, block, block_rows, dtype)
-    return sparse.bsr_matmul_cpu(m, k, nnz, block, block_rows, dtype, vector_lanes(target))
+    return sparse.bsr_matmul_cpu(m, k, nnz, block, block_rows, dtype, Capabilities.of(target).lanes)
 
 
 # ----------------------------------------------------------------------------- the Relax rewrite
@@ -183,7 +186,7 @@ def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, row
     from ..timing import interleaved_medians
 
     n, k = weight.shape
-    lanes = vector_lanes(target)
+    lanes = Capabilities.of(target).lanes
     nt = dense.packed_panel_width(n, lanes) or n  # an unpackable width: one panel, as the dense path runs it
     x = te.placeholder((rows, k), "float32", name="x")
     panels = te.placeholder((n // nt, k, nt), "float32", name="panels")
@@ -255,3 +258,22 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
         "choices": choices,
     }
     return mutator.builder_.get(), [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in new_values], report
+
+
+@dataclass
+class SparseWeights:
+    """`main`'s weights, which `SparsifyLinears` reads and replaces (with its report): the pass
+    changes `main`'s signature, so its weights travel beside the module."""
+
+    params: list
+    report: dict | None = None
+
+
+def SparsifyLinears(weights: SparseWeights, block: tuple[int, int], max_density: float, target: Target,
+                    timed: bool) -> tvm.transform.Pass:
+    """`sparsify` as a pass over `weights`."""
+    def rewrite(mod: tvm.IRModule) -> tvm.IRModule:
+        mod, weights.params, weights.report = sparsify(mod, weights.params, block, max_density, target, timed)
+        return mod
+
+    return as_pass("SparsifyLinears", rewrite)

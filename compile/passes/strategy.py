@@ -13,24 +13,21 @@ import tvm
 from tvm import relax
 
 from .canonicalize import canonicalize
-from .combine import combine_parallel_matmuls
-from .combine_batched import batch_parallel_linears
+from .combine import concat_passes
+from .combine_batched import BatchParallelLinears
 
 Strategy = Literal["concat", "batched", "off"]
 STRATEGIES: tuple[Strategy, ...] = ("concat", "batched", "off")
 
-PASSES = {
-    "concat": ["CanonicalizeForCombine", "CombineParallelMatmul", "ReorderPermuteDimsAfterConcat", "LiftTransformParams"],
-    "batched": ["CanonicalizeForCombine", "BatchParallelLinears", "ReorderPermuteDimsAfterConcat", "LiftTransformParams"],
-    "off": ["CanonicalizeForCombine", "LiftTransformParams"],
-}
+
+def strategy_passes(strategy: Strategy) -> list[tvm.transform.Pass]:
+    """Canonicalise (so the patterns match), then combine parallel matmuls the chosen way."""
+    combine = {"concat": concat_passes,
+               "batched": lambda: [BatchParallelLinears(), relax.transform.ReorderPermuteDimsAfterConcat()],
+               "off": list}
+    return [canonicalize(), *combine[strategy]()]
 
 
 def apply_strategy(mod: tvm.IRModule, strategy: Strategy) -> tvm.IRModule:
-    """Canonicalise (so the patterns match), then combine parallel matmuls the chosen way."""
-    mod = canonicalize()(mod)
-    if strategy == "concat":
-        return combine_parallel_matmuls()(mod)
-    if strategy == "batched":
-        return relax.transform.ReorderPermuteDimsAfterConcat()(batch_parallel_linears(mod).mod)
-    return mod
+    """`mod` with `strategy_passes` applied."""
+    return tvm.transform.Sequential(strategy_passes(strategy), name=f"Combine_{strategy}")(mod)

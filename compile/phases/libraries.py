@@ -1,0 +1,291 @@
+"""The libraries' phases: each bucket's library and the generic one built once per candidate strategy,
+the strategy chosen by time, then the shipped one validated against PyTorch and timed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import tvm
+
+from artifact.bucketing import AnyBucket, Bucket
+from artifact.loader import LibraryRunner, device_for, load_weights
+from artifact.manifest import CostModel, PrecisionCandidate, PrecisionEntry, QuantizationEntry, WeightsEntry
+
+from .. import precision
+from ..build import build_library, specialize
+from ..capabilities import cpu_name
+from ..checkpoint import example_inputs
+from ..config import RELATIVE_TOLERANCES, CompileConfig
+from ..passes import quantize
+from ..passes.lift import LiftedModel
+from ..passes.quantize import sentence_rows
+from ..plan import Arithmetic, Plan
+from ..progress import Progress
+from ..sentences import ACCURACY_SENTENCES
+from ..timing import (
+    OTHER_LOAD_WARNING_CORES,
+    OtherLoad,
+    budgeted_medians_ms,
+    fit_cost_model,
+    interleaved_medians,
+    use_all_cores,
+)
+from ..tuning import Tuner
+from ..validate import checked_diff, library_inputs
+
+# (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
+COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A timed call: `batch` random rows of up to `width` tokens, padded to `seq` for attention,
+    `tokens` rows computed by the linear layers (what a cost model is fitted over)."""
+
+    batch: int
+    width: int
+    seq: int
+    tokens: int
+
+    @classmethod
+    def full(cls, batch: int, seq: int) -> "Workload":
+        return cls(batch, seq, seq, batch * seq)
+
+
+@dataclass
+class Candidates:
+    """One library built once per strategy, before the strategy is chosen."""
+
+    name: str
+    libraries: dict[str, str]  # strategy -> library file in the staging directory
+    strategy_ms: dict[str, float] | None  # None: one strategy, nothing to time
+    workloads: list[Workload]
+    validation_shapes: list[AnyBucket]
+    seconds: float
+
+
+def choose_strategies(pending: list[Candidates], margin: float) -> tuple[dict[str, str], str]:
+    """({library: strategy}, shared strategy). Every strategy in use ships a full weight set, so
+    one shared strategy (the least total time over all libraries) runs everything, except a library
+    whose own fastest strategy beats it by more than `margin` (0.03: 3%)."""
+    strategies = list(pending[0].libraries)
+    timed = [c for c in pending if c.strategy_ms is not None]
+    shared = min(strategies, key=lambda s: sum(c.strategy_ms[s] for c in timed)) if timed else strategies[0]
+    chosen = {}
+    for candidates in pending:
+        times = candidates.strategy_ms
+        fastest = min(times, key=times.get) if times else shared
+        chosen[candidates.name] = fastest if times and times[shared] > times[fastest] * (1 + margin) else shared
+    return chosen, shared
+
+
+@dataclass
+class BuildRecord:
+    """One shipped library: where it is, how it was chosen, how close it is to PyTorch."""
+
+    name: str
+    library: str
+    seconds: float
+    strategy: str
+    strategy_ms: dict[str, float] | None
+    diffs: dict[str, float | None] = field(default_factory=dict)
+    latency_ms: dict[Workload, float] = field(default_factory=dict)  # measured median ms per workload
+
+    def cost_model(self) -> CostModel | None:
+        """The library's latency fitted over its timed workloads; None when not timed."""
+        if not self.latency_ms:
+            return None
+        fixed, per_token, per_attention = fit_cost_model(
+            {(w.batch, w.seq, w.tokens): ms for w, ms in self.latency_ms.items()})
+        return CostModel(fixed_ms=fixed, per_token_ms=per_token, per_attention_ms=per_attention)
+
+
+def cost_model_workloads(max_batch: int, max_seq: int) -> list[Workload]:
+    """The generic library's: full rows at a few (batch, seq) within its bounds."""
+    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+    return [Workload.full(b, s) for b, s in shapes]
+
+
+def bucket_workloads(bucket: AnyBucket) -> list[Workload]:
+    """A bucket's timing: its full shape first (its `latency_ms`); a packed one also one sequence
+    and a batch of short sequences, so that its cost model tells tokens from attention."""
+    first = Workload.full(bucket.rows, bucket.seq)
+    if isinstance(bucket, Bucket):
+        return [first]
+    rows, seq = bucket.rows, bucket.seq
+    shorter = [Workload(rows, width, seq, rows * width) for width in {max(1, seq // 4), max(1, seq // 2)}]
+    return [first, *{Workload.full(1, seq), Workload.full(max(1, rows // 2), seq)}, *shorter]
+
+
+class LibraryBuilder:
+    """Builds each library once per candidate strategy, keeps the fastest, validates it."""
+
+    def __init__(self, config: CompileConfig, plan: Plan, arithmetic: Arithmetic, staging: Path,
+                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module):
+        self.config = config
+        self.plan = plan
+        self.arithmetic = arithmetic  # what the libraries compute in (the chosen precision)
+        self.staging = staging
+        self.variants = variants
+        self.wrapper = wrapper
+        self.vocab_size = int(plan.info.config["vocab_size"])
+        self.target = plan.target
+        self.device = device_for(config.target)
+        self.layout = config.layout
+        # Libraries are validated and timed (for the server's batch planner) where they run here, with
+        # every core: as a server runs them. `validate: false` skips both.
+        self.validate = plan.measures
+        # --tune times kernels, so it runs only where the libraries can run
+        self.tuner = Tuner(plan.target) if config.tune and plan.runs_here else None
+        if config.tune and not plan.runs_here:
+            log.warning("--tune skipped: the libraries for mcpu %s cannot run on this machine to be timed",
+                        cpu_name(plan.target))
+        if plan.runs_here:
+            use_all_cores()
+        # Validate what ships: the weights as read back from the artifact's files.
+        self.weights = (
+            {s: load_weights(staging / entry.file, entry.names, self.device) for s, entry in weight_files.items()}
+            if plan.runs_here else {}
+        )
+
+    def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
+              workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> Candidates:
+        """Build the library once per strategy and time each on the first workload (when `auto`)."""
+        started = time.perf_counter()
+        libraries = {}
+        for strategy, variant in self.variants.items():
+            library = f"lib/{name}.{strategy}.so"
+            module = shape_module(variant.mod)
+            if self.tuner is not None and static:
+                self.tuner.tune(name, module, self.config.tune / len(self.variants))
+            build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
+                          tuned=self.tuner.database if self.tuner is not None else None,
+                          kernels=self.arithmetic.kernels(self.plan.capabilities))
+            libraries[strategy] = library
+        strategy_ms = self._time_strategies(libraries, workloads[0])
+        return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
+
+    def finish(self, candidates: Candidates, strategy: str) -> BuildRecord:
+        """Ship `strategy`'s library (the others are deleted), validate it, time it on every workload."""
+        library = f"lib/{candidates.name}.so"
+        (self.staging / candidates.libraries[strategy]).rename(self.staging / library)
+        for other in set(candidates.libraries) - {strategy}:
+            (self.staging / candidates.libraries[other]).unlink()
+        record = BuildRecord(candidates.name, library, candidates.seconds, strategy, candidates.strategy_ms)
+        for index, shape in enumerate(candidates.validation_shapes):
+            record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
+        if self.validate:
+            record.latency_ms = self._latencies(record, candidates.workloads)
+        return record
+
+    def runner(self, library: str, strategy: str) -> LibraryRunner:
+        return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
+
+    def _time_strategies(self, libraries: dict[str, str], workload: Workload) -> dict[str, float] | None:
+        if len(libraries) == 1:
+            return None
+        inputs = self.inputs(workload)
+        runners = {s: self.runner(library, s) for s, library in libraries.items()}
+        stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
+                                    repeats=self.config.strategy_repeats)
+        return {s: round(v["median_s"] * 1e3, 3) for s, v in stats.items()}
+
+    def inputs(self, workload: Workload) -> tuple[np.ndarray, ...]:
+        rows = example_inputs(workload.batch, workload.width, self.vocab_size, seed=self.config.seed)
+        return library_inputs(self.layout, tuple(x.numpy() for x in rows), workload.seq, workload.tokens)
+
+    def _latencies(self, record: BuildRecord, workloads: list[Workload]) -> dict[Workload, float]:
+        """Median ms of the chosen library per workload; `auto`'s timing of the first is reused."""
+        measured = {}
+        if record.strategy_ms is not None:
+            measured[workloads[0]] = record.strategy_ms[record.strategy]
+        runner = self.runner(record.library, record.strategy)
+        todo = {str(index): w for index, w in enumerate(workloads) if w not in measured}
+        calls = {key: (lambda x=self.inputs(w): runner(*x)) for key, w in todo.items()}
+        if calls:
+            measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
+        return {w: round(ms, 4) for w, ms in measured.items()}
+
+    def agreement(self, library: str, strategy: str) -> dict:
+        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
+        embedding, or a classifier's top-1 agreement and largest probability difference."""
+        info = self.plan.info
+        rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+        runner = self.runner(library, strategy)
+        step = self.config.max_batch  # the generic library's bound
+        chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
+        actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+        with torch.no_grad():
+            expected = self.wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
+        if self.config.model_task == "classify":
+            return quantize.classifier_agreement(actual, expected)
+        return quantize.embedding_agreement(actual, expected)
+
+    def precision_report(self, generic: BuildRecord, linears: int,
+                         chosen: PrecisionEntry | None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
+        """What the linear layers compute in (`chosen`: auto's record of how) and how close the generic
+        library stays to the fp32 model; under `min_cosine`, or int8 under its gate, the compile fails
+        (what a precision costs is unknown when not run)."""
+        name, attention, int8_plan = self.arithmetic.precision, self.arithmetic.attention, self.arithmetic.int8
+        kernel = self.plan.capabilities.linears_kernel(name)
+        entry = (chosen or PrecisionEntry(precision=name, requested=name)).model_copy(
+            update={"kernel": kernel, "linears": linears})
+        if attention is not None and name in precision.ROUNDED:  # auto may have shipped fp32
+            entry = entry.model_copy(update={"attention": attention.entry(name)})
+        measured = self.plan.measures_precisions and kernel is not None
+        accuracy = self.agreement(generic.library, generic.strategy) if measured else {}
+        if entry.requested != "auto" and accuracy:
+            failures = precision.gate_failures(name, accuracy)
+            entry = entry.model_copy(update={"candidates": [PrecisionCandidate(
+                precision=name, gate_failures=failures, **accuracy)]})
+            if failures and name != "int8":
+                log.warning("%s misses its accuracy gate on the shipped sentences: %s", name, "; ".join(failures))
+        precision.refuse_missed_gate(name, accuracy, self.config.min_cosine)
+        quantization = None
+        if name == "int8":
+            quantization = QuantizationEntry(scheme=quantize.SCHEME, kernel=kernel, linears=linears,
+                                             sentences=len(ACCURACY_SENTENCES), **accuracy,
+                                             **(int8_plan.manifest_fields(linears) if int8_plan else {}))
+        return entry, quantization
+
+    def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
+        if not self.validate:
+            return None
+        return checked_diff(record.name, self.runner(record.library, record.strategy), self.wrapper, shape,
+                            self.vocab_size, seed, self.config.tolerance_for(self.arithmetic.precision), self.layout,
+                            relative=self.arithmetic.precision in RELATIVE_TOLERANCES)
+
+
+def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,
+                    progress: Progress) -> tuple[list[BuildRecord], str]:
+    """Every bucket's library and the generic one, built per strategy, the strategy chosen,
+    then validated and timed: (records, generic last; the shared strategy)."""
+    with OtherLoad() as timing:  # the libraries are timed in here (strategies, then each finish)
+        pending = []
+        for bucket in plan.buckets:
+            with progress.step(f"build bucket {bucket.name}"):
+                pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
+                                             bucket_workloads(bucket), [bucket]))
+        with progress.step("build generic library"):
+            generic_workloads = cost_model_workloads(config.max_batch, plan.info.max_seq)
+            first = Workload.full(plan.generic_shapes[0].batch, plan.generic_shapes[0].seq)  # `auto` chooses on it
+            workloads = [first] + [w for w in generic_workloads if w != first]
+            pending.append(builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False))
+        chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
+        records = []
+        for candidates in pending:
+            shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
+            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
+                records.append(builder.finish(candidates, chosen[candidates.name]))
+    if timing.cores > OTHER_LOAD_WARNING_CORES:
+        log.warning("other work kept %.1f cores busy while the libraries were timed: the manifest's "
+                    "latencies and cost models, which the server's batch planner uses, are too high; "
+                    "compile on an otherwise idle machine", timing.cores)
+    return records, shared_strategy

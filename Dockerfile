@@ -125,16 +125,18 @@ RUN if [ "$TARGET" = cuda ]; then \
 # runtime: the serving venv and the artifacts only; no compiler, no torch, no source tree, no pip cache
 # ---------------------------------------------------------------------------------------------
 FROM python:3.11-slim-bookworm AS runtime-base
-# A fixed numeric UID, so Kubernetes' runAsNonRoot can check it.
-RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp bert
+# A fixed numeric UID, so Kubernetes' runAsNonRoot can check it. /data holds a --model-id's
+# downloads and compiled artifacts, as TEI's image keeps its models there: mount a volume on it
+# (`-v $PWD/data:/data`) so that a model is downloaded and compiled once.
+RUN useradd --system --no-log-init --uid 10001 --user-group --no-create-home --home-dir /tmp bert \
+    && install -d -o 10001 -g 10001 /data
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1 \
-    BERT_SERVE_ARTIFACTS=/opt/bert/artifacts \
+    HF_HUB_CACHE=/data/hub \
+    BERT_SERVE_ARTIFACT_CACHE=/data/artifacts \
     BERT_SERVE_HOST=0.0.0.0 \
     BERT_SERVE_PORT=8080 \
     BERT_SERVE_GRPC_PORT=50051
@@ -160,6 +162,9 @@ EXPOSE 8080 50051
 # Python's urllib instead of curl: nothing extra in the image. Non-2xx or no answer -> exit 1.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import os, sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('BERT_SERVE_PORT', '8080'), timeout=4); sys.exit(0)"]
-# Every setting comes from the BERT_SERVE_* environment variables above (a ConfigMap overrides
-# them in Kubernetes), so no flags here would shadow them.
-CMD ["bert-serve"]
+# Arguments after the image name go to bert-serve, as TEI's image takes them
+# (`docker run IMAGE --model-id ORG/NAME`); without any, it serves the artifacts compiled above.
+# Every other setting comes from the BERT_SERVE_* environment variables above (a ConfigMap
+# overrides them in Kubernetes).
+ENTRYPOINT ["bert-serve"]
+CMD ["--artifacts", "/opt/bert/artifacts"]

@@ -1,8 +1,9 @@
 """The FastAPI application: lifespan, error handlers and the ASGI middleware around the routes.
 
 Middleware is plain ASGI (not BaseHTTPMiddleware) so it neither buffers responses nor breaks
-cancellation. Outermost first: metrics (counts every answer, refusals included), API key,
-body-size limit.
+cancellation. Outermost first: metrics and the request's trace span (with --otlp-endpoint; they
+count every answer, refusals included), CORS (with --cors-allow-origin: a preflight needs no API key),
+API key, body-size limit.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse
 from starlette.staticfiles import StaticFiles
@@ -32,6 +34,9 @@ from .routes import router, with_body_schemas
 from .runtime import BackendLoader, PendingArtifact, Runtime
 from .settings import Settings
 
+if TYPE_CHECKING:
+    from .tracing import Tracing
+
 log = logging.getLogger(__name__)
 
 # Open to GET and HEAD without the API key, as TEI leaves them: the probes (an orchestrator sends no
@@ -46,30 +51,38 @@ def error_response(error: ServiceError, path: str) -> JSONResponse:
     return JSONResponse(error.body(path), status_code=error.status, headers=headers)
 
 
-class MetricsMiddleware:
-    """Request count and latency per endpoint and status; unknown paths share one label."""
+class Answer:
+    """`send` of one request, noting the status it is answered with (500 until a response starts)."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str]):
-        self.app, self.metrics, self.paths = app, metrics, paths
+    def __init__(self, send: Send):
+        self._send, self.status = send, 500
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self._send(message)
+
+
+class MetricsMiddleware:
+    """Request count and latency per endpoint and status (unknown paths share one label) and, with
+    --otlp-endpoint, the request's trace span, named by its route (`service.tracing`)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, paths: frozenset[str], tracing: Tracing | None):
+        self.app, self.metrics, self.paths, self.tracing = app, metrics, paths, tracing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         started = time.perf_counter()
-        status = 500
-
-        async def send_with_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        answer = Answer(send)
+        route = scope["path"] if scope["path"] in self.paths else None
         try:
-            await self.app(scope, receive, send_with_status)
+            with contextlib.nullcontext() if self.tracing is None else self.tracing.request_span(scope, route, answer):
+                await self.app(scope, receive, answer.send)
         finally:
-            endpoint = scope["path"] if scope["path"] in self.paths else "other"
-            self.metrics.requests.labels(endpoint, str(status)).inc()
-            self.metrics.request_seconds.labels(endpoint, str(status)).observe(time.perf_counter() - started)
+            endpoint, status = route or "other", str(answer.status)
+            self.metrics.requests.labels(endpoint, status).inc()
+            self.metrics.request_seconds.labels(endpoint, status).observe(time.perf_counter() - started)
 
 
 class ApiKeyMiddleware:
@@ -150,12 +163,15 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     metrics = Metrics()
     runtime = Runtime(settings, metrics, loader, on_fatal, pending)
 
+    grpc, stopping = [], []  # the gRPC server once the lifespan started it; its stop once the signal came
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI):
         loading = asyncio.create_task(runtime.start(), name="load-artifacts")
-        grpc_server = await start_grpc(settings, runtime, metrics) if settings.grpc_port is not None else None
+        if settings.grpc_port is not None:
+            grpc.append(await start_grpc(settings, runtime, metrics))
         yield
-        if grpc_server is not None:  # in-flight calls finish (up to the request timeout), new ones are refused
+        for grpc_server in grpc:  # in-flight calls finish (up to the request timeout), new ones are refused
             await grpc_server.stop(settings.request_timeout)
         if not loading.done():
             loading.cancel()
@@ -163,8 +179,15 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
         await runtime.close()
         log.info("stopped")
 
+    def drain() -> None:
+        """The stop signal has come (uvicorn refuses new connections): gRPC refuses new calls, and
+        every model dispatches what it holds or still receives without waiting for company."""
+        stopping.extend(asyncio.get_running_loop().create_task(grpc_server.stop(settings.request_timeout))
+                        for grpc_server in grpc)
+        runtime.drain()
+
     app = FastAPI(title="bert-tvm-serve", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.settings, app.state.metrics, app.state.runtime = settings, metrics, runtime
+    app.state.settings, app.state.metrics, app.state.runtime, app.state.drain = settings, metrics, runtime, drain
     # The routes join the app's own router: FastAPI 0.165's include_router wraps each included route
     # in layers (route contexts, body limits) that run on every request.
     app.router.routes.extend(router.routes)
@@ -192,5 +215,9 @@ def create_app(settings: Settings, *, loader: BackendLoader = load_backend,
     app.add_middleware(BodyLimitMiddleware, limit=settings.payload_limit)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(MetricsMiddleware, metrics=metrics, paths=frozenset(route.path for route in router.routes))
+    if settings.cors_allow_origin:  # TEI's methods, and the API key's header
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allow_origin, allow_methods=["GET", "POST"],
+                           allow_headers=["content-type", "authorization"])
+    app.add_middleware(MetricsMiddleware, metrics=metrics, paths=frozenset(route.path for route in router.routes),
+                       tracing=runtime.tracing)
     return app

@@ -91,7 +91,8 @@ class Batcher:
         self._running: set[asyncio.Task] = set()
         self._progress = asyncio.Event()  # a batch was dispatched or finished
         self._loop_task: asyncio.Task | None = None
-        self._closing = False
+        self._draining = False  # shutdown has begun: queued inputs go at once, without lingering
+        self._closed = False  # close() has begun: inputs are refused
 
     @property
     def healthy(self) -> bool:
@@ -115,8 +116,10 @@ class Batcher:
         """Queue inputs and wait for their results, in order.
 
         429 at once when over capacity, 413 when the request could never fit, 504 past the
-        request timeout; when one input fails, the request's other queued inputs are dropped."""
-        if self._closing:
+        request timeout; when one input fails, the request's other queued inputs are dropped. Inputs
+        still arriving once shutdown has begun are taken until `close`: their requests were received
+        before the signal (the servers refuse new connections), some still tokenizing at it."""
+        if self._closed:
             raise Unavailable("server is shutting down")
         if not self.healthy:
             raise Unavailable(f"the batcher is down: {self.failure or 'restarting'}")
@@ -137,14 +140,16 @@ class Batcher:
         return list(results)
 
     def drain(self) -> None:
-        """Refuse new work; what is queued is dispatched at once instead of lingering for company."""
-        self._closing = True
+        """Shutdown has begun: what is queued, or queued from now on, is dispatched at once instead
+        of lingering for company."""
+        self._draining = True
         self.queue.arrived.set()
 
     async def close(self, deadline: float) -> bool:
         """Refuse new work, finish what is queued and running until `deadline` (loop time, shared
         by every model's batcher), stop; whether every batch finished (the lanes' owner then waits
         for their threads)."""
+        self._closed = True
         self.drain()
         loop = asyncio.get_running_loop()
         while self._loop_alive() and (len(self.queue) or self._running) and loop.time() < deadline:
@@ -227,7 +232,7 @@ class Batcher:
 
     async def _linger(self) -> None:
         """With a worker free, let the oldest input wait up to max_wait for a fuller batch."""
-        while self.queue.entries and not self._closing:
+        while self.queue.entries and not self._draining:
             live = [entry for entry in self.queue.entries if entry.live]
             if not live or len(live) >= self._full_size(max(len(entry.encoded) for entry in live)):
                 return

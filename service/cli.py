@@ -33,6 +33,24 @@ def _switch(text: str) -> bool:
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}") from None
 
 
+class _RefusedFlag(argparse.Action):
+    """A TEI flag that means nothing here: one line saying what to use instead, exit 2."""
+
+    def __init__(self, *args, instead: str, **kwargs):
+        super().__init__(*args, help=f"refused: {instead}", **kwargs)
+        self.instead = instead
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: {option_string}: {self.instead}\n")
+
+
+class _Granted(argparse.Action):
+    """A TEI switch asking for what is so here anyway."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        pass
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The flags, each also a BERT_SERVE_* variable; docs/SERVE.md's reference is rendered from them."""
     parser = argparse.ArgumentParser(
@@ -81,6 +99,28 @@ def build_parser() -> argparse.ArgumentParser:
     add("--auto-truncate", nargs="?", const=True, type=_switch, metavar="true|false",
         help="HTTP requests that do not say `truncate` cut over-long inputs (default on, as TEI); off: 413")
     add("--no-auto-truncate", dest="auto_truncate", action="store_false", default=None, help="--auto-truncate false")
+    # The rest of TEI's command line: its names for flags above, its flags, and those refused
+    add("--hostname", dest="host", help="TEI's name for --host")
+    add("-p", dest="port", type=int, help="--port")
+    add("--served-model-name", dest="served_names", action="append", help="TEI's name for --served-name")
+    add("--json-output", dest="log_format", action="store_const", const="json", help="--log-format json")
+    add("--tokenization-workers", type=int, help="threads tokenizing large requests off the event loop (default 1)")
+    add("--dtype", choices=["float32", "float16", "bfloat16"], help="refuse to start unless every model computes "
+        "in this (it is chosen when compiling: bert-compile --precision)")
+    add("--pooling", choices=["cls", "mean", "splade", "last-token"], help="refuse to start unless every embedding "
+        "model pools so (it is chosen when compiling: bert-compile --pooling)")
+    add("--otlp-endpoint", help="export request traces (a span per request, with its tokenization, queue and "
+        "inference) over OTLP/HTTP to this collector, e.g. http://collector:4318")
+    add("--otlp-service-name", help="the traces' service.name (default bert-serve)")
+    add("--cors-allow-origin", action="append", help="let browsers call from this origin (repeat for several, "
+        "`*` for any); default: no CORS headers")
+    add("--uds-path", type=Path, help="also serve HTTP on this unix socket")
+    add("--prometheus-port", type=int, help="also serve the metrics on this port (/metrics stays on --port)")
+    add("--disable-spans", nargs=0, action=_Granted, help="TEI's: log lines carry no trace spans here anyway")
+    add("--dense-path", action=_RefusedFlag, instead="the Dense modules are compiled in: bert-compile takes those "
+        "the checkpoint's modules.json lists")
+    add("--device-id", action=_RefusedFlag, instead="a CUDA model runs on the first GPU it sees: pick it with "
+        "CUDA_VISIBLE_DEVICES=ID")
     add("--api-key", help="require Authorization: Bearer KEY on every route but the probes and /metrics")
     add("--log-level", choices=["debug", "info", "warning", "error"])
     add("--log-format", choices=["text", "json"])
@@ -161,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import create_app
     from .grpc_api.server import GrpcPortTaken, check_grpc_port
+    from .listeners import ListenerError, Listeners
     from .model_cache import CacheError, hub_artifact
     from .runtime import ArtifactSetError
 
@@ -182,14 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         if settings.grpc_port is not None:
             check_grpc_port(settings.host, settings.grpc_port)
         app = create_app(settings, on_fatal=stop_on_load_failure, pending=pending)
-    except (ArtifactError, ArtifactSetError, TopologyError, GrpcPortTaken, HubError, CacheError, CompileError) as exc:
+        listeners = Listeners(settings, app.state.metrics.registry)
+    except (ArtifactError, ArtifactSetError, TopologyError, GrpcPortTaken, HubError, CacheError, CompileError,
+            ListenerError) as exc:
         print(f"bert-serve: error: {exc}", file=sys.stderr)
         return 2
-    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
-                                           access_log=False, lifespan="on"), app.state.runtime.drain)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+                            lifespan="on")
+    server = DrainingServer(config, app.state.drain)
     # uvicorn drains, then re-raises the signal that stopped it; with these no-op handlers in place
     # (restored when it returns) a drained shutdown exits 0 instead of dying by that signal.
     for stop_signal in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda *_: None)
-    server.run()
+    try:
+        server.run(sockets=listeners.sockets(config.bind_socket))
+    finally:
+        listeners.close()
     return 1 if failed or not server.started else 0

@@ -11,6 +11,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from .inputs import (
     valid_dimensions,
 )
 from .tokenization import Prompts, TextTokenizer
+
+if TYPE_CHECKING:
+    from .tracing import Tracing
 
 # Cosine similarities lie in [-1, 1]; scaled by 20 (sentence-transformers' contrastive-loss
 # scale) before the softmax, the labels' probabilities are neither uniform nor one-hot.
@@ -63,8 +67,9 @@ class ModelService:
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
                  tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
-                 problem_type: str | None = None, prompts: Prompts | None = None):
+                 problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None):
         self.name = name
+        self.tracing = tracing  # with --otlp-endpoint: each request's stages become spans
         self.prompts = prompts or Prompts({}, "")
         self.output_dim = output_dim
         self.problem_type = problem_type
@@ -92,6 +97,9 @@ class ModelService:
         encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
+        if self.tracing is not None:
+            self.tracing.record_stages(started, tokenized, results, {"inputs": len(inputs),
+                                                                     "tokens": sum(map(len, encoded))})
         return Computed(
             rows=[result.output for result in results],
             lengths=[len(item) for item in encoded],

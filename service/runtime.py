@@ -41,7 +41,6 @@ from .topology import cores_to_use, plan_topology
 log = logging.getLogger(__name__)
 
 VERSION = package_metadata.version("bert-tvm-serve")
-TOKENIZATION_WORKERS = 1  # one thread: tokenizers' Rust encoder parallelises a batch itself
 
 BackendLoader = Callable[[Path, str, "int | None"], Backend]  # (directory, backend, threads per worker)
 
@@ -87,7 +86,30 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
     twice = sorted({name for name in taken if taken.count(name) > 1})
     if twice:
         raise ArtifactSetError(f"two models are named {twice[0]!r}; name them apart with --served-name")
+    check_tei_choices(served, settings)
     return served
+
+
+# TEI's --dtype values by what /info's model_dtype calls them
+TEI_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def check_tei_choices(served: list[ServedArtifact], settings: Settings) -> None:
+    """TEI's --dtype and --pooling pick what its model computes at load time; here both were
+    chosen when compiling, so they are accepted where every model already is what they ask."""
+    for artifact in served:
+        manifest = artifact.manifest
+        dtype = TEI_DTYPES.get(model_dtype(manifest), model_dtype(manifest))
+        if settings.dtype is not None and dtype != settings.dtype:
+            raise ArtifactSetError(
+                f"--dtype {settings.dtype}: model {artifact.name!r} computes in {model_dtype(manifest)}, chosen when "
+                f"it was compiled; compile it with bert-compile --precision fp32|bf16|int8 (float16: --target cuda "
+                f"--dtype float16), or leave --dtype out")
+        pooling = tei_model_type(manifest).get("embedding", {}).get("pooling")
+        if settings.pooling is not None and pooling is not None and pooling != settings.pooling:
+            raise ArtifactSetError(
+                f"--pooling {settings.pooling}: model {artifact.name!r} pools by {pooling}, chosen when it was "
+                f"compiled; compile it with bert-compile --pooling mean|cls|max|none|splade, or leave --pooling out")
 
 
 def freeze_startup_objects() -> None:
@@ -127,7 +149,12 @@ class Runtime:
         self.lanes: Lanes | None = None  # every model's batches run on the same workers, within the cores
         self.error: str | None = None
         self.loaded = False
-        self._tokenizer_pool = ThreadPoolExecutor(TOKENIZATION_WORKERS, thread_name_prefix="tokenize")
+        self._tokenizer_pool = ThreadPoolExecutor(settings.tokenization_workers, thread_name_prefix="tokenize")
+        self.tracing = None
+        if settings.otlp_endpoint:  # the exporter's imports (~0.1 s) only where traces are wanted
+            from .tracing import Tracing
+
+            self.tracing = Tracing(settings.otlp_endpoint, settings.otlp_service_name)
 
     @property
     def artifacts(self) -> list[ServedArtifact]:
@@ -204,7 +231,7 @@ class Runtime:
         return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type, artifact.prompts)
+                            manifest.problem_type, artifact.prompts, self.tracing)
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
@@ -237,7 +264,8 @@ class Runtime:
         return model_kind(self.primary.manifest)
 
     def drain(self) -> None:
-        """Shutdown has begun: refuse new inputs, dispatch queued ones without waiting for company."""
+        """Shutdown has begun: queued inputs, and those of requests received before it, are dispatched
+        without waiting for company (the servers refuse new connections themselves)."""
         for service in self.models.values():
             service.batcher.drain()
 
@@ -249,6 +277,8 @@ class Runtime:
         if self.lanes is not None:
             self.lanes.shutdown(wait=all(finished))  # a stuck batch is left behind rather than hang shutdown
         self._tokenizer_pool.shutdown(wait=True)
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def describe(self) -> dict:
         """The /info body: TEI's fields for the first model, then every model in detail."""
@@ -268,7 +298,7 @@ class Runtime:
             "max_batch_requests": settings.max_batch_requests,
             "max_client_batch_size": settings.max_client_batch_size,
             "auto_truncate": settings.auto_truncate,
-            "tokenization_workers": TOKENIZATION_WORKERS,
+            "tokenization_workers": settings.tokenization_workers,
             "version": VERSION, "sha": None, "docker_label": None,  # TEI's build fields
             "backend": settings.backend,
             "ready": self.ready,

@@ -3,7 +3,7 @@ the model (`artifacts` or `model_id`) comes whole from the last of these that na
 
 pydantic-settings is not a dependency, so the environment is read here: every field `x_y` is
 settable as `BERT_SERVE_X_Y`, and those TEI reads also by TEI's name (TEI_VARIABLES); list fields
-(`artifacts`, `served_names`) take comma-separated values.
+(`artifacts`, `served_names`, `cors_allow_origin`) take comma-separated values.
 """
 
 from __future__ import annotations
@@ -69,8 +69,20 @@ class Settings(BaseModel):
     api_key: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"
+    # The rest of TEI's command line
+    # one is enough: tokenizers' Rust encoder parallelises a batch itself
+    tokenization_workers: int = Field(1, ge=1, description="threads tokenizing large requests off the event loop")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
+        None, description="TEI's: what every model must compute in; the precision is chosen when compiling")
+    pooling: Literal["cls", "mean", "splade", "last-token"] | None = Field(
+        None, description="TEI's: the pooling every embedding model must have; it is chosen when compiling")
+    otlp_endpoint: str | None = Field(None, description="export request traces over OTLP/HTTP to this collector")
+    otlp_service_name: str = "bert-serve"
+    cors_allow_origin: list[str] | None = Field(None, description="origins browsers may call from (`*`: any)")
+    uds_path: Path | None = Field(None, description="also serve HTTP on this unix socket")
+    prometheus_port: int | None = Field(None, ge=0, le=65535, description="also serve /metrics on this port")
 
-    @field_validator("artifacts", "served_names", mode="before")
+    @field_validator("artifacts", "served_names", "cors_allow_origin", mode="before")
     @classmethod
     def _split(cls, value: Any) -> Any:
         if isinstance(value, str):

@@ -194,8 +194,7 @@ def test_runtime_stage_exposes_and_starts_the_server():
         assert str(container_port) in exposed and str(grpc_port) in exposed
         env = " ".join(args for instruction, args in chain if instruction == "ENV")
         assert f"BERT_SERVE_PORT={container_port}" in env and f"BERT_SERVE_GRPC_PORT={grpc_port}" in env
-        command = [args for instruction, args in chain if instruction in ("CMD", "ENTRYPOINT")][-1]
-        assert "bert-serve" in command
+        assert _exec_form(chain, "ENTRYPOINT") == ["bert-serve"]
         assert not any(instruction == "RUN" and "apt-get" in args for instruction, args in chain), (
             "no package installs in the runtime stage")
 
@@ -259,10 +258,13 @@ def test_strict_validation_rejects_unknown_fields(tmp_path):
     assert result.returncode != 0 and "readinesProbe" in result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def _variant(deployment: dict) -> str:
+    return deployment["metadata"]["labels"].get("app.kubernetes.io/variant", "cpu")
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu", "model-id"])
 def test_probes_point_at_ready_and_health_on_the_container_port(variant):
-    (deployment,) = [d for d in _deployments()
-                     if (d["metadata"]["labels"].get("app.kubernetes.io/variant") == "gpu") == (variant == "gpu")]
+    (deployment,) = [d for d in _deployments() if _variant(d) == variant]
     container = _container(deployment)
     port = _http_port(container)
     on_port = (port["containerPort"], port.get("name"))
@@ -328,15 +330,57 @@ def _env_settings() -> dict[str, dict[str, str]]:
     return sources
 
 
+def _exec_form(chain: list[tuple[str, str]], instruction: str) -> list[str]:
+    """The last `instruction` (CMD or ENTRYPOINT) of a stage chain, which must be in exec form (JSON)."""
+    (*_, args) = [args for name, args in chain if name == instruction]
+    return json.loads(args)
+
+
+def _image_chain(deployment: dict) -> list[tuple[str, str]]:
+    """The image stages a Deployment's container runs: the CUDA image where it asks for a GPU."""
+    gpu = "nvidia.com/gpu" in _container(deployment)["resources"]["limits"]
+    chains = _final_chains()
+    return chains.get("runtime-cuda" if gpu else "runtime-cpu", next(iter(chains.values())))
+
+
+def _container_settings(deployment: dict):
+    """The settings bert-serve starts a Deployment's container with: its `args`, else the image's CMD,
+    over its environment (the image's ENV, the ConfigMap, `env`)."""
+    from service.cli import parse_args
+    from service.settings import Settings
+
+    argv = _container(deployment).get("args", _exec_form(_image_chain(deployment), "CMD"))
+    return Settings.load(vars(parse_args(argv)), environ=_container_env(deployment))
+
+
 def test_server_settings_are_ones_bert_serve_reads():
-    """Every BERT_SERVE_* variable we set is a bert-serve setting (service/settings.py) and parses."""
+    """Every BERT_SERVE_* variable we set is a bert-serve setting (service/settings.py), and every
+    Deployment's container starts with settings that parse."""
     from service import settings
     known = {settings.ENV_PREFIX + name.upper() for name in settings.Settings.model_fields}
     for source, env in _env_settings().items():
         assert env.keys() <= known, f"{source} sets {sorted(env.keys() - known)}, which bert-serve does not read"
-        loaded = settings.Settings.load({}, environ=env)
-        assert loaded.host == "0.0.0.0" and loaded.port == 8080, source
-        assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], source
+    for deployment in _deployments():
+        loaded = _container_settings(deployment)
+        assert loaded.host == "0.0.0.0" and loaded.port == 8080, _variant(deployment)
+
+
+def test_arguments_after_the_image_name_go_to_bert_serve_and_none_serve_the_baked_in_model():
+    """`docker run IMAGE ARGS` runs `bert-serve ARGS` (TEI's image takes its flags so); without
+    ARGS the image's CMD serves the artifacts its build stage compiled."""
+    for chain in _final_chains().values():
+        assert _exec_form(chain, "ENTRYPOINT") == ["bert-serve"]
+        assert _exec_form(chain, "CMD") == ["--artifacts", "/opt/bert/artifacts"]
+        assert ("COPY", "--from=build /opt/bert/artifacts /opt/bert/artifacts") in chain
+    for deployment in _deployments():
+        loaded = _container_settings(deployment)
+        if _variant(deployment) == "model-id":
+            assert "args" in _container(deployment) and loaded.model_id == "BAAI/bge-small-en-v1.5"
+            assert {m["mountPath"] for m in _container(deployment)["volumeMounts"]} >= {"/data"}
+            assert str(loaded.artifact_cache).startswith("/data/")
+        else:
+            assert "args" not in _container(deployment)
+            assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], _variant(deployment)
 
 
 def test_probes_stay_open_with_the_api_key_from_a_secret():
@@ -359,10 +403,8 @@ def test_probes_stay_open_with_the_api_key_from_a_secret():
 def test_termination_grace_outlasts_the_drain():
     """On SIGTERM bert-serve answers every request it holds within its request timeout (one
     deadline for every model): Kubernetes must not kill it sooner."""
-    from service.settings import Settings
-
     for deployment in _deployments():
-        timeout = Settings.load({}, environ=_container_env(deployment)).request_timeout
+        timeout = _container_settings(deployment).request_timeout
         assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > timeout
 
 
@@ -380,9 +422,7 @@ def _cpus(quantity) -> float:
 def _container_env(deployment: dict) -> dict[str, str]:
     """What the container's process sees: the image's ENV, then its ConfigMaps, then `env`."""
     container = _container(deployment)
-    gpu = "nvidia.com/gpu" in container["resources"]["limits"]
-    chains = _final_chains()
-    env = _image_env(chains.get("runtime-cuda" if gpu else "runtime-cpu", next(iter(chains.values()))))
+    env = _image_env(_image_chain(deployment))
     config_maps = {doc["metadata"]["name"]: doc["data"] for _, doc in _documents() if doc["kind"] == "ConfigMap"}
     for source in container.get("envFrom", []):
         env.update({k: str(v) for k, v in config_maps[source["configMapRef"]["name"]].items()})
@@ -418,7 +458,7 @@ def test_worker_threads_fit_the_cpu_limit():
     """No configured workers x threads-per-worker exceeds the container's CPU limit."""
     for deployment in _deployments():
         limits = _container(deployment)["resources"]["limits"]
-        variant = deployment["metadata"]["labels"].get("app.kubernetes.io/variant", "cpu")
+        variant = _variant(deployment)
         assert "cpu" in limits, f"{variant} Deployment: no cpu limit to size the threads from"
         problems = _oversubscription(_container_env(deployment), _cpus(limits["cpu"]))
         assert not problems, f"{variant} Deployment oversubscribes its CPUs: {problems}"

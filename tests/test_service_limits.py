@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import threading
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import error_of
 
-from loadtest.servers import metric_value, wait_until
+from loadtest.servers import free_port, metric_value, wait_until
 from service.cli import parse_args
 from service.settings import Settings
 
@@ -146,6 +147,62 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
             thread.join(timeout=30)
         assert statuses == [200, 200, 200]
         assert server.process.wait(timeout=30) == 0
+
+
+def _refuses_connections(url: str) -> bool:
+    try:
+        httpx.get(f"{url}/health", timeout=5)
+    except httpx.ConnectError:
+        return True
+    return False
+
+
+def _grpc_refuses(address: str) -> bool:
+    import grpc
+
+    from service.grpc_api import tei_pb2 as pb
+    from service.grpc_api import tei_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            pb_grpc.InfoStub(channel).Info(pb.InfoRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
+def test_sigterm_answers_a_request_still_tokenizing(serve, tiny_embed_artifact):
+    """A request received before SIGTERM is answered even while its inputs are still being
+    tokenized, before they reach a queue; connections made after the signal are refused, and so
+    are gRPC calls.
+
+    The server's tokenizer holds the request until the test lets it go
+    (tests/server_holding_tokenization.py): the signal comes while it tokenizes, whatever the
+    speed of this machine. Its 32 inputs, over 2048 characters, are tokenized off the event loop."""
+    inputs = [f"hold {i}: " + "a few more words " * 8 for i in range(32)]
+    with socket.create_server(("127.0.0.1", 0)) as hold:
+        hold.settimeout(120)
+        env = {"PYTHONPATH": str(Path(__file__).parent), "HOLD_PORT": str(hold.getsockname()[1])}
+        grpc_port = free_port()
+        with serve([tiny_embed_artifact], "--grpc-port", str(grpc_port), env=env,
+                   module="server_holding_tokenization") as server:
+            assert not _grpc_refuses(f"127.0.0.1:{grpc_port}")
+            answers: list[httpx.Response] = []
+            request = threading.Thread(target=lambda: answers.append(
+                httpx.post(f"{server.url}/embed", json={"inputs": inputs}, timeout=120)))
+            request.start()
+            tokenizer, _ = hold.accept()
+            with tokenizer:
+                assert tokenizer.recv(10) == b"tokenizing"
+                server.process.send_signal(signal.SIGTERM)
+                wait_until(lambda: _refuses_connections(server.url), what="new connections refused")
+                wait_until(lambda: _grpc_refuses(f"127.0.0.1:{grpc_port}"), what="new gRPC calls refused")
+                assert answers == []
+                tokenizer.sendall(b"go")
+            request.join(timeout=120)
+            assert answers[0].status_code == 200, answers[0].text
+            assert len(answers[0].json()) == len(inputs)
+            assert server.process.wait(timeout=60) == 0
 
 
 def test_a_multi_label_head_scores_each_label_with_a_sigmoid(serve, tmp_path, tiny_classifier_dir):

@@ -26,7 +26,8 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from compile.build import make_target
 from compile.capabilities import Capabilities
-from compile.kernels import amx, bf16, int8, launch
+from compile.kernels import amx, bf16, int8
+from compile.kernels.linking import linked_objects
 from compile.lowering import tir_pipeline
 from compile.precision import GATES
 
@@ -48,8 +49,7 @@ def _export(func, schedule, target, path):
     sch = schedule(func)
     assert sch is not None
     library = tvm.compile(sch.mod, target, tir_pipeline=tir_pipeline(target))
-    library.export_library(str(path), addons=[*launch.linked_objects(target), str(bf16.kernels_object()),
-                                              str(amx.kernels_object())])
+    library.export_library(str(path), addons=linked_objects(sch.mod))
     return path
 
 

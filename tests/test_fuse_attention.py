@@ -18,9 +18,9 @@ from tvm import relax, tirx
 
 from artifact.cpu_features import missing_on_host, target_features
 from artifact.packed_batch import pack_batch
-from compile.build import make_target
+from compile.build import build_library, make_target
 from compile.capabilities import KernelConfig
-from compile.kernels import amx, attention, attention_amx, attention_bf16, bf16
+from compile.kernels import attention, attention_amx, attention_bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.launch import CLAIM
 from compile.lowering import tir_pipeline
@@ -220,9 +220,7 @@ def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.run
     "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
     kernels = _products_on(products)
     target = make_target("cpu", mcpu=PRODUCT_CPUS[products])
-    built = tvm.compile(module, target, relax_pipeline=cpu_pipeline(target, kernels), tir_pipeline=tir_pipeline(target))
-    built.export_library(str(path), addons=bf16.linked_objects(module, products)
-                         + amx.linked_objects(module, kernels.capabilities.amx, products))
+    build_library(module, target, path, kernels=kernels)
     if not _runs_here(target):
         pytest.skip(f"compiled for {PRODUCT_CPUS[products]}; this CPU lacks its features, so it is not run")
     return tvm.runtime.load_module(str(path))

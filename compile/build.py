@@ -15,7 +15,7 @@ from artifact.cpu_features import missing_on_host, target_features
 from .capabilities import KernelConfig
 from .errors import CompileError
 from .importer import symbolic_dims
-from .kernels import amx, attention_int8, bf16, launch
+from .kernels.linking import linked_objects
 from .lowering import tir_pipeline
 from .passes.specialize import specialize_te_kernels
 from .schedule import cpu_pipeline
@@ -111,10 +111,8 @@ def build_library(mod: tvm.IRModule, target: tvm.target.Target, path: Path, cuda
         import_cuda_tensor_intrinsics()
     kernels = kernels or KernelConfig.of(target)
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": cuda_graph}):
-        executable = tvm.compile(mod, target, relax_pipeline=relax_pipeline(target, kernels, tuned),
-                                 tir_pipeline=tir_pipeline(target))
-    capabilities, products = kernels.capabilities, kernels.products
-    addons = (launch.linked_objects(target) + bf16.linked_objects(mod, products)
-              + amx.linked_objects(mod, capabilities.amx, products)
-              + attention_int8.linked_objects(capabilities.int8_kernel, products))
-    executable.export_library(str(path), addons=addons)
+        with target:  # as tvm.compile runs a Relax pipeline
+            lowered = relax_pipeline(target, kernels, tuned)(mod)
+        executable = tvm.compile(lowered, target, relax_pipeline=None, tir_pipeline=tir_pipeline(target))
+    # the C objects defining what its kernels call (compile/kernels/linking.py)
+    executable.export_library(str(path), addons=linked_objects(lowered, kernels.capabilities.int8_kernel))

@@ -11,5 +11,8 @@ family that recognises it.
 - `rows`: row kernels (softmax, layer norm, the int8 row quantisation);
 - `sparse`: block-sparse (BSR) linears, M-tiled;
 - `fallback`: whatever else, parallel and vectorised;
-- `fast_math`: vectorisable exp and erf; `common`: the host's lanes and schedule helpers.
+- `fast_math`: vectorisable exp and erf; `common`: the host's lanes and schedule helpers;
+- `c/`: the C routines the kernels call where TVM's code generator cannot express them (bf16 and AMX
+  tiles, attention's bf16 and int8 products, the claim counter), one object per file (`objects`), linked
+  into a library where its kernels call one of their symbols (`linking`).
 """

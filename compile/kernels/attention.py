@@ -44,6 +44,10 @@ the staged keys and values, each tile's queries and its probabilities quantized,
 tile, keys staged to whole quads). In every library the threads claim the (sequence, head) tasks as
 they come free (launch.claim_iterations): a mixed batch's long sequences do not land on one thread.
 
+The code follows that split: one skeleton (`_write_attention`: each task's length, its keys and values
+staged, the padding rows) and one object per arithmetic (`Fp32Products`, `Bf16Products`, `AmxProducts`,
+`Int8Products`) that stages the products' operands and writes a tile of queries' rows.
+
 The packed layout's inputs (artifact/packed_batch.py) carry the contract this relies on: `gather`
 and `scatter` are inverse maps on real tokens, so writing row gather[b, i] is the graph's
 take(context, scatter).
@@ -133,7 +137,7 @@ def _context_passes(head_size: int, lanes: int, tile: int) -> tuple[int, int, in
 def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFunc:
     """The kernel's PrimFunc, written already scheduled (parallel, vectorised, register-tiled), at
     `kernels`' lanes with its products in `kernels.products`: "bf16" on attention_bf16's micro-kernels,
-    "amx" on attention_amx's tiles, "int8" on attention_int8's, "fp32" in the loops below. Products
+    "amx" on attention_amx's tiles, "int8" on attention_int8's, "fp32" in TIR loops (`ARITHMETIC`). Products
     the CPU has no kernel for at this head size (`Capabilities.attention_products`) are refused.
 
     Parsing the script takes seconds (each use of a macro parses it again), and a compile asks for
@@ -158,264 +162,444 @@ def _written(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
     return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows), lanes, products)
 
 
-def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
-    amx, bf16, int8 = products == "amx", products in ("bf16", "amx"), products == "int8"
-    i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
-    queries_per_tile, keys_per_tile = ((lanes, KEYS) if bf16 else (attention_int8.QUERIES, attention_int8.KEY_STEP)
-                                       if int8 else _score_tile(lanes))
-    H, D, V = i64(shape.heads), i64(shape.head_size), i64(lanes)
-    TQ, KB = i64(queries_per_tile), i64(keys_per_tile)
-    DU, KU = i64(DIMS_UNROLLED), i64(KEYS_UNROLLED)
-    QV = TQ // V  # vectors of queries a tile
-    STAGE = i64(attention_amx.KEY_STEP) if amx else KB  # keys are staged (zero) for whole tiles
-    S_MAX = i64(-(-shape.max_seq // int(STAGE)) * int(STAGE))
-    (NQ, NK, NV), (QO, KO, VO) = (i64(w) for w in shape.widths), (i64(o) for o in shape.offsets)
-    B, S, R = (i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))
-    R_OUT = R if shape.packed else B * S
-    SCALE = tirx.const(shape.scale, "float32")
-    LOG2_SCALE, LOG2_E = tirx.const(shape.scale * LOG2E, "float32"), tirx.const(LOG2E, "float32")
-    packed = shape.packed
-    zero, neg, real_key = (tirx.const(v, "float32") for v in (0.0, NEG, REAL_KEY_BIAS))
-    MIN_WORK = i64(MIN_PARALLEL_WORK)
-    DP, QP, LARGER, SMALLER = (i64(x) for x in _context_passes(shape.head_size, lanes, queries_per_tile))
-    products_of = attention_amx if amx else attention_bf16
-    scores_symbol = products_of.SCORES.format(head=shape.head_size)
-    context_symbol = products_of.CONTEXT.format(head=shape.head_size)
-    int8_tile_symbol = attention_int8.TILE.format(head=shape.head_size)
+def _i64(value: int) -> tirx.IntImm:
+    return tirx.IntImm("int64", value)
 
-    def start(buffer, access):
-        """The whole of `buffer` for a bf16 micro-kernel that reads ("r") or writes ("w") it. Its bf16
-        operands travel as pairs in 32-bit words typed float32, so TVM's storage planner may share
-        their memory with the fp32 staging buffers (it cannot give a uint16 buffer's access pointer
-        the memory of a float32 one)."""
-        return buffer.access_ptr(access)
 
-    def micro_kernel(symbol, *args):
-        return T.call_extern("int32", symbol, *args)  # each returns 0
+def _start(buffer, access):
+    """The whole of `buffer` for a C routine that reads ("r") or writes ("w") it. The bf16 and int8
+    operands travel as pairs or quads in 32-bit words typed float32, so TVM's storage planner may share
+    their memory with the fp32 staging buffers (it cannot give a uint16 buffer's access pointer the memory
+    of a float32 one)."""
+    return buffer.access_ptr(access)
 
-    def row_of(gather, b, i, rows):
+
+def _call(symbol, *args):
+    return T.call_extern("int32", symbol, *args)  # each C routine returns 0
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """What the skeleton and the arithmetic of one kernel share: its sizes as int64 TIR constants (or the
+    shape's vars) and the row maps. TQ queries a tile; keys staged to a multiple of STAGE, up to S_MAX."""
+
+    shape: AttentionShape
+    H: tirx.PrimExpr
+    D: tirx.PrimExpr
+    V: tirx.PrimExpr
+    TQ: tirx.PrimExpr
+    STAGE: tirx.PrimExpr
+    S_MAX: tirx.PrimExpr
+    B: tirx.PrimExpr
+    S: tirx.PrimExpr
+    R: tirx.PrimExpr
+    R_OUT: tirx.PrimExpr  # rows of the output: the source's (packed), batch x seq (padded)
+    NQ: tirx.PrimExpr
+    QO: tirx.PrimExpr
+    SCALE: tirx.PrimExpr
+
+    @classmethod
+    def of(cls, shape: AttentionShape, lanes: int, queries: int, stage: int) -> "_Kernel":
+        B, S, R = (_i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))
+        return cls(shape, _i64(shape.heads), _i64(shape.head_size), _i64(lanes), _i64(queries), _i64(stage),
+                   _i64(-(-shape.max_seq // stage) * stage), B, S, R, R if shape.packed else B * S,
+                   _i64(shape.widths[0]), _i64(shape.offsets[0]), tirx.const(shape.scale, "float32"))
+
+    def row_of(self, gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
         as the graph's take(mode="clip")); padded, b * seq + i."""
-        return T.max(T.min(gather[b, i], rows - i64(1)), i64(0)) if packed else b * S + i
+        return T.max(T.min(gather[b, i], rows - _i64(1)), _i64(0)) if self.shape.packed else b * self.S + i
 
-    @T.macro
-    def fp32_scores(keys, queries, scores, top, key_bias, length):
-        """sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key: `key_bias` is staged so,
-        and the write-back has no branch), KB keys x QV vectors of queries a tile, and top[i] = max_j sT[j, i]
-        taken as they are written: in a pass of its own over the scores each max waited on the one before it
-        (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
-        for block in T.serial((length[0] + KB - i64(1)) // KB):
-            acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
-            for key, qv in T.grid(KB, QV):
-                for lane in T.vectorized(V):
-                    acc[key, qv * V + lane] = zero
-            for d_steps in T.serial(D // DU):
-                for d_step in T.unroll(DU):
-                    for key in T.unroll(KB):
-                        for qv in T.unroll(QV):
-                            for lane in T.vectorized(V):
-                                d = d_steps * DU + d_step
-                                acc[key, qv * V + lane] = (
-                                    acc[key, qv * V + lane] + keys[block * KB + key, d] * queries[d, qv * V + lane])
-            for key in T.unroll(KB):
-                for qv in T.unroll(QV):
-                    for lane in T.vectorized(V):
-                        scores[block * KB + key, qv * V + lane] = acc[key, qv * V + lane] + key_bias[block * KB + key]
-                        top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
+    def staged(self, length):
+        """How many keys are staged for a sequence of `length` real keys (zeros past them)."""
+        return (length[0] + self.STAGE - _i64(1)) // self.STAGE * self.STAGE
 
-    @T.macro
-    def context_step(context, values, scores, j, first, dims, queries):
-        """Key j's values weighted by its scores, added to the pass's `queries` x DP vectors."""
-        for q in T.unroll(queries):
-            for dv in T.unroll(DP):
-                for lane in T.vectorized(V):
-                    context[q, dv * V + lane] = context[q, dv * V + lane] + (
-                        scores[j, first + q] * values[j, dims + dv * V + lane])
+    def query_tiles(self, length):
+        """The loop over the tiles of queries of a sequence of `length` tokens."""
+        return T.serial((length[0] + self.TQ - _i64(1)) // self.TQ)
 
-    @T.macro
-    def context_pass(values, scores, inverse, out, gather, b, h, tile, length, first, dims, queries):
-        """out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i for `queries` queries from the
-        tile's `first` and DP vectors of dims from `dims`: the scores broadcast, the values in vectors."""
-        context = T.alloc_buffer((queries, DP * V), "float32", scope="local")
-        for q, dv in T.grid(queries, DP):
-            for lane in T.vectorized(V):
-                context[q, dv * V + lane] = zero
-        for j_steps in T.serial(length[0] // KU):
-            for j_step in T.unroll(KU):
-                context_step(context, values, scores, j_steps * KU + j_step, first, dims, queries)
-        for j in T.serial(length[0] // KU * KU, length[0]):
-            context_step(context, values, scores, j, first, dims, queries)
-        for q in T.serial(queries):
-            i = tile * TQ + first + q
-            if i < length[0]:
-                for dv in T.unroll(DP):
-                    for lane in T.vectorized(V):
-                        out[row_of(gather, b, i, R_OUT), h * D + dims + dv * V + lane] = (
-                            context[q, dv * V + lane] * inverse[first + q])
+    def query_offsets(self):
+        """A macro: where each query of the tile starts in q_src (the last real one repeated past the
+        sequence's end), for the C routines that round or quantize a tile's queries straight from their rows."""
+        TQ, NQ, QO, D, R, row_of = self.TQ, self.NQ, self.QO, self.D, self.R, self.row_of
 
-    @T.macro
-    def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
-        """The tile's head rows in passes of DP vectors of dims x QP queries, or QP - 1 (`_context_passes`)."""
-        for part in T.serial(D // (DP * V)):
-            for group in T.serial(LARGER):
-                context_pass(values, scores, inverse, out, gather, b, h, tile, length, group * QP,
-                             part * DP * V, QP)
-            for group in T.serial(SMALLER):
-                context_pass(values, scores, inverse, out, gather, b, h, tile, length,
-                             LARGER * QP + group * (QP - i64(1)), part * DP * V, QP - i64(1))
+        @T.macro
+        def query_offsets(query_rows, gather, b, h, tile, length):
+            for lane in T.serial(TQ):
+                i = T.min(tile * TQ + lane, length[0] - _i64(1))
+                query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
 
-    @T.macro
-    def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
-        """One tile of queries in fp32: scores, softmax, and the weighted sum of values."""
-        top = T.alloc_buffer((TQ,), "float32", scope="local")
-        total = T.alloc_buffer((TQ,), "float32", scope="local")
-        for qv in T.unroll(QV):
-            for lane in T.vectorized(V):
-                top[qv * V + lane] = neg
-                total[qv * V + lane] = zero
-        fp32_scores(keys, queries, scores, top, key_bias, length)
-        for j in T.serial(length[0]):
+        return query_offsets
+
+
+class Fp32Products:
+    """The products in fp32 in TIR loops, queries in the vector lanes: a register tile of keys x queries for
+    the scores (`_score_tile`), the softmax down the keys, passes of queries x dims for the context."""
+
+    name = "fp32"
+
+    def __init__(self, lanes: int):
+        self.queries, self.keys = _score_tile(lanes)
+        self.stage = self.keys  # keys are staged (zero) to whole register tiles
+
+    def products(self, k: _Kernel):
+        """A macro: the tile loop over `keys` and `values` as staged, with the keys' mask."""
+        S_MAX, TQ, D, R, QO, staged = k.S_MAX, k.TQ, k.D, k.R, k.QO, k.staged
+        LOG2_SCALE, LOG2_E = tirx.const(k.shape.scale * LOG2E, "float32"), tirx.const(LOG2E, "float32")
+        neg, row_of, query_tiles = tirx.const(NEG, "float32"), k.row_of, k.query_tiles
+        tile_of = self._tile(k)
+
+        @T.macro
+        def products(q_src, bias, gather, out, keys, values, b, h, length):
+            # the mask of the keys, -inf past the last key (a whole tile staged)
+            key_bias = T.alloc_buffer((S_MAX,), "float32")
+            for j in T.serial(staged(length)):
+                key_bias[j] = T.if_then_else(j < length[0], T.max(
+                    bias[b, _i64(0), _i64(0), T.min(j, length[0] - _i64(1))] * LOG2_E, neg), neg)
+            scores = T.alloc_buffer((S_MAX, TQ), "float32")
+            for tile in query_tiles(length):
+                queries = T.alloc_buffer((D, TQ), "float32")
+                for d, lane in T.grid(D, TQ):
+                    i = T.min(tile * TQ + lane, length[0] - _i64(1))
+                    queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * LOG2_SCALE
+                tile_of(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length)
+
+        return products
+
+    def _tile(self, k: _Kernel):
+        """A macro: one tile of queries in fp32: scores, softmax, and the weighted sum of values."""
+        TQ, V = k.TQ, k.V
+        QV = TQ // V  # vectors of queries a tile
+        zero, neg = tirx.const(0.0, "float32"), tirx.const(NEG, "float32")
+        scores_of, context_of = self._scores(k), self._context(k)
+
+        @T.macro
+        def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
+            top = T.alloc_buffer((TQ,), "float32", scope="local")
+            total = T.alloc_buffer((TQ,), "float32", scope="local")
             for qv in T.unroll(QV):
                 for lane in T.vectorized(V):
-                    scores[j, qv * V + lane] = exp2_of_nonpositive(scores[j, qv * V + lane] - top[qv * V + lane])
-                    total[qv * V + lane] = total[qv * V + lane] + scores[j, qv * V + lane]
-        inverse = T.alloc_buffer((TQ,), "float32", scope="local")
-        for qv in T.unroll(QV):
-            for lane in T.vectorized(V):
-                inverse[qv * V + lane] = T.float32(1) / total[qv * V + lane]
-        fp32_context(values, scores, inverse, out, gather, b, h, tile, length)
+                    top[qv * V + lane] = neg
+                    total[qv * V + lane] = zero
+            scores_of(keys, queries, scores, top, key_bias, length)
+            for j in T.serial(length[0]):
+                for qv in T.unroll(QV):
+                    for lane in T.vectorized(V):
+                        scores[j, qv * V + lane] = exp2_of_nonpositive(scores[j, qv * V + lane] - top[qv * V + lane])
+                        total[qv * V + lane] = total[qv * V + lane] + scores[j, qv * V + lane]
+            inverse = T.alloc_buffer((TQ,), "float32", scope="local")
+            for qv in T.unroll(QV):
+                for lane in T.vectorized(V):
+                    inverse[qv * V + lane] = T.float32(1) / total[qv * V + lane]
+            context_of(values, scores, inverse, out, gather, b, h, tile, length)
 
-    @T.macro
-    def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length):
-        """One tile of queries with the products on the bf16 micro-kernels or AMX tiles, which also
-        add the bias, take each query's largest score, and exp and round the probabilities
-        (attention_bf16.py, attention_amx.py: its values transposed, `[dims, S_MAX]`)."""
-        top = T.alloc_buffer((V,), "float32")
-        total = T.alloc_buffer((V,), "float32")
-        T.evaluate(micro_kernel(scores_symbol, start(scores, "w"), start(top, "w"), start(keys_b, "r"),
-                                start(queries_b, "r"), bias.access_ptr("r", offset=b * S), length[0]))
-        T.evaluate(micro_kernel(attention_bf16.SOFTMAX_PAIRS, start(probs_b, "w"), start(total, "w"),
-                                start(scores, "r"), start(top, "r"), length[0]))
-        if amx:
-            T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "rw"),
-                                    start(values_b, "r"), S_MAX, (length[0] + i64(1)) // i64(2)))
-        else:
-            T.evaluate(micro_kernel(context_symbol, start(context_b, "w"), start(probs_b, "r"),
-                                    start(values_b, "r"), (length[0] + i64(1)) // i64(2)))
-        for q in T.serial(V):
-            i = tile * V + q
-            if i < length[0]:
-                for d in T.vectorized(D):
-                    out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
+        return fp32_tile
 
-    @T.macro
-    def query_offsets(query_rows, gather, b, h, tile, length):
-        """Where each query of the tile starts in q_src (the last real one repeated past the sequence's
-        end), for the C routines that round or quantize a tile's queries straight from their rows."""
-        for lane in T.serial(TQ):
-            i = T.min(tile * TQ + lane, length[0] - i64(1))
-            query_rows[lane] = row_of(gather, b, i, R) * NQ + QO + h * D
+    def _scores(self, k: _Kernel):
+        """A macro: sT[j, i] = sum_d Kh[j, d] * Qt[d, i] + bias[j] (-inf past the last key: `key_bias` is
+        staged so, and the write-back has no branch), KB keys x QV vectors of queries a tile, and top[i] =
+        max_j sT[j, i] taken as they are written: in a pass of its own over the scores each max waited on the
+        one before it (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
+        TQ, V, D, KB, DU = k.TQ, k.V, k.D, _i64(self.keys), _i64(DIMS_UNROLLED)
+        QV, zero = TQ // V, tirx.const(0.0, "float32")
 
-    @T.macro
-    def int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows, scores,
-                  probs_q, context, q_src, bias, out, gather, b, h, tile, length):
-        """One tile of queries with the products in int8 (attention_int8.py): its scaled queries quantized
-        into dim quads straight from their rows, then scores, softmax and the normalised context in one call."""
-        query_offsets(query_rows, gather, b, h, tile, length)
-        T.evaluate(micro_kernel(attention_int8.QUERY_QUADS, start(queries_q, "w"), start(query_scales, "w"),
-                                q_src.access_ptr("r"), query_rows.access_ptr("r"), SCALE, D))
-        T.evaluate(micro_kernel(int8_tile_symbol, start(context, "w"), start(queries_q, "r"), start(query_scales, "r"),
-                                start(keys_q, "r"), start(key_init, "r"), start(key_scales, "r"), start(values_q, "r"),
-                                start(value_scales, "r"), bias.access_ptr("r", offset=b * S), length[0],
-                                start(scores, "w"), start(probs_q, "w")))
-        for q in T.serial(TQ):
-            i = tile * TQ + q
-            if i < length[0]:
-                for d in T.vectorized(D):
-                    out[row_of(gather, b, i, R_OUT), h * D + d] = context[q, d]
+        @T.macro
+        def fp32_scores(keys, queries, scores, top, key_bias, length):
+            for block in T.serial((length[0] + KB - _i64(1)) // KB):
+                acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
+                for key, qv in T.grid(KB, QV):
+                    for lane in T.vectorized(V):
+                        acc[key, qv * V + lane] = zero
+                for d_steps in T.serial(D // DU):
+                    for d_step in T.unroll(DU):
+                        for key in T.unroll(KB):
+                            for qv in T.unroll(QV):
+                                for lane in T.vectorized(V):
+                                    d = d_steps * DU + d_step
+                                    acc[key, qv * V + lane] = (acc[key, qv * V + lane]
+                                                               + keys[block * KB + key, d] * queries[d, qv * V + lane])
+                for key in T.unroll(KB):
+                    for qv in T.unroll(QV):
+                        for lane in T.vectorized(V):
+                            scores[block * KB + key, qv * V + lane] = (acc[key, qv * V + lane]
+                                                                       + key_bias[block * KB + key])
+                            top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
+
+        return fp32_scores
+
+    def _context(self, k: _Kernel):
+        """A macro: the tile's head rows, out[row(i), h * D + d] = sum_j sT[j, i] * Vh[j, d] / sum_i, in passes
+        of DP vectors of dims x QP queries, or QP - 1 (`_context_passes`): the scores broadcast, the values in
+        vectors."""
+        TQ, V, D, R_OUT, KU, row_of = k.TQ, k.V, k.D, k.R_OUT, _i64(KEYS_UNROLLED), k.row_of
+        DP, QP, LARGER, SMALLER = (_i64(x) for x in _context_passes(k.shape.head_size, int(V), self.queries))
+        zero = tirx.const(0.0, "float32")
+
+        @T.macro
+        def context_step(context, values, scores, j, first, dims, queries):
+            """Key j's values weighted by its scores, added to the pass's `queries` x DP vectors."""
+            for q in T.unroll(queries):
+                for dv in T.unroll(DP):
+                    for lane in T.vectorized(V):
+                        context[q, dv * V + lane] = context[q, dv * V + lane] + (
+                            scores[j, first + q] * values[j, dims + dv * V + lane])
+
+        @T.macro
+        def context_pass(values, scores, inverse, out, gather, b, h, tile, length, first, dims, queries):
+            context = T.alloc_buffer((queries, DP * V), "float32", scope="local")
+            for q, dv in T.grid(queries, DP):
+                for lane in T.vectorized(V):
+                    context[q, dv * V + lane] = zero
+            for j_steps in T.serial(length[0] // KU):
+                for j_step in T.unroll(KU):
+                    context_step(context, values, scores, j_steps * KU + j_step, first, dims, queries)
+            for j in T.serial(length[0] // KU * KU, length[0]):
+                context_step(context, values, scores, j, first, dims, queries)
+            for q in T.serial(queries):
+                i = tile * TQ + first + q
+                if i < length[0]:
+                    for dv in T.unroll(DP):
+                        for lane in T.vectorized(V):
+                            out[row_of(gather, b, i, R_OUT), h * D + dims + dv * V + lane] = (
+                                context[q, dv * V + lane] * inverse[first + q])
+
+        @T.macro
+        def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
+            for part in T.serial(D // (DP * V)):
+                for group in T.serial(LARGER):
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, group * QP,
+                                 part * DP * V, QP)
+                for group in T.serial(SMALLER):
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length,
+                                 LARGER * QP + group * (QP - _i64(1)), part * DP * V, QP - _i64(1))
+
+        return fp32_context
+
+
+class Bf16Products:
+    """The products on attention_bf16's micro-kernels (AVX512_BF16), which also add the bias, take each
+    query's largest score, and exp and round the probabilities: the keys rounded in dim pairs as staged,
+    the values in key pairs, each tile's scaled queries rounded into dim pairs straight from their rows."""
+
+    name = "bf16"
+    symbols = attention_bf16  # the products' C routines: SCORES and CONTEXT per head size
+
+    def __init__(self, lanes: int):
+        self.queries = lanes  # a tile is one vector of queries
+        self.stage = KEYS  # keys are staged (zero) to whole register tiles of the scores
+
+    def products(self, k: _Kernel):
+        """A macro: the operands rounded, then the tile loop."""
+        S_MAX, TQ, D, V, SCALE = k.S_MAX, k.TQ, k.D, k.V, k.SCALE
+        staged_keys, query_tiles, query_offsets = k.staged, k.query_tiles, k.query_offsets()
+        stage_values, tile_of = self._stage_values(k), self._tile(k)
+
+        @T.macro
+        def products(q_src, bias, gather, out, keys, values, b, h, length):
+            scores = T.alloc_buffer((S_MAX, TQ), "float32")
+            keys_b = T.alloc_buffer((S_MAX, D // _i64(2)), "float32")  # one bf16 pair per 32-bit word
+            values_b = T.alloc_buffer((S_MAX // _i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
+            queries_b = T.alloc_buffer((D // _i64(2), V), "float32")
+            # where each query of a tile starts in q_src; "local", or the storage planner may give it the
+            # memory of a float32 buffer, which an int64 pointer cannot address
+            query_rows = T.alloc_buffer((V,), "int64", scope="local")
+            probs_b = T.alloc_buffer((S_MAX // _i64(2), V), "float32")
+            context_b = T.alloc_buffer((V, D), "float32")
+            staged = staged_keys(length)
+            T.evaluate(_call(attention_bf16.ROUND, _start(keys_b, "w"), _start(keys, "r"), staged * D))
+            stage_values(values_b, values, staged)
+            for tile in query_tiles(length):  # the scaled queries rounded into dim pairs straight from their rows
+                query_offsets(query_rows, gather, b, h, tile, length)
+                T.evaluate(_call(attention_bf16.QUERY_PAIRS, _start(queries_b, "w"), q_src.access_ptr("r"),
+                                 query_rows.access_ptr("r"), SCALE, D))
+                tile_of(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length)
+
+        return products
+
+    def _stage_values(self, k: _Kernel):
+        """A macro: the staged values rounded in key pairs, `[keys / 2, dims, 2]`."""
+        D = k.D
+
+        @T.macro
+        def stage_values(values_b, values, staged):
+            T.evaluate(_call(attention_bf16.PAIR_ROWS, _start(values_b, "w"), _start(values, "r"), staged // _i64(2),
+                             D))
+
+        return stage_values
+
+    def _context(self, k: _Kernel):
+        """A macro: context_b[queries, dims] = probs_b x values_b."""
+        context_symbol = self.symbols.CONTEXT.format(head=k.shape.head_size)
+
+        @T.macro
+        def context(context_b, probs_b, values_b, length):
+            T.evaluate(_call(context_symbol, _start(context_b, "w"), _start(probs_b, "r"), _start(values_b, "r"),
+                             (length[0] + _i64(1)) // _i64(2)))
+
+        return context
+
+    def _tile(self, k: _Kernel):
+        """A macro: one tile of queries: scores, softmax and context in C, the normalised rows written."""
+        V, D, S, R_OUT, row_of = k.V, k.D, k.S, k.R_OUT, k.row_of
+        scores_symbol = self.symbols.SCORES.format(head=k.shape.head_size)
+        context = self._context(k)
+
+        @T.macro
+        def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length):
+            top = T.alloc_buffer((V,), "float32")
+            total = T.alloc_buffer((V,), "float32")
+            T.evaluate(_call(scores_symbol, _start(scores, "w"), _start(top, "w"), _start(keys_b, "r"),
+                             _start(queries_b, "r"), bias.access_ptr("r", offset=b * S), length[0]))
+            T.evaluate(_call(attention_bf16.SOFTMAX_PAIRS, _start(probs_b, "w"), _start(total, "w"),
+                             _start(scores, "r"), _start(top, "r"), length[0]))
+            context(context_b, probs_b, values_b, length)
+            for q in T.serial(V):
+                i = tile * V + q
+                if i < length[0]:
+                    for d in T.vectorized(D):
+                        out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
+
+        return bf16_tile
+
+
+class AmxProducts(Bf16Products):
+    """The bf16 products on AMX tiles (attention_amx.py): the same operands and softmax, the keys and values
+    staged to whole 32-key tiles, the values transposed, `[dims, S_MAX]`."""
+
+    name = "amx"
+    symbols = attention_amx
+
+    def __init__(self, lanes: int):
+        super().__init__(lanes)
+        self.stage = attention_amx.KEY_STEP
+
+    def _stage_values(self, k: _Kernel):
+        D, S_MAX = k.D, k.S_MAX
+
+        @T.macro
+        def stage_values(values_b, values, staged):
+            T.evaluate(_call(attention_amx.TRANSPOSE, _start(values_b, "w"), _start(values, "r"), staged, D, S_MAX))
+
+        return stage_values
+
+    def _context(self, k: _Kernel):
+        S_MAX, context_symbol = k.S_MAX, self.symbols.CONTEXT.format(head=k.shape.head_size)
+
+        @T.macro
+        def context(context_b, probs_b, values_b, length):  # zeroes the probabilities up to a whole tile
+            T.evaluate(_call(context_symbol, _start(context_b, "w"), _start(probs_b, "rw"), _start(values_b, "r"),
+                             S_MAX, (length[0] + _i64(1)) // _i64(2)))
+
+        return context
+
+
+class Int8Products:
+    """The products in int8 (attention_int8.py, ymm or zmm): the staged keys and values, each tile's queries
+    and its probabilities quantized, 16 queries a tile, keys staged to whole quads; operands as bytes in
+    32-bit words typed float32, as the bf16 ones."""
+
+    name = "int8"
+    queries = attention_int8.QUERIES
+    stage = attention_int8.KEY_STEP
+
+    def __init__(self, lanes: int):
+        del lanes  # the C routines' width is the object's (attention_int8.c_object)
+
+    def products(self, k: _Kernel):
+        """A macro: the operands quantized, then the tile loop."""
+        S_MAX, TQ, D = k.S_MAX, k.TQ, k.D
+        staged_keys, query_tiles, tile_of = k.staged, k.query_tiles, self._tile(k)
+
+        @T.macro
+        def products(q_src, bias, gather, out, keys, values, b, h, length):
+            scores = T.alloc_buffer((S_MAX, TQ), "float32")
+            keys_q = T.alloc_buffer((S_MAX * D // _i64(4),), "float32")
+            key_init = T.alloc_buffer((S_MAX,), "float32")  # int32
+            key_scales = T.alloc_buffer((S_MAX,), "float32")
+            values_q = T.alloc_buffer((S_MAX * D // _i64(4),), "float32")
+            value_scales = T.alloc_buffer((D,), "float32")
+            queries_q = T.alloc_buffer((D * TQ // _i64(4),), "float32")  # u8
+            query_scales = T.alloc_buffer((TQ,), "float32")
+            query_rows_q = T.alloc_buffer((TQ,), "int64", scope="local")
+            probs_q = T.alloc_buffer((S_MAX // _i64(4) * TQ,), "float32")  # u8 quads
+            context_q = T.alloc_buffer((TQ, D), "float32")
+            staged_q = staged_keys(length)
+            T.evaluate(_call(attention_int8.STAGE_KEYS, _start(keys_q, "w"), _start(key_init, "w"),
+                             _start(key_scales, "w"), _start(keys, "r"), staged_q, D))
+            T.evaluate(_call(attention_int8.STAGE_VALUES, _start(values_q, "w"), _start(value_scales, "w"),
+                             _start(values, "r"), staged_q, D))
+            for tile in query_tiles(length):
+                tile_of(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows_q,
+                        scores, probs_q, context_q, q_src, bias, out, gather, b, h, tile, length)
+
+        return products
+
+    def _tile(self, k: _Kernel):
+        """A macro: one tile of queries, its scaled queries quantized into dim quads straight from their rows,
+        then scores, softmax and the normalised context in one call."""
+        TQ, D, S, R_OUT, SCALE, row_of = k.TQ, k.D, k.S, k.R_OUT, k.SCALE, k.row_of
+        tile_symbol, query_offsets = attention_int8.TILE.format(head=k.shape.head_size), k.query_offsets()
+
+        @T.macro
+        def int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows, scores,
+                      probs_q, context, q_src, bias, out, gather, b, h, tile, length):
+            query_offsets(query_rows, gather, b, h, tile, length)
+            T.evaluate(_call(attention_int8.QUERY_QUADS, _start(queries_q, "w"), _start(query_scales, "w"),
+                             q_src.access_ptr("r"), query_rows.access_ptr("r"), SCALE, D))
+            T.evaluate(_call(tile_symbol, _start(context, "w"), _start(queries_q, "r"), _start(query_scales, "r"),
+                             _start(keys_q, "r"), _start(key_init, "r"), _start(key_scales, "r"),
+                             _start(values_q, "r"), _start(value_scales, "r"), bias.access_ptr("r", offset=b * S),
+                             length[0], _start(scores, "w"), _start(probs_q, "w")))
+            for q in T.serial(TQ):
+                i = tile * TQ + q
+                if i < length[0]:
+                    for d in T.vectorized(D):
+                        out[row_of(gather, b, i, R_OUT), h * D + d] = context[q, d]
+
+        return int8_tile
+
+
+ARITHMETIC = {"fp32": Fp32Products, "bf16": Bf16Products, "amx": AmxProducts, "int8": Int8Products}
+
+
+def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
+    """The skeleton: per (sequence, head) task, its length, its keys and values staged, the arithmetic's
+    products over the tiles of queries, and (padded layout) its padding rows zeroed."""
+    arithmetic = ARITHMETIC[products](lanes)
+    k = _Kernel.of(shape, lanes, arithmetic.queries, arithmetic.stage)
+    H, D, S_MAX, B, S, R, R_OUT, NQ, staged = k.H, k.D, k.S_MAX, k.B, k.S, k.R, k.R_OUT, k.NQ, k.staged
+    (NK, NV), (KO, VO) = (_i64(w) for w in shape.widths[1:]), (_i64(o) for o in shape.offsets[1:])
+    zero, real_key, row_of = tirx.const(0.0, "float32"), tirx.const(REAL_KEY_BIAS, "float32"), k.row_of
+    packed, MIN_WORK, arithmetic_products = shape.packed, _i64(MIN_PARALLEL_WORK), arithmetic.products(k)
 
     @T.macro
     def task(q_src, k_src, v_src, bias, gather, out, bh):
         b = bh // H
         h = bh % H
-        length = T.alloc_buffer((i64(1),), "int64", scope="local")
-        length[0] = i64(0)
+        length = T.alloc_buffer((_i64(1),), "int64", scope="local")
+        length[0] = _i64(0)
         for j in T.serial(S):
-            if bias[b, i64(0), i64(0), j] > real_key:
-                length[0] = j + i64(1)
+            if bias[b, _i64(0), _i64(0), j] > real_key:
+                length[0] = j + _i64(1)
         # This head's keys and values of the sequence, staged contiguous (rows past the last real
         # key zero up to a whole tile): the products below then read them at fixed strides from one
         # pointer per tile, not through a clamped row gather per key of every query tile.
         keys = T.alloc_buffer((S_MAX, D), "float32")
         values = T.alloc_buffer((S_MAX, D), "float32")
-        for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
+        for j in T.serial(staged(length)):
             for d in T.vectorized(D):
                 keys[j, d] = T.if_then_else(j < length[0], k_src[row_of(
-                    gather, b, T.min(j, length[0] - i64(1)), R), KO + h * D + d], zero)
+                    gather, b, T.min(j, length[0] - _i64(1)), R), KO + h * D + d], zero)
                 values[j, d] = T.if_then_else(j < length[0], v_src[row_of(
-                    gather, b, T.min(j, length[0] - i64(1)), R), VO + h * D + d], zero)
-        if not (bf16 or int8):  # the mask of the fp32 products' keys, -inf past the last key (a whole tile staged)
-            key_bias = T.alloc_buffer((S_MAX,), "float32")
-            for j in T.serial((length[0] + STAGE - i64(1)) // STAGE * STAGE):
-                key_bias[j] = T.if_then_else(j < length[0], T.max(
-                    bias[b, i64(0), i64(0), T.min(j, length[0] - i64(1))] * LOG2_E, neg), neg)
-        scores = T.alloc_buffer((S_MAX, TQ), "float32")
-        if bf16:  # the products' operands, rounded: keys in dim pairs as staged, values in key pairs
-            keys_b = T.alloc_buffer((S_MAX, D // i64(2)), "float32")  # one bf16 pair per 32-bit word
-            values_b = T.alloc_buffer((S_MAX // i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
-            queries_b = T.alloc_buffer((D // i64(2), V), "float32")
-            # where each query of a tile starts in q_src; "local", or the storage planner may give it the
-            # memory of a float32 buffer, which an int64 pointer cannot address
-            query_rows = T.alloc_buffer((V,), "int64", scope="local")
-            probs_b = T.alloc_buffer((S_MAX // i64(2), V), "float32")
-            context_b = T.alloc_buffer((V, D), "float32")
-            staged = (length[0] + STAGE - i64(1)) // STAGE * STAGE
-            T.evaluate(micro_kernel(attention_bf16.ROUND, start(keys_b, "w"), start(keys, "r"), staged * D))
-            if amx:
-                T.evaluate(micro_kernel(attention_amx.TRANSPOSE, start(values_b, "w"), start(values, "r"), staged,
-                                        D, S_MAX))
-            else:
-                T.evaluate(micro_kernel(attention_bf16.PAIR_ROWS, start(values_b, "w"), start(values, "r"),
-                                        staged // i64(2), D))
-        if int8:  # the products' operands, quantized: bytes in 32-bit words typed float32, as the bf16 ones
-            keys_q = T.alloc_buffer((S_MAX * D // i64(4),), "float32")
-            key_init = T.alloc_buffer((S_MAX,), "float32")  # int32
-            key_scales = T.alloc_buffer((S_MAX,), "float32")
-            values_q = T.alloc_buffer((S_MAX * D // i64(4),), "float32")
-            value_scales = T.alloc_buffer((D,), "float32")
-            queries_q = T.alloc_buffer((D * TQ // i64(4),), "float32")  # u8
-            query_scales = T.alloc_buffer((TQ,), "float32")
-            query_rows_q = T.alloc_buffer((TQ,), "int64", scope="local")
-            probs_q = T.alloc_buffer((S_MAX // i64(4) * TQ,), "float32")  # u8 quads
-            context_q = T.alloc_buffer((TQ, D), "float32")
-            staged_q = (length[0] + STAGE - i64(1)) // STAGE * STAGE
-            T.evaluate(micro_kernel(attention_int8.STAGE_KEYS, start(keys_q, "w"), start(key_init, "w"),
-                                    start(key_scales, "w"), start(keys, "r"), staged_q, D))
-            T.evaluate(micro_kernel(attention_int8.STAGE_VALUES, start(values_q, "w"), start(value_scales, "w"),
-                                    start(values, "r"), staged_q, D))
-        for tile in T.serial((length[0] + TQ - i64(1)) // TQ):
-            if int8:
-                int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows_q,
-                          scores, probs_q, context_q, q_src, bias, out, gather, b, h, tile, length)
-            elif bf16:  # the scaled queries rounded into dim pairs straight from their rows (a tile is V queries)
-                query_offsets(query_rows, gather, b, h, tile, length)
-                T.evaluate(micro_kernel(attention_bf16.QUERY_PAIRS, start(queries_b, "w"), q_src.access_ptr("r"),
-                                        query_rows.access_ptr("r"), SCALE, D))
-                bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile,
-                          length)
-            else:
-                queries = T.alloc_buffer((D, TQ), "float32")
-                for d, lane in T.grid(D, TQ):
-                    i = T.min(tile * TQ + lane, length[0] - i64(1))
-                    queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * LOG2_SCALE
-                fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length)
+                    gather, b, T.min(j, length[0] - _i64(1)), R), VO + h * D + d], zero)
+        arithmetic_products(q_src, bias, gather, out, keys, values, b, h, length)
         if not packed:
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero
 
     @script.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
-                  v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, i64(1), i64(1), S), "float32"),
+                  v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, _i64(1), _i64(1), S), "float32"),
                   gather: T.Buffer((B, S), "int64"), out: T.Buffer((R_OUT, H * D), "float32")):
         T.func_attr({"tirx.noalias": True})
         # the sequences' lengths are data: whether the pool's launch pays is judged by the bound
@@ -427,6 +611,5 @@ def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.P
                 task(q_src, k_src, v_src, bias, gather, out, bh)
 
     func = attention if packed else without_param(attention, "gather")  # the padded row map needs none
-    func = claim_iterations(func, i64(1))  # tasks claimed as threads come free
+    func = claim_iterations(func, _i64(1))  # tasks claimed as threads come free
     return prescheduled(fast_math(func))
-

@@ -6,7 +6,7 @@ the reduction axis in pairs, `Wp[N / 32, K / 2, 32, 2]`: one k pair of a panel i
 bytes, two zmm registers. Activations are rounded to bf16 per call (`to_bf16_te`). The loop nest is
 the int8 kernel's (parallel over panels, an 8 x 32 fp32 accumulator tile per 8 rows, any fused
 epilogue applied on write-back), but the whole K loop of a tile is one call of a micro-kernel
-(`TILE_SOURCE`): per k pair, two panel loads and 8 row-pair broadcasts feed 16 `vdpbf16ps`, each
+(c/bf16_tile.c): per k pair, two panel loads and 8 row-pair broadcasts feed 16 `vdpbf16ps`, each
 32 multiply-adds into 16 fp32 lanes (an fp32 FMA does 16), all 16 accumulators in registers.
 
 Why a C micro-kernel: TVM 0.27's LLVM code generator has no bfloat vector type (its BF16 legalizer
@@ -22,8 +22,8 @@ from pathlib import Path
 import tvm
 from tvm import s_tir, te, tirx
 
-from . import amx, attention_bf16
-from .objects import c_object
+from . import amx
+from .objects import CObject
 from .tiles import Tile, schedule_tiles
 
 PANEL = 32  # output columns per weight panel: two zmm of fp32
@@ -39,56 +39,14 @@ TILE = Tile(TILE_SYMBOL, ROWS, PANEL, PAIR, PAIR, STORAGE, STORAGE, "float32")
 REQUIRED_FEATURES = ("avx512f", "avx512bf16")
 DESCRIPTION = "avx512 bf16 vdpbf16ps (bf16 activations x bf16 weights), fp32 accumulation"
 
-TILE_SOURCE = r"""
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
-
-/* c[8][32] (row stride ldc floats) = a[8][2 * pairs] (row stride lda) x the panel b[pairs][32][2]. */
-int32_t bert_bf16_tile_8x32(float *c, int64_t ldc, const uint16_t *a, int64_t lda, const uint16_t *b,
-                            int64_t pairs) {
-  __m512 acc[8][2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    acc[i][0] = _mm512_setzero_ps();
-    acc[i][1] = _mm512_setzero_ps();
-  }
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh b0 = (__m512bh)_mm512_loadu_si512(b + p * 64);
-    __m512bh b1 = (__m512bh)_mm512_loadu_si512(b + p * 64 + 32);
-#pragma GCC unroll 8
-    for (int i = 0; i < 8; ++i) {
-      int32_t pair;
-      memcpy(&pair, a + i * lda + 2 * p, sizeof pair);
-      __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, b0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, b1);
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
-    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
-  }
-  return 0;
-}
-"""
+ISA = ("-mavx512f", "-mavx512bw", "-mavx512bf16")  # what the C of the bf16 kernels is compiled for
+TILE_OBJECT = CObject("bf16_tile.c", frozenset({TILE_SYMBOL}), ISA)
 
 
 def kernels_object() -> Path:
-    """The micro-kernels (the linears' tile, attention's products) compiled once per process to an
-    object file the libraries link."""
-    return c_object("bf16_micro_kernels", TILE_SOURCE + attention_bf16.SOURCE,
-                    ("-mavx512f", "-mavx512bw", "-mavx512bf16"))
-
-
-def linked_objects(mod: tvm.IRModule, products: str = "fp32") -> list[str]:
-    """The objects a library built from `mod` must link: the micro-kernels where it runs a bf16
-    matmul or attention's products in bf16 (`products` "bf16", or "amx", whose softmax is
-    theirs: the kernel FuseAttention will write)."""
-    uses = products in ("bf16", "amx") or any(isinstance(func, tirx.PrimFunc) and gvar.name_hint.startswith(MATMUL)
-                                      for gvar, func in mod.functions_items())
-    return [str(kernels_object())] if uses else []
+    """The linears' micro-kernel (c/bf16_tile.c) compiled once per process to an object file the libraries
+    link."""
+    return TILE_OBJECT.build()
 
 
 # ----------------------------------------------------------------------------- TE kernels

@@ -8,6 +8,8 @@ C[S, I, J] += A[S, I, K] * B[S, J, K] with its injective epilogue (bias, GELU, r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import tvm
 from tvm import s_tir, te, tirx
 from tvm.s_tir.dlight.gpu.matmul import auto_inline_consumers
@@ -92,8 +94,8 @@ def matmul_axes(block: s_tir.SBlock) -> list[str] | None:
     """Classify the block's iter vars for C[S, I, J] += A[S, I, K] * B[S, J, K], or None.
 
     Returns one letter per block iter: "S" batch (in A, B and C, or an outer axis of A and C),
-    "I" (A and C), "J" (B and C), "K" (reduced, in A and B), "T" (extent 1, anywhere). Unlike dlight's `detect_iter_traits`
-    an absent I axis is allowed (M = 1 is a trivial axis), so a bucket of 1 x 1 still matches.
+    "I" (A and C), "J" (B and C), "K" (reduced, in A and B), "T" (extent 1, anywhere). Unlike dlight's
+    `detect_iter_traits` an absent I axis is allowed (M = 1 is a trivial axis), so a bucket of 1 x 1 still matches.
     Every access index must be a single iter var or a constant (what `pad_einsum` accepts).
     """
     store = block.body
@@ -157,87 +159,126 @@ def schedule_matmul(func: tirx.PrimFunc, lanes: int) -> s_tir.Schedule | None:
     kinds = matmul_axes(sch.get(main))
     if kinds is None:
         return None
-    I, J, K = "I", "J", "K"
-    has_i = I in kinds
-
-    def axis_extent(kind):
-        return static_extent(sch, sch.get_loops(main)[kinds.index(kind)])
-
-    mt, nt, pad_n = _tile_sizes(axis_extent(J), lanes)
-    m = axis_extent(I) if has_i else 1
-    mt = mt if has_i else 1
-    pad_m = m is None or m % mt != 0
-    if pad_m or pad_n:
-        sch.pad_einsum(main, [{I: mt if pad_m else 1, J: nt if pad_n else 1}.get(kd, 1) for kd in kinds])
-    activations = sch.get(main).reads[0].source  # A's zero-padded copy when pad_m
-    panel_view = None if pad_n else _panel_view(sch, main, nt)
+    mt, nt, m, padded_n = _pad(sch, main, kinds, lanes)
+    activations = sch.get(main).reads[0].source  # A's zero-padded copy when M is padded
+    panel_view = None if padded_n else _panel_view(sch, main, nt)
     panels = None
     if panel_view is not None:  # read the packed panels directly: B[j, k] becomes Wp[j // nt, k, j % nt]
         sch.compute_inline(panel_view)
         panels = sch.get(main).reads[1].source
+    loops = _split_loops(sch, main, kinds, mt, nt)
+    if panel_view is None:
+        _pack_weights(sch, main, kinds, loops.tile, m is None or m >= 8 * mt, lanes)
+    _accumulate_in_registers(sch, main, loops, lanes)
+    k_var, tile_var = sch.get(loops.k).loop_var, sch.get(loops.tile).loop_var
+    k_extent = sch.get(loops.k).extent * loops.unroll_k
+    rows_var = sch.get(loops.io).loop_var if loops.io is not None else None
+    row_tiles = sch.get(loops.io).extent if loops.io is not None else 1
 
+    # Whatever could not be fused (a padded copy of B, an epilogue the inliner refused) still
+    # runs in parallel and vectorised.
+    for block in root_blocks(sch):
+        block_loops = sch.get_loops(block)
+        if block_loops and sch.get(block_loops[0]).kind != tirx.ForKind.PARALLEL:
+            parallel_vectorize(sch, block, lanes)
+    func = read_padded_rows_in_place(sch.mod["main"], activations)
+    if panels is not None:
+        func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var, loops.unroll_k)
+    grain = claim_grain(row_tiles * mt * nt * k_extent)
+    return s_tir.Schedule(claim_iterations(func, grain, tile_var))
+
+
+def _pad(sch: s_tir.Schedule, main, kinds: list[str], lanes: int) -> tuple[int, int, int | None, bool]:
+    """(mt, nt, M, whether N is padded): the register tile (mt 1 without an I axis), a symbolic or ragged M
+    and N padded to it with `pad_einsum`."""
+    has_i = "I" in kinds
+
+    def axis_extent(kind):
+        return static_extent(sch, sch.get_loops(main)[kinds.index(kind)])
+
+    mt, nt, pad_n = _tile_sizes(axis_extent("J"), lanes)
+    m = axis_extent("I") if has_i else 1
+    mt = mt if has_i else 1
+    pad_m = m is None or m % mt != 0
+    if pad_m or pad_n:
+        sch.pad_einsum(main, [{"I": mt if pad_m else 1, "J": nt if pad_n else 1}.get(kd, 1) for kd in kinds])
+    return mt, nt, m, pad_n
+
+
+@dataclass(frozen=True)
+class _Loops:
+    """The matmul's loops once tiled: the parallel (batch, J / nt) tile, the I tiles and rows (None without
+    an I axis), the columns of a tile, and the k loop (its iterations, then `unroll_k` steps unrolled)."""
+
+    tile: object
+    io: object
+    ii: object
+    ji: object
+    k_loops: list
+    unroll_k: int
+
+    @property
+    def k(self):
+        return self.k_loops[0]
+
+
+def _split_loops(sch: s_tir.Schedule, main, kinds: list[str], mt: int, nt: int) -> _Loops:
+    """The nest of `schedule_matmul`'s docstring: (S, J / nt) fused and parallel, then I / mt, k, ii, ji."""
     loops = sch.get_loops(main)
     by_kind = {kind: [loop for loop, kd in zip(loops, kinds) if kd == kind] for kind in "TSIJK"}
     batch = by_kind["T"] + by_kind["S"]
-    (j,), (k,) = by_kind[J], by_kind[K]
+    (j,), (k,) = by_kind["J"], by_kind["K"]
     jo, ji = sch.split(j, [None, nt])
     unroll_k = _unrolled_steps(static_extent(sch, k))
     k_loops = sch.split(k, [None, unroll_k]) if unroll_k > 1 else [k]  # iterations, and steps unrolled in each
-    k = k_loops[0]
-    if has_i:
-        io, ii = sch.split(by_kind[I][0], [None, mt])
+    io = ii = None
+    if by_kind["I"]:
+        io, ii = sch.split(by_kind["I"][0], [None, mt])
         sch.reorder(*batch, jo, io, *k_loops, ii, ji)
     else:
         sch.reorder(*batch, jo, *k_loops, ji)
     tile = sch.fuse(*batch, jo) if batch else jo
     sch.parallel(tile)
+    return _Loops(tile, io, ii, ji, k_loops, unroll_k)
 
-    # Pack the B panel once per task into [K, nt], whatever B's layout (dense weights are [N, K]):
-    # then the k loop streams one contiguous panel that stays in L1/L2 for every M tile. Not
-    # worth it for a few M tiles of a [K, N] weight (measured at M = 16), unless B is transposed.
-    # Weights packed at load (compile/passes/packing.py) already are such panels.
+
+def _pack_weights(sch: s_tir.Schedule, main, kinds: list[str], tile, many_rows: bool, lanes: int) -> None:
+    """Pack the B panel once per task into [K, nt], whatever B's layout (dense weights are [N, K]):
+    then the k loop streams one contiguous panel that stays in L1/L2 for every M tile. Not worth it
+    for a few M tiles (`many_rows` false: measured at M = 16) of a [K, N] weight, unless B is transposed.
+    Weights packed at load (compile/passes/packing.py) already are such panels: not called for them."""
     b_axes = [r.min for r in sch.get(main).reads[1].region]
-    j_var, k_var = (sch.get(main).iter_vars[kinds.index(kd)].var for kd in (J, K))
-    transposed = panel_view is None and b_axes.index(j_var) < b_axes.index(k_var)
-    if panel_view is None and (m is None or m >= 8 * mt or transposed):
-        b_pack = sch.cache_read(main, 1, "global")
-        sch.compute_at(b_pack, tile, preserve_unit_loops=True)
-        if transposed:
-            pj, pk = b_axes.index(j_var), b_axes.index(k_var)
-            perm = list(range(len(b_axes)))
-            perm[pj], perm[pk] = pk, pj
-            sch.transform_layout(main, ("read", 1), lambda *ax: [ax[p] for p in perm])
-        vectorize_inner(sch, b_pack, lanes)
+    j_var, k_var = (sch.get(main).iter_vars[kinds.index(kd)].var for kd in "JK")
+    transposed = b_axes.index(j_var) < b_axes.index(k_var)
+    if not (many_rows or transposed):
+        return
+    b_pack = sch.cache_read(main, 1, "global")
+    sch.compute_at(b_pack, tile, preserve_unit_loops=True)
+    if transposed:
+        pj, pk = b_axes.index(j_var), b_axes.index(k_var)
+        perm = list(range(len(b_axes)))
+        perm[pj], perm[pk] = pk, pj
+        sch.transform_layout(main, ("read", 1), lambda *ax: [ax[p] for p in perm])
+    vectorize_inner(sch, b_pack, lanes)
 
-    # Accumulate in a small buffer the compiler keeps in registers: a stack alloca (TVM makes one
-    # under 1 KB, compile/lowering.py up to 4 KB), never a heap workspace, which LLVM may not
-    # promote (with symbolic shapes the kernel once ran 2.7x slower for it).
+
+def _accumulate_in_registers(sch: s_tir.Schedule, main, loops: _Loops, lanes: int) -> None:
+    """The register tile: mt x nt sums, the epilogue in their write-back, k steps and rows unrolled,
+    columns in vectors.
+
+    Accumulate in a small buffer the compiler keeps in registers: a stack alloca (TVM makes one
+    under 1 KB, compile/lowering.py up to 4 KB), never a heap workspace, which LLVM may not
+    promote (with symbolic shapes the kernel once ran 2.7x slower for it)."""
     acc = sch.cache_write(main, 0, "global")
-    sch.reverse_compute_at(acc, io if has_i else tile, preserve_unit_loops=True)
+    sch.reverse_compute_at(acc, loops.io if loops.io is not None else loops.tile, preserve_unit_loops=True)
     auto_inline_consumers(sch, acc)  # epilogue (and the un-padding copy) into the write-back
     vectorize_inner(sch, acc, lanes)
-
-    if unroll_k > 1:
-        sch.unroll(k_loops[1])
-    if has_i:
-        sch.unroll(ii)
-    jv, jl = sch.split(ji, [None, lanes])
+    if loops.unroll_k > 1:
+        sch.unroll(loops.k_loops[1])
+    if loops.ii is not None:
+        sch.unroll(loops.ii)
+    jv, jl = sch.split(loops.ji, [None, lanes])
     sch.unroll(jv)
     sch.vectorize(jl)
-    init = sch.decompose_reduction(main, k)
+    init = sch.decompose_reduction(main, loops.k)
     vectorize_inner(sch, init, lanes)
-    k_var, tile_var, k_extent = sch.get(k).loop_var, sch.get(tile).loop_var, sch.get(k).extent * unroll_k
-    rows_var = sch.get(io).loop_var if has_i else None
-    row_tiles = sch.get(io).extent if has_i else 1
-
-    # Whatever could not be fused (a padded copy of B, an epilogue the inliner refused) still
-    # runs in parallel and vectorised.
-    for block in root_blocks(sch):
-        loops = sch.get_loops(block)
-        if loops and sch.get(loops[0]).kind != tirx.ForKind.PARALLEL:
-            parallel_vectorize(sch, block, lanes)
-    func = read_padded_rows_in_place(sch.mod["main"], activations)
-    if panels is not None:
-        func = prefetch_next_panel(func, k_var, tile_var, panels, rows_var, unroll_k)
-    grain = claim_grain(row_tiles * mt * nt * k_extent)
-    return s_tir.Schedule(claim_iterations(func, grain, tile_var))

@@ -15,7 +15,7 @@ join. perf of a bf16 MiniLM call at 512 tokens on a shared 2-core host found eac
 10-18% of the time, most of it waiting for the other to finish its share of a linear's panels, and
 of an fp32 one at 128 tokens (x86-64-v3 code) the second thread idle 22% while the first ran the
 same panels 19% slower. `claim_iterations` lets the threads take the iterations of such a loop as
-they come free instead (one atomic compare-and-swap per claim, `CLAIM_SOURCE`), as TBB's and
+they come free instead (one atomic compare-and-swap per claim, c/claims.c), as TBB's and
 OpenMP's dynamic schedules do: the linears' panels and attention's (sequence, head) tasks, in every
 CPU library, which links the counter (`claims_object`). Paired against fixed shares on that host:
 bf16 MiniLM calls 0.89-0.95x the time (1x16 to 8x128); x86-64-v3 fp32 and int8 calls 0.91-0.97x
@@ -35,14 +35,13 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 from tvm.sym import Analyzer, ConstIntBound
 
 from . import script
-from .objects import c_object, load_in_process
+from .objects import CObject, load_in_process
 
 # Iterations of a loop nest below which it runs on the calling thread. A power of two between the
 # two ways it can be wrong, on MiniLM's packed libraries at 16-128 tokens on 2 threads: lower, the
@@ -55,58 +54,13 @@ CLAIM = "bert_claim"
 _BODY = "claimed iterations"  # the placeholder `claim_iterations` puts the loop's body in
 # Work a thread claims at once at the least: 14-28 us of an AVX-512 / AVX2 core's fp32 multiply-adds
 CLAIMED_MULTIPLY_ADDS = 1 << 20
-# The claim counter, in C (TIR has no atomics on the CPU). `next` is the loop's first unclaimed
-# iteration; a claim takes 1 / spread of those left, at least `grain`, and returns its first
-# iteration, its end in `*end`. spread is twice the threads of TVM's pool (TVM_NUM_THREADS, as the
-# pool reads it, else the CPUs the process may run on), so no thread's first claim is over half its
-# fair share.
-CLAIM_SOURCE = r"""
-#define _GNU_SOURCE
-#include <sched.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-static int64_t claim_spread(void) {
-  static int64_t spread;
-  int64_t known = __atomic_load_n(&spread, __ATOMIC_RELAXED);
-  if (known == 0) {
-    const char *threads = getenv("TVM_NUM_THREADS");
-    long count = threads ? strtol(threads, NULL, 10) : 0;
-    cpu_set_t cpus;
-    if (count <= 0) count = sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
-    known = 2 * (count > 0 ? count : 1);
-    __atomic_store_n(&spread, known, __ATOMIC_RELAXED);
-  }
-  return known;
-}
-
-int64_t bert_claim(int64_t *next, int64_t iterations, int64_t grain, int64_t *end) {
-  int64_t start = __atomic_load_n(next, __ATOMIC_RELAXED);
-  for (;;) {
-    if (start >= iterations) {
-      *end = start;
-      return start;
-    }
-    int64_t size = (iterations - start) / claim_spread();
-    int64_t stop = start + (size > grain ? size : grain);
-    if (stop > iterations) stop = iterations;
-    if (__atomic_compare_exchange_n(next, &start, stop, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-      *end = stop;
-      return start;
-    }
-  }
-}
-"""
+# The claim counter (c/claims.c)
+CLAIMS = CObject("claims.c", frozenset({CLAIM}))
 
 
 def claims_object() -> Path:
     """The claim counter compiled to an object file, which every CPU library links."""
-    return c_object("claims", CLAIM_SOURCE, ())
-
-
-def linked_objects(target: tvm.target.Target) -> list[str]:
-    """The objects a library for `target` links for its claimed loops: the counter, on CPUs."""
-    return [str(claims_object())] if target.kind.name == "llvm" else []
+    return CLAIMS.build()
 
 
 def claim_grain(multiply_adds_per_iteration) -> tirx.PrimExpr:

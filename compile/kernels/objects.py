@@ -1,6 +1,7 @@
-"""C objects beside the generated code: compiled once per process by the C compiler that links
-every library, linked into the libraries (`build_library`'s addons) and, for the kernels this
-process builds and runs itself (tvm.compile's JIT: the compile's timings, the tests), loaded into
+"""C objects beside the generated code: the files of `c/` (a vector micro-kernel where TVM's code generator
+cannot express it, the claim counter), each compiled once per process by the C compiler that links every
+library, linked into the libraries that call one of its symbols (compile/kernels/linking.py) and, for the
+kernels this process builds and runs itself (tvm.compile's JIT: the compile's timings, the tests), loaded into
 the process, where the JIT looks for the symbols its code calls and no library brings them.
 """
 
@@ -12,13 +13,46 @@ import functools
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+SOURCES = Path(__file__).with_name("c")  # the kernels' C and its headers (package data)
+
+
+@dataclass(frozen=True)
+class CObject:
+    """One file of `c/` as one object: the symbols it defines (those the generated code calls, by which a
+    library's objects are chosen), the instruction sets it needs (`-m` flags) and its variant and constants
+    (`-D` macros, values as C reads them)."""
+
+    source: str  # file name in c/
+    symbols: frozenset[str]
+    isa: tuple[str, ...] = ()
+    macros: tuple[tuple[str, object], ...] = ()
+    variant: str = ""  # told apart in the object's name where one file builds several
+
+    @property
+    def name(self) -> str:
+        return Path(self.source).stem + (f"_{self.variant}" if self.variant else "")
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return (*self.isa, *(f"-D{name}={_c_literal(value)}" for name, value in self.macros))
+
+    def build(self) -> Path:
+        """The object file, compiled once per process (a RuntimeError where the C compiler cannot)."""
+        return c_object(self.name, (SOURCES / self.source).read_text(), self.flags)
+
+
+def _c_literal(value) -> str:
+    """`value` as a C constant: floats single precision, as the kernels compute."""
+    return f"{value!r}f" if isinstance(value, float) else str(value)
 
 
 @functools.cache
 def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
-    """`source` compiled once per process, with `flags`, to an object file the libraries link (kept in
-    a scratch directory until the process exits)."""
+    """`source` (C, which may include the headers of `c/`) compiled once per process, with `flags`, to an
+    object file the libraries link (kept in a scratch directory until the process exits)."""
     from tvm.support import cc
 
     directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
@@ -26,8 +60,8 @@ def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
     path, obj = directory / f"{name}.c", directory / f"{name}.o"
     path.write_text(source)
     compiler = cc.get_cc() or "gcc"
-    result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", *flags, "-c", str(path), "-o", str(obj)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", f"-I{SOURCES}", *flags, "-c", str(path),
+                             "-o", str(obj)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
         raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")

@@ -25,7 +25,8 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from compile.build import make_target
 from compile.capabilities import Capabilities
-from compile.kernels import amx, bf16, int8, launch
+from compile.kernels import amx, bf16, int8
+from compile.kernels.linking import linked_objects
 from compile.precision import GATES
 from tests.support.kernels import int8_linear_inputs, int8_weight_operands
 from tests.support.tvm_run import build_kernel, call_kernel
@@ -46,8 +47,7 @@ def _export(func, schedule, target, path):
     sch = schedule(func)
     assert sch is not None
     library = build_kernel(sch.mod, target)
-    library.export_library(str(path), addons=[*launch.linked_objects(target), str(bf16.kernels_object()),
-                                              str(amx.kernels_object())])
+    library.export_library(str(path), addons=linked_objects(sch.mod))
     return path
 
 

@@ -26,7 +26,8 @@ from artifact.errors import ArtifactError
 from artifact.loader import load_artifact
 from compile.build import make_target
 from compile.capabilities import Capabilities
-from compile.kernels import amx, attention_bf16, bf16, launch
+from compile.kernels import amx, attention_bf16, bf16
+from compile.kernels.linking import linked_objects
 from compile.precision import GATES, Measured, choose
 from tests.support.tvm_run import build_kernel, call_kernel
 
@@ -57,8 +58,7 @@ def _build_linear(m: int | None, n: int, k: int, target, path, amx_tiles: bool =
     """`_schedule_linear`'s function exported with the micro-kernels."""
     sch = _schedule_linear(m, n, k, amx_tiles)
     library = build_kernel(sch.mod, target)
-    library.export_library(str(path), addons=[*launch.linked_objects(target), str(bf16.kernels_object())]
-                           + ([str(amx.kernels_object())] if amx_tiles else []))
+    library.export_library(str(path), addons=linked_objects(sch.mod))
     return path
 
 

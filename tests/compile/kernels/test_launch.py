@@ -148,8 +148,8 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
     10 s, having seen fewer finish)."""
     import ctypes
 
-    from compile.kernels.launch import CLAIM_SOURCE, claim_iterations, claims_object
-    from compile.kernels.objects import c_object, load_in_process
+    from compile.kernels.launch import CLAIMS, claim_iterations, claims_object
+    from compile.kernels.objects import SOURCES, c_object, load_in_process
 
     count = 10
     monkeypatch.setenv("TVM_NUM_THREADS", "2")  # a thread's pool is sized when it first launches one
@@ -175,7 +175,7 @@ def test_a_thread_held_in_one_iteration_leaves_the_rest_to_the_others(grain, mon
 
     claimed = claim_iterations(held, tirx.IntImm("int64", grain))
     assert "bert_claim" in claimed.script()
-    objects = [str(c_object("held_iteration", CLAIM_SOURCE + _HELD_ITERATION, ()))]
+    objects = [str(c_object("held_iteration", (SOURCES / CLAIMS.source).read_text() + _HELD_ITERATION, ()))]
     library = build_kernel(claimed, TARGET)
     path = str(tmp_path / "held.so")
     library.export_library(path, addons=objects)

@@ -17,9 +17,9 @@ import tvm_ffi
 from tvm import relax, tirx
 
 from artifact.packed_batch import pack_batch
-from compile.build import make_target
+from compile.build import build_library, make_target
 from compile.capabilities import KernelConfig
-from compile.kernels import amx, attention, attention_amx, attention_bf16, bf16
+from compile.kernels import attention, attention_amx, attention_bf16
 from compile.kernels.attention import AttentionShape
 from compile.kernels.launch import CLAIM
 from compile.passes.fuse_attention import fuse_attention_in
@@ -213,9 +213,7 @@ def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.run
     "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
     kernels = _products_on(products)
     target = make_target("cpu", mcpu=PRODUCT_CPUS[products])
-    built = build_scheduled(module, target, kernels=kernels)
-    built.export_library(str(path), addons=bf16.linked_objects(module, products)
-                         + amx.linked_objects(module, kernels.capabilities.amx, products))
+    build_library(module, target, path, kernels=kernels)
     skip_unless_runs_here(target)
     return tvm.runtime.load_module(str(path))
 

@@ -15,7 +15,13 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ENV_PREFIX = "BERT_SERVE_"
-TEI_VARIABLES = {"model_id": "MODEL_ID", "revision": "REVISION"}  # a TEI container's environment carries over
+# A TEI container's environment carries over: the variables TEI reads for the flags both servers have (not
+# HOSTNAME and PORT, which shells and orchestrators set for other reasons).
+TEI_VARIABLES = {name: name.upper() for name in (
+    "model_id", "revision", "huggingface_hub_cache", "tokenization_workers", "dtype", "pooling",
+    "max_concurrent_requests", "max_batch_tokens", "max_batch_requests", "max_client_batch_size", "auto_truncate",
+    "default_prompt_name", "default_prompt", "payload_limit", "api_key", "otlp_endpoint", "otlp_service_name",
+    "cors_allow_origin", "uds_path", "prometheus_port")}
 # What names the model: taken together from the first of flags, BERT_SERVE_* and TEI's variables that names one, so
 # that `--model-id` on the command line replaces artifacts a container's environment names.
 MODEL_SOURCE = ("artifacts", "model_id")

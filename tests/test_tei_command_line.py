@@ -23,6 +23,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from artifact.manifest import Manifest
 from loadtest.servers import free_port, metric_value, wait_until
 from service.runtime import TEI_DTYPES, model_dtype
+from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["a short one", "a somewhat longer sentence with several more words in it"]
@@ -242,3 +243,20 @@ def test_no_tracing_without_an_endpoint(tiny_embed_artifact):
              "assert not loaded, loaded")
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_teis_environment_variables_set_the_flags_they_set_in_tei():
+    """A TEI container's environment carries over; BERT_SERVE_* and flags still win, and HOSTNAME and
+    PORT (set by shells and orchestrators) are not read."""
+    environ = {"OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTLP_SERVICE_NAME": "tei",
+               "CORS_ALLOW_ORIGIN": "http://a,http://b", "PROMETHEUS_PORT": "9100", "MAX_CLIENT_BATCH_SIZE": "8", "AUTO_TRUNCATE": "false", "API_KEY": "k",
+               "HOSTNAME": "pod-7f9c", "PORT": "1"}
+    settings = Settings.load({"artifacts": [Path("x")]}, environ)
+    assert (settings.otlp_endpoint, settings.otlp_service_name, settings.cors_allow_origin) == (
+        "http://127.0.0.1:4318", "tei", ["http://a", "http://b"])
+    assert (settings.prometheus_port, settings.max_client_batch_size, settings.auto_truncate, settings.api_key) == (
+        9100, 8, False, "k")
+    assert (settings.host, settings.port) == ("127.0.0.1", 8080)
+    ours = Settings.load({"artifacts": [Path("x")], "max_client_batch_size": 4},
+                         {**environ, "BERT_SERVE_PROMETHEUS_PORT": "9200"})
+    assert (ours.prometheus_port, ours.max_client_batch_size) == (9200, 4)

@@ -150,9 +150,11 @@ def test_sigterm_finishes_queued_work_then_exits(serve, tiny_embed_artifact):
 
 
 def _refuses_connections(url: str) -> bool:
+    """Whether a new connection goes unserved: refused, or (taken from the listen backlog as the
+    server stops listening) closed without an answer."""
     try:
         httpx.get(f"{url}/health", timeout=5)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 

@@ -159,17 +159,27 @@ class LibraryRunner:
         self._vm().set_instrument(instrument)
 
     def __call__(self, *inputs: np.ndarray) -> np.ndarray:
+        """The library's first output (pooled rows, logits, or a `--pooling none` model's token states)."""
+        return self.outputs(inputs, tokens=False)[0]
+
+    def outputs(self, inputs: tuple[np.ndarray, ...], tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """(first output, token states or None): the token output (an embedding library's second) is
+        copied out only when asked for, so that a call that pools pays nothing for it."""
         with contextlib.nullcontext() if self._on_host else _GPU_CALLS:
             args = [_host_tensor(x) if self._on_host else
                     tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
-            output = self._main()(*args, *self.weights)[0]
-            if self._float_output is None:  # reading the dtype took 30 us a call, with the caches full of weights
-                self._float_output = output.dtype == "float32"
-            if self._on_host and self._float_output:
-                # right after a call, with this thread's caches full of weights, a copy through
-                # DLPack takes ~40 us where .numpy() takes ~100 and .astype another ~40
-                return np.from_dlpack(output).copy()
-            return output.numpy().astype(np.float32, copy=False)
+            result = self._main()(*args, *self.weights)
+            first = self._host_array(result[0])
+            return first, (self._host_array(result[1]) if tokens else None)
+
+    def _host_array(self, output) -> np.ndarray:
+        if self._float_output is None:  # reading the dtype took 30 us a call, with the caches full of weights
+            self._float_output = output.dtype == "float32"
+        if self._on_host and self._float_output:
+            # right after a call, with this thread's caches full of weights, a copy through
+            # DLPack takes ~40 us where .numpy() takes ~100 and .astype another ~40
+            return np.from_dlpack(output).copy()
+        return output.numpy().astype(np.float32, copy=False)
 
 
 def _host_tensor(array: np.ndarray) -> tvm.runtime.Tensor:
@@ -206,6 +216,7 @@ class RunResult:
     bucket: AnyBucket | None
     computed_tokens: int  # token rows the linear layers ran, padding included
     real_tokens: int
+    tokens: np.ndarray | None = None  # [batch, seq, dim]: every token's output, where the run was asked for it
 
     @property
     def padding_tokens(self) -> int:
@@ -253,15 +264,17 @@ class CompiledModel:
         attention_mask: np.ndarray,
         token_type_ids: np.ndarray | None = None,
         bucket: AnyBucket | None = None,
+        tokens: bool = False,
     ) -> RunResult:
         """Run one batch of right-padded rows on `bucket` (the planner's choice for it) or, given
-        none, on the one the planner would choose (`select`), else on the generic library."""
+        none, on the one the planner would choose (`select`), else on the generic library; `tokens`:
+        with every token's output (`Manifest.token_states`) beside the pooled rows."""
         batch, seq = input_ids.shape
         if bucket is not None and (bucket not in self.runners or not bucket.fits(batch, seq)):
             raise ValueError(f"bucket {bucket.name} cannot run a batch of {batch}x{seq}")
         if bucket is None:
             bucket = self.select(batch, seq)
-        return self._run_on(bucket, input_ids, attention_mask, token_type_ids)
+        return self._run_on(bucket, input_ids, attention_mask, token_type_ids, tokens)
 
     def run_generic(self, input_ids: np.ndarray, attention_mask: np.ndarray,
                     token_type_ids: np.ndarray | None = None) -> RunResult:
@@ -292,16 +305,20 @@ class CompiledModel:
         return model_inputs(input_ids, attention_mask, token_type_ids), batch * seq
 
     def _run_on(self, bucket: AnyBucket | None, input_ids: np.ndarray, attention_mask: np.ndarray,
-                token_type_ids: np.ndarray | None) -> RunResult:
+                token_type_ids: np.ndarray | None, tokens: bool = False) -> RunResult:
+        if tokens and not self.manifest.token_states:
+            raise ValueError(f"{self.directory} has no token output (an artifact compiled before they were one)")
         batch = input_ids.shape[0]
         inputs, computed = self.library_inputs(bucket, input_ids, attention_mask, token_type_ids)
-        real_tokens = computed if self.packed else int(np.asarray(attention_mask).sum())  # packed: the real ones
-        output = (self.generic if bucket is None else self.runners[bucket])(*inputs)
+        real_tokens = computed if self.packed else int(np.count_nonzero(attention_mask))  # packed: the real ones
+        output, token_rows = (self.generic if bucket is None else self.runners[bucket]).outputs(inputs, tokens)
+        gather = inputs[PACKED_INPUT_NAMES.index("gather")] if self.packed else None
         if self.packed and self.manifest.token_outputs:
-            output = per_sequence_rows(output, inputs[PACKED_INPUT_NAMES.index("gather")])
-        if bucket is None:
-            return RunResult(output, "generic", None, computed, real_tokens)
-        return RunResult(output[:batch], f"bucket-{bucket.name}", bucket, computed, real_tokens)
+            output = per_sequence_rows(output, gather)
+        if token_rows is not None:
+            token_rows = (per_sequence_rows(token_rows, gather) if self.packed else token_rows)[:batch]
+        path = "generic" if bucket is None else f"bucket-{bucket.name}"
+        return RunResult(output[:batch], path, bucket, computed, real_tokens, token_rows)
 
     def warmup(self) -> None:
         """Run every library once, so first requests do not pay for lazy initialisation."""

@@ -275,6 +275,9 @@ class Manifest(_Strict):
     # how a classifier's logits become scores: the checkpoint's `problem_type` (None: single-label)
     problem_type: Literal["single_label_classification", "multi_label_classification", "regression"] | None = None
     output_dim: int
+    # the width of every token's output, the libraries' second output (ColBERT: its projection; else
+    # the hidden state); None: none (a classifier, `--pooling none`, or an artifact from before)
+    token_dim: int | None = None
     tvm_version: str
     torch_version: str
     transformers_version: str
@@ -311,6 +314,16 @@ class Manifest(_Strict):
         """Whether the libraries return every token's final hidden state (pooling none) rather
         than one row per sequence: padded `[batch, seq, hidden]`, packed `[tokens, hidden]`."""
         return self.task == "embed" and self.pooling == "none"
+
+    @property
+    def token_states(self) -> bool:
+        """Whether every token's output can be asked of the libraries beside the pooled rows."""
+        return self.token_dim is not None
+
+    @property
+    def colbert(self) -> bool:
+        """A ColBERT model: its token output is its projection of each token (served on /embed_multi)."""
+        return self.pooling == "colbert"
 
     @property
     def sparse_outputs(self) -> bool:

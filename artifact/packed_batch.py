@@ -8,7 +8,8 @@ pooling. Its inputs, built here from the padded `[batch, seq]` rows the tokenize
   for each sequence;
 - gather `[batch, seq]`: where each sequence's j-th token sits in the packed rows (0 past its
   end, masked out);
-- attention_mask `[batch, seq]`: 1 for real tokens;
+- attention_mask `[batch, seq]`: the batch's own mask values on real tokens (1; a ColBERT query's
+  expansion tokens 2: computed, not attended to), 0 past each sequence's end;
 - scatter `[tokens]`: each packed token's position in the `[batch * seq]` attention output.
 
 On real tokens `gather` and `scatter` are inverse maps (scatter[gather[b, i]] = b * seq + i); the
@@ -52,11 +53,12 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
     model computes and drops, as a padded library would.
     """
     input_ids = np.asarray(input_ids)
-    mask = np.asarray(attention_mask).astype(bool)
+    values = np.asarray(attention_mask)
+    mask = values.astype(bool)
     batch, width = input_ids.shape
     seq = width if seq is None else seq
     if batch == 1:
-        return _pack_one(input_ids, mask, token_type_ids, seq, tokens)
+        return _pack_one(input_ids, values, token_type_ids, seq, tokens)
     lengths = mask.sum(axis=1)
     if not (mask == (np.arange(width)[None, :] < lengths[:, None])).all():
         raise ValueError(RIGHT_PADDED)
@@ -70,7 +72,7 @@ def pack_batch(input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids
         packed_types[:real] = np.asarray(token_type_ids)[rows, columns]
     positions[:real] = columns
     gather[rows, columns] = starts[rows] + columns
-    sequence_mask[rows, columns] = 1
+    sequence_mask[rows, columns] = values[rows, columns]
     scatter[:real] = rows * seq + columns
     return packed_ids, packed_types, positions, gather, sequence_mask, scatter
 
@@ -92,11 +94,12 @@ def per_sequence_rows(token_rows: np.ndarray, gather: np.ndarray) -> np.ndarray:
     return token_rows[gather]
 
 
-def _pack_one(input_ids: np.ndarray, mask: np.ndarray, token_type_ids: np.ndarray | None, seq: int,
+def _pack_one(input_ids: np.ndarray, values: np.ndarray, token_type_ids: np.ndarray | None, seq: int,
               tokens: int | None) -> tuple[np.ndarray, ...]:
     """pack_batch of one sequence (a query: the most common request), the same arrays in a third
     of the numpy calls, each of which costs microseconds right after a model call has filled the
     caches with weights."""
+    mask = values.astype(bool)
     length = int(mask.sum())
     if not mask[0, :length].all():
         raise ValueError(RIGHT_PADDED)
@@ -106,5 +109,5 @@ def _pack_one(input_ids: np.ndarray, mask: np.ndarray, token_type_ids: np.ndarra
         packed_types[:length] = np.asarray(token_type_ids)[0, :length]
     positions[:length] = np.arange(length)
     gather[0, :length] = scatter[:length] = positions[:length]
-    sequence_mask[0, :length] = 1
+    sequence_mask[0, :length] = values[0, :length]
     return packed_ids, packed_types, positions, gather, sequence_mask, scatter

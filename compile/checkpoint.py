@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from artifact.colbert import ColbertSettings
 from artifact.hashing import file_sha256
 from artifact.manifest import SPLADE_POOLINGS
 
@@ -20,12 +22,18 @@ from .dense_head import DenseLayer, dense_head, dense_layers, module_config, mod
 from .errors import CompileError
 from .families import FAMILIES, Family
 
+FIRST_TOKEN_POOLINGS = ("cls", "colbert")  # a ColBERT model's pooled row: its [CLS] state
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 DEFAULT_LABELS = 2  # a classifier's labels where its config names none (transformers' PretrainedConfig default)
 # sentence-transformers' Pooling config before `pooling_mode`: one bool per mode
 LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
                        "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+# A ColBERT query's expansion [MASK] tokens: their value in the attention mask (real tokens are 1, padding
+# 0), and the additive bias that takes them out of every softmax over keys (exp of it is 0, as of the
+# dtype's min) while keeping them among the real keys the fused attention kernel computes rows for
+EXPANDED = 2
+EXPANSION_BIAS = -1e20
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -50,6 +58,8 @@ class CheckpointInfo:
     pooling: str
     labels: list[str] = field(default_factory=list)
     dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense modules after the pooling
+    projection: tuple[DenseLayer, ...] = ()  # a ColBERT model's Dense modules, on every token
+    colbert: ColbertSettings | None = None
 
     @property
     def family(self) -> Family:
@@ -79,9 +89,17 @@ class CheckpointInfo:
             return self.dense[-1].out_features
         return int(self.config["vocab_size"]) if self.pooling in SPLADE_POOLINGS else self.hidden_size
 
+    @property
+    def token_dim(self) -> int | None:
+        """The width of the token output (ColBERT's projection, else the hidden size); None where the
+        libraries have none (a classifier; `--pooling none`, whose one output is the tokens')."""
+        if self.labels or self.pooling == "none":
+            return None
+        return self.projection[-1].out_features if self.projection else self.hidden_size
+
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
-        for weight_file in (*self.weight_files, *(layer.weight_file for layer in self.dense)):
+        for weight_file in (*self.weight_files, *(layer.weight_file for layer in (*self.dense, *self.projection))):
             digest.update(weight_file.name.encode())
             digest.update(file_sha256(weight_file).encode())
         return digest.hexdigest()
@@ -170,6 +188,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     if task == "embed" and pooling in SPLADE_POOLINGS:  # "splade": max or sum, as the checkpoint says
         found = splade_pooling(model_dir, config)
         pooling = found if pooling == "splade" else pooling
+    colbert = ColbertSettings.of_checkpoint(model_dir) if task == "embed" and pooling in ("auto", "colbert") else None
+    if pooling == "colbert" or colbert is not None:  # --task colbert, or a PyLate checkpoint
+        return colbert_checkpoint(model_dir, config, weight_files, colbert)
     if task == "embed" and pooling == "auto":
         pooling = sentence_transformers_pooling(model_dir) or "cls"
     pooled = task == "embed" and pooling not in SPLADE_POOLINGS and pooling != "none"
@@ -183,6 +204,21 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     )
 
 
+def colbert_checkpoint(model_dir: Path, config: dict, weight_files: tuple[Path, ...],
+                       settings: ColbertSettings | None) -> CheckpointInfo:
+    """A ColBERT checkpoint in PyLate's layout: the encoder, its Dense projection of every token
+    (modules.json) and its query and document settings (config_sentence_transformers.json)."""
+    if settings is None:
+        raise CompileError(f"{model_dir} is not a ColBERT checkpoint: its config_sentence_transformers.json names "
+                           "no query_prefix or query_length (PyLate's layout)")
+    hidden_size = int(config[FAMILIES[config["model_type"]].hidden_size_key])
+    projection = dense_layers(model_dir, hidden_size)
+    if not projection:
+        raise CompileError(f"{model_dir} has no projection for ColBERT (no Dense module in modules.json)")
+    return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files, pooling="colbert",
+                          projection=projection, colbert=settings)
+
+
 class BertWrapper(torch.nn.Module):
     """A BERT-family encoder with explicit position/token-type ids and our own additive attention mask.
 
@@ -192,38 +228,82 @@ class BertWrapper(torch.nn.Module):
     (the family adds its offset). Token type ids are ignored by a family without them.
     """
 
-    def __init__(self, model: torch.nn.Module, task: str, pooling: str, dense: torch.nn.Module | None = None):
+    def __init__(self, model: torch.nn.Module, task: str, pooling: str, dense: torch.nn.Module | None = None,
+                 projection: torch.nn.Module | None = None, colbert: ColbertSettings | None = None):
         super().__init__()
         self.task = task
         self.pooling = pooling
         self.dense = dense  # the checkpoint's Dense layers after pooling (compile/dense_head.py)
+        self.projection = projection  # a ColBERT model's Dense layers, on every token (the token output)
+        self.colbert = colbert
+        # set while exporting (`returning_tokens`): the libraries return every token's state beside the pooled row
+        self.returning_tokens = False
         self.family = FAMILIES[model.config.model_type]
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
         self.mlm_head = self.family.mlm_head(model) if pooling in SPLADE_POOLINGS else None  # -> vocabulary logits
         self.vocab_size = int(model.config.vocab_size)  # the MLM head's logits are padded past it
 
-    @staticmethod
-    def additive_mask(mask: torch.Tensor) -> torch.Tensor:
-        """[batch, 1, 1, seq] from a float [batch, seq] mask: 0 for real tokens, the dtype's min for
-        padding (what the softmax over keys adds)."""
-        return (1.0 - mask[:, None, None, :]) * torch.finfo(mask.dtype).min
+    def additive_mask(self, attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[batch, 1, 1, seq] from the [batch, seq] mask: 0 for real tokens, the dtype's min for
+        padding (what the softmax over keys adds); a ColBERT model's query expansion tokens (EXPANDED)
+        get EXPANSION_BIAS: no key weight, as padding, yet computed as queries (their rows are outputs)."""
+        mask = attention_mask.to(dtype)[:, None, None, :]
+        bias = (1.0 - mask) * torch.finfo(dtype).min
+        if self.colbert is not None:
+            bias = torch.where(mask == EXPANDED, torch.full_like(bias, EXPANSION_BIAS), bias)
+        return bias
+
+    @property
+    def has_token_states(self) -> bool:
+        """Whether the libraries return every token's state as a second output (every embedding
+        model that pools: `--pooling none` returns nothing else)."""
+        return self.task == "embed" and self.pooling != "none"
 
     def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
+        hidden = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
+        pooled = self.pooled(hidden, attention_mask.to(hidden.dtype))
+        return (pooled, self.token_head(hidden)) if self.returning_tokens else pooled
+
+    def encode(self, input_ids, attention_mask, token_type_ids, position_ids) -> torch.Tensor:
+        """The final hidden state of every token, [batch, seq, hidden]."""
         hidden = self.family.embed(self.bert, input_ids, token_type_ids, position_ids)
-        mask = attention_mask.to(hidden.dtype)
-        hidden = self.family.encoder(self.bert)(hidden, attention_mask=self.additive_mask(mask)).last_hidden_state
+        additive = self.additive_mask(attention_mask, hidden.dtype)
+        return self.family.encoder(self.bert)(hidden, attention_mask=additive).last_hidden_state
+
+    def token_states(self, input_ids, attention_mask, token_type_ids, position_ids) -> torch.Tensor:
+        """The libraries' second output on padded rows: every token's state [batch, seq, dim]."""
+        return self.token_head(self.encode(input_ids, attention_mask, token_type_ids, position_ids))
+
+    def token_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the token output computes from the final hidden states: ColBERT's projection of each,
+        else the states themselves."""
+        return hidden if self.projection is None else self.projection(hidden)
+
+    def pooled(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The task's output from the final hidden states and the float mask."""
         if self.task == "classify":
             return self.classifier(hidden)
         if self.pooling == "none":
             return hidden
         if self.mlm_head is not None:
             return splade(self.mlm_head(hidden), mask, self.pooling, self.vocab_size)
-        return self.head(hidden[:, 0] if self.pooling == "cls" else pool(hidden, mask, self.pooling))
+        return self.head(hidden[:, 0] if self.pooling in FIRST_TOKEN_POOLINGS else pool(hidden, mask, self.pooling))
 
     def head(self, pooled: torch.Tensor) -> torch.Tensor:
         """The sentence embedding from the pooled one: through the Dense layers, where the checkpoint has them."""
         return pooled if self.dense is None else self.dense(pooled)
+
+
+@contextmanager
+def returning_tokens(wrapper: BertWrapper):
+    """The wrapper as the libraries compute it: where it has token states, (pooled, token states)
+    (the token output is a second output, so that a call that only pools copies nothing more out)."""
+    wrapper.returning_tokens = wrapper.has_token_states
+    try:
+        yield wrapper
+    finally:
+        wrapper.returning_tokens = False
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: str) -> torch.Tensor:
@@ -258,9 +338,10 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attent
     if task == "classify" and model.config.num_labels != len(info.labels):
         raise CompileError(f"{info.path}: its classifier has {model.config.num_labels} outputs where its config "
                            f"names {len(info.labels)} labels")
-    dense = dense_head(info.dense)
+    dense, projection = dense_head(info.dense), dense_head(info.projection)
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling,
-                       dense.to(getattr(torch, dtype)) if dense is not None else None).eval()
+                       dense.to(getattr(torch, dtype)) if dense is not None else None,
+                       projection.to(getattr(torch, dtype)) if projection is not None else None, info.colbert).eval()
 
 
 def example_inputs(batch: int, seq: int, vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:

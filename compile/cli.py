@@ -30,9 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: HF_TOKEN)")
     parser.add_argument("--huggingface-hub-cache", type=Path,
                         help="Hub model: where downloads are cached (default: HF_HUB_CACHE, ~/.cache/huggingface/hub)")
-    parser.add_argument("--task", choices=["embed", "classify", "rerank", "sparse"],
+    parser.add_argument("--task", choices=["embed", "classify", "rerank", "sparse", "colbert"],
                         help="rerank: a cross-encoder (a classifier with one label), served on /rerank; sparse: SPLADE "
-                             "from a *ForMaskedLM or SparseEncoder checkpoint, served on /embed_sparse")
+                             "from a *ForMaskedLM or SparseEncoder checkpoint, served on /embed_sparse; colbert: a PyLate "
+                             "checkpoint's projected token vectors, served on /embed_multi (detected under embed)")
     parser.add_argument("--target", choices=["cpu", "cuda"])
     parser.add_argument("--cuda-arch", dest="cuda_arch", help="CUDA architecture (default sm_90)")
     parser.add_argument("--dtype", choices=["float32", "float16"], help="float16: CUDA only")
@@ -45,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--buckets", help="comma-separated BATCHxSEQ shapes, e.g. 1x16,8x128 (packed: packed-SEQ, "
                         "e.g. packed-64,packed-512)")
     parser.add_argument("--max-batch", dest="max_batch", type=int, help="generic library's batch bound")
-    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max", "none", "splade"],
-                        help="none: the libraries return every token's final hidden state (served on /embed_all)")
+    parser.add_argument("--pooling", choices=["auto", "mean", "cls", "max", "none", "splade", "colbert"],
+                        help="none: the libraries return every token's final hidden state and nothing else (every "
+                        "embedding model serves /embed_all); colbert: --task colbert")
     parser.add_argument("--strategy", choices=["auto", "concat", "batched", "off"],
                         help="how parallel matmuls are combined; auto times all three per bucket")
     parser.add_argument("--strategy-margin", dest="strategy_margin", type=float,

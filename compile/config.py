@@ -15,10 +15,10 @@ from .bucketing import parse_bucket, parse_buckets
 from .errors import CompileError
 
 # rerank: a classifier with one label (a cross-encoder); sparse: SPLADE weights from a masked LM
-Task = Literal["embed", "classify", "rerank", "sparse"]
+Task = Literal["embed", "classify", "rerank", "sparse", "colbert"]
 TargetKind = Literal["cpu", "cuda"]
 # none: every token's final hidden state; splade: task sparse (max or sum as the checkpoint says)
-Pooling = Literal["auto", "mean", "cls", "max", "none", "splade"]
+Pooling = Literal["auto", "mean", "cls", "max", "none", "splade", "colbert"]
 FP32_TOLERANCE = 1e-4
 FP16_TOLERANCE = 2e-2  # fp16 keeps ~3 significant digits; pooled values are O(1)
 # int8 is checked per output row, relative to its norm: MiniLM on random tokens measured up to 0.14
@@ -193,6 +193,12 @@ class CompileConfig(BaseModel):
             raise ValueError(f"pooling {self.pooling} is for task embed: a {self.task} head reads its own token")
         if self.pooling == "splade" and self.task == "embed":
             self.task = "sparse"  # --pooling splade is --task sparse
+        if self.pooling == "colbert" and self.task == "embed":
+            self.task = "colbert"  # --pooling colbert is --task colbert
+        if self.task == "colbert":
+            if self.pooling not in ("auto", "colbert"):
+                raise ValueError(f"task colbert projects every token, it does not pool with {self.pooling}")
+            self.pooling = "colbert"
         if self.task == "sparse":
             if self.pooling not in ("auto", "splade"):
                 raise ValueError(f"task sparse pools with splade, not {self.pooling}")
@@ -211,7 +217,7 @@ class CompileConfig(BaseModel):
         """What the compiled function computes: a reranker is a classifier with one logit (the
         manifest says classify, and the service serves /rerank from any one-label classifier, as TEI does);
         a sparse model is an embedding model pooled with SPLADE (the service serves it on /embed_sparse)."""
-        return {"rerank": "classify", "sparse": "embed"}.get(self.task, self.task)
+        return {"rerank": "classify", "sparse": "embed", "colbert": "embed"}.get(self.task, self.task)
 
     def tolerance_for(self, precision: str) -> float:
         """Max |tvm - torch| of libraries whose linears run in `precision` (the chosen one); for bf16

@@ -81,6 +81,8 @@ def dense_layers(model_dir: Path, hidden_size: int) -> tuple[DenseLayer, ...]:
                                f"(supported after the Transformer: Pooling, Dense, Normalize)")
         directory = model_dir / module["path"]
         config = module_config(model_dir, module)
+        if config.get("use_residual"):
+            raise CompileError(f"{directory}: a Dense module with a residual (use_residual) is not compiled")
         activation = config.get("activation_function", "torch.nn.modules.activation.Tanh")
         if activation not in ACTIVATIONS:
             raise CompileError(f"{directory}: Dense activation {activation} is not compiled (supported: "

@@ -13,7 +13,7 @@ from tvm import relax
 
 from artifact.packed_batch import PACKED_INPUT_NAMES, pack_batch
 
-from .checkpoint import INPUT_NAMES, BertWrapper, example_inputs
+from .checkpoint import INPUT_NAMES, BertWrapper, example_inputs, returning_tokens
 from .packed_model import PackedBertWrapper
 
 
@@ -94,8 +94,9 @@ def _export(wrapper: BertWrapper, max_batch: int, max_seq: int, vocab_size: int,
         mask[:] = 0
         mask[0, :8], mask[1, :3] = 1, 1
         args = tuple(torch.from_numpy(x) for x in pack_batch(ids, mask, type_ids, tokens=13))
-        wrapper = PackedBertWrapper(wrapper)
-    with torch.no_grad(), warnings.catch_warnings():
+    with returning_tokens(wrapper), torch.no_grad(), warnings.catch_warnings():
+        if layout == "packed":
+            wrapper = PackedBertWrapper(wrapper)
         warnings.simplefilter("ignore")
         program = torch.export.export(wrapper, args, dynamic_shapes=dynamic_shapes)
         mod = from_exported_program(program, keep_params_as_input=True, custom_convert_map=CONVERTERS)

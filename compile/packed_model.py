@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .checkpoint import BertWrapper, pool, splade
+from .checkpoint import FIRST_TOKEN_POOLINGS, BertWrapper, pool, splade
 from .families import LayerParts
 
 
@@ -33,25 +33,35 @@ class PackedBertWrapper(torch.nn.Module):
         self.mlm_head = padded.mlm_head
         self.vocab_size = padded.vocab_size
         self.dense = padded.dense  # the Dense layers after pooling, where the checkpoint has them
+        self.projection = padded.projection  # ColBERT's, run on the real tokens only
+        self.colbert = padded.colbert
+        self.returning_tokens = padded.returning_tokens
         self.layers = padded.family.layers(padded.bert)
 
     head = BertWrapper.head
+    token_head = BertWrapper.token_head
+    additive_mask = BertWrapper.additive_mask
 
     def forward(self, input_ids, token_type_ids, position_ids, gather, attention_mask, scatter):
         batch, seq = gather.shape
         rows = gather.reshape(-1)
         hidden = self.family.embed(self.bert, input_ids[None], token_type_ids[None], position_ids[None])[0]
         mask = attention_mask.to(hidden.dtype)
-        additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
+        additive = self.additive_mask(attention_mask, hidden.dtype)
         for layer in self.layers:
             attended = layer.attention_output(self._attention(layer, hidden, rows, additive, scatter, batch, seq),
                                               hidden)
             hidden = layer.feed_forward(attended)
+        pooled = self.pooled(hidden, mask, gather, rows, batch, seq)
+        return (pooled, self.token_head(hidden)) if self.returning_tokens else pooled
+
+    def pooled(self, hidden, mask, gather, rows, batch, seq):
+        """The task's output from the packed final states [tokens, hidden]."""
         if self.task == "classify":  # the head reads token 0 of [batch, seq, hidden]: give it [batch, 1, hidden]
             return self.classifier(torch.index_select(hidden, 0, gather[:, 0])[:, None])
         if self.pooling == "none":  # [tokens, hidden]: every real token's state, in packed order
             return hidden
-        if self.pooling == "cls":
+        if self.pooling in FIRST_TOKEN_POOLINGS:
             return self.head(torch.index_select(hidden, 0, gather[:, 0]))
         if self.mlm_head is not None:  # the vocabulary-wide head on the real tokens only
             logits = self.mlm_head(hidden)

@@ -47,7 +47,7 @@ class FaultyBackend:
             raise InjectedFault(f"warm-up {call} failed")
         self._backend.warmup()
 
-    def run(self, input_ids, attention_mask, token_type_ids, bucket=None):
+    def run(self, input_ids, attention_mask, token_type_ids, bucket=None, tokens=False):
         with self._lock:
             self.calls += 1
             call = self.calls
@@ -57,7 +57,7 @@ class FaultyBackend:
             self.release.wait()
         if call in self.fail_calls or unlucky or (self.poison_id is not None and (input_ids == self.poison_id).any()):
             raise InjectedFault(f"call {call} failed")
-        result = self._backend.run(input_ids, attention_mask, token_type_ids, bucket)
+        result = self._backend.run(input_ids, attention_mask, token_type_ids, bucket, tokens)
         if call in self.short_calls:
             return dataclasses.replace(result, output=result.output[:-1])
         return result

@@ -41,7 +41,7 @@ class Backend(Protocol):
     weights_bytes: int  # the weights it holds: the artifact's weight files, or PyTorch's parameters
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, token_type_ids: np.ndarray,
-            bucket: AnyBucket | None = None) -> RunResult: ...
+            bucket: AnyBucket | None = None, tokens: bool = False) -> RunResult: ...
 
     def warmup(self) -> None: ...
 
@@ -67,8 +67,8 @@ class TvmBackend:
         self.weights_bytes = sum((model.directory / entry.file).stat().st_size
                                  for entry in model.manifest.weights.values())
 
-    def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
-        return self.model.run(input_ids, attention_mask, token_type_ids, bucket)
+    def run(self, input_ids, attention_mask, token_type_ids, bucket=None, tokens=False) -> RunResult:
+        return self.model.run(input_ids, attention_mask, token_type_ids, bucket, tokens)
 
     def warmup(self) -> None:
         self.model.warmup()
@@ -110,14 +110,18 @@ class TorchBackend:
         self.refused: dict[str, str] = {}
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.module.parameters())
 
-    def run(self, input_ids, attention_mask, token_type_ids, bucket=None) -> RunResult:
+    def run(self, input_ids, attention_mask, token_type_ids, bucket=None, tokens=False) -> RunResult:
         torch = self._torch
         batch, seq = input_ids.shape
         position_ids = np.broadcast_to(np.arange(seq, dtype=np.int64), (batch, seq))
         with torch.inference_mode():
-            output = self.module(*(torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
-                                   for x in (input_ids, attention_mask, token_type_ids, position_ids)))
-        return RunResult(output.float().cpu().numpy(), "torch", None, batch * seq, int(attention_mask.sum()))
+            inputs = [torch.from_numpy(np.ascontiguousarray(x)).to(self.device)
+                      for x in (input_ids, attention_mask, token_type_ids, position_ids)]
+            hidden = self.module.encode(*inputs)
+            output = self.module.pooled(hidden, inputs[1].to(hidden.dtype))
+            states = self.module.token_head(hidden) if tokens else None
+        return RunResult(output.float().cpu().numpy(), "torch", None, batch * seq, int(np.count_nonzero(attention_mask)),
+                         None if states is None else states.float().cpu().numpy())
 
     def warmup(self) -> None:
         ones = np.ones((1, 2), dtype=np.int64)

@@ -54,6 +54,8 @@ from .planning import (
 )
 from .tokenization import Encoded
 
+EXPANDED = 2  # a ColBERT query's expansion tokens in the attention mask (compile.checkpoint.EXPANDED)
+
 log = logging.getLogger(__name__)
 
 MAX_LOOP_CRASHES = 3
@@ -67,6 +69,7 @@ class ItemResult:
     path: str
     queue_seconds: float
     inference_seconds: float
+    tokens: np.ndarray | None = None  # [seq, dim]: every token's output, where its input asked for them
 
 
 class Batcher:
@@ -298,7 +301,9 @@ class Batcher:
             elapsed = finished - started
             for row, entry in enumerate(entries):
                 if entry.live:
-                    entry.future.set_result(ItemResult(output[row], result.path, started - entry.enqueued_at, elapsed))
+                    tokens = result.tokens[row] if entry.encoded.tokens else None
+                    entry.future.set_result(ItemResult(output[row], result.path, started - entry.enqueued_at, elapsed,
+                                                       tokens))
         except asyncio.CancelledError:
             if not work.cancelled():
                 raise
@@ -332,8 +337,10 @@ class Batcher:
             length = len(entry.encoded)
             input_ids[row, :length] = entry.encoded.ids
             attention_mask[row, :length] = 1
+            attention_mask[row, entry.encoded.attended or length:length] = EXPANDED
             token_type_ids[row, :length] = entry.encoded.type_ids
-        result = self.backend.run(input_ids, attention_mask, token_type_ids, bucket)
+        tokens = any(entry.encoded.tokens for entry in entries)  # only a batch that needs them copies them out
+        result = self.backend.run(input_ids, attention_mask, token_type_ids, bucket, tokens=tokens)
         finished = time.perf_counter()
         process_memory.after_batch()  # past its limit, cached buffers go back before the next batch
         return started, finished, result

@@ -10,7 +10,7 @@ import asyncio
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,7 +27,8 @@ from .inputs import (
     rerank_pairs,
     valid_dimensions,
 )
-from .tokenization import Prompts, TextTokenizer
+from .colbert import ColbertEncoder
+from .tokenization import Encoded, Prompts, TextTokenizer
 
 if TYPE_CHECKING:
     from .tracing import Tracing
@@ -51,6 +52,8 @@ class Computed:
     tokenization_seconds: float
     queue_seconds: float
     inference_seconds: float
+    encoded: list[Encoded] = field(default_factory=list)  # per input, as it ran
+    token_rows: list[np.ndarray | None] = field(default_factory=list)  # per input: the token output, where asked
 
     @property
     def outputs(self) -> np.ndarray:
@@ -58,8 +61,10 @@ class Computed:
         return np.stack(self.rows)
 
     def token_states(self) -> list[np.ndarray]:
-        """Per input, [tokens, hidden]: the states of its own tokens."""
-        return [row[:length] for row, length in zip(self.rows, self.lengths)]
+        """Per input, [tokens, dim]: the token output of its own tokens (a `--pooling none` model's one
+        output, else the libraries' second)."""
+        rows = self.rows if not any(row is not None for row in self.token_rows) else self.token_rows
+        return [row[:length] for row, length in zip(rows, self.lengths)]
 
 
 class ModelService:
@@ -67,8 +72,11 @@ class ModelService:
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
                  tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
-                 problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None):
+                 problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None,
+                 colbert: ColbertEncoder | None = None, token_states: bool = False):
         self.name = name
+        self.token_states = token_states  # the libraries' second output: every token's (else `--pooling none`'s one)
+        self.colbert = colbert  # a ColBERT model's query and document tokenization
         self.tracing = tracing  # with --otlp-endpoint: each request's stages become spans
         self.prompts = prompts or Prompts({}, "")
         self.output_dim = output_dim
@@ -89,12 +97,17 @@ class ModelService:
             size += f" ({count} input{'s' * (count != 1)} and {labels} zero-shot labels, each embedded)"
         raise TooLarge(f"{size} > maximum allowed batch size {self.max_client_batch_size}")
 
-    async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
-        """Tokenize, batch and run `inputs` (a pair may have one empty side: `inputs.no_empty_pair`)."""
+    async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation, tokens: bool = False,
+                      encode=None) -> Computed:
+        """Tokenize (`encode`, default the model's tokenizer), batch and run `inputs` (a pair may have one
+        empty side: `inputs.no_empty_pair`); `tokens`: with every token's output, which only a batch holding
+        such an input copies out of the libraries."""
         no_empty_pair(inputs)
         started = time.perf_counter()
         characters = sum(map(_characters, inputs))
-        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
+        encoded = await self._tokenizing(characters, encode or self.tokenizer.encode, inputs, truncation)
+        if tokens:
+            encoded = [item if item.tokens else replace(item, tokens=True) for item in encoded]
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         if self.tracing is not None:
@@ -109,6 +122,8 @@ class ModelService:
             tokenization_seconds=tokenized - started,
             queue_seconds=statistics.fmean(result.queue_seconds for result in results),
             inference_seconds=statistics.fmean(result.inference_seconds for result in results),
+            encoded=encoded,
+            token_rows=[result.tokens for result in results],
         )
 
     async def tokens(self, texts: list[str], add_special_tokens: bool,
@@ -141,9 +156,20 @@ class ModelService:
     async def embed_all(self, inputs: list[str | TokenIds], truncation: Truncation,
                         prompt_name: str | None = None) -> tuple[list[np.ndarray], Computed]:
         """Per input, every token's final hidden state (special tokens included, as
-        transformers' `last_hidden_state`): a model compiled with `--pooling none`."""
-        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
+        transformers' `last_hidden_state`; a ColBERT model: its projection of each), from the
+        same libraries that pool."""
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation, tokens=self.token_states)
         return computed.token_states(), computed
+
+    async def embed_multi(self, inputs: list[str], is_query: bool,
+                          truncation: Truncation) -> tuple[list[np.ndarray], Computed]:
+        """Per input, its ColBERT token vectors as PyLate's `encode(is_query=...)` returns them
+        (`service.colbert`)."""
+        colbert = self.colbert
+        computed = await self.compute(inputs, truncation, tokens=True,
+                                      encode=lambda items, cut: colbert.encode(items, is_query, cut))
+        return [colbert.vectors(item, rows, is_query) for item, rows in zip(computed.encoded, computed.token_rows)
+                ], computed
 
     async def embed_sparse(self, inputs: list[str | TokenIds], truncation: Truncation,
                            prompt_name: str | None = None) -> tuple[list[list[dict]], Computed]:

@@ -27,6 +27,7 @@ from .schemas import (
     ClassifyRequest,
     DecodeRequest,
     EmbedAllRequest,
+    EmbedMultiRequest,
     EmbedRequest,
     OpenAIEmbedding,
     OpenAIEmbeddingRequest,
@@ -237,8 +238,20 @@ async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Resp
 
 @post("/embed_all")
 async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
-    """TEI's /embed_all: per input, every token's final hidden state (a `--pooling none` model)."""
+    """TEI's /embed_all: per input, every token's final hidden state (any embedding model: the libraries'
+    token output)."""
     return await _per_input(body, request, "embed_all")
+
+
+@post("/embed_multi")
+async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
+    """Per input, a ColBERT model's token vectors, as PyLate's `encode(is_query=...)` returns them."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed_multi", body.model)
+    inputs = one_per_item(body.inputs)
+    service.check_batch_size(len(inputs))
+    vectors, computed = await service.embed_multi(inputs, body.is_query, _truncation(request, body))
+    return _json(vectors, _headers(service, computed, started))
 
 
 @post("/embed_sparse")
@@ -320,7 +333,7 @@ async def similarity(body: SimilarityRequest, request: Request) -> Response:
 
 DEFAULT_ROUTES = {"embed": (EmbedRequest, embed), "classify": (ClassifyRequest, classify),
                   "rerank": (RerankRequest, rerank), "embed_all": (EmbedAllRequest, embed_all),
-                  "embed_sparse": (EmbedAllRequest, embed_sparse)}
+                  "embed_sparse": (EmbedAllRequest, embed_sparse), "embed_multi": (EmbedMultiRequest, embed_multi)}
 # `/` parses its body itself (its schema depends on the model and the body): the document lists
 # every body it accepts.
 DEFAULT_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"schema": {"oneOf": [

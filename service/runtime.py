@@ -22,12 +22,14 @@ from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import Callable, Protocol
 
+from artifact.colbert import ColbertSettings
 from artifact.cores import limit_pool_spinning, usable_cores
 from artifact.levels import artifact_for_this_cpu
 from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
 from .batcher import Batcher
+from .colbert import ColbertEncoder
 from .errors import ModelNotFound, NotSupported, Unavailable
 from .inference import ModelService
 from .lanes import Lanes
@@ -228,10 +230,12 @@ class Runtime:
                           sort_window=settings.sort_window, capacity=settings.max_concurrent_requests,
                           request_timeout_s=settings.request_timeout, metrics=self.metrics, costs=backend.costs(),
                           on_fatal=self.on_fatal)
+        colbert = (ColbertEncoder(tokenizer_dir / "tokenizer.json", ColbertSettings.of_checkpoint(tokenizer_dir)
+                                  or ColbertSettings()) if manifest.colbert else None)
         return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type, artifact.prompts, self.tracing)
+                            manifest.problem_type, artifact.prompts, self.tracing, colbert, manifest.token_states)
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
@@ -360,10 +364,11 @@ class Runtime:
 
 KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "rerank": "a reranker (a one-label classifier)",
-                "embed_all": "a token-embedding model (compiled with --pooling none)",
-                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
+                "embed_all": "a token-embedding model (an embedding model)",
+                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)",
+                "embed_multi": "a ColBERT model (compiled with --task colbert: a projection of every token)"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
-                 "embed_sparse": "/embed_sparse"}
+                 "embed_sparse": "/embed_sparse", "embed_multi": "/embed_multi"}
 
 
 def openai_model_entry(artifact: ServedArtifact) -> dict:
@@ -379,15 +384,18 @@ def model_kind(manifest: Manifest) -> str:
         return "rerank" if manifest.is_reranker else "classify"
     if manifest.token_outputs:
         return "embed_all"
+    if manifest.colbert:
+        return "embed_multi"
     return "embed_sparse" if manifest.sparse_outputs else "embed"
 
 
 def serves(manifest: Manifest, task: str) -> bool:
     """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
-    still answers /predict); an embedding model's pooling decides between /embed, /embed_all and
-    /embed_sparse."""
+    still answers /predict); an embedding model's pooling decides between /embed, /embed_sparse and
+    /embed_multi (ColBERT), and every embedding model answers /embed_all from its token output."""
     kind = model_kind(manifest)
-    return kind == task or (task == "classify" and kind == "rerank")
+    return (kind == task or (task == "classify" and kind == "rerank")
+            or (task == "embed_all" and manifest.token_states))  # every embedding model's token output
 
 
 def describe_kind(manifest: Manifest) -> str:

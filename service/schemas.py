@@ -58,6 +58,14 @@ class EmbedAllRequest(_Truncating):
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 
 
+class EmbedMultiRequest(_Truncating):
+    """/embed_multi's body: a ColBERT model's token vectors of queries or documents."""
+
+    inputs: EmbeddingInputs
+    is_query: bool = Field(True, description="queries (prefix, [MASK] expansion) or documents (prefix, skip-list): "
+                                             "PyLate's `encode(is_query=...)`, whose default is a query")
+
+
 class PipelineParameters(_Strict):
     """The Hugging Face Inference API's text-classification `parameters` (what
     `huggingface_hub.InferenceClient.text_classification` sends)."""

@@ -20,6 +20,8 @@ ST_PROMPTS = "config_sentence_transformers.json"  # `prompts` {name: text} and `
 class Encoded:
     ids: np.ndarray  # int64 [length], special tokens included
     type_ids: np.ndarray  # int64 [length]
+    tokens: bool = False  # its answer needs every token's output (the libraries' second output)
+    attended: int | None = None  # a ColBERT query: tokens past this many are expansion tokens, not attended to
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -1,5 +1,6 @@
 """POST /embed_all: every token's final hidden state from a `--pooling none` artifact (padded and
-packed), equal to transformers' `last_hidden_state`, through a real server on loopback."""
+packed) and from a default (pooling) one, whose libraries return it beside the pooled row, equal to
+transformers' `last_hidden_state`, through a real server on loopback."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def last_hidden_states(model_dir, texts: list[str]) -> list[np.ndarray]:
     return states
 
 
-@pytest.mark.parametrize("model", ["tokens-padded", "tokens-packed"])
+@pytest.mark.parametrize("model", ["tokens-padded", "tokens-packed", "tiny-embed"])
 def test_embed_all_equals_transformers_last_hidden_state(client, tiny_bert_dir, model):
     response = client.post("/embed_all", json={"inputs": TEXTS, "model": model})
     assert response.status_code == 200, response.text
@@ -56,11 +57,17 @@ def test_embed_all_equals_transformers_last_hidden_state(client, tiny_bert_dir, 
     np.testing.assert_allclose(np.asarray(one[0]), expected[1], atol=1e-4)  # alone: same answer
 
 
+def test_a_default_artifact_answers_embed_and_embed_all_from_the_same_libraries(client, tiny_bert_dir):
+    pooled = client.post("/embed", json={"inputs": TEXTS, "model": "tiny-embed", "normalize": False})
+    states = client.post("/embed_all", json={"inputs": TEXTS, "model": "tiny-embed"})
+    assert pooled.status_code == states.status_code == 200
+    for vector, tokens in zip(pooled.json(), states.json()):  # the checkpoint's mean pooling of its own states
+        np.testing.assert_allclose(np.asarray(vector), np.asarray(tokens).mean(axis=0), atol=1e-5)
+
+
 def test_each_route_refuses_the_other_kind_and_names_its_route(client):
     refused = client.post("/embed", json={"inputs": "hello", "model": "tokens-padded"})
     assert refused.status_code == 400 and "/embed_all" in refused.json()["error"]
-    refused = client.post("/embed_all", json={"inputs": "hello", "model": "tiny-embed"})
-    assert refused.status_code == 400 and "--pooling none" in refused.json()["error"]
     assert client.post("/embed_all", json={"inputs": []}).status_code == 422
     info = client.get("/info").json()
     assert info["models"][0]["pooling"] == "none"

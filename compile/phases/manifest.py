@@ -78,6 +78,7 @@ def assemble_manifest(config: CompileConfig, plan: Plan, builder: LibraryBuilder
         labels=info.labels,
         problem_type=info.config.get("problem_type") if config.model_task == "classify" else None,
         output_dim=info.output_dim,
+        token_dim=info.token_dim,
         tvm_version=tvm.__version__,
         torch_version=torch.__version__,
         transformers_version=transformers.__version__,

@@ -73,3 +73,44 @@ def save_planted_checkpoint(directory: Path, defect: str) -> Path:
             down.weight[:, 1] = -down.weight[:, 0]
     model.save_pretrained(directory)
     return directory
+
+
+COLBERT_SETTINGS = {"query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": 12, "document_length": 24,
+                    "do_query_expansion": True, "attend_to_expansion_tokens": False}
+
+
+def save_tiny_colbert(directory: Path, projection: int = 16) -> Path:
+    """A 2-layer BERT in PyLate's layout: its prefixes added to the tokenizer (the embeddings grown to
+    them), a Dense projection without bias (1_Dense) and PyLate's settings in
+    config_sentence_transformers.json (short query and document lengths, the default skip-list)."""
+    import json
+    import string
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, BertModel
+
+    from loadtest.random_checkpoint import copy_tokenizer
+
+    torch.manual_seed(5)
+    directory.mkdir(parents=True, exist_ok=True)
+    model = BertModel(tiny_config(), add_pooling_layer=False)
+    copy_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens([COLBERT_SETTINGS["query_prefix"], COLBERT_SETTINGS["document_prefix"]])
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Dense", "type": "pylate.models.Dense.Dense"}]))
+    (directory / "1_Dense").mkdir(exist_ok=True)
+    (directory / "1_Dense" / "config.json").write_text(json.dumps({
+        "in_features": TINY_SIZES["hidden_size"], "out_features": projection, "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity", "use_residual": False}))
+    save_file({"linear.weight": torch.randn(projection, TINY_SIZES["hidden_size"])},
+              str(directory / "1_Dense" / "model.safetensors"))
+    (directory / "config_sentence_transformers.json").write_text(json.dumps({
+        "prompts": {"query": "", "document": ""}, "default_prompt_name": None, "similarity_fn_name": "MaxSim",
+        **COLBERT_SETTINGS, "skiplist_words": list(string.punctuation)}))
+    return directory

@@ -326,6 +326,12 @@ class Manifest(_Strict):
         return self.pooling == "colbert"
 
     @property
+    def bge_m3(self) -> bool:
+        """bge-m3: the pooled row is its dense vector, the token output its ColBERT vector and lexical
+        weight of each token (served on /embed, /embed_sparse, /embed_multi and /embed_hybrid)."""
+        return self.pooling == "bge-m3"
+
+    @property
     def sparse_outputs(self) -> bool:
         """Whether the libraries return SPLADE weights over the vocabulary (a sparse embedding model)."""
         return self.task == "embed" and self.pooling in SPLADE_POOLINGS

@@ -21,8 +21,9 @@ from artifact.manifest import SPLADE_POOLINGS
 from .dense_head import DenseLayer, dense_head, dense_layers, module_config, module_kind, sentence_transformers_modules
 from .errors import CompileError
 from .families import FAMILIES, Family
+from .m3_heads import HEAD_FILES, M3Heads, colbert_width, has_m3_heads
 
-FIRST_TOKEN_POOLINGS = ("cls", "colbert")  # a ColBERT model's pooled row: its [CLS] state
+FIRST_TOKEN_POOLINGS = ("cls", "colbert", "bge-m3")  # ColBERT's and bge-m3's pooled row: the [CLS] state
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 DEFAULT_LABELS = 2  # a classifier's labels where its config names none (transformers' PretrainedConfig default)
 # sentence-transformers' Pooling config before `pooling_mode`: one bool per mode
@@ -60,6 +61,7 @@ class CheckpointInfo:
     dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense modules after the pooling
     projection: tuple[DenseLayer, ...] = ()  # a ColBERT model's Dense modules, on every token
     colbert: ColbertSettings | None = None
+    m3_colbert_dim: int | None = None  # bge-m3: its ColBERT head's width (compile/m3_heads.py)
 
     @property
     def family(self) -> Family:
@@ -95,11 +97,19 @@ class CheckpointInfo:
         libraries have none (a classifier; `--pooling none`, whose one output is the tokens')."""
         if self.labels or self.pooling == "none":
             return None
+        if self.m3_colbert_dim is not None:
+            return self.m3_colbert_dim + 1  # the ColBERT vector, then the lexical weight
         return self.projection[-1].out_features if self.projection else self.hidden_size
+
+    @property
+    def head_files(self) -> tuple[Path, ...]:
+        """Weights beside the encoder's: Dense modules, bge-m3's heads."""
+        m3 = tuple(self.path / name for name in HEAD_FILES) if self.m3_colbert_dim is not None else ()
+        return (*(layer.weight_file for layer in (*self.dense, *self.projection)), *m3)
 
     def weights_sha256(self) -> str:
         digest = hashlib.sha256()
-        for weight_file in (*self.weight_files, *(layer.weight_file for layer in (*self.dense, *self.projection))):
+        for weight_file in (*self.weight_files, *self.head_files):
             digest.update(weight_file.name.encode())
             digest.update(file_sha256(weight_file).encode())
         return digest.hexdigest()
@@ -191,6 +201,10 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     colbert = ColbertSettings.of_checkpoint(model_dir) if task == "embed" and pooling in ("auto", "colbert") else None
     if pooling == "colbert" or colbert is not None:  # --task colbert, or a PyLate checkpoint
         return colbert_checkpoint(model_dir, config, weight_files, colbert)
+    if task == "embed" and pooling in ("auto", "bge-m3") and has_m3_heads(model_dir):  # bge-m3, as FlagEmbedding lays it out
+        hidden_size = int(config[family.hidden_size_key])
+        return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files, pooling="bge-m3",
+                              m3_colbert_dim=colbert_width(model_dir, hidden_size))
     if task == "embed" and pooling == "auto":
         pooling = sentence_transformers_pooling(model_dir) or "cls"
     pooled = task == "embed" and pooling not in SPLADE_POOLINGS and pooling != "none"
@@ -339,6 +353,8 @@ def load_wrapper(info: CheckpointInfo, task: str, dtype: str = "float32", attent
         raise CompileError(f"{info.path}: its classifier has {model.config.num_labels} outputs where its config "
                            f"names {len(info.labels)} labels")
     dense, projection = dense_head(info.dense), dense_head(info.projection)
+    if info.m3_colbert_dim is not None:
+        projection = M3Heads(info.path, info.hidden_size)
     return BertWrapper(model.to(getattr(torch, dtype)).eval(), task, info.pooling,
                        dense.to(getattr(torch, dtype)) if dense is not None else None,
                        projection.to(getattr(torch, dtype)) if projection is not None else None, info.colbert).eval()

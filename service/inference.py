@@ -28,6 +28,7 @@ from .inputs import (
     valid_dimensions,
 )
 from .colbert import ColbertEncoder
+from .m3 import M3Outputs
 from .tokenization import Encoded, Prompts, TextTokenizer
 
 if TYPE_CHECKING:
@@ -73,8 +74,9 @@ class ModelService:
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
                  tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
                  problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None,
-                 colbert: ColbertEncoder | None = None, token_states: bool = False):
+                 colbert: ColbertEncoder | None = None, token_states: bool = False, m3: M3Outputs | None = None):
         self.name = name
+        self.m3 = m3  # bge-m3: its sparse and ColBERT outputs from the token output
         self.token_states = token_states  # the libraries' second output: every token's (else `--pooling none`'s one)
         self.colbert = colbert  # a ColBERT model's query and document tokenization
         self.tracing = tracing  # with --otlp-endpoint: each request's stages become spans
@@ -165,16 +167,43 @@ class ModelService:
                           truncation: Truncation) -> tuple[list[np.ndarray], Computed]:
         """Per input, its ColBERT token vectors as PyLate's `encode(is_query=...)` returns them
         (`service.colbert`)."""
+        if self.m3 is not None:  # bge-m3 treats queries and documents alike
+            computed = await self.compute(inputs, truncation, tokens=True)
+            return [self.m3.colbert_vectors(item, rows) for item, rows in zip(computed.encoded, computed.token_rows)
+                    ], computed
         colbert = self.colbert
         computed = await self.compute(inputs, truncation, tokens=True,
                                       encode=lambda items, cut: colbert.encode(items, is_query, cut))
         return [colbert.vectors(item, rows, is_query) for item, rows in zip(computed.encoded, computed.token_rows)
                 ], computed
 
+    async def embed_hybrid(self, inputs: list[str | TokenIds], outputs: list[str], normalize: bool,
+                           truncation: Truncation, prompt_name: str | None = None) -> tuple[list[dict], Computed]:
+        """bge-m3's `outputs` (dense, sparse, colbert) per input from one pass of each input: the dense
+        vector (normalized unless told not), the lexical weights and the ColBERT vectors, as /embed,
+        /embed_sparse and /embed_multi answer them."""
+        computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation,
+                                      tokens=bool({"sparse", "colbert"} & set(outputs)))
+        dense = computed.outputs
+        dense = l2_normalize(dense) if normalize else dense
+        answers = []
+        for row, (item, rows) in enumerate(zip(computed.encoded, computed.token_rows)):
+            answer = {"dense": dense[row]} if "dense" in outputs else {}
+            if "sparse" in outputs:
+                answer["sparse"] = self.m3.lexical_weights(item, rows)
+            if "colbert" in outputs:
+                answer["colbert"] = self.m3.colbert_vectors(item, rows)
+            answers.append(answer)
+        return answers, computed
+
     async def embed_sparse(self, inputs: list[str | TokenIds], truncation: Truncation,
                            prompt_name: str | None = None) -> tuple[list[list[dict]], Computed]:
         """Per input, its SPLADE weights as TEI gives them: the non-zero `{"index", "value"}` pairs,
-        by vocabulary index (a model compiled with `--task sparse`)."""
+        by vocabulary index (a model compiled with `--task sparse`; bge-m3: its lexical weights)."""
+        if self.m3 is not None:
+            computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation, tokens=True)
+            return [self.m3.lexical_weights(item, rows) for item, rows in zip(computed.encoded, computed.token_rows)
+                    ], computed
         computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         return [sparse_pairs(row) for row in computed.rows], computed
 

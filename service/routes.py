@@ -27,6 +27,7 @@ from .schemas import (
     ClassifyRequest,
     DecodeRequest,
     EmbedAllRequest,
+    EmbedHybridRequest,
     EmbedMultiRequest,
     EmbedRequest,
     OpenAIEmbedding,
@@ -252,6 +253,18 @@ async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed_multi(inputs, body.is_query, _truncation(request, body))
     return _json(vectors, _headers(service, computed, started))
+
+
+@post("/embed_hybrid")
+async def embed_hybrid(body: EmbedHybridRequest, request: Request) -> Response:
+    """bge-m3: per input, any of its dense vector, lexical weights and ColBERT vectors from one pass."""
+    started = time.perf_counter()
+    service = _runtime(request).model("embed_hybrid", body.model)
+    inputs = one_per_item(body.inputs)
+    service.check_batch_size(len(inputs))
+    answers, computed = await service.embed_hybrid(inputs, list(dict.fromkeys(body.outputs)), body.normalize,
+                                                   _truncation(request, body), body.prompt_name)
+    return _json(answers, _headers(service, computed, started))
 
 
 @post("/embed_sparse")

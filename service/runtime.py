@@ -30,6 +30,7 @@ from artifact.manifest import Manifest
 from .backends import Backend, load_backend
 from .batcher import Batcher
 from .colbert import ColbertEncoder
+from .m3 import M3Outputs
 from .errors import ModelNotFound, NotSupported, Unavailable
 from .inference import ModelService
 from .lanes import Lanes
@@ -235,7 +236,8 @@ class Runtime:
         return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type, artifact.prompts, self.tracing, colbert, manifest.token_states)
+                            manifest.problem_type, artifact.prompts, self.tracing, colbert, manifest.token_states,
+                            M3Outputs(tokenizer_dir) if manifest.bge_m3 else None)
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
@@ -366,9 +368,10 @@ KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "rerank": "a reranker (a one-label classifier)",
                 "embed_all": "a token-embedding model (an embedding model)",
                 "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)",
-                "embed_multi": "a ColBERT model (compiled with --task colbert: a projection of every token)"}
+                "embed_multi": "a ColBERT model (compiled with --task colbert: a projection of every token)",
+                "embed_hybrid": "bge-m3 (dense, sparse and ColBERT heads)"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
-                 "embed_sparse": "/embed_sparse", "embed_multi": "/embed_multi"}
+                 "embed_sparse": "/embed_sparse", "embed_multi": "/embed_multi", "embed_hybrid": "/embed_hybrid"}
 
 
 def openai_model_entry(artifact: ServedArtifact) -> dict:
@@ -392,10 +395,12 @@ def model_kind(manifest: Manifest) -> str:
 def serves(manifest: Manifest, task: str) -> bool:
     """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
     still answers /predict); an embedding model's pooling decides between /embed, /embed_sparse and
-    /embed_multi (ColBERT), and every embedding model answers /embed_all from its token output."""
+    /embed_multi (ColBERT), and every embedding model answers /embed_all from its token output; bge-m3
+    answers /embed, /embed_sparse, /embed_multi and /embed_hybrid."""
     kind = model_kind(manifest)
     return (kind == task or (task == "classify" and kind == "rerank")
-            or (task == "embed_all" and manifest.token_states))  # every embedding model's token output
+            or (task == "embed_all" and manifest.token_states)  # every embedding model's token output
+            or (manifest.bge_m3 and task in ("embed_sparse", "embed_multi", "embed_hybrid")))
 
 
 def describe_kind(manifest: Manifest) -> str:

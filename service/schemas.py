@@ -66,6 +66,16 @@ class EmbedMultiRequest(_Truncating):
                                              "PyLate's `encode(is_query=...)`, whose default is a query")
 
 
+class EmbedHybridRequest(_Truncating):
+    """/embed_hybrid's body: any of bge-m3's three outputs, from one pass per input."""
+
+    inputs: EmbeddingInputs
+    outputs: list[Literal["dense", "sparse", "colbert"]] = Field(
+        ["dense", "sparse", "colbert"], min_length=1, description="which outputs each answer holds")
+    normalize: bool = True
+    prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
+
+
 class PipelineParameters(_Strict):
     """The Hugging Face Inference API's text-classification `parameters` (what
     `huggingface_hub.InferenceClient.text_classification` sends)."""

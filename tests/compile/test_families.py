@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from string import ascii_lowercase
 
 import httpx
 import numpy as np
@@ -18,53 +17,15 @@ from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import CompileError
 from compile.validate import DRIFT_SENTENCES
 from tests.support.artifacts import compile_artifact
-from tests.support.checkpoints import TINY_LABELS
+from tests.support.checkpoints import MAX_SEQ, TINY_LABELS, family_config, family_tokenizer
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
 SENTENCES = DRIFT_SENTENCES  # what the offline tokenizers are trained on
 QUERIES = ["the cat plays a guitar", "Markets fell on Monday.", "zebra quartz jukebox", "a"]  # unseen words included
 FAMILIES = ("roberta", "xlm-roberta", "distilbert")
-SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # RoBERTa's and XLM-R's ids 0..3 (unk must be 3 for XLM-R)
-MAX_SEQ = 40  # longest input; RoBERTa's position table holds two more rows
 VOCAB_FILES = {"roberta": {"vocab.json", "merges.txt"}, "xlm-roberta": set(), "distilbert": {"vocab.txt"}}  # beside
 # tokenizer.json; XLM-R's sentencepiece.bpe.model needs sentencepiece to write
-
-
-def _tokenizer(family: str):
-    """A real fast tokenizer of the family's kind, trained on SENTENCES."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import DistilBertTokenizer, RobertaTokenizer, XLMRobertaTokenizer
-
-    if family == "distilbert":
-        words = sorted({w.strip(".?").lower() for s in SENTENCES for w in s.split()} | set(ascii_lowercase))
-        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "-", *words,
-                 *(f"##{c}" for c in ascii_lowercase)]  # WordPiece spells unseen words letter by letter
-        return DistilBertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
-    if family == "roberta":
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.train_from_iterator(SENTENCES, trainers.BpeTrainer(
-            vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
-        return RobertaTokenizer(vocab=bpe.get_vocab(), merges=merges)
-    unigram = Tokenizer(models.Unigram())
-    unigram.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()])
-    unigram.train_from_iterator(SENTENCES, trainers.UnigramTrainer(vocab_size=200, special_tokens=SPECIALS,
-                                                                   unk_token="<unk>"))
-    return XLMRobertaTokenizer(vocab=[tuple(piece) for piece in json.loads(unigram.to_str())["model"]["vocab"]])
-
-
-def _config(family: str, vocab_size: int, **extra):
-    from transformers import DistilBertConfig, RobertaConfig, XLMRobertaConfig
-
-    if family == "distilbert":
-        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
-                                max_position_embeddings=MAX_SEQ, pad_token_id=0, **extra)
-    config_class = RobertaConfig if family == "roberta" else XLMRobertaConfig
-    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=MAX_SEQ + 2, type_vocab_size=1,
-                        pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
 
 
 def make_checkpoint(directory: Path, family: str, task: str = "embed") -> Path:
@@ -72,14 +33,14 @@ def make_checkpoint(directory: Path, family: str, task: str = "embed") -> Path:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     torch.manual_seed(sum(map(ord, family)))
-    tokenizer = _tokenizer(family)
+    tokenizer = family_tokenizer(family, SENTENCES)
     directory.mkdir(parents=True)
     if task == "classify":
-        config = _config(family, len(tokenizer), num_labels=3, id2label=TINY_LABELS,
+        config = family_config(family, len(tokenizer), num_labels=3, id2label=TINY_LABELS,
                          label2id={v: k for k, v in TINY_LABELS.items()})
         AutoModelForSequenceClassification.from_config(config).save_pretrained(directory)
     else:
-        AutoModel.from_config(_config(family, len(tokenizer))).save_pretrained(directory)
+        AutoModel.from_config(family_config(family, len(tokenizer))).save_pretrained(directory)
         (directory / "modules.json").write_text(json.dumps(
             [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
              {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))

@@ -25,23 +25,40 @@ def library_inputs(layout: str, inputs: tuple[np.ndarray, ...], seq: int, tokens
 def library_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBucket, vocab_size: int, seed: int,
                  layout: str = "padded") -> tuple[float, float]:
     """(largest |tvm - torch|, largest |tvm - torch| / |torch| of an output row) over one random
-    batch of `shape` (ragged attention mask included), PyTorch running the padded rows. PyTorch
-    runs wherever the wrapper's weights are (the GPU, for a CUDA artifact)."""
+    batch of `shape` (ragged attention mask included), PyTorch running the padded rows; where the
+    libraries also return every token's output (an embedding model), that output too, on the real
+    tokens. PyTorch runs wherever the wrapper's weights are (the GPU, for a CUDA artifact)."""
     inputs = example_inputs(shape.rows, shape.seq, vocab_size, seed=seed)
     device = next(wrapper.parameters()).device
+    tokens = getattr(wrapper, "has_token_states", False)
     with torch.no_grad():
-        expected = wrapper(*(x.to(device) for x in inputs)).float().cpu().numpy()
+        on_device = [x.to(device) for x in inputs]
+        if tokens:
+            hidden = wrapper.encode(*on_device)
+            expected = wrapper.pooled(hidden, on_device[1].to(hidden.dtype)).float().cpu().numpy()
+            expected_tokens = wrapper.token_head(hidden).float().cpu().numpy()
+        else:
+            expected = wrapper(*on_device).float().cpu().numpy()
     library_args = library_inputs(layout, tuple(x.numpy() for x in inputs), shape.seq)
-    actual = runner(*library_args)
-    if expected.ndim == 3:  # token states: compared on the real tokens only, one row per token
-        if layout == "packed":
-            actual = per_sequence_rows(actual, library_args[PACKED_INPUT_NAMES.index("gather")])
-        real = inputs[1].numpy().astype(bool)
-        actual, expected = (actual[real] if actual.shape == expected.shape else actual), expected[real]
-    if actual.shape != expected.shape:
+    actual, actual_tokens = runner.outputs(library_args, tokens)
+    gather = library_args[PACKED_INPUT_NAMES.index("gather")] if layout == "packed" else None
+    real = inputs[1].numpy().astype(bool)
+    pairs = [_token_rows(actual, expected, real, gather) if expected.ndim == 3 else (actual, expected)]
+    if tokens:
+        pairs.append(_token_rows(actual_tokens, expected_tokens, real, gather))
+    if any(actual.shape != expected.shape for actual, expected in pairs):
         return float("inf"), float("inf")
-    rows = np.linalg.norm(actual - expected, axis=1) / np.maximum(np.linalg.norm(expected, axis=1), 1e-12)
-    return float(np.max(np.abs(actual - expected))), float(rows.max())
+    diffs = [(float(np.max(np.abs(actual - expected))),
+              float((np.linalg.norm(actual - expected, axis=1) / np.maximum(np.linalg.norm(expected, axis=1), 1e-12)
+                     ).max())) for actual, expected in pairs]
+    return max(diff for diff, _ in diffs), max(relative for _, relative in diffs)
+
+
+def _token_rows(actual: np.ndarray, expected: np.ndarray, real: np.ndarray, gather: np.ndarray | None):
+    """Token outputs compared on the real tokens only, one row per token (a packed library's through `gather`)."""
+    if gather is not None:
+        actual = per_sequence_rows(actual, gather)
+    return (actual[real] if actual.shape[:2] == expected.shape[:2] else actual), expected[real]
 
 
 # What a user can do about a validation failure: a model whose activations are large and cancel (a

@@ -24,6 +24,49 @@ def copy_tokenizer(destination: Path) -> None:
             shutil.copy2(source / name, destination / name)
 
 
+SPECIALS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]  # RoBERTa's and XLM-R's ids 0..3 (unk must be 3 for XLM-R)
+MAX_SEQ = 40  # longest input of the family checkpoints; RoBERTa's position table holds two more rows
+
+
+def family_tokenizer(family: str, sentences: list[str]):
+    """A real fast tokenizer of the family's kind, trained on `sentences`."""
+    import json
+    from string import ascii_lowercase
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import DistilBertTokenizer, RobertaTokenizer, XLMRobertaTokenizer
+
+    if family == "distilbert":
+        words = sorted({w.strip(".?").lower() for s in sentences for w in s.split()} | set(ascii_lowercase))
+        vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ".", "?", "-", *words,
+                 *(f"##{c}" for c in ascii_lowercase)]  # WordPiece spells unseen words letter by letter
+        return DistilBertTokenizer(vocab={token: i for i, token in enumerate(vocab)})
+    if family == "roberta":
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.train_from_iterator(sentences, trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
+        return RobertaTokenizer(vocab=bpe.get_vocab(), merges=merges)
+    unigram = Tokenizer(models.Unigram())
+    unigram.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()])
+    unigram.train_from_iterator(sentences, trainers.UnigramTrainer(vocab_size=200, special_tokens=SPECIALS,
+                                                                   unk_token="<unk>"))
+    return XLMRobertaTokenizer(vocab=[tuple(piece) for piece in json.loads(unigram.to_str())["model"]["vocab"]])
+
+
+def family_config(family: str, vocab_size: int, **extra):
+    from transformers import DistilBertConfig, RobertaConfig, XLMRobertaConfig
+
+    if family == "distilbert":
+        return DistilBertConfig(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=2, hidden_dim=64,
+                                max_position_embeddings=MAX_SEQ, pad_token_id=0, **extra)
+    config_class = RobertaConfig if family == "roberta" else XLMRobertaConfig
+    return config_class(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=MAX_SEQ + 2, type_vocab_size=1,
+                        pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
+
+
 def save_sentence_transformer(directory: Path, seed: int, config: dict, prompts: dict[str, str] | None = None) -> Path:
     """A random-weight BertModel of `config` (BertConfig keys) with sentence-transformers mean
     pooling metadata (and prompts, if given)."""
@@ -68,3 +111,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+

@@ -42,6 +42,9 @@ ZERO_SHOT_SCALE = 20.0
 # than handing them to the tokenizer thread and back); longer ones off it, so a large request
 # never stalls the loop.
 INLINE_TOKENIZE_CHARS = 2048
+# Why a model answers no int8 / uint8 embeddings
+UNCALIBRATED = ("records no calibration ranges (compiled before they were recorded, or where its libraries could not "
+                "run); recompile it with bert-compile")
 
 
 @dataclass(frozen=True)
@@ -154,9 +157,8 @@ class ModelService:
             return None
         ranges = self.embedding_ranges
         if ranges is None:
-            raise NotSupported(f"embedding_dtype {embedding_dtype}: model {self.name!r} records no calibration "
-                               f"ranges (compiled before they were recorded, or where its libraries could not run); "
-                               f"recompile it with bert-compile, or ask binary or ubinary")
+            raise NotSupported(f"embedding_dtype {embedding_dtype}: model {self.name!r} {UNCALIBRATED}, "
+                               f"or ask binary or ubinary")
         if normalize and dimensions not in (None, self.output_dim):
             raise NotSupported(f"embedding_dtype {embedding_dtype} of normalized embeddings cut to {dimensions} "
                                f"dimensions: the model's calibration ranges are of its full {self.output_dim}-"

@@ -383,7 +383,8 @@ def packed_bytes(vector: np.ndarray) -> bytes:
 
 @post("/v1/embeddings", "/embeddings")  # /embeddings: an OpenAI client whose base URL has no /v1
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
-    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
+    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it, or
+    a quantized `embedding_dtype`'s bytes (`packed_bytes`)."""
     started = time.perf_counter()
     service = _runtime(request).openai_model(body.model)
     inputs = one_per_item(body.input)

@@ -30,7 +30,7 @@ from artifact.manifest import Manifest
 from .backends import Backend, load_backend
 from .batcher import Batcher
 from .errors import ModelNotFound, NotSupported, Unavailable
-from .inference import ModelService
+from .inference import UNCALIBRATED, ModelService
 from .lanes import Lanes
 from .memory import resident_bytes
 from .metrics import Metrics
@@ -121,9 +121,8 @@ def check_embedding_dtype(served: list[ServedArtifact], settings: Settings) -> N
                if model_kind(artifact.manifest) == "embed" and artifact.manifest.embedding_ranges is None]
     if settings.embedding_dtype in CALIBRATED_DTYPES and lacking:
         raise ArtifactSetError(
-            f"--embedding-dtype {settings.embedding_dtype}: model {lacking[0]!r} records no calibration ranges "
-            f"(compiled before they were recorded, or where its libraries could not run); recompile it with "
-            f"bert-compile, or serve binary or ubinary")
+            f"--embedding-dtype {settings.embedding_dtype}: model {lacking[0]!r} {UNCALIBRATED}, or serve binary "
+            f"or ubinary")
 
 
 def embedding_dtypes(manifest: Manifest) -> list[str]:

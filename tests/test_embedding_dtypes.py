@@ -140,6 +140,19 @@ def test_openai_embeddings_in_json_and_base64(http, ranges, precision):
         np.testing.assert_array_equal(decoded, expected)
 
 
+def test_the_openai_client_reads_them_when_told_the_format(server, http, ranges):
+    """Told no format, the `openai` client asks base64 and reads it as float32: a quantized dtype
+    needs `encoding_format` (docs/API.md)."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30)
+    floats = _floats(http)
+    answer = api.embeddings.create(input=TEXTS, model="tiny-embed", encoding_format="float",
+                                   extra_body={"embedding_dtype": "uint8"})
+    np.testing.assert_array_equal([item.embedding for item in answer.data],
+                                  quantize_embeddings(floats, "uint8", ranges=ranges[True]))
+
+
 def test_grpc_embed_takes_the_dtype_and_keeps_teis_clients_answered(server, http, ranges):
     floats = _floats(http)
     with grpc.insecure_channel(server.grpc) as channel:

@@ -19,6 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
+from artifact.embedding_dtypes import CALIBRATED_DTYPES, quantize
+
 from .errors import NotSupported, Unavailable
 from .inference import Computed, ModelService
 from .inputs import Truncation, one_per_item, predict_sequences, truncation, zero_shot_texts
@@ -259,8 +261,11 @@ async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
     service = _runtime(request).model("embed_multi", body.model)
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
+    if body.embedding_dtype in CALIBRATED_DTYPES:
+        raise NotSupported(f"embedding_dtype {body.embedding_dtype}: token vectors have no calibration ranges "
+                           "(float32, binary or ubinary)")
     vectors, computed = await service.embed_multi(inputs, body.is_query, _truncation(request, body))
-    return _json(vectors, _headers(service, computed, started))
+    return _json([quantize(rows, body.embedding_dtype) for rows in vectors], _headers(service, computed, started))
 
 
 @post("/embed_hybrid")

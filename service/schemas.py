@@ -71,6 +71,8 @@ class EmbedMultiRequest(_Truncating):
     inputs: EmbeddingInputs
     is_query: bool = Field(True, description="queries (prefix, [MASK] expansion) or documents (prefix, skip-list): "
                                              "PyLate's `encode(is_query=...)`, whose default is a query")
+    embedding_dtype: EmbeddingDtype = Field("float32", description="float32, binary or ubinary (token vectors have "
+                                            "no calibration ranges for int8 / uint8)")
 
 
 class EmbedHybridRequest(_Truncating):

@@ -146,3 +146,17 @@ def test_a_checkpoint_without_colbert_settings_or_projection_is_refused_in_one_l
     with pytest.raises(CompileError, match="no projection"):
         inspect_checkpoint(bare, "embed", "auto")  # detected by its settings, refused for its missing Dense
     assert inspect_checkpoint(colbert_dir, "embed", "auto").pooling == "colbert"  # detected
+
+
+def test_embed_multi_quantizes_as_sentence_transformers_and_refuses_uncalibrated_dtypes(client, colbert_dir):
+    from sentence_transformers.quantization import quantize_embeddings
+
+    expected = pylate_encode(colbert_dir, DOCUMENTS[:2], False)
+    for dtype in ("binary", "ubinary"):
+        answer = client.post("/embed_multi", json={"inputs": DOCUMENTS[:2], "is_query": False, "embedding_dtype": dtype})
+        assert answer.status_code == 200, answer.text
+        for vectors, reference in zip(answer.json(), expected):
+            np.testing.assert_array_equal(np.asarray(vectors), quantize_embeddings(reference, precision=dtype))
+    refused = client.post("/embed_multi", json={"inputs": "hello", "embedding_dtype": "int8"})
+    assert refused.status_code == 400 and "calibration" in refused.json()["error"]
+    assert client.post("/embed_multi", json={"inputs": "hello", "embedding_dtype": "int4"}).status_code == 422

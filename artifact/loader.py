@@ -164,13 +164,14 @@ class LibraryRunner:
 
     def outputs(self, inputs: tuple[np.ndarray, ...], tokens: bool) -> tuple[np.ndarray, np.ndarray | None]:
         """(first output, token states or None): the token output (an embedding library's second) is
-        copied out only when asked for, so that a call that pools pays nothing for it."""
+        copied out only when asked for, so that a call that pools pays nothing for it (None: not asked
+        for, or a library from before token outputs)."""
         with contextlib.nullcontext() if self._on_host else _GPU_CALLS:
             args = [_host_tensor(x) if self._on_host else
                     tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.int64), self.device) for x in inputs]
             result = self._main()(*args, *self.weights)
             first = self._host_array(result[0])
-            return first, (self._host_array(result[1]) if tokens else None)
+            return first, (self._host_array(result[1]) if tokens and len(result) > 1 else None)
 
     def _host_array(self, output) -> np.ndarray:
         if self._float_output is None:  # reading the dtype took 30 us a call, with the caches full of weights

@@ -44,7 +44,7 @@ def library_diff(runner: LibraryRunner, wrapper: torch.nn.Module, shape: AnyBuck
     gather = library_args[PACKED_INPUT_NAMES.index("gather")] if layout == "packed" else None
     real = inputs[1].numpy().astype(bool)
     pairs = [_token_rows(actual, expected, real, gather) if expected.ndim == 3 else (actual, expected)]
-    if tokens:
+    if actual_tokens is not None:  # (an artifact's libraries from before token outputs have none)
         pairs.append(_token_rows(actual_tokens, expected_tokens, real, gather))
     if any(actual.shape != expected.shape for actual, expected in pairs):
         return float("inf"), float("inf")

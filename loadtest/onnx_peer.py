@@ -95,7 +95,8 @@ class FusableMaskWrapper(BertWrapper):
         self.eval()
 
     @staticmethod
-    def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        mask = attention_mask.to(dtype)
         batch, seq = mask.shape
         inverted = 1.0 - mask[:, None, None, :].expand(batch, 1, seq, seq)
-        return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(mask.dtype).min)
+        return inverted.masked_fill(inverted.to(torch.bool), torch.finfo(dtype).min)

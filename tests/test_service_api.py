@@ -499,7 +499,8 @@ def test_openapi_document_describes_every_post_body(client):
         body = operation["requestBody"]["content"]["application/json"]["schema"]
         if path in ("/", "/invocations"):  # the body of the default model's task, or /similarity's
             assert [ref["$ref"].rsplit("/", 1)[1] for ref in body["oneOf"]] == [
-                "EmbedRequest", "ClassifyRequest", "RerankRequest", "EmbedAllRequest", "SimilarityRequest"]
+                "EmbedRequest", "ClassifyRequest", "RerankRequest", "EmbedAllRequest", "EmbedMultiRequest",
+                "SimilarityRequest"]
         else:
             assert body["$ref"], path
     refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(document)))

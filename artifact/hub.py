@@ -21,7 +21,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first the repos
 CHECKPOINT_FILES = (
     "config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
-    "sentencepiece.bpe.model",
+    "sentencepiece.bpe.model", "spm.model", "added_tokens.json",  # slow tokenizers' files, converted when compiled
     # sentence-transformers: its modules, their folders (1_Pooling/, 2_Dense/, ...), input limit and prompts
     "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "[0-9]_*/*",
 )

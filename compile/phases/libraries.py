@@ -217,7 +217,7 @@ class LibraryBuilder:
         """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
         embedding, or a classifier's top-1 agreement and largest probability difference."""
         info = self.plan.info
-        rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+        rows = sentence_rows(info.tokenizer_file, info.max_seq)
         runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]

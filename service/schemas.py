@@ -69,7 +69,13 @@ class PipelineParameters(_Strict):
 class ClassifyRequest(_Truncating):
     inputs: PredictInputs
     raw_scores: bool = False
-    labels: Texts | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
+    labels: Texts | None = Field(None, description="zero-shot candidate labels: scored by an NLI classifier (one "
+                                 "whose labels include entailment) as transformers' zero-shot pipeline, or by an "
+                                 "embedding model's similarity")
+    hypothesis_template: str | None = Field(None, description="NLI zero-shot: each label's hypothesis, the label "
+                                            "at {} (default \"This example is {}.\")")
+    multi_label: bool = Field(False, description="NLI zero-shot: score each label on its own (entailment against "
+                              "contradiction) rather than softmax over the labels")
     parameters: PipelineParameters | None = Field(
         None, description="the HF Inference API's payload: answers take its shape, a list per input")
 

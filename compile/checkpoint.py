@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from artifact.hashing import file_sha256
-from artifact.manifest import SPLADE_POOLINGS
+from artifact.manifest import SPLADE_POOLINGS, remote_code_refusal
 
 from .dense_head import DenseLayer, dense_head, dense_layers, module_config, module_kind, sentence_transformers_modules
 from .errors import CompileError
@@ -145,6 +145,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise CompileError(f"{config_file} is not valid JSON: {exc}") from None
+    refusal = remote_code_refusal(config, str(model_dir))
+    if refusal is not None:
+        raise CompileError(refusal)
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
         raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r}; "

@@ -270,10 +270,12 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         if body.parameters is not None and body.parameters.function_to_apply is not None:
             scoring = body.parameters.function_to_apply
         predictions, computed = await service.classify(texts, scoring, truncation)
-    if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
-        content = [ranks[: body.parameters.top_k] for ranks in predictions]
-    else:  # TEI's: one sequence gets one flat list
-        content = predictions if batched else predictions[0]
+    top_k = body.parameters.top_k if body.parameters is not None else None
+    ranked = [ranks[:top_k] for ranks in predictions]
+    if body.parameters is not None and not body.labels:  # the HF Inference API's text classification: a list per input
+        content = ranked
+    else:  # TEI's, and the HF Inference API's zero-shot: one text gets one flat list
+        content = ranked if batched else ranked[0]
     return JSONResponse(content, headers=_headers(service, computed, started))
 
 

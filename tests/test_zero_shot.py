@@ -97,6 +97,8 @@ def test_zero_shot_scores_as_transformers_pipeline(server, checkpoints, family):
 
 
 def test_raw_scores_are_each_pairs_entailment_logit(server, checkpoints):
+    """Each (text, hypothesis) pair's entailment logit, from the RoBERTa checkpoint whose tokenizer the
+    compile converted from vocab.json and merges.txt: the artifact's tokenizer.json tokenizes as transformers."""
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -110,6 +112,9 @@ def test_raw_scores_are_each_pairs_entailment_logit(server, checkpoints):
     served = served_scores(server, {"inputs": [TEXTS[1]], "labels": CANDIDATES, "model": "roberta",
                                     "raw_scores": True})
     np.testing.assert_allclose([served[0][label] for label in CANDIDATES], logits, atol=1e-4)
+    assert (server.artifacts / "roberta" / "tokenizer" / "tokenizer.json").is_file()  # converted when compiled
+    tokens = httpx.post(f"{server.url}/tokenize", json={"inputs": TEXTS, "model": "roberta"}, timeout=60).json()
+    assert [[token["id"] for token in row] for row in tokens] == tokenizer(TEXTS)["input_ids"]
 
 
 def test_zero_shot_misuse_is_refused_with_a_json_error(server):
@@ -135,3 +140,20 @@ def test_zero_shot_misuse_is_refused_with_a_json_error(server):
         f"`inputs` must have at most {MAX_SEQ} tokens: a hypothesis and the special tokens leave no room for the text")
     assert refusal({"labels": CANDIDATES, "hypothesis_template": hypothesis, "truncate": False}, 413).startswith(
         f"`inputs` must have at most {MAX_SEQ} tokens. Given: ")
+
+
+def test_huggingface_hub_client_classifies_zero_shot(server, checkpoints, monkeypatch):
+    """InferenceClient posts zero_shot_classification to `/` (base_url), the first model's route, with
+    the labels, template and multi_label in the Inference API's `parameters`."""
+    from huggingface_hub import InferenceClient, constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # the suite is offline; this talks to loopback only
+    template = "The topic is {}."
+    answer = InferenceClient(base_url=server.url).zero_shot_classification(
+        TEXTS[2], CANDIDATES, multi_label=True, hypothesis_template=template)
+    expected = pipeline_scores(checkpoints["bert"], [TEXTS[2]], CANDIDATES, multi_label=True,
+                               hypothesis_template=template)
+    assert_same_scores([{element.label: element.score for element in answer}], expected)
+    twice = httpx.post(f"{server.url}/classify", json={"inputs": "x", "labels": ["a"],
+                                                       "parameters": {"candidate_labels": ["b"]}}, timeout=60)
+    assert twice.status_code == 422 and "`labels` is given twice" in error_of(twice)[0]

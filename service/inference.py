@@ -243,7 +243,6 @@ def probabilities(logits: np.ndarray, problem_type: str | None = None) -> np.nda
     return softmax(logits)
 
 
-
 def entailment_index(labels: list[str]) -> int | None:
     """The entailment class of an NLI classifier, found as transformers' zero-shot pipeline finds it: the
     first label that starts with "entail" in any case; None for a classifier of anything else."""

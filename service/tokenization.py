@@ -133,7 +133,7 @@ class TextTokenizer:
         try:
             encodings = iter(tokenizer.encode_batch(texts) if texts else ())
         except Exception as exc:  # tokenizers' own: a pair whose second text alone is over the limit
-            if "too short" not in str(exc):
+            if not premise_first or "too short" not in str(exc):
                 raise
             raise TooLarge(f"`inputs` must have at most {self.max_length} tokens: a hypothesis and the special "
                            "tokens leave no room for the text") from None

@@ -1,7 +1,7 @@
-"""A checkpoint's tokenizer as the artifact ships it: one that ships only a slow tokenizer's files
-(RoBERTa's vocab.json and merges.txt, XLM-R's SentencePiece model) gets the fast tokenizer transformers
-builds from them, and the server's tokenizer then encodes single texts and pairs, whole and truncated,
-as transformers' AutoTokenizer does."""
+"""A checkpoint's tokenizer as the artifact ships it: the one transformers' AutoTokenizer loads, also
+where the checkpoint ships only a slow tokenizer's files (RoBERTa's vocab.json and merges.txt, XLM-R's
+SentencePiece model) or its tokenizer_config.json changes its tokenizer.json; the server's tokenizer
+then encodes single texts and pairs, whole and truncated, as transformers does."""
 
 from __future__ import annotations
 
@@ -63,6 +63,26 @@ def test_a_slow_tokenizer_is_converted_to_the_one_transformers_builds(tmp_path, 
     for premise_first, strategy in ((False, "longest_first"), (True, "only_first")):
         assert [e.ids.tolist() for e in served.encode(pairs, "right", premise_first)] == [
             expected(*pair, truncation=strategy, max_length=LIMIT)["input_ids"] for pair in pairs]
+
+
+def test_the_tokenizer_config_changes_what_transformers_loads(tmp_path):
+    """A tokenizer_config.json whose do_lower_case says otherwise than its tokenizer.json's normalizer:
+    transformers follows the config, and so does the tokenizer the artifact ships."""
+    from transformers import AutoTokenizer
+
+    from loadtest.random_checkpoint import copy_tokenizer
+
+    directory = tmp_path / "cased"
+    directory.mkdir()
+    copy_tokenizer(directory)  # MiniLM's: lowercases
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, "do_lower_case": False}))
+    expected = AutoTokenizer.from_pretrained(directory)
+    served = TextTokenizer(fast_tokenizer_file(directory), 512, len(expected))
+    inputs = ["Hello World", ("Hello there", "this is lower")]
+    assert [e.ids.tolist() for e in served.encode(inputs, truncation=None)] == [
+        expected("Hello World")["input_ids"], expected("Hello there", "this is lower")["input_ids"]]
+    assert expected.unk_token_id in expected("Hello World")["input_ids"]  # cased words MiniLM's vocabulary lacks
 
 
 def test_a_checkpoint_without_its_tokenizers_files_is_refused(tmp_path):

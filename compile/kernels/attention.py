@@ -35,6 +35,13 @@ buffer outgrows the caches, beyond the 512 positions of BERT-family models). Wor
 each sequence's own length, not the bound: keys and queries past a sequence's last real token
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
+A sliding-window layer (`AttentionShape.window`: ModernBERT's local layers, where a query sees the keys at
+most `window` positions away) runs each tile of queries over the keys its window reaches only, from the
+key tile at or below `tile start - window` to the one past `tile end + window` (each query's own window
+masked within them), so its products cost `seq x (2 window + tile)`, linear in the sequence's length, and
+touch a window's rows of the scores buffer; the window is within a sequence's own keys by construction,
+packed batches included. Its products are the fp32 ones in every library.
+
 In bf16 libraries (and int8 ones, where timed faster) the two products and the softmax between
 them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
 straight from their rows into the dim pairs the products read), or with the products on AMX tiles
@@ -93,6 +100,7 @@ class AttentionShape:
     packed: bool
     widths: tuple[int, int, int]  # columns of the Q, K and V source tensors
     offsets: tuple[int, int, int]  # where Q, K and V start in them
+    window: int | None = None  # sliding-window attention: keys at most this far from the query; None: all keys
 
 
 # Steps unrolled into one iteration of the fp32 products' loops: over head dims for the scores (a head is
@@ -144,7 +152,8 @@ def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFu
     the same kernel for every library it builds and for its pass report, so each kernel is written
     once per process where its sizes are ints or vars: vars are told apart by name and type (a
     PrimFunc's vars are its own)."""
-    lanes, products = kernels.capabilities.lanes, kernels.products
+    lanes = kernels.capabilities.lanes
+    products = kernels.products if shape.window is None else "fp32"  # a window's products: fp32 (module doc)
     if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
         raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
                          f"at {lanes} lanes")
@@ -242,6 +251,25 @@ class Fp32Products:
         self.queries, self.keys = _score_tile(lanes)
         self.stage = self.keys  # keys are staged (zero) to whole register tiles
 
+    @staticmethod
+    def key_span(k: _Kernel, tile, length):
+        """(first key, end) of the keys a tile of queries reads: every real one, or (sliding window) those in
+        reach of its queries, from a whole register tile of keys (staged: `stage` is the tile's keys)."""
+        if k.shape.window is None:
+            return _i64(0), length[0]
+        window, stage = _i64(k.shape.window), k.STAGE
+        first = T.max(tile * k.TQ - window, _i64(0)) // stage * stage
+        return first, T.min((tile * k.TQ + k.TQ + window + stage - _i64(1)) // stage * stage, k.staged(length))
+
+    @staticmethod
+    def windowed(k: _Kernel, score, i, j, length):
+        """The score of query i and key j, masked where j is out of i's window (queries past the end
+        count as the last one)."""
+        if k.shape.window is None:
+            return score
+        reach = T.abs(T.min(i, length[0] - _i64(1)) - j)
+        return T.if_then_else(reach <= _i64(k.shape.window), score, tirx.const(NEG, "float32"))
+
     def products(self, k: _Kernel):
         """A macro: the tile loop over `keys` and `values` as staged, with the keys' mask."""
         S_MAX, TQ, D, R, QO, staged = k.S_MAX, k.TQ, k.D, k.R, k.QO, k.staged
@@ -273,16 +301,19 @@ class Fp32Products:
         zero, neg = tirx.const(0.0, "float32"), tirx.const(NEG, "float32")
         scores_of, context_of = self._scores(k), self._context(k)
 
+        key_span = self.key_span
+
         @T.macro
         def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
+            first, end = key_span(k, tile, length)
             top = T.alloc_buffer((TQ,), "float32", scope="local")
             total = T.alloc_buffer((TQ,), "float32", scope="local")
             for qv in T.unroll(QV):
                 for lane in T.vectorized(V):
                     top[qv * V + lane] = neg
                     total[qv * V + lane] = zero
-            scores_of(keys, queries, scores, top, key_bias, length)
-            for j in T.serial(length[0]):
+            scores_of(keys, queries, scores, top, key_bias, tile, length, first, end)
+            for j in T.serial(first, end):
                 for qv in T.unroll(QV):
                     for lane in T.vectorized(V):
                         scores[j, qv * V + lane] = exp2_of_nonpositive(scores[j, qv * V + lane] - top[qv * V + lane])
@@ -291,7 +322,7 @@ class Fp32Products:
             for qv in T.unroll(QV):
                 for lane in T.vectorized(V):
                     inverse[qv * V + lane] = T.float32(1) / total[qv * V + lane]
-            context_of(values, scores, inverse, out, gather, b, h, tile, length)
+            context_of(values, scores, inverse, out, gather, b, h, tile, length, first, end)
 
         return fp32_tile
 
@@ -301,11 +332,11 @@ class Fp32Products:
         max_j sT[j, i] taken as they are written: in a pass of its own over the scores each max waited on the
         one before it (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
         TQ, V, D, KB, DU = k.TQ, k.V, k.D, _i64(self.keys), _i64(DIMS_UNROLLED)
-        QV, zero = TQ // V, tirx.const(0.0, "float32")
+        QV, zero, windowed = TQ // V, tirx.const(0.0, "float32"), self.windowed
 
         @T.macro
-        def fp32_scores(keys, queries, scores, top, key_bias, length):
-            for block in T.serial((length[0] + KB - _i64(1)) // KB):
+        def fp32_scores(keys, queries, scores, top, key_bias, tile, length, first, end):
+            for block in T.serial(first // KB, (end + KB - _i64(1)) // KB):
                 acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
                 for key, qv in T.grid(KB, QV):
                     for lane in T.vectorized(V):
@@ -321,8 +352,9 @@ class Fp32Products:
                 for key in T.unroll(KB):
                     for qv in T.unroll(QV):
                         for lane in T.vectorized(V):
-                            scores[block * KB + key, qv * V + lane] = (acc[key, qv * V + lane]
-                                                                       + key_bias[block * KB + key])
+                            scores[block * KB + key, qv * V + lane] = windowed(
+                                k, acc[key, qv * V + lane] + key_bias[block * KB + key], tile * TQ + qv * V + lane,
+                                block * KB + key, length)
                             top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
 
         return fp32_scores
@@ -345,15 +377,15 @@ class Fp32Products:
                             scores[j, first + q] * values[j, dims + dv * V + lane])
 
         @T.macro
-        def context_pass(values, scores, inverse, out, gather, b, h, tile, length, first, dims, queries):
+        def context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end, dims, queries, first):
             context = T.alloc_buffer((queries, DP * V), "float32", scope="local")
             for q, dv in T.grid(queries, DP):
                 for lane in T.vectorized(V):
                     context[q, dv * V + lane] = zero
-            for j_steps in T.serial(length[0] // KU):
+            for j_steps in T.serial((end - start) // KU):
                 for j_step in T.unroll(KU):
-                    context_step(context, values, scores, j_steps * KU + j_step, first, dims, queries)
-            for j in T.serial(length[0] // KU * KU, length[0]):
+                    context_step(context, values, scores, start + j_steps * KU + j_step, first, dims, queries)
+            for j in T.serial(start + (end - start) // KU * KU, end):
                 context_step(context, values, scores, j, first, dims, queries)
             for q in T.serial(queries):
                 i = tile * TQ + first + q
@@ -364,14 +396,14 @@ class Fp32Products:
                                 context[q, dv * V + lane] * inverse[first + q])
 
         @T.macro
-        def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
+        def fp32_context(values, scores, inverse, out, gather, b, h, tile, length, start, end):
             for part in T.serial(D // (DP * V)):
                 for group in T.serial(LARGER):
-                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, group * QP,
-                                 part * DP * V, QP)
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end,
+                                 part * DP * V, QP, group * QP)
                 for group in T.serial(SMALLER):
-                    context_pass(values, scores, inverse, out, gather, b, h, tile, length,
-                                 LARGER * QP + group * (QP - _i64(1)), part * DP * V, QP - _i64(1))
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end,
+                                 part * DP * V, QP - _i64(1), LARGER * QP + group * (QP - _i64(1)))
 
         return fp32_context
 

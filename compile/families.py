@@ -27,7 +27,8 @@ class LayerParts:
     """One encoder layer as the wrappers run it: Q/K/V rows of the layer input (at the tokens' positions),
     attention, then the layer's own attention-output and feed-forward blocks (each with its residual
     and layer norm). `window`: a query attends to the keys at most this many positions away (sliding-window
-    attention); None, to every key."""
+    attention); None, to every key. `sdpa`: the attention on PyTorch's fused kernel (a PyTorch peer's, never
+    exported)."""
 
     project: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     heads: int
@@ -35,6 +36,7 @@ class LayerParts:
     attention_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (context, layer input) -> attended
     feed_forward: Callable[[torch.Tensor], torch.Tensor]  # attended -> layer output
     window: int | None = None
+    sdpa: bool = False
 
 
 def linear_projections(query: torch.nn.Linear, key: torch.nn.Linear, value: torch.nn.Linear):
@@ -47,6 +49,9 @@ def attention_core(layer: LayerParts, query, key, value, additive_mask) -> torch
     seq] (0 for real keys, the dtype's min for padding) and, on a sliding-window layer, the keys farther than
     its window masked too (FuseAttention recognises this graph: compile/passes/fuse_attention.py)."""
     mask = additive_mask if layer.window is None else windowed(additive_mask, layer.window)
+    if layer.sdpa:
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                                scale=layer.head_size ** -0.5)
     scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(layer.head_size) + mask
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
@@ -253,7 +258,8 @@ class ModernBert(Family):
 
         return LayerParts(project, heads, size, lambda context, hidden: hidden + attention.Wo(context),
                           lambda attended: attended + layer.mlp(layer.mlp_norm(attended)),
-                          window=int(config.sliding_window) if attention.sliding_window is not None else None)
+                          window=int(config.sliding_window) if attention.sliding_window is not None else None,
+                          sdpa=config._attn_implementation == "sdpa")
 
     def head(self, model: torch.nn.Module) -> torch.nn.Module:
         return torch.nn.Sequential(FirstToken(), model.head, model.classifier)

@@ -232,10 +232,14 @@ class ModernBert(Family):
         return base.embeddings(input_ids=input_ids)  # positions enter through the rotary tables
 
     def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
+        """On [batch * seq, hidden] rows, so that the rotated Q and K are rows the fused attention reads."""
+        batch, seq, width = hidden.shape
+        rows, positions = hidden.reshape(batch * seq, width), position_ids.reshape(batch * seq)
         for layer in self.layers(base):
-            context = padded_attention(layer, *layer.project(hidden, position_ids), additive_mask)
-            hidden = layer.feed_forward(layer.attention_output(context, hidden))
-        return self.final(base, hidden)
+            projected = (x.reshape(batch, seq, -1) for x in layer.project(rows, positions))
+            context = padded_attention(layer, *projected, additive_mask).reshape(batch * seq, -1)
+            rows = layer.feed_forward(layer.attention_output(context, rows))
+        return self.final(base, rows.reshape(batch, seq, width))
 
     def final(self, base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return base.final_norm(hidden)

@@ -125,6 +125,7 @@ def test_padded_bf16_classifier_matches_transformers(checkpoints, tmp_path):
     directory = checkpoints["classify-mean"]
     manifest, _ = compile_artifact(directory, tmp_path / "artifact", ["2x48"], task="classify", precision="bf16")
     assert manifest.validated and manifest.labels == list(TINY_LABELS.values())
+    assert manifest.passes.strategies["concat"].attention_fused == 3
     ids, mask = _batch([48, 20])
     served = load_artifact(tmp_path / "artifact").run(ids.numpy(), mask.numpy()).output
     expected = torch.softmax(torch.from_numpy(_transformers(directory, "classify", ids, mask)), -1).numpy()

@@ -275,6 +275,24 @@ def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, sy
     assert np.abs(fused - unfused).mean() < 0.01
 
 
+@pytest.mark.parametrize("layout,symbolic", [("packed", True), ("padded", False)])
+def test_bf16_products_keep_a_sliding_windows_answers(layout, symbolic, tmp_path):
+    """A windowed layer in an AMX library runs on the AVX512_BF16 micro-kernels over the keys in its tiles'
+    reach (window 5, 40 keys), each query's window masked: within bf16's rounding of numpy's float64."""
+    seq = 40
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None, window=5)
+    shape = AttentionShape(tirx.Var("b", "int64"), seq, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, seq, 0.25,
+                           layout == "packed", (3 * HEADS * HEAD_SIZE,) * 3, (0, 48, 96), window=5)
+    assert attention_bf16.SCORES.format(head=HEAD_SIZE) in _extern_calls(
+        attention.write_attention(shape, _products_on("amx")))
+    library = _bf16_library(module, tmp_path / "fused.so")
+    _, fused = _run_unfused_and_fused(library, library, layout, seq)
+    expected = _float64_attention(layout, seq, window=5)
+    np.testing.assert_allclose(fused, expected, rtol=0, atol=0.15)
+    assert np.abs(fused - expected).mean() < 0.01
+
+
 @pytest.mark.parametrize("products,head_size", [("bf16", HEAD_SIZE), ("amx", 32), ("amx", 64), ("amx", 128)])
 @pytest.mark.parametrize("seq,symbolic", [(13, False), (100, True)])  # 1-7 blocks of 16 keys
 def test_bf16_products_round_exactly_the_operands_they_say(products, head_size, seq, symbolic, tmp_path):

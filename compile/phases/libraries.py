@@ -14,8 +14,16 @@ import torch
 import tvm
 
 from artifact.bucketing import AnyBucket, Bucket
+from artifact.embedding_dtypes import calibration_ranges
 from artifact.loader import LibraryRunner, device_for, load_weights
-from artifact.manifest import CostModel, PrecisionCandidate, PrecisionEntry, QuantizationEntry, WeightsEntry
+from artifact.manifest import (
+    CostModel,
+    EmbeddingRangesEntry,
+    PrecisionCandidate,
+    PrecisionEntry,
+    QuantizationEntry,
+    WeightsEntry,
+)
 
 from .. import precision
 from ..build import build_library, specialize
@@ -217,15 +225,23 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def agreement(self, library: str, strategy: str) -> dict:
-        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
-        embedding, or a classifier's top-1 agreement and largest probability difference."""
-        info = self.plan.info
-        rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+    def sentence_outputs(self, library: str, strategy: str) -> np.ndarray:
+        """A generic library's outputs on the shipped sentences, a row per sentence."""
+        rows = self._sentence_rows()
         runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
-        actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+        return np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+
+    def _sentence_rows(self) -> tuple[np.ndarray, ...]:
+        info = self.plan.info
+        return sentence_rows(info.path / "tokenizer.json", info.max_seq)
+
+    def agreement(self, library: str, strategy: str) -> dict:
+        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
+        embedding, or a classifier's top-1 agreement and largest probability difference."""
+        rows = self._sentence_rows()
+        actual = self.sentence_outputs(library, strategy)
         with torch.no_grad():
             expected = self.wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
         if self.config.model_task == "classify":
@@ -258,6 +274,13 @@ class LibraryBuilder:
                                              sentences=len(ACCURACY_SENTENCES), **accuracy,
                                              **(int8_plan.manifest_fields(linears) if int8_plan else {}))
         return entry, quantization
+
+    def embedding_ranges(self, generic: BuildRecord) -> EmbeddingRangesEntry | None:
+        """The calibration of int8 / uint8 embeddings: the shipped generic library's own embeddings of
+        the shipped sentences (a pooled embedding model whose libraries run here; else None)."""
+        if not (self.validate and self.config.task == "embed" and not self.config.token_outputs):
+            return None
+        return calibration_ranges(self.sentence_outputs(generic.library, generic.strategy))
 
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:

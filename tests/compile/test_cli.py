@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from artifact.manifest import MODEL_TYPES
 from tests.support.commands import REPO, run_cli
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
@@ -69,8 +70,8 @@ def test_a_checkpoint_that_needs_remote_code_exits_2_with_one_line(tmp_path):
     result = run_cli("--model", str(directory), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stderr.strip() == (
         f"bert-compile: error: {directory} needs trust_remote_code: its config.json maps model_type 'bert' to code of "
-        "its own (JinaBertConfig, JinaBertModel), which is not compiled; supported: bert, roberta, xlm-roberta, "
-        "distilbert, as transformers implements them"), result.stderr
+        f"its own (JinaBertConfig, JinaBertModel), which is not compiled; supported: {', '.join(MODEL_TYPES)}, as "
+        "transformers implements them"), result.stderr
     assert not (tmp_path / "out").exists()
 
 

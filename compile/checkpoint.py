@@ -47,7 +47,7 @@ class CheckpointInfo:
     path: Path
     config: dict
     weight_files: tuple[Path, ...]
-    tokenizer_file: Path  # its fast tokenizer: the checkpoint's tokenizer.json, or one converted from its files
+    tokenizer_file: Path  # the fast tokenizer AutoTokenizer loads from it, saved (`tokenizer.fast_tokenizer_file`)
     pooling: str
     labels: list[str] = field(default_factory=list)
     dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense modules after the pooling

@@ -33,7 +33,7 @@ from .batcher import Batcher
 from .colbert import ColbertEncoder
 from .m3 import M3Outputs
 from .errors import ModelNotFound, NotSupported, Unavailable
-from .inference import UNCALIBRATED, ModelService
+from .inference import UNCALIBRATED, ModelService, entailment_index
 from .lanes import Lanes
 from .memory import resident_bytes
 from .metrics import Metrics
@@ -264,12 +264,14 @@ class Runtime:
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
-        classify, or rerank: a classifier with one label; None: any, the first model given)."""
+        classify, rerank: a classifier with one label, zero_shot: an embedding model or an NLI
+        classifier; None: any, the first model given)."""
         if name is not None:
             artifact = self.served(name)
             if task is not None and not serves(artifact.manifest, task):
-                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}"
-                                   f"{route_hint(artifact.manifest)}")
+                manifest = artifact.manifest
+                raise NotSupported(f"model {name!r} is {describe_kind(manifest)}{labels_of(manifest, task)}, not "
+                                   f"{KIND_OF_TASK[task]}{route_hint(manifest)}")
         else:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
@@ -394,7 +396,9 @@ KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "embed_all": "a token-embedding model (an embedding model)",
                 "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)",
                 "embed_multi": "a ColBERT model (compiled with --task colbert: a projection of every token)",
-                "embed_hybrid": "bge-m3 (dense, sparse and ColBERT heads)"}
+                "embed_hybrid": "bge-m3 (dense, sparse and ColBERT heads)",
+                "zero_shot": "an embedding model or an NLI classifier (one of whose labels is entailment) for "
+                             "zero-shot `labels`"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
                  "embed_sparse": "/embed_sparse", "embed_multi": "/embed_multi", "embed_hybrid": "/embed_hybrid"}
 
@@ -421,11 +425,21 @@ def serves(manifest: Manifest, task: str) -> bool:
     """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
     still answers /predict); an embedding model's pooling decides between /embed, /embed_sparse and
     /embed_multi (ColBERT), and every embedding model answers /embed_all from its token output; bge-m3
-    answers /embed, /embed_sparse, /embed_multi and /embed_hybrid."""
+    answers /embed, /embed_sparse, /embed_multi and /embed_hybrid; zero-shot `labels` take a pooled
+    embedding model or an NLI classifier."""
     kind = model_kind(manifest)
+    if task == "zero_shot":
+        return kind == "embed" or (manifest.task == "classify" and entailment_index(manifest.labels) is not None)
     return (kind == task or (task == "classify" and kind == "rerank")
             or (task == "embed_all" and manifest.token_states)  # every embedding model's token output
             or (manifest.bge_m3 and task in ("embed_sparse", "embed_multi", "embed_hybrid")))
+
+
+def labels_of(manifest: Manifest, task: str) -> str:
+    """A classifier refused zero-shot: what its labels are instead of entailment."""
+    if task != "zero_shot" or manifest.task != "classify":
+        return ""
+    return f" with labels {', '.join(manifest.labels)}"
 
 
 def describe_kind(manifest: Manifest) -> str:

@@ -203,10 +203,11 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         pooling = found if pooling == "splade" else pooling
     colbert = ColbertSettings.of_checkpoint(model_dir) if task == "embed" and pooling in ("auto", "colbert") else None
     if pooling == "colbert" or colbert is not None:  # --task colbert, or a PyLate checkpoint
-        return colbert_checkpoint(model_dir, config, weight_files, colbert)
-    if task == "embed" and pooling in ("auto", "bge-m3") and has_m3_heads(model_dir):  # bge-m3, as FlagEmbedding lays it out
+        return colbert_checkpoint(model_dir, config, weight_files, tokenizer_file, colbert)
+    if task == "embed" and pooling in ("auto", "bge-m3") and has_m3_heads(model_dir):  # bge-m3, FlagEmbedding's layout
         hidden_size = int(config[family.hidden_size_key])
-        return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files, pooling="bge-m3",
+        return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files,
+                              tokenizer_file=tokenizer_file, pooling="bge-m3",
                               m3_colbert_dim=colbert_width(model_dir, hidden_size))
     if task == "embed" and pooling == "auto":
         pooling = sentence_transformers_pooling(model_dir) or "cls"
@@ -222,7 +223,7 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     )
 
 
-def colbert_checkpoint(model_dir: Path, config: dict, weight_files: tuple[Path, ...],
+def colbert_checkpoint(model_dir: Path, config: dict, weight_files: tuple[Path, ...], tokenizer_file: Path,
                        settings: ColbertSettings | None) -> CheckpointInfo:
     """A ColBERT checkpoint in PyLate's layout: the encoder, its Dense projection of every token
     (modules.json) and its query and document settings (config_sentence_transformers.json)."""
@@ -233,8 +234,8 @@ def colbert_checkpoint(model_dir: Path, config: dict, weight_files: tuple[Path, 
     projection = dense_layers(model_dir, hidden_size)
     if not projection:
         raise CompileError(f"{model_dir} has no projection for ColBERT (no Dense module in modules.json)")
-    return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files, pooling="colbert",
-                          projection=projection, colbert=settings)
+    return CheckpointInfo(path=model_dir.resolve(), config=config, weight_files=weight_files,
+                          tokenizer_file=tokenizer_file, pooling="colbert", projection=projection, colbert=settings)
 
 
 class BertWrapper(torch.nn.Module):
@@ -268,10 +269,10 @@ class BertWrapper(torch.nn.Module):
         padding (what the softmax over keys adds); a ColBERT model's query expansion tokens (EXPANDED)
         get EXPANSION_BIAS: no key weight, as padding, yet computed as queries (their rows are outputs)."""
         mask = attention_mask.to(dtype)[:, None, None, :]
-        bias = (1.0 - mask) * torch.finfo(dtype).min
-        if self.colbert is not None:
-            bias = torch.where(mask == EXPANDED, torch.full_like(bias, EXPANSION_BIAS), bias)
-        return bias
+        if self.colbert is None:
+            return (1.0 - mask) * torch.finfo(dtype).min
+        # mask 0, 1, 2 -> min, 0, EXPANSION_BIAS, in arithmetic (a `where` on the mask reads as a sliding window)
+        return (1.0 - mask.clamp(max=1.0)) * torch.finfo(dtype).min + (mask - 1.0).clamp(min=0.0) * EXPANSION_BIAS
 
     @property
     def has_token_states(self) -> bool:

@@ -115,6 +115,7 @@ def test_a_packed_batch_mixing_queries_and_documents_answers_each_as_alone(colbe
         mask[row, item.attended or len(item):len(item)] = EXPANDED
     result = model.run(input_ids, mask, tokens=True)
     assert result.path == "bucket-packed-32"
+    assert all(entry.attention_fused == 2 for entry in model.manifest.passes.strategies.values())  # the fused kernel
     answers = [encoder.vectors(item, rows, row < len(QUERIES)) for row, (item, rows) in enumerate(zip(encoded, result.tokens))]
     expected = pylate_encode(colbert_dir, QUERIES, True) + pylate_encode(colbert_dir, DOCUMENTS, False)
     assert_same_vectors(answers, expected)

@@ -157,7 +157,7 @@ def save_tiny_colbert(directory: Path, projection: int = 16) -> Path:
 
     torch.manual_seed(5)
     directory.mkdir(parents=True, exist_ok=True)
-    model = BertModel(tiny_config(), add_pooling_layer=False)
+    model = BertModel(tiny_config(num_attention_heads=2), add_pooling_layer=False)  # heads of 16: fused attention
     copy_tokenizer(directory)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tokenizer.add_tokens([COLBERT_SETTINGS["query_prefix"], COLBERT_SETTINGS["document_prefix"]])

@@ -18,9 +18,23 @@ SPLADE_POOLINGS = ("splade", "splade-sum")
 MANIFEST_FILE = "manifest.json"
 # The BERT family members compile/families.py compiles, by their config.json `model_type`: known here, without
 # torch, so that a Hub model of another family is refused before anything is downloaded or compiled.
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert")
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "modernbert")
 # huggingface_hub's cache holds a repository's commit as models--ORG--NAME/snapshots/COMMIT
 HUB_SNAPSHOT = re.compile(r"/models--(?P<folder>[\w.-]+)/snapshots/(?P<sha>[0-9a-f]{40})$")
+
+
+def remote_code_refusal(config: dict, name: str) -> str | None:
+    """Why the checkpoint `name` of this config.json is not compiled, where its `auto_map` names code of its
+    own (what transformers runs only with trust_remote_code: NomicBERT, GTE's "new", Jina's BERT with
+    ALiBi under model_type bert), in one line; None where transformers implements it itself."""
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return None
+    code = sorted({(target[0] if isinstance(target, list) else str(target)).rsplit(".", 1)[-1]
+                   for target in auto_map.values() if target})
+    return (f"{name} needs trust_remote_code: its config.json maps model_type {config.get('model_type')!r} to code of "
+            f"its own ({', '.join(code)}), which is not compiled; supported: {', '.join(MODEL_TYPES)}, as "
+            "transformers implements them")
 
 
 def write_json_atomically(model: BaseModel, path: Path) -> None:
@@ -219,6 +233,17 @@ class PrecisionEntry(_Strict):
     attention: AttentionProductsEntry | None = None  # None: fp32 asked (attention's products are fp32)
 
 
+class EmbeddingRangesEntry(_Strict):
+    """Per output dimension, the least and greatest value of the artifact's own embeddings of the
+    shipped sentences (compile/sentences.py), as they come from the libraries (`raw`) and
+    L2-normalized (`normalized`): `[[min, ...], [max, ...]]`, the `ranges` of sentence-transformers'
+    `quantize_embeddings`, with which the server answers int8 and uint8 embeddings."""
+
+    sentences: int
+    raw: list[list[float]]
+    normalized: list[list[float]]
+
+
 class SparseCandidate(_Strict):
     """One kernel a sparse-enough weight could run on, timed on the compiling CPU."""
 
@@ -304,6 +329,9 @@ class Manifest(_Strict):
     quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
     precision: PrecisionEntry | None = None  # None: an artifact from before precisions were chosen
     tuning: TuningEntry | None = None  # None: hand schedules only (no --tune)
+    # None: not a pooled embedding model, its libraries not run at compile time, or compiled before
+    # ranges were recorded; such a model answers no int8 / uint8 embeddings
+    embedding_ranges: EmbeddingRangesEntry | None = None
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float

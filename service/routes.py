@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import NotSupported, Unavailable
+from .errors import InvalidInput, Unavailable
 from .inference import Computed, ModelService
 from .inputs import Truncation, one_per_item, predict_sequences, truncation, zero_shot_texts
 from .runtime import Runtime
@@ -153,6 +153,11 @@ def _truncation(request: Request, body=None) -> Truncation:
     return truncation(body.truncate, body.truncation_direction, auto_truncate=auto_truncate)
 
 
+def _embedding_dtype(request: Request, body) -> str:
+    """`body`'s embedding_dtype, else the server's --embedding-dtype."""
+    return body.embedding_dtype or request.app.state.settings.embedding_dtype
+
+
 def _json(content, headers: dict[str, str]) -> Response:
     """A JSON answer encoded by orjson, numpy arrays included: Python's json module spent a quarter
     of the event loop's time on the floats of the embeddings under load (py-spy)."""
@@ -220,13 +225,16 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed(inputs, body.normalize, _truncation(request, body), body.dimensions,
-                                            body.prompt_name)
+                                            body.prompt_name, _embedding_dtype(request, body))
     return _json(vectors, _headers(service, computed, started))
 
 
 async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Response:
-    """One answer per input from the model serving `task` (embed_all or embed_sparse)."""
+    """One answer per input from the model serving `task` (embed_all or embed_sparse), in float32."""
     started = time.perf_counter()
+    if body.embedding_dtype not in (None, "float32"):
+        raise NotSupported(f"embedding_dtype {body.embedding_dtype}: /{task} answers float32; quantized "
+                           f"embeddings are pooled ones, on /embed and /v1/embeddings")
     service = _runtime(request).model(task, body.model)
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
@@ -250,18 +258,19 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 @post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head over TEI's inputs (a text, a pair, or a batch of both: `inputs.predict_sequences`),
-    or zero-shot over `labels` with the embed model (a text or a list of texts: `inputs.zero_shot_texts`)."""
+    or zero-shot over `labels` (a text or a list of texts: `inputs.zero_shot_texts`) with an NLI classifier
+    or an embedding model (`ModelService.zero_shot`)."""
     started = time.perf_counter()
     truncation = _truncation(request, body)
     if body.labels:
         texts, batched = zero_shot_texts(body.inputs)
-        try:
-            service = _runtime(request).model("embed", body.model)
-        except NotSupported as exc:
-            raise NotSupported(f"zero-shot `labels` are scored by an embedding model: {exc}") from None
-        service.check_batch_size(len(texts), labels=len(body.labels))
-        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
+        service = _runtime(request).model("zero_shot", body.model)
+        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation,
+                                                        body.hypothesis_template, body.multi_label)
     else:
+        if body.hypothesis_template is not None or body.multi_label:
+            raise InvalidInput("`hypothesis_template` and `multi_label` apply to zero-shot classification: give "
+                               "the candidate `labels`")
         texts, batched = predict_sequences(body.inputs)
         service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
@@ -269,10 +278,12 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         if body.parameters is not None and body.parameters.function_to_apply is not None:
             scoring = body.parameters.function_to_apply
         predictions, computed = await service.classify(texts, scoring, truncation)
-    if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
-        content = [ranks[: body.parameters.top_k] for ranks in predictions]
-    else:  # TEI's: one sequence gets one flat list
-        content = predictions if batched else predictions[0]
+    top_k = body.parameters.top_k if body.parameters is not None else None
+    ranked = [ranks[:top_k] for ranks in predictions]
+    if body.parameters is not None and not body.labels:  # the HF Inference API's text classification: a list per input
+        content = ranked
+    else:  # TEI's, and the HF Inference API's zero-shot: one text gets one flat list
+        content = ranked if batched else ranked[0]
     return JSONResponse(content, headers=_headers(service, computed, started))
 
 
@@ -367,17 +378,25 @@ async def retrieve_model(name: str, request: Request) -> dict:
     return _runtime(request).list_model(name)
 
 
+def packed_bytes(vector: np.ndarray) -> bytes:
+    """An embedding as OpenAI's base64 carries it: float32 little-endian, as the `openai` client
+    decodes it; a quantized one its bytes as they are (int8 signed, binary and ubinary the packed bits)."""
+    return np.asarray(vector, dtype="<f4" if vector.dtype == np.float32 else vector.dtype).tobytes()
+
+
 @post("/v1/embeddings", "/embeddings")  # /embeddings: an OpenAI client whose base URL has no /v1
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
-    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
+    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it, or
+    a quantized `embedding_dtype`'s bytes (`packed_bytes`)."""
     started = time.perf_counter()
     service = _runtime(request).openai_model(body.model)
     inputs = one_per_item(body.input)
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed(inputs, normalize=True, truncation=_truncation(request),
-                                            dimensions=body.dimensions, prompt_name=body.prompt_name)
+                                            dimensions=body.dimensions, prompt_name=body.prompt_name,
+                                            embedding_dtype=_embedding_dtype(request, body))
     if body.encoding_format == "base64":
-        data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
+        data = [base64.b64encode(packed_bytes(vector)).decode() for vector in vectors]
     else:
         data = vectors.tolist()
     content = OpenAIEmbeddingResponse(

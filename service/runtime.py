@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from artifact.cores import limit_pool_spinning, usable_cores
+from artifact.embedding_dtypes import CALIBRATED_DTYPES, EMBEDDING_DTYPES
 from artifact.levels import artifact_for_this_cpu
 from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
 from .batcher import Batcher
 from .errors import ModelNotFound, NotSupported, Unavailable
-from .inference import ModelService
+from .inference import UNCALIBRATED, ModelService, entailment_index
 from .lanes import Lanes
 from .memory import resident_bytes
 from .metrics import Metrics
@@ -87,6 +88,7 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
     if twice:
         raise ArtifactSetError(f"two models are named {twice[0]!r}; name them apart with --served-name")
     check_tei_choices(served, settings)
+    check_embedding_dtype(served, settings)
     return served
 
 
@@ -110,6 +112,26 @@ def check_tei_choices(served: list[ServedArtifact], settings: Settings) -> None:
             raise ArtifactSetError(
                 f"--pooling {settings.pooling}: model {artifact.name!r} pools by {pooling}, chosen when it was "
                 f"compiled; compile it with bert-compile --pooling mean|cls|max|none|splade, or leave --pooling out")
+
+
+def check_embedding_dtype(served: list[ServedArtifact], settings: Settings) -> None:
+    """--embedding-dtype int8 / uint8 needs every embedding model's calibration ranges: refused at
+    start rather than on every request that names no dtype."""
+    lacking = [artifact.name for artifact in served
+               if model_kind(artifact.manifest) == "embed" and artifact.manifest.embedding_ranges is None]
+    if settings.embedding_dtype in CALIBRATED_DTYPES and lacking:
+        raise ArtifactSetError(
+            f"--embedding-dtype {settings.embedding_dtype}: model {lacking[0]!r} {UNCALIBRATED}, or serve binary "
+            f"or ubinary")
+
+
+def embedding_dtypes(manifest: Manifest) -> list[str]:
+    """The dtypes a model answers embeddings in: none but a pooled embedding model's, int8 and uint8
+    where it records calibration ranges."""
+    if model_kind(manifest) != "embed":
+        return []
+    return [dtype for dtype in EMBEDDING_DTYPES
+            if dtype not in CALIBRATED_DTYPES or manifest.embedding_ranges is not None]
 
 
 def freeze_startup_objects() -> None:
@@ -231,16 +253,18 @@ class Runtime:
         return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type, artifact.prompts, self.tracing)
+                            manifest.problem_type, artifact.prompts, self.tracing, manifest.embedding_ranges)
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
-        classify, or rerank: a classifier with one label; None: any, the first model given)."""
+        classify, rerank: a classifier with one label, zero_shot: an embedding model or an NLI
+        classifier; None: any, the first model given)."""
         if name is not None:
             artifact = self.served(name)
             if task is not None and not serves(artifact.manifest, task):
-                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}"
-                                   f"{route_hint(artifact.manifest)}")
+                manifest = artifact.manifest
+                raise NotSupported(f"model {name!r} is {describe_kind(manifest)}{labels_of(manifest, task)}, not "
+                                   f"{KIND_OF_TASK[task]}{route_hint(manifest)}")
         else:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
@@ -298,6 +322,7 @@ class Runtime:
             "max_batch_requests": settings.max_batch_requests,
             "max_client_batch_size": settings.max_client_batch_size,
             "auto_truncate": settings.auto_truncate,
+            "embedding_dtype": settings.embedding_dtype,
             "tokenization_workers": settings.tokenization_workers,
             "version": VERSION, "sha": None, "docker_label": None,  # TEI's build fields
             "backend": settings.backend,
@@ -343,6 +368,7 @@ class Runtime:
             "pooling": manifest.pooling,
             "labels": manifest.labels,
             "output_dim": manifest.output_dim,
+            "embedding_dtypes": embedding_dtypes(manifest),
             "max_input_length": service.tokenizer.max_length if service else None,
             "prompts": service.prompts.describe() if service else None,
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}
@@ -361,7 +387,9 @@ class Runtime:
 KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "rerank": "a reranker (a one-label classifier)",
                 "embed_all": "a token-embedding model (compiled with --pooling none)",
-                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
+                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)",
+                "zero_shot": "an embedding model or an NLI classifier (one of whose labels is entailment) for "
+                             "zero-shot `labels`"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
                  "embed_sparse": "/embed_sparse"}
 
@@ -385,9 +413,18 @@ def model_kind(manifest: Manifest) -> str:
 def serves(manifest: Manifest, task: str) -> bool:
     """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
     still answers /predict); an embedding model's pooling decides between /embed, /embed_all and
-    /embed_sparse."""
+    /embed_sparse; zero-shot `labels` take a pooled embedding model or an NLI classifier."""
     kind = model_kind(manifest)
+    if task == "zero_shot":
+        return kind == "embed" or (manifest.task == "classify" and entailment_index(manifest.labels) is not None)
     return kind == task or (task == "classify" and kind == "rerank")
+
+
+def labels_of(manifest: Manifest, task: str) -> str:
+    """A classifier refused zero-shot: what its labels are instead of entailment."""
+    if task != "zero_shot" or manifest.task != "classify":
+        return ""
+    return f" with labels {', '.join(manifest.labels)}"
 
 
 def describe_kind(manifest: Manifest) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TOKENIZER_FILES, CheckpointInfo, load_wrapper
+from ..tokenizer import TOKENIZER_JSON
 from ..config import CompileConfig
 from ..errors import CompileError
 from ..passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
@@ -58,8 +59,11 @@ def sentence_agreement(dense: torch.nn.Module, pruned: torch.nn.Module, info: Ch
     return embedding_agreement(actual, expected)
 
 
-def copy_tokenizer(model_dir: Path, destination: Path) -> None:
+def copy_tokenizer(info: CheckpointInfo, destination: Path) -> None:
+    """The checkpoint's fast tokenizer (its own tokenizer.json, or the one converted from its files) and the
+    files beside it that the server reads (limits, prompts) into `destination`."""
     destination.mkdir()
+    shutil.copy2(info.tokenizer_file, destination / TOKENIZER_JSON)
     for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, destination / name)
+        if (info.path / name).is_file():
+            shutil.copy2(info.path / name, destination / name)

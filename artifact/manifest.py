@@ -244,14 +244,26 @@ class EmbeddingRangesEntry(_Strict):
     normalized: list[list[float]]
 
 
+class SparseCandidate(_Strict):
+    """One kernel a sparse-enough weight could run on, timed on the compiling CPU."""
+
+    name: str  # "dense" (at the weight's precision) or "bsr-<storage>" (compile/kernels/bsr.py)
+    ms: float
+    error: float  # relative error of its output against x @ W^T in float64
+    holds: bool  # loses no more than the dense kernel of the weight's precision
+
+
 class LinearChoice(_Strict):
-    """One weight's dense and BSR kernels, timed on the compiling CPU."""
+    """One weight's dense and sparse kernels, timed on the compiling CPU, and the one it runs on."""
 
     weight: str
     density: float
     dense_ms: float
-    sparse_ms: float
-    bsr: bool
+    sparse_ms: float  # the fastest sparse candidate's
+    bsr: bool  # whether it runs on a sparse kernel
+    precision: str = "fp32"  # the dense kernel's: the library's, or what the int8 plan kept it in
+    candidates: list[SparseCandidate] = []
+    chosen: str | None = None
 
 
 class SparsityEntry(_Strict):
@@ -265,6 +277,10 @@ class SparsityEntry(_Strict):
     rewritten: int  # matmuls rewritten to the BSR kernel (per strategy variant)
     kept_dense: int
     cosine_vs_dense: float | None  # mean cosine of pruned vs dense outputs on fixed sentences (None: not pruned)
+    # the pruned model against the dense one on the shipped sentences (compile/sentences.py), as a reduced
+    # precision is measured: cosine_min / cosine_mean / worst_sentence, or top1_agreement /
+    # max_probability_diff for a classifier (None: not pruned)
+    sentences_vs_dense: dict | None = None
     choice: str | None = None  # how a sparse-enough weight was sent to the BSR kernel: timed here, or by density
     choices: list[LinearChoice] = []  # per weight, when timed
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -60,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sparse-layers", dest="sparse_layers",
                         help="comma-separated: ffn, attention_output, qkv (default ffn,attention_output)")
     parser.add_argument("--sparse-choice", dest="sparse_choice", choices=["timed", "density"],
-                        help="timed (default): the BSR kernel only for weights where it beat the dense kernel on this "
-                             "CPU; density: for every weight no denser than sparse_max_density")
+                        help="timed (default): each weight no denser than sparse_max_density on the fastest of its "
+                             "precision's dense kernel and the sparse kernels within its accuracy, timed on this CPU; "
+                             "density: every such weight on fp32 blocks")
     parser.add_argument("--precision", choices=["fp32", "bf16", "int8", "auto"],
                         help="what the linear layers compute in (cpu): bf16 needs AVX512_BF16, int8 AVX2; auto builds "
                              "each one this CPU runs and ships the fastest that keeps its accuracy gate")
@@ -185,7 +187,13 @@ def _report(manifest, records, validate: bool) -> None:
         sp = manifest.sparsity
         changed = (f"{sp.pruned} weights pruned to blocks {sp.block}, cosine vs dense {sp.cosine_vs_dense:.4f}"
                    if sp.mode == "pruned" else f"the checkpoint's own zero blocks {sp.block} (model unchanged)")
-        print(f"sparsity: {changed}; {sp.rewritten} matmuls rewritten (density {sp.density})", file=sys.stderr)
+        kernels = Counter(c.chosen for c in sp.choices if c.chosen)
+        chosen = f" ({', '.join(f'{n} {name}' for name, n in sorted(kernels.items()))})" if kernels else ""
+        print(f"sparsity: {changed}; {sp.rewritten} matmuls rewritten (density {sp.density}){chosen}", file=sys.stderr)
+        if sp.sentences_vs_dense and "cosine_min" in sp.sentences_vs_dense:
+            print(f"sparsity: pruned vs dense on the shipped sentences: least cosine "
+                  f"{sp.sentences_vs_dense['cosine_min']:.4f} ({sp.sentences_vs_dense['worst_sentence']!r})",
+                  file=sys.stderr)
     if manifest.validated:
         print("validated against PyTorch", file=sys.stderr)
     else:

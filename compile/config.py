@@ -81,8 +81,9 @@ class CompileConfig(BaseModel):
         0.5, gt=0, le=1, description="weights denser than this stay dense (the dense kernel is faster)"
     )
     sparse_choice: Literal["timed", "density"] = Field(
-        "timed", description="timed: a weight sparse enough runs through the BSR kernel only where it beat the dense "
-        "kernel on this CPU (else, and when the target cannot run here, every one does)")
+        "timed", description="timed: a weight sparse enough runs on the fastest of its precision's dense kernel and "
+        "the sparse kernels that lose no more accuracy, timed on this CPU; density (and where the target cannot run "
+        "here): every such weight on fp32 blocks")
     tune: float = Field(0, ge=0, description="seconds of MetaSchedule search per padded bucket (cpu; 0: none): a "
                         "tuned kernel ships only where it beat the hand schedule in a timed run")
     strategy_repeats: int = Field(5, ge=1, description="timed runs per strategy when strategy is auto")
@@ -181,10 +182,8 @@ class CompileConfig(BaseModel):
                 raise ValueError(f"buckets of layout {self.layout} are {expected}")
         if self.layout == "packed" and self.target != "cpu":
             raise ValueError("layout packed is built for target cpu only")
-        if self.layout == "packed" and self.sparsity is not None:
-            raise ValueError("layout packed does not combine with sparsity")
-        if self.precision != "fp32" and (self.target != "cpu" or self.sparsity is not None):
-            raise ValueError(f"precision {self.precision} is built for target cpu, without sparsity")
+        if self.precision != "fp32" and self.target != "cpu":
+            raise ValueError(f"precision {self.precision} is built for target cpu")
         if self.attention_products == "bf16" and self.precision == "fp32":
             raise ValueError("attention_products bf16 is for bf16 and int8 linears (precision bf16, int8 or auto)")
         if self.pooling == "none" and (self.task != "embed" or self.precision == "int8"):

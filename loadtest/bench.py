@@ -143,7 +143,8 @@ def best_peers(stats: dict, precisions: dict[str, str]) -> dict[str, str]:
     groups = {"torch": [k for k in stats if k.startswith("torch_")],
               "onnxruntime": [k for k in stats if k.startswith("onnxruntime") and precisions.get(k) == "fp32"],
               "onnxruntime_int8": [k for k in stats if k.startswith("onnxruntime") and precisions.get(k) == "int8"],
-              **{label: [label] for label in ("openvino", "openvino_f32", "openvino_int8") if label in stats}}
+              **{label: [label] for label in ("openvino", "openvino_f32", "openvino_int8", "openvino_int8_sparse")
+                 if label in stats}}
     return {group: min(labels, key=lambda k: stats[k]["median_s"]) for group, labels in groups.items() if labels}
 
 
@@ -294,7 +295,7 @@ def load_candidates(args, scratch: Path) -> Candidates:
         graph = scratch / "model.onnx"  # ONNX Runtime's plain export, when it ran
         graph = graph if graph.exists() else export_onnx(wrapper, graph)
         openvino = openvino_models(graph, args.threads, args.int8, info.tokenizer_file, info.max_seq)
-        precisions.update({label: "int8" if label == "openvino_int8" else ov.precision()
+        precisions.update({label: "int8" if label.startswith("openvino_int8") else ov.precision()
                            for label, ov in openvino.items()})
     compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None
     return Candidates(model, others, wrapper, sdpa, compiled_wrapper, sessions, openvino, precisions, info, fused)

@@ -4,7 +4,9 @@
   `SentenceTransformer(model, backend="openvino")` runs it; `precision()` says which);
 - `openvino_f32`: `INFERENCE_PRECISION_HINT=f32`;
 - `openvino_int8`: NNCF post-training int8 with its transformer preset (SmoothQuant, bias
-  correction), calibrated on the shipped sentences.
+  correction), calibrated on the shipped sentences;
+- `openvino_int8_sparse` (hosts with AMX-INT8): the same with its sparse-weights path, which stores and
+  multiplies sparse the int8 weights at least `SPARSE_WEIGHTS_RATE` zero (a pruned checkpoint's).
 
 Each compiled model runs with the latency hint on `threads` threads. Its idle TBB workers spin
 briefly and then sleep; the benchmark's warm call before each timed one covers the rest.
@@ -21,9 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
+from artifact.cpu_features import host_flags
 from compile.checkpoint import INPUT_NAMES
 
 PRECISION_OF = {"bf16": "bf16", "f16": "fp16", "f32": "fp32"}
+# OpenVINO's sparse path for NNCF int8 weights on AMX: a weight at least this fraction zero is stored and
+# multiplied sparse (`ov.properties.intel_cpu.sparse_weights_decompression_rate`)
+SPARSE_WEIGHTS, SPARSE_WEIGHTS_RATE = "CPU_SPARSE_WEIGHTS_DECOMPRESSION_RATE", 0.5
 # `ONEDNN_MAX_CPU_ISA` values (oneDNN's names) whose kernels have no bf16
 ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
@@ -109,7 +115,8 @@ class OpenVinoModel:
 
 def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: Path,
                     max_seq: int) -> dict[str, OpenVinoModel]:
-    """OpenVINO's f32 and default precision (and, with `int8`, NNCF int8) on `onnx_path`. Where the
+    """OpenVINO's f32 and default precision (and, with `int8`, NNCF int8, and on an AMX host NNCF int8 with
+    its sparse weights path) on `onnx_path`. Where the
     default is f32 (a CPU without AVX512_BF16 or AMX), both labels hold the one compiled model."""
     import openvino as ov
 
@@ -127,6 +134,9 @@ def openvino_models(onnx_path: Path, threads: int, int8: bool, tokenizer_file: P
         quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
                                   subset_size=len(samples))
         models["openvino_int8"] = OpenVinoModel(core.compile_model(quantized, "CPU", _properties(threads, hint)))
+        if "amx_int8" in (host_flags() or set()):  # its sparse int8 weights run on AMX only
+            models["openvino_int8_sparse"] = OpenVinoModel(core.compile_model(
+                quantized, "CPU", {**_properties(threads, hint), SPARSE_WEIGHTS: SPARSE_WEIGHTS_RATE}))
     return models
 
 

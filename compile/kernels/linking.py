@@ -11,7 +11,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from . import amx, attention_amx, attention_bf16, attention_int8, bf16, int8, launch
+from . import amx, attention_amx, attention_bf16, attention_int8, bf16, bsr, int8, launch
 from .objects import CObject
 
 PREFIX = "bert_"  # every symbol of c/ starts so: a call of one no object defines is a bug, not a libm routine
@@ -19,7 +19,7 @@ _CALL_EXTERN = tvm.ir.Op.get("tirx.call_extern")
 
 
 # the objects built one way for every target
-SINGLE = (launch.CLAIMS, bf16.TILE_OBJECT, attention_bf16.OBJECT, amx.TILES_OBJECT, attention_amx.OBJECT)
+SINGLE = (launch.CLAIMS, bf16.TILE_OBJECT, attention_bf16.OBJECT, amx.TILES_OBJECT, attention_amx.OBJECT, *bsr.OBJECTS)
 
 
 def library_objects(int8_kernel: int8.Int8Kernel | None) -> tuple[CObject, ...]:

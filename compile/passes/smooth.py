@@ -76,7 +76,10 @@ def linear_modules(func: relax.Function, linears: dict[relax.Var, relax.Expr]) -
 
 def smooth_linears(mod: tvm.IRModule, scales: dict[str, np.ndarray]) -> tuple[tvm.IRModule, int]:
     """`mod` with each of `main`'s linears whose torch Linear (its `module_key`) has a scale
-    vector in `scales` smoothed, and how many were rewritten. Run before quantize_linears."""
+    vector in `scales` smoothed, and how many were rewritten. Run before quantize_linears. A linear no
+    longer there as a matmul (on a sparse kernel: passes/sparsity.py) keeps its weights and its input."""
+    present = {key for keys in linear_modules(mod["main"], linears_on_weights(mod["main"])).values() for key in keys}
+    scales = {key: s for key, s in scales.items() if key in present}
     folded = _fold_into_values(mod["main"], scales)
     if folded:
         mod = _ScaleParams(mod, folded).transform()

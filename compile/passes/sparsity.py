@@ -1,14 +1,18 @@
-"""Block sparsity for BERT's linear layers: magnitude block pruning and a Relax BSR matmul.
+"""Block sparsity for BERT's linear layers: magnitude block pruning and the rewrite of sparse-enough linears
+onto block-sparse kernels.
 
 Relax 0.27 has no sparse-dense op (Relay's `bsr_dense` is gone), so this module brings back what
-TVM PR #5377 did for BERT: prune each chosen weight to a block density, store it as BSR
-(data, indices, indptr) and compute `y = x @ W^T` with a TIR kernel that reads only the kept
-blocks (compile/kernels/sparse.py). The kernel reads W in its torch [N, K] layout, so the
-`permute_dims` of the dense path disappears instead of being done at run time.
+TVM PR #5377 did for BERT: prune each chosen weight to a block density (or take the checkpoint's own zero
+blocks) and compute `y = x @ W^T` with a kernel that reads only the kept blocks. Sparsity is a property of
+each linear beside its precision: `SparseChoice` (compile/sparse_choice.py) decides per weight between the
+dense kernel of its precision and the block-sparse storages of compile/kernels/bsr.py (the C kernels; the
+TIR kernel of compile/kernels/sparse.py where the block does not fit the CPU's vectors, and on CUDA). The
+kernels read W's blocks in their own layout, so the `permute_dims` of the dense path disappears, and a
+linear left dense goes on to the precision's passes (smoothing, int8, bf16, packing) as before.
 
 Order in the compile stage: `prune_model` on the torch model before export (PyTorch and TVM then
 see the same weights), import, `apply_strategy`, `sparsify` (weights must still be parameters of
-`main`), then `LiftTransformParams`.
+`main`), the precision's passes, then `LiftTransformParams`.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import tvm
-from tvm import relax, te, tirx
+from tvm import relax, tirx
 from tvm.target import Target
 
-from ..build import make_target
 from ..capabilities import Capabilities
-from ..kernels import sparse
+from ..kernels import bsr, sparse
+from ..kernels.bsr import blocks_of, to_bsr
+from ..sparse_choice import DENSE, TIMED_ROWS, SparseChoice, storage_of
 from . import as_pass
 from .linears import bindings, transposed_linears
 
@@ -34,25 +39,15 @@ LAYERS = {  # module name suffixes: BERT, RoBERTa and XLM-R's, then DistilBERT's
             "attention.q_lin", "attention.k_lin", "attention.v_lin"),
 }
 DEFAULT_LAYERS = ("ffn", "attention_output")
-TIMED_ROWS = 128  # activation rows the dense and BSR kernels of a weight are timed on
 
 
 
 # ----------------------------------------------------------------------------- pruning and BSR
 
 
-def _blocks(weight: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """`weight` [N, K] viewed as [N/R, K/C, R, C] blocks; refuses shapes the block does not divide."""
-    rows, cols = block
-    if weight.ndim != 2 or weight.shape[0] % rows or weight.shape[1] % cols:
-        raise ValueError(f"block {rows}x{cols} does not divide weight of shape {tuple(weight.shape)}")
-    n, k = weight.shape
-    return weight.reshape(n // rows, rows, k // cols, cols).transpose(0, 2, 1, 3)
-
-
 def block_density(weight: np.ndarray, block: tuple[int, int]) -> float:
     """Fraction of `block`-shaped blocks of `weight` holding any non-zero value."""
-    return float(np.any(_blocks(weight, block) != 0, axis=(2, 3)).mean())
+    return float(np.any(blocks_of(weight, block) != 0, axis=(2, 3)).mean())
 
 
 def prune_blocks(weight: np.ndarray, density: float, block: tuple[int, int]) -> np.ndarray:
@@ -62,7 +57,7 @@ def prune_blocks(weight: np.ndarray, density: float, block: tuple[int, int]) -> 
     """
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density}")
-    blocks = _blocks(weight, block)
+    blocks = blocks_of(weight, block)
     norms = np.sqrt(np.square(blocks.astype(np.float64)).sum(axis=(2, 3))).ravel()
     keep = max(1, round(density * norms.size))
     mask = np.zeros(norms.size, dtype=bool)
@@ -86,22 +81,6 @@ def prune_model(model: torch.nn.Module, density: float, block: tuple[int, int],
                 module.weight.copy_(torch.from_numpy(prune_blocks(weight, density, block)))
                 pruned += 1
     return pruned
-
-
-def to_bsr(weight: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`weight` [N, K] as BSR: data [nnz, R, C], indices [nnz] (block columns), indptr [N/R + 1].
-
-    Blocks are stored row-major, so each block row's blocks are contiguous in `data`. An all-zero
-    weight still stores one zero block, to keep every buffer non-empty.
-    """
-    blocks = _blocks(weight, block)
-    nonzero = np.any(blocks != 0, axis=(2, 3))
-    if not nonzero.any():
-        nonzero[0, 0] = True
-    data = np.ascontiguousarray(blocks[nonzero])
-    indices = np.nonzero(nonzero)[1].astype(np.int32)
-    indptr = np.concatenate([[0], np.cumsum(nonzero.sum(axis=1))]).astype(np.int32)
-    return data, indices, indptr
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -148,14 +127,14 @@ def _eligible_linears(func: relax.Function, weights: dict[relax.Var, np.ndarray]
 
 @relax.expr_functor.mutator
 class _SparsifyLinears(relax.PyExprMutator):
-    """Replaces each chosen matmul by a call_tir of the BSR kernel and drops its permute_dims."""
+    """Replaces each chosen matmul by a call_tir of its sparse kernel and drops its permute_dims."""
 
-    def __init__(self, mod: tvm.IRModule, linears: dict, bsr_params: dict, target: Target):
+    def __init__(self, mod: tvm.IRModule, linears: dict, kernels: dict, bsr_params: dict):
         super().__init__(mod)
         self.linears = linears  # matmul var -> (permute var, W)
         self.dropped = {permute for permute, _ in linears.values()}
-        self.bsr_params = bsr_params  # W -> (data, indices, indptr) relax Vars
-        self.target = target
+        self.kernels = kernels  # W -> (its kernel, generic in M; the block rows of its output, or None: [M, N])
+        self.bsr_params = bsr_params  # W -> its arrays' relax Vars
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         if binding.var in self.dropped:
@@ -164,83 +143,77 @@ class _SparsifyLinears(relax.PyExprMutator):
             super().visit_var_binding_(binding)
             return
         weight = self.linears[binding.var][1]
-        data, indices, indptr = self.bsr_params[weight]
+        kernel, block_rows = self.kernels[weight]
         lhs = self.visit_expr(binding.value.args[0])
-        (n, k), dtype = weight.ty.shape, weight.ty.dtype
-        nnz, rows, cols = (int(d) for d in data.ty.shape)
-        kernel = bsr_matmul_func(int(k), nnz, (rows, cols), int(n) // rows, dtype, self.target)
+        (n, _), dtype = weight.ty.shape, weight.ty.dtype
         gvar = self.builder_.add_func(kernel, "bsr_matmul")
         m = lhs.ty.shape[0]
-        blocked = self.builder_.emit(relax.call_tir(
-            gvar, [lhs, data, indices, indptr], relax.TensorType((m, int(n) // rows, rows), dtype)))
-        output = relax.op.reshape(blocked, (m, n))
+        if block_rows is None:  # the CPU kernels write [M, N]
+            output = relax.call_tir(gvar, [lhs, *self.bsr_params[weight]], relax.TensorType((m, n), dtype))
+        else:
+            blocked = self.builder_.emit(relax.call_tir(gvar, [lhs, *self.bsr_params[weight]],
+                                                        relax.TensorType((m, block_rows, int(n) // block_rows), dtype)))
+            output = relax.op.reshape(blocked, (m, n))
         is_output = not isinstance(binding.var, relax.DataflowVar)
         self.set_var_remap(binding.var, (self.builder_.emit_output if is_output else self.builder_.emit)(output))
 
 
-def timed_choice(weight: np.ndarray, block: tuple[int, int], target: Target, rows: int = TIMED_ROWS) -> dict:
-    """This weight's BSR kernel and the dense kernel, built for `target` and timed on `rows`
-    activation rows here (median ms of interleaved runs)."""
-    from ..kernels import dense
-    from ..lowering import tir_pipeline
-    from ..timing import interleaved_medians
-
+def sparse_kernel(weight: np.ndarray, chosen: str, block: tuple[int, int],
+                  target: Target) -> tuple[dict[str, np.ndarray], tirx.PrimFunc, int | None]:
+    """(The arrays, the kernel generic in M, its output's block rows or None for [M, N]) of `chosen` for
+    `weight`: a storage's C kernel (compile/kernels/bsr.py), or the TIR kernel over fp32 BSR (`sparse_choice.TIR`,
+    for any block, and CUDA's)."""
     n, k = weight.shape
-    lanes = Capabilities.of(target).lanes
-    nt = dense.packed_panel_width(n, lanes) or n  # an unpackable width: one panel, as the dense path runs it
-    x = te.placeholder((rows, k), "float32", name="x")
-    panels = te.placeholder((n // nt, k, nt), "float32", name="panels")
-    dense_func = dense.schedule_matmul(te.create_prim_func([x, panels, dense.packed_matmul_te(x, panels)]), lanes)
+    storage = storage_of(chosen)
+    capabilities = Capabilities.of(target)
+    m = tirx.Var("m", "int64")
+    if storage != "tir":
+        arrays = bsr.pack(storage, weight, block)
+        return arrays, bsr.bsr_kernel(storage, m, k, n, arrays, block, capabilities.lanes), None
     data, indices, indptr = to_bsr(weight, block)
-    sparse_func = sparse.bsr_matmul_cpu(rows, k, len(indices), block, n // block[0], "float32", lanes)
-    built = {name: tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}), target,
-                               tir_pipeline=tir_pipeline(target))  # as the library will be lowered
-             for name, func in (("dense", dense_func.mod["main"]), ("sparse", sparse_func))}
-    activations = np.random.default_rng(0).standard_normal((rows, k)).astype(np.float32)
-    packed = np.ascontiguousarray(weight.reshape(n // nt, nt, k).transpose(0, 2, 1))
-    arguments = {"dense": [activations, packed, np.zeros((rows, n), np.float32)],
-                 "sparse": [activations, data, indices, indptr, np.zeros((rows, n // block[0], block[0]), np.float32)]}
-    arguments = {name: [tvm.runtime.tensor(a) for a in args] for name, args in arguments.items()}
-    stats = interleaved_medians({name: (lambda name=name: built[name]["main"](*arguments[name])) for name in built},
-                                repeats=7, warmup=2, warm_calls=1)
-    return {f"{name}_ms": round(stats[name]["median_s"] * 1e3, 4) for name in built}
+    kernel = bsr_matmul_func(k, len(indices), block, n // block[0], "float32", target)
+    return {"data": data, "indices": indices, "indptr": indptr}, kernel, n // block[0]
 
 
-def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_density: float = 0.5,
-             target: Target | None = None, timed: bool = False) -> tuple[tvm.IRModule, list[tvm.runtime.Tensor], dict]:
-    """Rewrite `main`'s eligible linears to BSR kernels; weights must still be parameters of `main`.
+def _report(choices: list[dict], densities: list[float], rewritten: list[float], choice: SparseChoice) -> dict:
+    return {
+        "rewritten": len(rewritten),
+        "kept_dense": len(densities) - len(rewritten),
+        "density": float(np.mean(rewritten)) if rewritten else None,
+        "block": list(choice.block),
+        "choice": (f"timed here at {TIMED_ROWS} rows, gated by accuracy" if choice.timer is not None
+                   else f"block density <= {choice.max_density:g}"),
+        "choices": choices,
+    }
 
-    A weight is a candidate when it feeds only `matmul(x [M, K], permute_dims(W))` and its block
-    density is <= `max_density`; with `timed` (the target runs here), a candidate is rewritten only
-    where its BSR kernel beat the dense one on this CPU (`timed_choice`), else every candidate is.
-    Its parameter is replaced, in place, by three (data, indices, indptr), in the signature and in
-    the returned params (as CPU tvm Tensors, the form `lift.lift_and_transform` takes). The kernels
-    are scheduled for `target` (host CPU by default), so build the result for that target.
+
+def sparsify(mod: tvm.IRModule, params: list, choice: SparseChoice) -> tuple[tvm.IRModule, list, dict]:
+    """Rewrite `main`'s eligible linears to sparse kernels; weights must still be parameters of `main`.
+
+    A weight is a candidate when it feeds only `matmul(x [M, K], permute_dims(W))` and its block density
+    is <= `choice.max_density`; `choice` decides, per candidate, dense or which sparse storage
+    (compile/sparse_choice.py). A rewritten weight's parameter is replaced, in place, by its kernel's arrays,
+    in the signature and in the returned params (CPU tvm Tensors, the form `lift.lift_and_transform` takes).
     """
-    target = target or make_target("cpu")
     func = mod["main"]
     num_input = int(func.attrs["num_input"])
     weights = {p: v if isinstance(v, np.ndarray) else v.numpy() for p, v in zip(func.params[num_input:], params)}
-    linears = _eligible_linears(func, weights, block)
-    densities = {w: block_density(weights[w], block) for _, w in linears.values()}
-    linears = {var: (p, w) for var, (p, w) in linears.items() if densities[w] <= max_density}
-    choices = []
-    if timed:
-        for var, (_, weight) in list(linears.items()):
-            choice = {"weight": weight.name, "density": round(densities[weight], 4),
-                      **timed_choice(weights[weight], block, target)}
-            choice["bsr"] = choice["sparse_ms"] < choice["dense_ms"]
-            choices.append(choice)
-            if not choice["bsr"]:
-                del linears[var]
-    bsr_values, bsr_params = {}, {}
-    for _, weight in linears.values():
-        bsr_values[weight] = to_bsr(weights[weight], block)
-        bsr_params[weight] = tuple(
-            relax.Var(f"{weight.name}_bsr_{part}", relax.TensorType(value.shape, str(value.dtype)))
-            for part, value in zip(("data", "indices", "indptr"), bsr_values[weight]))
-
-    mutator = _SparsifyLinears(mod, linears, bsr_params, target)
+    linears = _eligible_linears(func, weights, choice.block)
+    densities = {w: block_density(weights[w], choice.block) for _, w in linears.values()}
+    linears = {var: (p, w) for var, (p, w) in linears.items() if densities[w] <= choice.max_density}
+    choices, kernels, bsr_values, bsr_params = [], {}, {}, {}
+    for var, (_, weight) in list(linears.items()):
+        decided = choice.decide(weights[weight], weight.name)
+        if decided["candidates"]:
+            choices.append(_choice_record(weight.name, densities[weight], decided))
+        if decided["chosen"] == DENSE:
+            del linears[var]
+            continue
+        arrays, kernel, block_rows = sparse_kernel(weights[weight], decided["chosen"], choice.block, choice.target)
+        kernels[weight], bsr_values[weight] = (kernel, block_rows), list(arrays.values())
+        bsr_params[weight] = [relax.Var(f"{weight.name}_bsr_{part}", relax.TensorType(a.shape, str(a.dtype)))
+                              for part, a in arrays.items()]
+    mutator = _SparsifyLinears(mod, linears, kernels, bsr_params)
     body = mutator.visit_expr(func).body
     new_params, new_values = list(func.params[:num_input]), []
     for param in func.params[num_input:]:
@@ -248,16 +221,18 @@ def sparsify(mod: tvm.IRModule, params: list, block: tuple[int, int], max_densit
         new_values.extend(bsr_values.get(param, [weights[param]]))
     new_func = relax.Function(new_params, body, func.ret_ty, func.is_pure, func.attrs)
     mutator.builder_.update_func(mod.get_global_var("main"), new_func)
-    rewritten = [densities[w] for w in bsr_params]
-    report = {
-        "rewritten": len(rewritten),
-        "kept_dense": len(densities) - len(rewritten),
-        "density": float(np.mean(rewritten)) if rewritten else None,
-        "block": list(block),
-        "choice": f"timed here at {TIMED_ROWS} rows" if timed else f"block density <= {max_density:g}",
-        "choices": choices,
-    }
+    report = _report(choices, list(densities.values()), [densities[w] for w in bsr_params], choice)
     return mutator.builder_.get(), [tvm.runtime.tensor(np.ascontiguousarray(v)) for v in new_values], report
+
+
+def _choice_record(name: str, density: float, decided: dict) -> dict:
+    """The manifest's record of one timed weight (`LinearChoice`)."""
+    candidates = decided["candidates"]
+    dense = next(c for c in candidates if c["name"] == DENSE)
+    sparse = min((c for c in candidates if c["name"] != DENSE), key=lambda c: c["ms"])
+    return {"weight": name, "density": round(density, 4), "precision": decided["precision"],
+            "candidates": candidates, "chosen": decided["chosen"], "dense_ms": dense["ms"],
+            "sparse_ms": sparse["ms"], "bsr": decided["chosen"] != DENSE}
 
 
 @dataclass
@@ -269,11 +244,10 @@ class SparseWeights:
     report: dict | None = None
 
 
-def SparsifyLinears(weights: SparseWeights, block: tuple[int, int], max_density: float, target: Target,
-                    timed: bool) -> tvm.transform.Pass:
+def SparsifyLinears(weights: SparseWeights, choice: SparseChoice) -> tvm.transform.Pass:
     """`sparsify` as a pass over `weights`."""
     def rewrite(mod: tvm.IRModule) -> tvm.IRModule:
-        mod, weights.params, weights.report = sparsify(mod, weights.params, block, max_density, target, timed)
+        mod, weights.params, weights.report = sparsify(mod, weights.params, choice)
         return mod
 
     return as_pass("SparsifyLinears", rewrite)

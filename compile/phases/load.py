@@ -13,6 +13,7 @@ from ..checkpoint import TOKENIZER_FILES, CheckpointInfo, load_wrapper
 from ..tokenizer import TOKENIZER_JSON
 from ..config import CompileConfig
 from ..errors import CompileError
+from ..passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 from ..passes.sparsity import prune_model
 from ..validate import cosine_drift
 
@@ -27,7 +28,7 @@ def load_model(config: CompileConfig, info: CheckpointInfo) -> tuple[torch.nn.Mo
         sparsity = prune(wrapper, info, config)
     elif config.sparsity == "from-checkpoint":  # the weights as they are: nothing to prune or drift
         sparsity = {"mode": "from-checkpoint", "block": list(config.block_shape()), "layers": [],
-                    "pruned": 0, "cosine_vs_dense": None}
+                    "pruned": 0, "cosine_vs_dense": None, "sentences_vs_dense": None}
     # The oracle runs in the artifact's precision, on the same (possibly pruned) weights.
     reference = wrapper if config.dtype == "float32" else copy.deepcopy(wrapper).to(getattr(torch, config.dtype))
     return wrapper, reference, sparsity
@@ -42,7 +43,20 @@ def prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig)
     except ValueError as exc:
         raise CompileError(f"cannot prune with block {config.block}: {exc}") from None
     return {"block": list(config.block_shape()), "layers": list(config.sparse_layers), "pruned": pruned,
-            "cosine_vs_dense": cosine_drift(dense, wrapper, info)}
+            "cosine_vs_dense": cosine_drift(dense, wrapper, info),
+            "sentences_vs_dense": sentence_agreement(dense, wrapper, info, config.model_task)}
+
+
+def sentence_agreement(dense: torch.nn.Module, pruned: torch.nn.Module, info: CheckpointInfo, task: str) -> dict:
+    """The pruned model against the dense one on the shipped sentences, as a reduced precision is measured
+    against fp32 (compile/sentences.py): each embedding's cosine (least, mean, the worst sentence), or a
+    classifier's top-1 agreement and largest probability difference."""
+    rows = [torch.from_numpy(x) for x in sentence_rows(info.path / "tokenizer.json", info.max_seq)]
+    with torch.no_grad():
+        expected, actual = (model(*rows).float().numpy().reshape(len(rows[0]), -1) for model in (dense, pruned))
+    if task == "classify":
+        return classifier_agreement(actual, expected)
+    return embedding_agreement(actual, expected)
 
 
 def copy_tokenizer(info: CheckpointInfo, destination: Path) -> None:

@@ -23,10 +23,11 @@ from ..passes.lift import LiftedModel, transform_weights
 from ..passes.packing import PackLinearWeights
 from ..passes.precision import precision_passes
 from ..passes.quantize import QuantizeLinearsInt8
-from ..passes.smooth import SmoothLinears
+from ..passes.smooth import PARAM_PREFIX, SmoothLinears
 from ..passes.sparsity import SparseWeights, SparsifyLinears
 from ..passes.strategy import strategy_passes
 from ..plan import Arithmetic, Plan
+from ..sparse_choice import SparseChoice, measured_times
 
 FUSED_AT_BUILD = "FuseAttention"  # the CPU pass each library's build runs (schedule.cpu_pipeline), recorded last
 LINEAR_KERNELS = {"int8": int8.MATMUL, "bf16": bf16.MATMUL}  # the kernels a precision puts linears on
@@ -56,9 +57,18 @@ def compile_sequence(strategy: str, target: tvm.target.Target, dtype: str, arith
     return [*graph, *linear_passes(arithmetic, target), relax.transform.LiftTransformParams()], len(graph)
 
 
-def sparsify_pass(config: CompileConfig, plan: Plan, weights: SparseWeights) -> tvm.transform.Pass:
+def sparse_choice(config: CompileConfig, plan: Plan, arithmetic: Arithmetic) -> SparseChoice:
+    """How the sparse pass decides each weight: timed here against the dense kernel of the weight's precision
+    (the int8 plan's kept-out linears: the precision they are kept in) where the target runs here."""
     timed = config.sparse_choice == "timed" and plan.runs_here and config.target == "cpu"
-    return SparsifyLinears(weights, config.block_shape(), config.sparse_max_density, plan.target, timed)
+    kept = arithmetic.int8.fallback_keys if arithmetic.int8 is not None else set()
+
+    def precision_of(name: str) -> str:
+        key = name[len(PARAM_PREFIX):-len("_weight")] if name.startswith(PARAM_PREFIX) else name
+        return arithmetic.int8.fallback_precision if key in kept else arithmetic.precision
+
+    return SparseChoice(config.block_shape(), config.sparse_max_density, plan.target, precision_of,
+                        measured_times(plan.target, linear_passes) if timed else None)
 
 
 @dataclass(frozen=True)
@@ -78,10 +88,11 @@ def transform(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, importe
     """Per strategy: its sequence run under a `PassRecorder` on the imported module, then the lifted
     weights computed (`sparse`: the sparse kernels' pass runs too, and reports)."""
     models, records, recorder, weights = {}, {}, None, None
+    choice = sparse_choice(config, plan, arithmetic) if sparse else None
     for strategy in strategies:
         weights = SparseWeights(list(imported.params)) if sparse else None
         passes, graph = compile_sequence(strategy, plan.target, config.dtype, arithmetic,
-                                         sparsify_pass(config, plan, weights) if sparse else None)
+                                         SparsifyLinears(weights, choice) if sparse else None)
         recorder = PassRecorder()
         with tvm.transform.PassContext(instruments=[recorder]):
             lifted = tvm.transform.Sequential(passes, name=f"compile_{strategy}")(imported.mod)

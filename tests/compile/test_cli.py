@@ -39,8 +39,6 @@ def gpt2_dir(tmp_path):
          "max_position_embeddings (64)"),
         (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--target", "cuda"],
          "packed is built for target cpu"),
-        (lambda t, m, g: ["--model", str(m), "--layout", "packed", "--sparsity", "0.5"],
-         "does not combine with sparsity"),
         (lambda t, m, g: ["--model", str(m), "--task", "classify", "--pooling", "mean"],
          "pooling mean is for task embed: a classify head reads its own token"),
         (lambda t, m, g: ["--model", str(m), "--attention-products", "bf16"],
@@ -115,9 +113,7 @@ def test_unknown_config_key_exits_2(tmp_path):
 @pytest.mark.parametrize("flags,message", [(["--dtype", "float16"], "float16 is supported for target cuda only"),
                                            (["--cuda-graph"], "cuda_graph needs target cuda"),
                                            (["--precision", "int8", "--target", "cuda"],
-                                            "precision int8 is built for target cpu, without sparsity"),
-                                           (["--precision", "bf16", "--sparsity", "0.5"],
-                                            "precision bf16 is built for target cpu, without sparsity")])
+                                            "precision int8 is built for target cpu")])
 def test_cuda_only_options_on_cpu_exit_2(tmp_path, flags, message):
     result = run_cli(*flags, "--out", str(tmp_path / "out"))
     assert result.returncode == 2

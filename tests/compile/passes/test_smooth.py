@@ -87,6 +87,38 @@ def test_smoothing_a_bert_is_exact_in_fp32_and_folds_the_output_projections_into
     np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
 
 
+def test_an_output_projection_on_a_sparse_kernel_keeps_v_unscaled(tiny_bert_dir):
+    """Sparse kernels first (compile/passes/sparsity.py), then smoothing with a scale for every linear: the
+    attention output projections are no longer matmuls, so their 1 / s is not folded into V (which would
+    scale the context with nothing to undo it) and the model stays fp32's."""
+    from compile.build import make_target
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.passes.packing import linears_on_weights
+    from compile.passes.sparsity import prune_model, sparsify
+    from compile.sparse_choice import SparseChoice
+
+    info = inspect_checkpoint(tiny_bert_dir, "embed")
+    wrapper = load_wrapper(info, "embed")
+    prune_model(wrapper.bert, 0.25, (16, 1), ("attention_output",))
+    imported = export_and_import(wrapper, 4, info.max_seq, info.config["vocab_size"])
+    combined = apply_strategy(imported.mod, "concat")
+    rng = np.random.default_rng(1)
+    scales = {}
+    for keys in linear_modules(combined["main"], linears_on_weights(combined["main"])).values():
+        width = int(next(p for p in combined["main"].params if p.name == f"p_{keys[0]}_weight").ty.shape[1])
+        scales.update(dict.fromkeys(keys, rng.uniform(0.2, 5.0, width).astype("float32")))
+    mod, params, report = sparsify(combined, imported.params, SparseChoice((16, 1), 0.5, make_target("cpu")))
+    assert report["rewritten"] == 2  # the attention output projection of both layers
+    smoothed, rewritten = smooth_linears(mod, scales)
+    assert rewritten == 2 * 3  # Q/K/V, FFN in, FFN out
+    inputs = [x.numpy() for x in example_inputs(3, 9, info.config["vocab_size"])]
+    outputs = []
+    for module in (mod, smoothed):
+        lifted = lift_and_transform(module, params)
+        outputs.append(run(build_reference(lifted.mod), *inputs, *lifted.weights))
+    np.testing.assert_allclose(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)
+
+
 def test_smoothing_scales_follow_smoothquant():
     activation, weight = np.array([8.0, 1.0, 0.0]), np.array([2.0, 4.0, 1.0])
     np.testing.assert_allclose(smoothing_scales(activation, weight, 0.5), [2.0, 0.5, 1.0])  # dead channel: 1

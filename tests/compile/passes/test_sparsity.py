@@ -17,7 +17,7 @@ from compile.build import make_target
 from compile.capabilities import Capabilities
 from compile.checkpoint import BertWrapper, example_inputs
 from compile.importer import export_and_import
-from compile.kernels import dense
+from compile.kernels import bsr, dense
 from compile.passes.lift import lift_and_transform
 from compile.passes.sparsity import (
     SparseWeights,
@@ -30,6 +30,7 @@ from compile.passes.sparsity import (
     to_bsr,
 )
 from compile.passes.strategy import apply_strategy
+from compile.sparse_choice import SparseChoice
 from tests.support.relax_modules import linear_module
 from tests.support.tvm_run import build_kernel, build_reference, call_kernel, run, skip_unless_runs_here
 
@@ -122,14 +123,14 @@ def test_sparsify_rewrites_only_eligible_matmuls():
     shapes = [(64, 32), (32, 64), (16, 32), (16, 32)]
     params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     params[:3] = [prune_blocks(w, 0.2, (16, 1)) for w in params[:3]]  # w4 stays dense: kept_dense
-    mod, new_params, report = sparsify(_three_linears(), params, (16, 1), max_density=0.5)
+    mod, new_params, report = sparsify(_three_linears(), params, SparseChoice((16, 1), 0.5, CPU))
     assert report == {"rewritten": 2, "kept_dense": 1, "density": pytest.approx(0.2, abs=0.01), "block": [16, 1],
                       "choice": "block density <= 0.5", "choices": []}
     main = mod["main"]
     assert int(main.attrs["num_input"]) == 2
     assert [p.name for p in main.params] == [
-        "x", "x3", "w1_bsr_data", "w1_bsr_indices", "w1_bsr_indptr",
-        "w2_bsr_data", "w2_bsr_indices", "w2_bsr_indptr", "w3", "w4"]
+        "x", "x3", "w1_bsr_data", "w1_bsr_offsets", "w1_bsr_indptr",
+        "w2_bsr_data", "w2_bsr_offsets", "w2_bsr_indptr", "w3", "w4"]
     assert [tuple(p.shape) for p in new_params] == [tuple(int(d) for d in p.ty.shape) for p in main.params[2:]]
     x, x3 = rng.standard_normal((5, 32)).astype(np.float32), rng.standard_normal((2, 5, 32)).astype(np.float32)
     got = run(build_reference(mod, CPU), x, x3, *new_params)
@@ -155,7 +156,7 @@ def tiny_bert():
 def test_tiny_bert_sparse_build_matches_torch(tiny_bert):
     wrapper, pruned, combined, params = tiny_bert
     assert pruned == 6  # 2 layers x (attention.output, intermediate, output)
-    mod, new_params, report = sparsify(combined, params, (16, 1))
+    mod, new_params, report = sparsify(combined, params, SparseChoice((16, 1), 0.5, CPU))
     assert report["rewritten"] == 6 and report["density"] == pytest.approx(0.25)
     lifted = lift_and_transform(mod, new_params)
     inputs = example_inputs(3, 17, VOCAB, seed=1)
@@ -167,7 +168,7 @@ def test_tiny_bert_sparse_build_matches_torch(tiny_bert):
 
 def test_tiny_bert_sparse_cuda_build_compiles(tiny_bert):
     _, _, combined, params = tiny_bert
-    mod, new_params, _ = sparsify(combined, params, (16, 1), target=CUDA)
+    mod, new_params, _ = sparsify(combined, params, SparseChoice((16, 1), 0.5, CUDA))
     lifted = lift_and_transform(mod, new_params)
     assert build_reference(lifted.mod, CUDA) is not None
 
@@ -181,7 +182,7 @@ def sparse_artifact(tiny_bert_dir, tmp_path_factory):
     return out
 
 
-def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact):
+def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact, tiny_bert_dir):
     from artifact.loader import load_artifact
 
     model = load_artifact(sparse_artifact)
@@ -191,6 +192,21 @@ def test_sparse_compile_of_a_tiny_bert_through_the_pipeline(sparse_artifact):
     assert sparsity.rewritten == 2 * 3 and sparsity.kept_dense == 0
     assert abs(sparsity.density - 0.25) < 1e-9 and sparsity.block == [16, 1]
     assert 0.0 < sparsity.cosine_vs_dense < 1.0
+    # next to it, the pruned model against the dense one on the shipped sentences, as PyTorch computes it
+    from compile.checkpoint import inspect_checkpoint, load_wrapper
+    from compile.passes.quantize import sentence_rows
+    from compile.sentences import ACCURACY_SENTENCES
+
+    info = inspect_checkpoint(tiny_bert_dir, "embed")
+    dense, pruned = load_wrapper(info, "embed"), load_wrapper(info, "embed")
+    prune_model(pruned.bert, 0.25, (16, 1))
+    rows = [torch.from_numpy(x) for x in sentence_rows(tiny_bert_dir / "tokenizer.json", info.max_seq)]
+    with torch.no_grad():
+        cosine = torch.nn.functional.cosine_similarity(dense(*rows), pruned(*rows), dim=-1)
+    agreement = sparsity.sentences_vs_dense
+    assert agreement["cosine_min"] == pytest.approx(float(cosine.min()), abs=1e-5)
+    assert agreement["cosine_mean"] == pytest.approx(float(cosine.mean()), abs=1e-5)
+    assert agreement["worst_sentence"] == ACCURACY_SENTENCES[int(cosine.argmin())]
     ids = np.ones((2, 16), dtype=np.int64)
     assert model.run(ids, ids).path == "bucket-2x16"
 
@@ -293,28 +309,83 @@ def _half_zero_blocks(n: int, k: int) -> np.ndarray:
 
 
 def test_a_sparse_enough_linear_runs_on_the_bsr_kernel():
+    """Untimed, on AVX2 (16 x 1 blocks: two ymm per block column): the C kernel over fp32 blocks, [M, N] out."""
     k, n = 8, 32
     weight = _half_zero_blocks(n, k)
-    arrays = to_bsr(weight, BLOCK)
+    arrays = bsr.pack("f32", weight, BLOCK)
     builder = relax.BlockBuilder()
     x = relax.Var("x", R.Tensor((6, k), "float32"))
-    parts = [relax.Var(f"w_bsr_{part}", relax.TensorType(a.shape, str(a.dtype)))
-             for part, a in zip(("data", "indices", "indptr"), arrays)]
+    parts = [relax.Var(f"w_bsr_{part}", relax.TensorType(a.shape, str(a.dtype))) for part, a in arrays.items()]
     with builder.function("main", [x, *parts], attrs={"num_input": 1}):
         with builder.dataflow():
-            kernel = builder.add_func(bsr_matmul_func(k, len(arrays[1]), BLOCK, n // 16, "float32", V3), "bsr_matmul")
-            blocked = builder.emit(relax.call_tir(kernel, [x, *parts], R.Tensor((6, n // 16, 16), "float32")))
-            y = builder.emit_output(relax.op.reshape(blocked, (6, n)))
+            kernel = bsr.bsr_kernel("f32", tvm.tirx.Var("m", "int64"), k, n, arrays, BLOCK, 8)
+            y = builder.emit_output(relax.call_tir(builder.add_func(kernel, "bsr_matmul"), [x, *parts],
+                                                   R.Tensor((6, n), "float32")))
         builder.emit_func_output(y)
     weights = SparseWeights([tvm.runtime.tensor(weight)])
-    sparsified = SparsifyLinears(weights, BLOCK, max_density=0.5, target=V3, timed=False)(linear_module(k, n))
+    sparsified = SparsifyLinears(weights, SparseChoice(BLOCK, 0.5, V3))(linear_module(k, n))
     tvm.ir.assert_structural_equal(sparsified, builder.get())
-    assert [w.numpy().tolist() for w in weights.params] == [a.tolist() for a in arrays]
+    assert [w.numpy().tolist() for w in weights.params] == [a.tolist() for a in arrays.values()]
     assert (weights.report["rewritten"], weights.report["kept_dense"], weights.report["density"]) == (1, 0, 0.5)
 
 
 def test_a_denser_linear_stays_dense():
     before = linear_module(8, 32)
     weights = SparseWeights([tvm.runtime.tensor(_half_zero_blocks(32, 8))])
-    tvm.ir.assert_structural_equal(SparsifyLinears(weights, BLOCK, 0.25, V3, timed=False)(before), before)
+    tvm.ir.assert_structural_equal(SparsifyLinears(weights, SparseChoice(BLOCK, 0.25, V3))(before), before)
     assert (weights.report["rewritten"], weights.report["kept_dense"]) == (0, 1)
+
+
+def _ffn_sparse_checkpoint(source, out, density: float = 0.1):
+    """`source` with both FFN weights of every layer zero but for `density` of their 16 x 1 blocks (the
+    attention output and Q/K/V stay dense): a checkpoint only partly sparse."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, out)
+    weights = load_file(str(out / "model.safetensors"))
+    for name, weight in weights.items():
+        if name.endswith(("intermediate.dense.weight", "output.dense.weight")) and "attention" not in name:
+            weights[name] = torch.from_numpy(prune_blocks(weight.numpy(), density, (16, 1)))
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_partly_sparse_checkpoint_packed_in_int8_runs_each_weight_on_its_chosen_kernel(
+        whole_panels_bert_dir, tmp_path, monkeypatch):
+    """Packed layout, int8 linears, `--sparsity from-checkpoint`, with the timer injected: the FFN's first
+    weight is timed fastest on int8 blocks, its second fastest dense. Each runs on that kernel (its
+    precision's gate admits int8 blocks), the dense weights stay on the int8 kernel, and the artifact agrees
+    with PyTorch on the unchanged checkpoint."""
+    from artifact.loader import load_artifact
+    from compile.phases import transform
+    from compile.sparse_choice import DENSE
+    from tests.support.artifacts import compile_artifact, least_cosine_to_pytorch
+
+    checkpoint = _ffn_sparse_checkpoint(whole_panels_bert_dir, tmp_path / "checkpoint")
+    hidden = 96
+
+    def timer(weight, block, names, precision):
+        first = weight.shape[1] == hidden  # intermediate.dense: [4 * hidden, hidden]
+        times = {DENSE: 1.0, "bsr-f32": 0.8, "bsr-bf16w": 0.7, "bsr-i8w": 0.5, "bsr-vnni": 0.6}
+        return {name: times.get(name, 0.9) if first else 1.0 + (name != DENSE) for name in names}
+
+    monkeypatch.setattr(transform, "measured_times", lambda target, linear_passes: timer)
+    manifest, _ = compile_artifact(checkpoint, tmp_path / "artifact", ["packed-16"], layout="packed",
+                                   precision="int8", sparsity="from-checkpoint", block="16x1")
+    sparsity = manifest.sparsity
+    by_weight = {c.weight: c for c in sparsity.choices}
+    assert len(by_weight) == 2 * 2  # the FFN's two weights in both layers; the rest is dense
+    for name, record in by_weight.items():
+        first = "intermediate" in name
+        holds = {c.name: c.holds for c in record.candidates}
+        assert holds[DENSE] and holds["bsr-f32"]
+        if record.precision == "int8":
+            assert holds["bsr-i8w"] and record.chosen == ("bsr-i8w" if first else DENSE)
+        else:  # kept out of int8 by its plan: no int8 blocks for it either
+            assert not holds["bsr-i8w"] and record.chosen in ("bsr-f32", "bsr-bf16w", DENSE)
+        assert record.bsr == (record.chosen != DENSE) and record.density == pytest.approx(0.1, abs=0.01)
+    assert sparsity.rewritten == sum(c.bsr for c in sparsity.choices) >= 1
+    assert manifest.precision.precision == "int8" and manifest.precision.linears >= 1
+    assert manifest.validated
+    model = load_artifact(tmp_path / "artifact")
+    assert least_cosine_to_pytorch(model, checkpoint, [(2, 16), (1, 9)]) >= 0.99

@@ -74,9 +74,16 @@ def bert_flops(config: dict, lengths: list[int]) -> float:
 
     hidden, inter = value("hidden_size", "dim"), value("intermediate_size", "hidden_dim")
     layers = value("num_hidden_layers", "n_layers")
-    linear = 2 * sum(lengths) * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = 2 * 2 * sum(length * length for length in lengths) * hidden
-    return float(layers * (linear + attention))
+    gated = config.get("model_type") == "modernbert"  # GeGLU: two input projections, then the output one
+    linear = 2 * sum(lengths) * (4 * hidden * hidden + (3 if gated else 2) * hidden * inter)
+
+    def attention(reach: int) -> int:  # each query's keys: every one, or a sliding window's
+        return 2 * 2 * sum(length * min(length, reach) for length in lengths) * hidden
+
+    windows = [layer == "sliding_attention" for layer in config.get("layer_types") or []]
+    window_keys = int(config.get("local_attention", 0)) + 1
+    return float(layers * linear + sum(attention(window_keys if windowed else max(lengths, default=0))
+                                       for windowed in windows + [False] * (layers - len(windows))))
 
 
 def matmul_peak_gflops(threads: int, device: str = "cpu", dtype: str = "float32") -> float:
@@ -286,7 +293,7 @@ def load_candidates(args, scratch: Path) -> Candidates:
         _log(f"bench: OpenVINO default precision and f32{' and NNCF int8' if args.int8 else ''} ...")
         graph = scratch / "model.onnx"  # ONNX Runtime's plain export, when it ran
         graph = graph if graph.exists() else export_onnx(wrapper, graph)
-        openvino = openvino_models(graph, args.threads, args.int8, info.path / "tokenizer.json", info.max_seq)
+        openvino = openvino_models(graph, args.threads, args.int8, info.tokenizer_file, info.max_seq)
         precisions.update({label: "int8" if label == "openvino_int8" else ov.precision()
                            for label, ov in openvino.items()})
     compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None

@@ -49,6 +49,9 @@ from ..validate import checked_diff, library_inputs
 
 # (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
 COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
+# and, for a long-context model (ModernBERT's 8192 positions), one long sequence at each of these that fits: from
+# short shapes alone, the quadratic term (its global layers' attention) would be extrapolated 64-fold
+LONG_COST_MODEL_SHAPES = ((1, 1024), (1, 4096))
 log = logging.getLogger(__name__)
 
 
@@ -117,7 +120,8 @@ class BuildRecord:
 
 def cost_model_workloads(max_batch: int, max_seq: int) -> list[Workload]:
     """The generic library's: full rows at a few (batch, seq) within its bounds."""
-    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+    long = tuple((b, s) for b, s in LONG_COST_MODEL_SHAPES if s <= max_seq)
+    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES + long})
     return [Workload.full(b, s) for b, s in shapes]
 
 
@@ -231,7 +235,7 @@ class LibraryBuilder:
 
     def _sentence_rows(self) -> tuple[np.ndarray, ...]:
         info = self.plan.info
-        return sentence_rows(info.path / "tokenizer.json", info.max_seq)
+        return sentence_rows(info.tokenizer_file, info.max_seq)
 
     def agreement(self, library: str, strategy: str) -> dict:
         """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from compile.config import default_model_dir  # noqa: E402
-from tests.support.artifacts import compile_artifact  # noqa: E402
+from tests.support.artifacts import compile_artifact, shared_directory  # noqa: E402
 from tests.support.capabilities import FeatureRecord  # noqa: E402
 from tests.support.checkpoints import (  # noqa: E402
     WHOLE_PANELS,
@@ -51,7 +51,8 @@ def minilm_imported(minilm_dir):
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory) -> Path:
-    return save_tiny_sentence_transformer(tmp_path_factory.mktemp("tiny-bert"), seed=0)
+    """Shared by the run's workers, as the artifacts compiled from it are (their manifests name it)."""
+    return shared_directory(tmp_path_factory, "tiny-bert", lambda path: save_tiny_sentence_transformer(path, seed=0))
 
 
 @pytest.fixture(scope="session")
@@ -63,8 +64,8 @@ def whole_panels_bert_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_classifier_dir(tmp_path_factory) -> Path:
-    """A 2-layer BertForSequenceClassification with three named labels."""
-    return save_tiny_classifier(tmp_path_factory.mktemp("tiny-classifier"))
+    """A 2-layer BertForSequenceClassification with three named labels (shared by the run's workers)."""
+    return shared_directory(tmp_path_factory, "tiny-classifier", save_tiny_classifier)
 
 
 @pytest.fixture(scope="session")
@@ -79,35 +80,31 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return save_planted_checkpoint(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
+# The session's artifacts are compiled once per run, not once per worker: read-only, shared by every file.
 @pytest.fixture(scope="session")
 def tiny_embed_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-embed"
-    compile_artifact(tiny_bert_dir, out, ["1x8", "2x16", "4x16"])
-    return out
+    return shared_directory(tmp_path_factory, "tiny-embed",
+                            lambda out: compile_artifact(tiny_bert_dir, out, ["1x8", "2x16", "4x16"]))
 
 
 @pytest.fixture(scope="session")
 def tiny_classify_artifact(tiny_classifier_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-classify"
-    compile_artifact(tiny_classifier_dir, out, ["1x8", "4x16"], task="classify")
-    return out
+    return shared_directory(tmp_path_factory, "tiny-classify",
+                            lambda out: compile_artifact(tiny_classifier_dir, out, ["1x8", "4x16"], task="classify"))
 
 
 @pytest.fixture(scope="session")
 def minilm_artifact(minilm_dir, tmp_path_factory) -> Path:
     """The real all-MiniLM-L6-v2, compiled for this CPU with two small buckets."""
-    out = tmp_path_factory.mktemp("artifacts") / "minilm"
-    compile_artifact(minilm_dir, out, ["1x16", "4x32"], generic_shapes=["3x20", "2x45", "5x9"])
-    return out
+    return shared_directory(tmp_path_factory, "minilm", lambda out: compile_artifact(
+        minilm_dir, out, ["1x16", "4x32"], generic_shapes=["3x20", "2x45", "5x9"]))
 
 
 @pytest.fixture(scope="session")
 def minilm_packed_artifact(minilm_dir, tmp_path_factory) -> Path:
     """The real all-MiniLM-L6-v2 with the packed layout, two sequence bounds."""
-    out = tmp_path_factory.mktemp("artifacts") / "minilm-packed"
-    compile_artifact(minilm_dir, out, ["packed-16", "packed-64"], layout="packed",
-                     generic_shapes=["3x20", "2x45", "5x9"])
-    return out
+    return shared_directory(tmp_path_factory, "minilm-packed", lambda out: compile_artifact(
+        minilm_dir, out, ["packed-16", "packed-64"], layout="packed", generic_shapes=["3x20", "2x45", "5x9"]))
 
 
 @pytest.fixture(scope="session")

@@ -3,9 +3,12 @@ and compared with PyTorch."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import Callable
 
 from compile.config import CompileConfig
 
@@ -21,6 +24,24 @@ def compile_artifact(model: Path, out: Path, buckets: list[str], task: str = "em
     config = CompileConfig(model=model, out=out, buckets=buckets, task=task, max_batch=16,
                            generic_shapes=settings.pop("generic_shapes", ["3x5", "2x11", "5x20"]), **settings)
     return compile_model(config)
+
+
+def shared_directory(tmp_path_factory, name: str, make: Callable[[Path], object]) -> Path:
+    """`name` made once per test run by `make(path)` and shared by every worker of the run (pytest-xdist
+    runs workers as processes, each with its own session fixtures): the first worker to ask makes it
+    under a file lock, the others wait and reuse it. A directory left by a failed `make` is made again."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    path, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            if path.exists():
+                shutil.rmtree(path)
+            make(path)
+            done.touch()
+    return path
 
 
 def with_latencies(artifact: Path, out: Path, latencies: dict[tuple[int, int], float]) -> Path:

@@ -42,6 +42,10 @@ def prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig)
         pruned = prune_model(wrapper.bert, 1.0 - config.sparsity, config.block_shape(), tuple(config.sparse_layers))
     except ValueError as exc:
         raise CompileError(f"cannot prune with block {config.block}: {exc}") from None
+    if not pruned:  # a family whose linears have other names (ModernBERT's Wqkv, Wi, Wo) would go dense silently
+        raise CompileError(f"--sparsity {config.sparsity}: this {info.config['model_type']} checkpoint has no "
+                           f"{' or '.join(config.sparse_layers)} linear to prune; pruning covers "
+                           f"bert, roberta, xlm-roberta and distilbert")
     return {"block": list(config.block_shape()), "layers": list(config.sparse_layers), "pruned": pruned,
             "cosine_vs_dense": cosine_drift(dense, wrapper, info),
             "sentences_vs_dense": sentence_agreement(dense, wrapper, info, config.model_task)}

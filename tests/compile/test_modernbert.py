@@ -130,3 +130,16 @@ def test_padded_bf16_classifier_matches_transformers(checkpoints, tmp_path):
     served = load_artifact(tmp_path / "artifact").run(ids.numpy(), mask.numpy()).output
     expected = torch.softmax(torch.from_numpy(_transformers(directory, "classify", ids, mask)), -1).numpy()
     np.testing.assert_allclose(torch.softmax(torch.from_numpy(served), -1).numpy(), expected, atol=0.01)
+
+
+def test_pruning_a_modernbert_is_refused_rather_than_left_dense(checkpoints, tmp_path):
+    """ModernBERT's linears (Wqkv, Wo, Wi) are not among the layer kinds pruning knows: a compile asked to
+    prune one says so instead of shipping the dense model as if pruned."""
+    from compile.config import CompileConfig
+    from compile.errors import CompileError
+    from compile.phases.load import load_model
+
+    config = CompileConfig(model=checkpoints["embed"], out=tmp_path / "out", sparsity=0.5, layout="padded",
+                           buckets=["1x16"])
+    with pytest.raises(CompileError, match="modernbert checkpoint has no ffn or attention_output linear"):
+        load_model(config, inspect_checkpoint(checkpoints["embed"], "embed"))

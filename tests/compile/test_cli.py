@@ -1,4 +1,5 @@
-"""The CLI's bad inputs: a one-line error, exit code 2, nothing written."""
+"""The CLI's bad inputs: a one-line error, exit code 2, nothing written (most refusals through `main` in this
+process, one through a real `python -m compile`)."""
 
 import json
 from pathlib import Path
@@ -6,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from artifact.manifest import MODEL_TYPES
-from tests.support.commands import REPO, run_cli
+from tests.support.commands import REPO, run_cli, run_cli_here
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -50,7 +51,7 @@ def gpt2_dir(tmp_path):
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make_args, message):
     out = tmp_path / "out"
-    result = run_cli(*make_args(tmp_path, tiny_bert_dir, gpt2_dir), "--out", str(out))
+    result = run_cli_here(*make_args(tmp_path, tiny_bert_dir, gpt2_dir), "--out", str(out))
     assert result.returncode == 2, result.stderr
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -65,7 +66,7 @@ def test_a_checkpoint_that_needs_remote_code_exits_2_with_one_line(tmp_path):
     (directory / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["JinaBertForMaskedLM"],
         "auto_map": {"AutoConfig": "jinaai/jina-bert-implementation--configuration_bert.JinaBertConfig",
                      "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"}}))
-    result = run_cli("--model", str(directory), "--out", str(tmp_path / "out"))
+    result = run_cli_here("--model", str(directory), "--out", str(tmp_path / "out"))
     assert result.returncode == 2 and result.stderr.strip() == (
         f"bert-compile: error: {directory} needs trust_remote_code: its config.json maps model_type 'bert' to code of "
         f"its own (JinaBertConfig, JinaBertModel), which is not compiled; supported: {', '.join(MODEL_TYPES)}, as "
@@ -83,7 +84,7 @@ def test_unknown_task_exits_2(tmp_path):
 def test_unwritable_out_exits_2(tmp_path, tiny_bert_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = run_cli("--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(blocker / "out"))
+    result = run_cli_here("--model", str(tiny_bert_dir), "--buckets", "1x8", "--out", str(blocker / "out"))
     assert result.returncode == 2
     assert "not writable" in result.stderr
     assert blocker.read_text() == "not a directory"
@@ -105,7 +106,7 @@ def test_config_file_and_flag_override(tmp_path, tiny_bert_dir):
 def test_unknown_config_key_exits_2(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("bukets: ['1x8']\n")
-    result = run_cli("--config", str(config), "--out", str(tmp_path / "out"))
+    result = run_cli_here("--config", str(config), "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert "bukets" in result.stderr
 
@@ -115,7 +116,7 @@ def test_unknown_config_key_exits_2(tmp_path):
                                            (["--precision", "int8", "--target", "cuda"],
                                             "precision int8 is built for target cpu")])
 def test_cuda_only_options_on_cpu_exit_2(tmp_path, flags, message):
-    result = run_cli(*flags, "--out", str(tmp_path / "out"))
+    result = run_cli_here(*flags, "--out", str(tmp_path / "out"))
     assert result.returncode == 2
     assert message in result.stderr
 

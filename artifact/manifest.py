@@ -225,6 +225,17 @@ class PrecisionEntry(_Strict):
     attention: AttentionProductsEntry | None = None  # None: fp32 asked (attention's products are fp32)
 
 
+class EmbeddingRangesEntry(_Strict):
+    """Per output dimension, the least and greatest value of the artifact's own embeddings of the
+    shipped sentences (compile/sentences.py), as they come from the libraries (`raw`) and
+    L2-normalized (`normalized`): `[[min, ...], [max, ...]]`, the `ranges` of sentence-transformers'
+    `quantize_embeddings`, with which the server answers int8 and uint8 embeddings."""
+
+    sentences: int
+    raw: list[list[float]]
+    normalized: list[list[float]]
+
+
 class LinearChoice(_Strict):
     """One weight's dense and BSR kernels, timed on the compiling CPU."""
 
@@ -294,6 +305,9 @@ class Manifest(_Strict):
     quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
     precision: PrecisionEntry | None = None  # None: an artifact from before precisions were chosen
     tuning: TuningEntry | None = None  # None: hand schedules only (no --tune)
+    # None: not a pooled embedding model, its libraries not run at compile time, or compiled before
+    # ranges were recorded; such a model answers no int8 / uint8 embeddings
+    embedding_ranges: EmbeddingRangesEntry | None = None
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float

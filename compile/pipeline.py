@@ -60,7 +60,8 @@ PHASES = (
     Phase("libraries", "each bucket's library and the generic one, per strategy, built in worker processes at "
           "once; then chosen, validated, timed one at a time",
           steps=lambda plan: len(plan.buckets) + 2),
-    Phase("accuracy", "the generic library against the fp32 model on the shipped sentences"),
+    Phase("accuracy", "the generic library against the fp32 model on the shipped sentences; its embeddings' "
+          "ranges (int8 / uint8 embeddings)"),
 )
 
 
@@ -154,11 +155,12 @@ def ship(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, variants: Va
                        "accuracy"):
         precision_entry, quantization = builder.precision_report(
             records[-1], variants.linears, auto_entry, candidate.accuracy if candidate is not None else None)
+        embedding_ranges = builder.embedding_ranges(records[-1])
     used = {r.strategy for r in records}
     for strategy in set(weight_files) - used:
         (staging / weight_files.pop(strategy).file).unlink()
     manifest = assemble_manifest(config, plan, builder, variants, records, weight_files, shared_strategy, sparsity,
-                                 precision_entry, quantization)
+                                 precision_entry, quantization, embedding_ranges)
     return manifest, records
 
 

@@ -5,6 +5,9 @@
 #
 #   docker build --build-arg TARGET=cpu  -t bert-tvm-serve:0.1.0-cpu  .
 #   docker build --build-arg TARGET=cuda --build-arg CUDA_ARCH=sm_90 -t bert-tvm-serve:0.1.0-cuda .
+#   docker build --build-arg TARGET=cpu --target compiling -t bert-tvm-serve:0.1.0-cpu-compiling .
+#
+# The last image also compiles a `--model-id` on its first start (stage `compiling`, below).
 #
 # Build arguments
 #   TARGET     cpu | cuda. cuda compiles configs/cuda.yaml (no GPU needed at build time; the
@@ -124,7 +127,7 @@ RUN if [ "$TARGET" = cuda ]; then \
 # ---------------------------------------------------------------------------------------------
 # runtime: the serving venv and the artifacts only; no compiler, no torch, no source tree, no pip cache
 # ---------------------------------------------------------------------------------------------
-FROM python:3.11-slim-bookworm AS runtime-base
+FROM python:3.11-slim-bookworm AS runtime-common
 # A fixed numeric UID, so Kubernetes' runAsNonRoot can check it. /data holds a --model-id's
 # downloads and compiled artifacts, as TEI's image keeps its models there: mount a volume on it
 # (`-v $PWD/data:/data`) so that a model is downloaded and compiled once.
@@ -140,6 +143,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     BERT_SERVE_HOST=0.0.0.0 \
     BERT_SERVE_PORT=8080 \
     BERT_SERVE_GRPC_PORT=50051
+
+FROM runtime-common AS runtime-base
 COPY --from=serve-env /opt/venv /opt/venv
 COPY --from=build /opt/bert/artifacts /opt/bert/artifacts
 
@@ -150,6 +155,27 @@ ENV CUDA_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cu13 \
     LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cu13/lib \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+
+# ---------------------------------------------------------------------------------------------
+# compiling (`docker build --build-arg TARGET=cpu --target compiling`): the runtime, and what a first
+# start of a --model-id compiles it with for the node's CPU: the build stage's environment (the
+# `compile` extra: torch, transformers, TVM's compiler) and g++, which links every library; the
+# default compile config in /opt/bert/configs. The same user, ports, health check and entry point.
+# ---------------------------------------------------------------------------------------------
+FROM runtime-common AS compiling
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+    && rm -rf /var/lib/apt/lists/*
+ENV BERT_SERVE_CONFIG=/opt/bert/configs/default.yaml
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /src/configs/default.yaml /opt/bert/configs/default.yaml
+COPY --from=build /opt/bert/artifacts /opt/bert/artifacts
+USER 10001:10001
+EXPOSE 8080 50051
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["python", "-c", "import os, sys, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('BERT_SERVE_PORT', '8080'), timeout=4); sys.exit(0)"]
+ENTRYPOINT ["bert-serve"]
+CMD ["--artifacts", "/opt/bert/artifacts"]
 
 # The final stage is runtime-cpu or runtime-cuda. DL3006 ("always tag the version of an image")
 # is a false positive here: runtime-${TARGET} names one of the two stages above, not an image

@@ -37,6 +37,12 @@ def remote_code_refusal(config: dict, name: str) -> str | None:
             "transformers implements them")
 
 
+def hub_snapshot(path: str | Path) -> tuple[str, str] | None:
+    """(repository, commit) of a checkpoint in huggingface_hub's cache, by its path; None for another directory."""
+    found = HUB_SNAPSHOT.search(Path(str(path)).as_posix())
+    return None if found is None else (found["folder"].replace("--", "/"), found["sha"])
+
+
 def write_json_atomically(model: BaseModel, path: Path) -> None:
     """Write `model` as JSON through a temporary file and a rename, so a reader never sees half a file."""
     partial = path.with_name(f".{path.name}.partial")
@@ -76,10 +82,10 @@ class ModelEntry(_Strict):
     @classmethod
     def _hub_source(cls, data: dict) -> dict:
         """A checkpoint in huggingface_hub's cache names its repository and commit by its path."""
-        found = HUB_SNAPSHOT.search(Path(str(data.get("path", ""))).as_posix()) if isinstance(data, dict) else None
+        found = hub_snapshot(data.get("path", "")) if isinstance(data, dict) else None
         if found is None or data.get("repo_id") is not None:
             return data
-        return {**data, "repo_id": found["folder"].replace("--", "/"), "sha": found["sha"]}
+        return {**data, "repo_id": found[0], "sha": found[1]}
 
 
 class LibraryEntry(_Strict):

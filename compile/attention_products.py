@@ -22,6 +22,7 @@ phases.decisions.plan_int8_linears).
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from .checkpoint import CheckpointInfo
 from .kernels import attention
 from .kernels.attention import AttentionShape
 from .timing import interleaved_medians
+from .workers import Workers
 
 TIMED_SEQS = (128, 512)  # one sequence of each, clipped to the model's bound: where attention weighs
 TIMED_ROUNDS = 15  # interleaved rounds per length: the kernel takes 0.1-10 ms
@@ -157,11 +159,17 @@ def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
 
 def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...]
                   ) -> dict[str, dict[str, float]]:
-    """Median ms of each candidate's kernel per timed length, interleaved."""
+    """Median ms of each candidate's kernel per timed length, interleaved; the kernels built at once
+    (compile/workers.py), then timed once every build is done."""
     seqs = sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS})
     times = {products: {} for products in candidates}
     with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch:
-        kernels = {products: _TimedKernel(target, geometry, products, Path(scratch)) for products in candidates}
+        paths = {products: Path(scratch) / f"attention-{products}.so" for products in candidates}
+        with Workers() as workers:
+            for products, path in paths.items():
+                workers.submit(products, functools.partial(build_kernel, target, geometry, products, path))
+            workers.idle()
+        kernels = {products: _TimedKernel(path, geometry) for products, path in paths.items()}
         for seq in seqs:
             calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
             for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
@@ -173,14 +181,17 @@ def _geometric_mean(times: dict[str, float]) -> float:
     return math.exp(sum(math.log(ms) for ms in times.values()) / len(times))
 
 
-class _TimedKernel:
-    """The fused attention kernel alone (padded rows, one sequence of any length up to the
-    model's), built and loaded as a library is, with random queries, keys and values."""
+def build_kernel(target: tvm.target.Target, geometry: Geometry, products: str, path: Path) -> None:
+    """The fused attention kernel alone (padded rows, one sequence of any length up to the model's),
+    with `products`, built as a library is."""
+    kernels = KernelConfig.of(target, products=products)
+    build_library(kernel_module(geometry, kernels), target, path, kernels=kernels)
 
-    def __init__(self, target: tvm.target.Target, geometry: Geometry, products: str, scratch: Path):
-        path = scratch / f"attention-{products}.so"
-        kernels = KernelConfig.of(target, products=products)
-        build_library(kernel_module(geometry, kernels), target, path, kernels=kernels)
+
+class _TimedKernel:
+    """A built kernel (`build_kernel`) loaded, with random queries, keys and values."""
+
+    def __init__(self, path: Path, geometry: Geometry):
         self.geometry = geometry
         self.vm = relax.VirtualMachine(tvm.runtime.load_module(str(path)), tvm.cpu())
 

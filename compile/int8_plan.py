@@ -127,12 +127,18 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
     keep (with the simulation's tolerance to spare: `with_margin`); `int16_pairs`, whether the int8
     kernel sums pairs of products in int16 (`weight_scales`);
     `report(line)` hears how far it is (a 12-layer BERT takes minutes); `fallback_precision`, what
-    the linears kept out of int8 run in; `attention_products`, the arithmetic of attention's products
-    in the int8 library (attention_products.py); `keep_out` False: no fallback, None where every
-    linear in int8 misses the gate."""
-    simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision,
-                            attention_products)
+    the linears kept out of int8 run in; `attention_products` and `keep_out`: `plan_simulated`."""
+    simulation = Simulation(wrapper, rows, quantized_keys, agreement, int16_pairs, fallback_precision)
     simulation.calibrate()
+    return plan_simulated(simulation, passes_gate, report, attention_products, keep_out)
+
+
+def plan_simulated(simulation: Simulation, passes_gate: Callable[[dict], bool], report: Callable[[str], None],
+                   attention_products: str = "fp32", keep_out: bool = True) -> Int8Plan | None:
+    """The plan measured on `simulation` (calibrated), with attention's products in `attention_products`
+    (attention_products.py); `keep_out` False: no fallback, None where every linear in int8 misses the
+    gate. A simulation serves plans of several products: its calibration and fp32 reference are theirs."""
+    simulation.use_products(attention_products)
     alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
     alpha = max(alphas, key=lambda a: score(alphas[a]))
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
@@ -245,18 +251,25 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
     return "bf16" if Capabilities.of(target).bf16 and bf16_pays is not False else "fp32"
 
 
-def plan_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
-             max_seq: int, task: str, min_cosine: float | None = None,
-             report: Callable[[str], None] = lambda text: None, bf16_pays: bool | None = None,
-             attention_products: str = "fp32", keep_out: bool = True) -> Int8Plan | None:
-    """The int8 plan of an imported model for `target`'s int8 kernel, measured against the fp32
-    `reference` on the shipped sentences with the int8 gate (compile/precision.py) and
-    `min_cosine`; units left out of int8 run in `kept_precision`; `report` hears its progress."""
+def simulation_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
+                   max_seq: int, task: str, bf16_pays: bool | None = None) -> Simulation:
+    """The int8 simulation of an imported model for `target`'s int8 kernel over the shipped sentences,
+    against the fp32 `reference`, calibrated; units left out of int8 run in `kept_precision`. Every plan
+    of the model measures with it (`plan_for`), whatever attention's products."""
     from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
 
     kernel = Capabilities.of(target).int8_kernel
-    keys = quantizable_modules(mod, kernel)
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    return plan_int8(reference, sentence_rows(tokenizer_file, max_seq), keys, agreement,
-                     lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                     kernel.int16_pairs, report, kept_precision(target, bf16_pays), attention_products, keep_out)
+    simulation = Simulation(reference, sentence_rows(tokenizer_file, max_seq), quantizable_modules(mod, kernel),
+                            agreement, kernel.int16_pairs, kept_precision(target, bf16_pays))
+    simulation.calibrate()
+    return simulation
+
+
+def plan_for(simulation: Simulation, min_cosine: float | None = None,
+             report: Callable[[str], None] = lambda text: None, attention_products: str = "fp32",
+             keep_out: bool = True) -> Int8Plan | None:
+    """The int8 plan measured on `simulation` (`simulation_for`) with the int8 gate
+    (compile/precision.py) and `min_cosine`; `report` hears its progress."""
+    return plan_simulated(simulation, lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
+                          report, attention_products, keep_out)

@@ -406,6 +406,14 @@ class Simulation:
             units.append(Unit(unit_name([names[m] for m in modules]), modules, keys))
         return units
 
+    def use_products(self, products: str) -> None:
+        """Later passes simulate attention's products in `products`; the layers' outputs cached from
+        passes with other products are dropped (the calibration and fp32 reference stay: neither
+        depends on them)."""
+        if products != self.attention_products:
+            self.attention_products = products
+            self.layer_cache.clear()
+
     def release_layers(self) -> None:
         """Drop the cached encoder layers' outputs (up to LAYER_CACHE_BYTES): a plan once made is
         rarely simulated again (a re-plan computes them anew), and the compile's builds need the memory."""

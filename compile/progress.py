@@ -18,6 +18,8 @@ class Progress:
         self.stream = stream or sys.stderr
         self.quiet = quiet
         self.label = label
+        self.phase_seconds: dict[str, float] = {}  # wall time per phase, in the order they ran
+        self.started: float | None = None
 
     def for_level(self, mcpu: str) -> "Progress":
         """The progress of one CPU level's compile: its own steps, counted from 1, named by the level."""
@@ -35,13 +37,26 @@ class Progress:
         self._print(f"    {text}")
 
     @contextlib.contextmanager
-    def step(self, description: str) -> Iterator[None]:
+    def step(self, description: str, phase: str | None = None) -> Iterator[None]:
+        """One step; its wall time counts towards `phase` (default: the step's first word) in `summary`."""
         self.done += 1
         prefix = f"[compile {self.label + ' ' if self.label else ''}{self.done}/{self.total}] {description}"
         started = time.perf_counter()
+        self.started = self.started or started
         self._print(f"{prefix} ...")
         yield
-        self._print(f"{prefix} done in {time.perf_counter() - started:.1f} s")
+        seconds = time.perf_counter() - started
+        phase = phase or description
+        self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + seconds
+        self._print(f"{prefix} done in {seconds:.1f} s")
+
+    def summary(self) -> None:
+        """One line: the wall time of each phase, and in all since the first step began."""
+        if self.started is None:
+            return
+        phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in self.phase_seconds.items())
+        total = time.perf_counter() - self.started
+        self._print(f"[compile {self.label + ' ' if self.label else ''}time] {phases}; {total:.1f} s in all")
 
 
 def summary_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:

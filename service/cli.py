@@ -109,10 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", dest="served_names", action="append", help="TEI's name for --served-name")
     add("--json-output", dest="log_format", action="store_const", const="json", help="--log-format json")
     add("--tokenization-workers", type=int, help="threads tokenizing large requests off the event loop (default 1)")
-    add("--dtype", choices=["float32", "float16", "bfloat16"], help="refuse to start unless every model computes "
-        "in this (it is chosen when compiling: bert-compile --precision)")
-    add("--pooling", choices=["cls", "mean", "splade", "last-token"], help="refuse to start unless every embedding "
-        "model pools so (it is chosen when compiling: bert-compile --pooling)")
+    add("--dtype", choices=["float32", "float16", "bfloat16"], help="with --model-id: what the compile's linears "
+        "compute in (float32 or bfloat16 here; default: the fastest that keeps its accuracy gate); with --artifacts: "
+        "refuse to start unless every model computes in this (chosen when compiling: bert-compile --precision)")
+    add("--pooling", choices=["cls", "mean", "splade", "last-token"], help="with --model-id: how the compile pools "
+        "(default: as the checkpoint says); with --artifacts: refuse to start unless every embedding model pools so "
+        "(chosen when compiling: bert-compile --pooling)")
     add("--otlp-endpoint", help="export request traces (a span per request, with its tokenization, queue and "
         "inference) over OTLP/HTTP to this collector, e.g. http://collector:4318")
     add("--otlp-service-name", help="the traces' service.name (default bert-serve)")

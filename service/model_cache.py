@@ -23,7 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import metadata as package_metadata
 from pathlib import Path
 from typing import AsyncIterator, Mapping
@@ -47,6 +47,7 @@ compile_log = logging.getLogger("service.compile")  # bert-compile's output, lin
 
 DEFAULT_COMPILE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 KEY_FILE = "cache-key.json"
+DTYPE_PRECISIONS = {"float32": "fp32", "bfloat16": "bf16"}  # TEI's --dtype as the compile's --precision
 COMPILER_PACKAGES = ("torch", "transformers")  # what compiling needs beyond the server's own dependencies
 LOCK_POLL_S = 0.25  # how often a process waiting for another's compile tries the lock
 COMPILE_STOP_S = 30.0  # how long a compile may take to clean up after SIGTERM before it is killed
@@ -81,12 +82,34 @@ def this_cpu() -> list[str] | None:
     return None if missing is None else [feature for feature in FEATURES if feature not in missing]
 
 
-def compile_config(path: Path | None) -> tuple[Path, CompileConfig]:
-    """The compile config a --model-id compiles with (default: the repository's configs/default.yaml)."""
+def tei_choices(settings: Settings) -> dict[str, str]:
+    """TEI's --dtype and --pooling, given with --model-id: what they make the compile build (its `precision`
+    and `pooling`), refused here, before anything is downloaded or compiled, where this CPU or a BERT cannot."""
+    chosen = {}
+    if settings.dtype is not None:
+        if settings.dtype not in DTYPE_PRECISIONS:
+            raise CacheError(f"--dtype {settings.dtype}: --model-id compiles for this CPU, which computes in float32 or "
+                             "bfloat16 (or int8); use --dtype float32 or bfloat16, or leave --dtype out for the fastest "
+                             "precision that keeps its accuracy gate")
+        if settings.dtype == "bfloat16" and missing_on_host(["avx512bf16"]) != []:
+            raise CacheError("--dtype bfloat16: this CPU lacks AVX512_BF16 (bf16 needs it here); use --dtype float32, "
+                             "or leave --dtype out")
+        chosen["precision"] = DTYPE_PRECISIONS[settings.dtype]
+    if settings.pooling is not None:
+        if settings.pooling not in ("cls", "mean", "splade"):
+            raise CacheError(f"--pooling {settings.pooling}: a BERT-family model pools by cls, mean or splade (a "
+                             "masked-LM checkpoint) here; use one of those, or leave --pooling out for the checkpoint's")
+        chosen["pooling"] = settings.pooling
+    return chosen
+
+
+def compile_config(path: Path | None, chosen: Mapping[str, str] | None = None) -> tuple[Path, CompileConfig]:
+    """The compile config a --model-id compiles with (default: the repository's configs/default.yaml), with
+    `chosen` (`tei_choices`) over it."""
     if path is None and not DEFAULT_COMPILE_CONFIG.is_file():
         raise CacheError(f"no compile config: {DEFAULT_COMPILE_CONFIG} is not here; give one with --config")
     path = Path(path or DEFAULT_COMPILE_CONFIG).absolute()
-    config = load_config(path, {})
+    config = load_config(path, dict(chosen or {}))
     if config.target != "cpu":
         raise CacheError(f"--model-id compiles for this CPU, and {path} is for target {config.target}: compile "
                          "that with bert-compile and serve it with --artifacts")
@@ -134,7 +157,8 @@ def hub_artifact(settings: Settings, environ: Mapping[str, str]) -> tuple[Settin
     every reason it cannot be had is one line (HubError, CacheError, CompileError). `environ`: the environment the
     server started with, which a compile runs in."""
     model = HubModel(settings.model_id, settings.revision, settings.hf_token, settings.huggingface_hub_cache)
-    config_path, config = compile_config(settings.config)
+    chosen = tei_choices(settings)
+    config_path, config = compile_config(settings.config, chosen)
     snapshot = resolve(model)
     key = CacheKey(repo_id=snapshot.repo_id, sha=snapshot.sha, cpu_features=this_cpu(),
                    config_sha256=config_sha256(config), version=VERSION)
@@ -155,7 +179,7 @@ def hub_artifact(settings: Settings, environ: Mapping[str, str]) -> tuple[Settin
         raise CacheError(f"{model.repo_id} at commit {snapshot.sha} is not compiled in {cache} for this CPU and "
                          f"config, and compiling needs {' and '.join(missing)} (the project's `compile` extra): "
                          "install them, or give --artifact-cache a cache that holds it")
-    return served, CompileJob(key, entry, config_path, replace(model, revision=snapshot.sha), dict(environ))
+    return served, CompileJob(key, entry, config_path, replace(model, revision=snapshot.sha), dict(environ), chosen)
 
 
 def _installed(package: str) -> bool:
@@ -175,6 +199,7 @@ class CompileJob:
     config: Path
     model: HubModel  # at the commit
     environ: dict[str, str]
+    chosen: dict[str, str] = field(default_factory=dict)  # config keys --dtype and --pooling set (`tei_choices`)
     status: str = "about to compile"
 
     @property
@@ -231,6 +256,8 @@ class CompileJob:
                    "--revision", self.key.sha, "--out", str(self.entry)]
         if self.model.cache_dir is not None:
             command += ["--huggingface-hub-cache", str(self.model.cache_dir)]
+        for key, value in self.chosen.items():
+            command += [f"--{key}", value]
         environ = {**self.environ, **({"HF_TOKEN": self.model.token} if self.model.token else {})}  # not in argv
         process = await asyncio.create_subprocess_exec(*command, env=environ, stdin=subprocess.DEVNULL,
                                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

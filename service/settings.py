@@ -83,9 +83,11 @@ class Settings(BaseModel):
     # one is enough: tokenizers' Rust encoder parallelises a batch itself
     tokenization_workers: int = Field(1, ge=1, description="threads tokenizing large requests off the event loop")
     dtype: Literal["float32", "float16", "bfloat16"] | None = Field(
-        None, description="TEI's: what every model must compute in; the precision is chosen when compiling")
+        None, description="TEI's: with --model-id, what the compile computes in; else what every model must compute "
+        "in (chosen when compiling)")
     pooling: Literal["cls", "mean", "splade", "last-token"] | None = Field(
-        None, description="TEI's: the pooling every embedding model must have; it is chosen when compiling")
+        None, description="TEI's: with --model-id, how the compile pools; else the pooling every embedding model "
+        "must have (chosen when compiling)")
     otlp_endpoint: str | None = Field(None, description="export request traces over OTLP/HTTP to this collector")
     otlp_service_name: str = "bert-serve"
     cors_allow_origin: list[str] | None = Field(None, description="origins browsers may call from (`*`: any)")

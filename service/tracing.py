@@ -1,5 +1,5 @@
-"""OpenTelemetry traces (--otlp-endpoint): a server span per HTTP request (app.MetricsMiddleware),
-with child spans for its tokenization, its wait in the queue and its inference, exported over
+"""OpenTelemetry traces (--otlp-endpoint): a server span per HTTP request (app.MetricsMiddleware)
+and per gRPC call (grpc_api/server.py), with child spans for its tokenization, its wait in the queue and its inference, exported over
 OTLP/HTTP by a background thread. Without an endpoint this module is not even imported: no
 middleware, no spans, no exporter thread.
 
@@ -32,6 +32,14 @@ class Answered(Protocol):
     status: int  # the HTTP status the request was answered with
 
 
+class Called(Protocol):
+    code: object  # the grpc.StatusCode the call was answered with
+
+
+# gRPC codes that are the server's fault (OpenTelemetry's RPC conventions mark a server span an error for these)
+SERVER_FAULTS = frozenset({"UNKNOWN", "DEADLINE_EXCEEDED", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS"})
+
+
 def traces_url(endpoint: str) -> str:
     """The collector's traces URL: a bare collector address (`http://collector:4318`) gets
     OTLP/HTTP's path; a URL with a path is used as given."""
@@ -62,11 +70,30 @@ class Tracing:
                 if answer.status >= 500:
                     span.set_status(StatusCode.ERROR)
 
+    @contextlib.contextmanager
+    def rpc_span(self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None,
+                 answer: Called) -> Iterator[None]:
+        """The span of one gRPC call (a stream: the whole of it), current while it runs: `SERVICE/METHOD`
+        (`tei.v1.Embed/Embed`), a child of a `traceparent` in its metadata, its status code once `answer`
+        has it, an error for the codes a server's fault gives."""
+        carrier = {key: value for key, value in metadata or () if isinstance(value, str)}
+        service, name = method.rsplit("/", 1)
+        attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": name}
+        with self.tracer.start_as_current_span(method, context=PROPAGATOR.extract(carrier), kind=SpanKind.SERVER,
+                                               attributes=attributes) as span:
+            try:
+                yield
+            finally:
+                span.set_attribute("rpc.grpc.status_code", answer.code.value[0])
+                if answer.code.name in SERVER_FAULTS:
+                    span.set_status(StatusCode.ERROR)
+
     def record_stages(self, started: float, tokenized: float, results: Iterable, attributes: dict) -> None:
-        """Child spans of the current request span, from `time.perf_counter` times: tokenization
-        [started, tokenized], the queue until the request's first batch started, inference until
-        its last batch ended (each result's queue and inference seconds count from its admission,
-        right after tokenizing). Nothing where no request span is recording (a gRPC call)."""
+        """Child spans of the current request span (an HTTP request's or a gRPC call's), from
+        `time.perf_counter` times: tokenization [started, tokenized], the queue until the request's
+        first batch started, inference until its last batch ended (each result's queue and inference
+        seconds count from its admission, right after tokenizing). Nothing where no request span is
+        recording."""
         batches = {(tokenized + result.queue_seconds, tokenized + result.queue_seconds + result.inference_seconds)
                    for result in results}
         if not batches or not trace.get_current_span().is_recording():

@@ -337,7 +337,10 @@ def _exec_form(chain: list[tuple[str, str]], instruction: str) -> list[str]:
 
 
 def _image_chain(deployment: dict) -> list[tuple[str, str]]:
-    """The image stages a Deployment's container runs: the CUDA image where it asks for a GPU."""
+    """The image stages a Deployment's container runs: the CUDA image where it asks for a GPU, the
+    `compiling` stage's for its image (docs/DEPLOY.md)."""
+    if _container(deployment)["image"].endswith("-compiling"):
+        return _chain(_stages(), "compiling")
     gpu = "nvidia.com/gpu" in _container(deployment)["resources"]["limits"]
     chains = _final_chains()
     return chains.get("runtime-cuda" if gpu else "runtime-cpu", next(iter(chains.values())))
@@ -381,6 +384,28 @@ def test_arguments_after_the_image_name_go_to_bert_serve_and_none_serve_the_bake
         else:
             assert "args" not in _container(deployment)
             assert [str(p) for p in loaded.artifacts] == ["/opt/bert/artifacts"], _variant(deployment)
+
+
+def test_the_compiling_image_compiles_a_model_id_on_its_first_start():
+    """`--target compiling` carries the build stage's environment (its `compile` extra), the C++
+    compiler that links the libraries and a default compile config bert-serve reads, with the
+    runtime image's user, ports, health check, entry point and settings; DEPLOY.md builds it and
+    the model-id Deployment runs it."""
+    stages = _stages()
+    chain = _chain(stages, "compiling")
+    assert "['optional-dependencies']['compile']" in " ".join(args for name, args in stages["build"] if name == "RUN")
+    assert ("COPY", "--from=build /opt/venv /opt/venv") in chain
+    assert any(name == "RUN" and "g++" in args for name, args in chain)
+    config = _image_env(chain)["BERT_SERVE_CONFIG"]
+    assert ("COPY", f"--from=build /src/configs/default.yaml {config}") in chain
+    runtime = _final_chains()["runtime-cpu"]
+    for instruction in ("USER", "EXPOSE", "HEALTHCHECK", "ENTRYPOINT", "CMD"):
+        assert [a for n, a in chain if n == instruction][-1:] == [a for n, a in runtime if n == instruction][-1:]
+    assert {k: v for k, v in _image_env(chain).items() if k != "BERT_SERVE_CONFIG"} == _image_env(runtime)
+    lines = (ROOT / "docs" / "DEPLOY.md").read_text().splitlines()
+    assert any(re.fullmatch(r"docker build .*--target compiling -t \S+-compiling \.", line) for line in lines)
+    (model_id,) = [d for d in _deployments() if _variant(d) == "model-id"]
+    assert _container(model_id)["image"].endswith("-compiling")
 
 
 def test_probes_stay_open_with_the_api_key_from_a_secret():

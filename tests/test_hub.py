@@ -4,8 +4,8 @@ acme/minilm at two commits (main and the tag v1, beside ONNX, TensorFlow and dup
 fetched), a private copy, a GPT-2 and a repository without weights.
 
 The first start compiles into the compile cache, later ones load from it (also offline and with the Hub unreachable),
-two first starts at once compile once, a damaged entry is compiled again, and every way a model cannot be had is one
-line and exit 2. Orderings are held by the stand-in (a file's download waits for the test), never by sleeps; the
+a damaged entry is compiled again, once where two servers start on it at once, and every way a model cannot be had is
+one line and exit 2. Orderings are held by the stand-in (a file's download waits for the test), never by sleeps; the
 test compile is small (fp32, one packed bound, not validated: the test compares the served embeddings with
 sentence-transformers itself).
 """
@@ -205,11 +205,19 @@ def test_restart_without_the_hub_loads_from_the_cache(first_start, compile_confi
     assert COMPILING not in server.log.read_text()
 
 
-def test_two_first_starts_at_once_compile_once(hub, compile_config, expected, tmp_path):
-    """The second server starts while the first compiles (its download held): it waits for the first's compile
-    (/ready says so) and loads what it wrote."""
-    cache, env = tmp_path / "artifacts", hub_env(tmp_path / "hub", hub.url)
-    args = model_args(cache, compile_config, "acme/minilm", "--revision", "v1")
+def test_two_starts_at_once_on_a_damaged_entry_compile_it_again_once(first_start, hub, compile_config, expected,
+                                                                     tmp_path):
+    """A damaged entry is compiled again, and two servers starting at once compile it once: the second starts while
+    the first compiles (its download held: a fresh Hub cache), waits for the first's compile (/ready says so) and
+    loads what it wrote. The damage and a staging directory left by a killed compile are gone after."""
+    cache = tmp_path / "artifacts"
+    shutil.copytree(first_start.cache, cache)
+    entry = cache / first_start.entry.relative_to(first_start.cache)
+    weights = next(entry.glob("weights*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:1000])  # a disk that filled up
+    stale = entry.parent / f".{entry.name}.staging-died"  # what a compile killed with SIGKILL leaves
+    stale.mkdir()
+    env, args = hub_env(tmp_path / "hub", hub.url), model_args(cache, compile_config)
     gate = hub.hold("model.safetensors")
     logs = [tmp_path / "first.log", tmp_path / "second.log"]
     try:
@@ -226,29 +234,15 @@ def test_two_first_starts_at_once_compile_once(hub, compile_config, expected, tm
                 for process, url, log in ((first, first_url, logs[0]), (second, second_url, logs[1])):
                     wait_ready(process, url, log)
                     assert_serves_minilm(url, expected)
-                    assert httpx.get(f"{url}/info").json()["model_sha"] == V1
+                    assert httpx.get(f"{url}/info").json()["model_sha"] == MAIN
     finally:
         gate.release()
         hub.gates.clear()
+    first_log = logs[0].read_text()
+    assert "cannot be loaded" in first_log and weights.name in first_log
     assert [COMPILING in log.read_text() for log in logs] == [True, False]
-    entry = only_entry(cache)
-    assert sorted(path.name for path in entry.parent.iterdir()) == sorted([entry.name, f"{entry.name}.lock"])
-
-
-def test_a_damaged_entry_is_compiled_again(first_start, hub, compile_config, serve, expected, tmp_path):
-    cache = tmp_path / "artifacts"
-    shutil.copytree(first_start.cache, cache)
-    entry = cache / first_start.entry.relative_to(first_start.cache)
-    weights = next(entry.glob("weights*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[:1000])  # a disk that filled up
-    stale = entry.parent / f".{entry.name}.staging-died"  # what a compile killed with SIGKILL leaves
-    stale.mkdir()
-    with serve([], *model_args(cache, compile_config), env=hub_env(first_start.hub_home, hub.url),
-               timeout=1200) as server:
-        assert_serves_minilm(server.url, expected)
-    log = server.log.read_text()
-    assert "cannot be loaded" in log and weights.name in log and COMPILING in log
     assert not stale.exists() and only_entry(cache) == entry
+    assert sorted(path.name for path in entry.parent.iterdir()) == sorted([entry.name, f"{entry.name}.lock"])
 
 
 def damaged_copies(first_start, tmp_path):
@@ -323,18 +317,45 @@ def test_a_model_that_cannot_be_had_is_one_line_and_exit_2(hub, compile_config, 
     assert line.startswith("bert-serve: error: ") and message.format(hub=endpoint) in line, line
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--dtype", "float16"], "--dtype float16: --model-id compiles for this CPU, which computes in float32 or bfloat16"),
+    (["--pooling", "last-token"], "--pooling last-token: a BERT-family model pools by cls, mean or splade"),
+], ids=["float16", "last-token"])
+def test_a_dtype_or_pooling_a_model_id_cannot_compile_to_is_refused_at_start(hub, compile_config, tmp_path, flags,
+                                                                              message):
+    """Refused before anything is resolved, downloaded or compiled."""
+    line = one_line_error([sys.executable, "-m", "service", *model_args(tmp_path / "artifacts", compile_config),
+                           *flags], hub_env(tmp_path / "hub", hub.url))
+    assert line.startswith(f"bert-serve: error: {message}"), line
+    assert not (tmp_path / "artifacts").exists() and not (tmp_path / "hub").exists()
+
+
+def test_teis_dtype_and_pooling_choose_what_a_model_id_compiles(compile_config):
+    """--dtype and --pooling with --model-id are the compile's precision and pooling (and so part of its cache key)."""
+    from service.model_cache import compile_config as config_for
+    from service.model_cache import config_sha256, tei_choices
+
+    chosen = tei_choices(Settings.load({"model_id": "acme/minilm", "dtype": "float32", "pooling": "cls"}, {}))
+    assert chosen == {"precision": "fp32", "pooling": "cls"}
+    (_, config), (_, default) = config_for(compile_config, chosen), config_for(compile_config)
+    assert (config.precision, config.pooling, default.pooling) == ("fp32", "cls", "auto")
+    assert config_sha256(config) != config_sha256(default)
+    assert tei_choices(Settings.load({"model_id": "acme/minilm"}, {})) == {}
+
+
 def test_bert_compile_refuses_a_missing_hub_model_in_one_line(hub, tmp_path):
     line = one_line_error([sys.executable, "-m", "compile", "--model", "acme/missing", "--out", str(tmp_path / "out")],
                           hub_env(tmp_path / "hub", hub.url))
     assert line == f"bert-compile: error: no model acme/missing on {hub.url} (nor a directory of that name here)"
 
 
-def test_a_token_reads_a_private_model(hub, tmp_path):
+def test_a_token_reads_a_private_model_and_a_revision_names_its_commit(hub, tmp_path):
     code = ("from artifact.hub import HubModel, resolve; import sys; "
-            "print(resolve(HubModel('acme/private-minilm', token=sys.argv[1])).sha)")
-    result = subprocess.run([sys.executable, "-c", code, TOKEN], capture_output=True, text=True, timeout=120, cwd=REPO,
-                            env={**os.environ, **hub_env(tmp_path / "hub", hub.url)})
-    assert result.returncode == 0 and result.stdout.strip() == V1, result.stderr
+            "print(resolve(HubModel('acme/private-minilm', token=sys.argv[1])).sha); "
+            "print(*(resolve(HubModel('acme/minilm', revision)).sha for revision in ('v1', 'main', sys.argv[2])))")
+    result = subprocess.run([sys.executable, "-c", code, TOKEN, V1], capture_output=True, text=True, timeout=120,
+                            cwd=REPO, env={**os.environ, **hub_env(tmp_path / "hub", hub.url)})
+    assert result.returncode == 0 and result.stdout.split() == [V1, V1, MAIN, V1], result.stderr
 
 
 def test_the_manifest_records_a_hub_checkpoints_repository_and_commit(tmp_path):

@@ -139,3 +139,25 @@ def test_free_ports_lie_below_the_kernels_ephemeral_range():
         assert port < servers.ephemeral_floor()
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_cold_start_reads_the_compiles_time_per_phase_from_the_servers_log(tmp_path):
+    """The benchmark's breakdown is the compile's own `[compile time]` line, as the server logs it."""
+    import io
+
+    from compile.progress import Progress
+    from loadtest.cold_start import compile_phases
+
+    stream = io.StringIO()
+    progress = Progress(2, stream=stream)
+    for description, phase in (("load acme/minilm", "load"), ("int8 plan", "int8-plan"), ("more load", "load")):
+        with progress.step(description, phase):
+            pass
+    progress.summary()
+    line = stream.getvalue().splitlines()[-1]
+    log = tmp_path / "server.log"
+    log.write_text(f"ts=0 level=INFO logger=service.compile msg={line}\nts=1 level=INFO logger=service msg=ready\n")
+    phases = compile_phases(log)
+    assert list(phases["phases_s"]) == ["load", "int8-plan"] and phases["total_s"] >= 0
+    log.write_text("ts=1 level=INFO logger=service msg=ready\n")
+    assert compile_phases(log) is None

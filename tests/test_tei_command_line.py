@@ -66,37 +66,79 @@ class OtlpCollector:
         return [span for _, span in self.spans if span.name == name]
 
 
-@pytest.fixture
-def collector():
-    collector = OtlpCollector()
-    yield collector
+@pytest.fixture(scope="module")
+def traced(serve, tiny_embed_artifact):
+    """A server exporting its traces to a collector stand-in every 50 ms (not every 5 s), with gRPC beside HTTP."""
+    collector, port = OtlpCollector(), free_port()
+    with serve([tiny_embed_artifact], "--otlp-endpoint", collector.url, "--otlp-service-name", "embedder",
+               "--grpc-port", str(port), env={"OTEL_BSP_SCHEDULE_DELAY": "50"}) as server:
+        server.grpc = f"127.0.0.1:{port}"
+        yield server, collector
     collector.server.shutdown()
     collector.server.server_close()
 
 
-def test_each_request_is_traced_with_its_stages_as_child_spans(serve, tiny_embed_artifact, collector):
-    """A server span per request, named by its route and a child of the caller's `traceparent`,
-    with tokenize, queue and inference spans inside it, in order; exported with the service name."""
-    trace_id, caller_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
-    env = {"OTEL_BSP_SCHEDULE_DELAY": "50"}  # export every 50 ms, not every 5 s
-    with serve([tiny_embed_artifact], "--otlp-endpoint", collector.url, "--otlp-service-name", "embedder",
-               env=env) as server:
-        response = httpx.post(f"{server.url}/embed", json={"inputs": TEXTS}, timeout=30,
-                              headers={"traceparent": f"00-{trace_id}-{caller_span}-01"})
-        assert response.status_code == 200
-        wait_until(lambda: collector.named("POST /embed") and collector.named("inference"), what="spans exported")
-    (request,) = collector.named("POST /embed")
-    assert request.trace_id.hex() == trace_id and request.parent_span_id.hex() == caller_span
-    assert {a.key: a.value.int_value for a in request.attributes}["http.response.status_code"] == 200
-    stages = [collector.named(name)[0] for name in ("tokenize", "queue", "inference")]
+def assert_stages_inside(collector: OtlpCollector, request) -> list:
+    """`request`'s tokenize, queue and inference spans: its children, within it and in order."""
+    stages = [next(span for span in collector.named(name) if span.parent_span_id == request.span_id)
+              for name in ("tokenize", "queue", "inference")]
     for stage in stages:
-        assert stage.trace_id == request.trace_id and stage.parent_span_id == request.span_id, stage.name
+        assert stage.trace_id == request.trace_id, stage.name
         assert request.start_time_unix_nano <= stage.start_time_unix_nano <= stage.end_time_unix_nano
         assert stage.end_time_unix_nano <= request.end_time_unix_nano, stage.name
     assert all(s.end_time_unix_nano <= t.start_time_unix_nano for s, t in zip(stages, stages[1:]))
+    return stages
+
+
+def test_each_request_is_traced_with_its_stages_as_child_spans(traced):
+    """A server span per request, named by its route and a child of the caller's `traceparent`,
+    with tokenize, queue and inference spans inside it, in order; exported with the service name."""
+    server, collector = traced
+    trace_id, caller_span = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+    response = httpx.post(f"{server.url}/embed", json={"inputs": TEXTS}, timeout=30,
+                          headers={"traceparent": f"00-{trace_id}-{caller_span}-01"})
+    assert response.status_code == 200
+    wait_until(lambda: collector.named("POST /embed") and collector.named("inference"), what="spans exported")
+    (request,) = collector.named("POST /embed")
+    assert request.trace_id.hex() == trace_id and request.parent_span_id.hex() == caller_span
+    assert {a.key: a.value.int_value for a in request.attributes}["http.response.status_code"] == 200
+    stages = assert_stages_inside(collector, request)
     assert {a.key: a.value.int_value for a in stages[0].attributes}["inputs"] == len(TEXTS)
     assert {name for name, _ in collector.spans} == {"embedder"}
     assert set(collector.paths) == {"/v1/traces"}
+
+
+def test_each_grpc_call_is_traced_like_a_request(traced):
+    """A gRPC call gets the span an HTTP request does: `tei.v1.Embed/Embed`, a child of the `traceparent`
+    in its metadata, with its status code and tokenize, queue and inference spans inside; a stream, one span
+    with each message's stages; a refused call, its code."""
+    import grpc
+
+    from service.grpc_api import tei_pb2 as pb
+    from service.grpc_api import tei_pb2_grpc as pb_grpc
+
+    server, collector = traced
+    trace_id, caller_span = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with grpc.insecure_channel(server.grpc) as channel:
+        embed = pb_grpc.EmbedStub(channel)
+        embed.Embed(pb.EmbedRequest(inputs=TEXTS[0]), metadata=[("traceparent", f"00-{trace_id}-{caller_span}-01")])
+        assert len(list(embed.EmbedStream(iter([pb.EmbedRequest(inputs=text) for text in TEXTS])))) == len(TEXTS)
+        with pytest.raises(grpc.RpcError) as refused:
+            embed.Embed(pb.EmbedRequest(inputs=""))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    wait_until(lambda: len(collector.named("tei.v1.Embed/Embed")) == 2 and collector.named("tei.v1.Embed/EmbedStream")
+               and len(collector.named("inference")) >= 3, what="the calls' spans exported")
+    call, failed = sorted(collector.named("tei.v1.Embed/Embed"), key=lambda span: span.start_time_unix_nano)
+    assert call.trace_id.hex() == trace_id and call.parent_span_id.hex() == caller_span
+    attributes = {a.key: a.value for a in call.attributes}
+    assert (attributes["rpc.system"].string_value, attributes["rpc.service"].string_value,
+            attributes["rpc.method"].string_value, attributes["rpc.grpc.status_code"].int_value) == (
+        "grpc", "tei.v1.Embed", "Embed", 0)
+    assert_stages_inside(collector, call)
+    assert {a.key: a.value.int_value for a in failed.attributes}["rpc.grpc.status_code"] == \
+        grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    (stream,) = collector.named("tei.v1.Embed/EmbedStream")
+    assert sum(span.parent_span_id == stream.span_id for span in collector.named("inference")) == len(TEXTS)
 
 
 ORIGIN = "https://app.example"

@@ -10,6 +10,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import hashlib
+import os
 import shutil
 import subprocess
 import tempfile
@@ -50,21 +52,35 @@ def _c_literal(value) -> str:
 
 
 @functools.cache
+def scratch_directory() -> Path:
+    """This process's directory of objects, removed when it exits; the build workers it forks
+    (compile/workers.py) share it, so that an object one of them compiled is there for the others."""
+    directory = Path(tempfile.mkdtemp(prefix="bert-objects-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
+
+
+@functools.cache
 def c_object(name: str, source: str, flags: tuple[str, ...]) -> Path:
-    """`source` (C, which may include the headers of `c/`) compiled once per process, with `flags`, to an
-    object file the libraries link (kept in a scratch directory until the process exits)."""
+    """`source` (C, which may include the headers of `c/`) compiled once per process and its build
+    workers, with `flags`, to an object file the libraries link (in `scratch_directory`)."""
     from tvm.support import cc
 
-    directory = Path(tempfile.mkdtemp(prefix=f"bert-{name}-"))
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    path, obj = directory / f"{name}.c", directory / f"{name}.o"
+    directory = scratch_directory()
+    stem = f"{name}-{hashlib.sha256(repr((source, flags)).encode()).hexdigest()[:16]}"
+    obj = directory / f"{stem}.o"
+    if obj.is_file():  # another worker compiled it
+        return obj
+    unique = f"{stem}.{os.getpid()}"
+    path, written = directory / f"{unique}.c", directory / f"{unique}.o"
     path.write_text(source)
     compiler = cc.get_cc() or "gcc"
     result = subprocess.run([compiler, "-x", "c", "-O3", "-fPIC", f"-I{SOURCES}", *flags, "-c", str(path),
-                             "-o", str(obj)], capture_output=True, text=True, check=False)
+                             "-o", str(written)], capture_output=True, text=True, check=False)
     if result.returncode != 0:
         last = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else result.returncode
         raise RuntimeError(f"the C compiler ({compiler}) cannot build the {name}: {last}")
+    os.replace(written, obj)  # whole, or not there: workers may compile the same object at once
     return obj
 
 

@@ -4,23 +4,24 @@ own library), and `--precision auto`'s choice. Each returns a new `Arithmetic`; 
 from __future__ import annotations
 
 import logging
-import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from artifact.manifest import PrecisionCandidate, PrecisionEntry
+from artifact.manifest import PrecisionCandidate, PrecisionEntry, WeightsEntry
 
 from .. import attention_products, precision
 from ..config import CompileConfig
 from ..errors import ValidationError
-from ..int8_plan import Int8Plan, plan_for
+from ..int8_plan import Int8Plan, plan_for, simulation_for
 from ..plan import Arithmetic, Plan
 from ..precision import Measured
 from ..progress import Progress
 from ..timing import interleaved_medians, use_all_cores
-from .libraries import LibraryBuilder, Workload
-from .transform import save_weights, transform
+from ..workers import Workers
+from .libraries import LibraryBuilder, Workload, unshaped
+from .transform import Variants, save_weights, transform
 
 # (batch, seq) `--precision auto` times each candidate at: one short query, one passage, a batch.
 AUTO_PRECISION_SHAPES = ((1, 16), (1, 128), (8, 128))
@@ -46,11 +47,11 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     stay only where every linear group keeps its int8 beside them (a kept linear costs more than they
     save); else fp32 products, and the plan keeps out what the gate needs."""
     attention = arithmetic.attention
+    simulation = simulation_for(imported.mod, plan.target, reference, plan.info.tokenizer_file,
+                                plan.info.max_seq, config.model_task, bf16_pays=attention.bf16_pays)
 
     def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
-        return plan_for(imported.mod, plan.target, reference, plan.info.tokenizer_file, plan.info.max_seq,
-                        config.model_task, config.min_cosine, progress.note, bf16_pays=attention.bf16_pays,
-                        attention_products=products, keep_out=keep_out)
+        return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, keep_out=keep_out)
 
     if attention.for_precision("int8") == "int8":
         int8 = planned("int8", keep_out=False)
@@ -62,66 +63,87 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     return arithmetic.but(attention=attention, int8=planned(attention.for_precision("int8")))
 
 
+@dataclass
+class Candidate:
+    """A generic library of one arithmetic, built in the plan's candidate strategy in `directory` (its
+    build started in the workers: `measured` waits for it): what auto measures a precision by, and
+    what the int8 plan is checked with. The chosen one ships as the artifact's generic library
+    (`LibraryBuilder.reuse`), its passes and weights too."""
+
+    arithmetic: Arithmetic
+    builder: LibraryBuilder
+    variants: Variants
+    weight_files: dict[str, WeightsEntry]  # in `directory`
+    directory: Path
+    library: str
+    strategy: str
+    accuracy: dict | None = None  # against the fp32 model on the shipped sentences, once measured
+
+    def measured(self) -> dict:
+        if self.accuracy is None:
+            self.builder.workers.wait(str(self.directory / self.library))
+            self.accuracy = self.builder.agreement(self.library, self.strategy)
+        return self.accuracy
+
+
+def start_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported, reference: torch.nn.Module,
+                    directory: Path, workers: Workers) -> Candidate:
+    """`arithmetic`'s passes run here, and its generic library's build started in the workers."""
+    strategy = plan.candidate_strategy
+    (directory / "lib").mkdir(parents=True)
+    variants = transform(config, plan, arithmetic, imported, (strategy,))
+    weights = {strategy: save_weights(directory, strategy, variants.models[strategy])}
+    builder = LibraryBuilder(config, plan, arithmetic, directory, variants.models, weights, reference, workers)
+    library = builder.start("generic", unshaped, [], plan.generic_shapes, static=False).libraries[strategy]
+    return Candidate(arithmetic, builder, variants, weights, directory, library, strategy)
+
+
 def check_int8_plan(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
-                    reference: torch.nn.Module, staging: Path, progress: Progress) -> Arithmetic:
+                    reference: torch.nn.Module, staging: Path, progress: Progress,
+                    workers: Workers) -> tuple[Arithmetic, Candidate | None]:
     """`--precision int8`: fail before anything is built where the plan keeps no linear in int8;
     where its library can be measured here (`plan.checks_int8`), build the plan's generic library
     first and measure it, planned again where it misses (`checked_int8_candidate`), so that a plan
-    the library cannot keep fails (or is mended) before every bucket is built."""
+    the library cannot keep fails (or is mended) before every bucket is built. Returns the
+    arithmetic and the checked library (None: not checked)."""
     refused = arithmetic.int8.refusal(config.min_cosine)
     if refused:
         raise ValidationError(f"--precision int8: {refused}; use --precision auto, bf16 or fp32")
     if not plan.checks_int8:
-        return arithmetic
-    with progress.step("int8: the plan's generic library against the fp32 model"):
-        _, arithmetic, accuracy = checked_int8_candidate(config, plan, arithmetic, imported, reference,
-                                                         staging / "int8-plan",
-                                                         [Workload.full(1, min(16, plan.info.max_seq))], progress)
-        shutil.rmtree(staging / "int8-plan")
-    precision.refuse_missed_gate("int8", accuracy, config.min_cosine)
-    return arithmetic
-
-
-def build_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
-                    reference: torch.nn.Module, directory: Path,
-                    workloads: list[Workload]) -> tuple[LibraryBuilder, str, dict]:
-    """`arithmetic` built as a generic library in `directory`, in the plan's candidate strategy: (its
-    builder, the library, its accuracy against the fp32 model on the shipped sentences)."""
-    strategy = plan.candidate_strategy
-    (directory / "lib").mkdir(parents=True)
-    variants = transform(config, plan, arithmetic, imported, (strategy,)).models
-    weights = {strategy: save_weights(directory, strategy, variants[strategy])}
-    builder = LibraryBuilder(config, plan, arithmetic, directory, variants, weights, reference)
-    library = builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False).libraries[strategy]
-    return builder, library, builder.agreement(library, strategy)
+        return arithmetic, None
+    with progress.step("int8: the plan's generic library against the fp32 model", "int8-check"):
+        candidate = checked_int8_candidate(config, plan, arithmetic, imported, reference, staging / "int8-plan",
+                                           progress, workers)
+    precision.refuse_missed_gate("int8", candidate.measured(), config.min_cosine)
+    return candidate.arithmetic, candidate
 
 
 def checked_int8_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
-                           reference: torch.nn.Module, directory: Path, workloads: list[Workload],
-                           progress: Progress) -> tuple[LibraryBuilder, Arithmetic, dict]:
-    """The int8 candidate, built and measured as `build_candidate`. Where it misses the gate (or
+                           reference: torch.nn.Module, directory: Path, progress: Progress,
+                           workers: Workers) -> Candidate:
+    """The int8 candidate, built and measured (`start_candidate`). Where it misses the gate (or
     --min-cosine) that its plan kept in simulation, the simulation was off by more than the plan's
     margin: the plan is admitted again with the margin that library showed it needs
-    (`Int8Plan.replanned`) and built again, up to REPLANS times. Returns (the last library's builder
-    and name, the arithmetic with the last plan built, its accuracy)."""
+    (`Int8Plan.replanned`) and built again, up to REPLANS times. Returns the last one built (its
+    arithmetic holds the last plan)."""
     arithmetic = arithmetic.but(precision="int8")
-    builder, library, accuracy = build_candidate(config, plan, arithmetic, imported, reference,
-                                                 directory / "plan-0", workloads)
+    candidate = start_candidate(config, plan, arithmetic, imported, reference, directory / "plan-0", workers)
     for attempt in range(1, REPLANS + 1):
+        accuracy = candidate.measured()
         if not precision.accuracy_failures("int8", accuracy, config.min_cosine):
             break
-        replanned = arithmetic.int8.replanned(accuracy)
+        replanned = candidate.arithmetic.int8.replanned(accuracy)
         if replanned is None or replanned.refusal(config.min_cosine):
             break
         line = (f"int8: its library reached least cosine {accuracy['cosine_min']:.5f} where the plan simulated "
-                f"{arithmetic.int8.simulated['cosine_min']:.5f}; planned again with {replanned.margin:.0%} of the "
-                f"loss to spare: {len(replanned.fallback)}/{replanned.units} linear groups kept out")
+                f"{candidate.arithmetic.int8.simulated['cosine_min']:.5f}; planned again with {replanned.margin:.0%} "
+                f"of the loss to spare: {len(replanned.fallback)}/{replanned.units} linear groups kept out")
         log.info(line)
         progress.note(line)
-        arithmetic = arithmetic.but(int8=replanned)
-        builder, library, accuracy = build_candidate(config, plan, arithmetic, imported, reference,
-                                                     directory / f"plan-{attempt}", workloads)
-    return (builder, library), arithmetic, accuracy
+        candidate = start_candidate(config, plan, arithmetic.but(int8=replanned), imported, reference,
+                                    directory / f"plan-{attempt}", workers)
+    candidate.measured()
+    return candidate
 
 
 def unmeasured_precision(plan: Plan) -> str | None:
@@ -135,43 +157,56 @@ def unmeasured_precision(plan: Plan) -> str | None:
     return None
 
 
+def start_candidates(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
+                     reference: torch.nn.Module, staging: Path, workers: Workers) -> dict[str, Candidate]:
+    """`--precision auto`: the candidates the int8 plan does not decide (fp32, bf16), their builds
+    started before it, to run beside its simulation. None where auto measures nothing."""
+    if plan.requested_precision != "auto" or unmeasured_precision(plan) is not None:
+        return {}
+    return {name: start_candidate(config, plan, arithmetic.but(precision=name), imported, reference,
+                                  staging / "precision" / name, workers)
+            for name in plan.precision_candidates if name != "int8"}
+
+
 def choose_precision(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
-                     reference: torch.nn.Module, staging: Path,
-                     progress: Progress) -> tuple[Arithmetic, PrecisionEntry]:
-    """`--precision auto`: build the generic library in every precision the target runs, measure
-    each against the fp32 model on the shipped sentences, time each (interleaved, at a few shapes),
-    and keep the fastest that passes its gate and `min_cosine` (compile/precision.py). Where the
-    libraries cannot run here, nothing can be measured and fp32 ships. Returns the arithmetic with
-    the chosen precision, and auto's record of the choice."""
+                     reference: torch.nn.Module, staging: Path, progress: Progress, workers: Workers,
+                     started: dict[str, Candidate]) -> tuple[Arithmetic, PrecisionEntry, Candidate | None]:
+    """`--precision auto`: the generic library in every precision the target runs (`started`: those
+    built already, `start_candidates`), each measured against the fp32 model on the shipped sentences,
+    timed (interleaved, at a few shapes, on an idle machine), and the fastest that passes its gate and
+    `min_cosine` kept (compile/precision.py). Where the libraries cannot run here, nothing can be
+    measured and fp32 ships. Returns the arithmetic with the chosen precision, auto's record of the
+    choice, and the chosen candidate (None: nothing built)."""
     why = unmeasured_precision(plan)
     if why is not None:
-        return arithmetic.but(precision="fp32"), PrecisionEntry(precision="fp32", requested="auto", reason=why)
+        entry = PrecisionEntry(precision="fp32", requested="auto", reason=why)
+        return arithmetic.but(precision="fp32"), entry, None
     workloads = [Workload.full(min(b, config.max_batch), min(s, plan.info.max_seq)) for b, s in AUTO_PRECISION_SHAPES]
-    measured, calls, chosen_int8 = [], {}, arithmetic
+    measured, candidates = [], dict(started)
+    refused = arithmetic.int8.refusal(config.min_cosine) if "int8" in plan.precision_candidates else None
+    if "int8" in plan.precision_candidates and not refused:
+        candidates["int8"] = checked_int8_candidate(config, plan, arithmetic, imported, reference,
+                                                    staging / "precision" / "int8", progress, workers)
+    calls = {}
     for name in plan.precision_candidates:
-        refused = arithmetic.int8.refusal(config.min_cosine) if name == "int8" else None
-        if refused:  # nothing to build: every linear would stay out of int8
+        if name not in candidates:  # nothing to build: every linear would stay out of int8
             measured.append(Measured(name, arithmetic.int8.simulated, {}, config.min_cosine, refused))
             continue
-        directory = staging / "precision" / name
-        if name == "int8":
-            (builder, library), chosen_int8, accuracy = checked_int8_candidate(
-                config, plan, arithmetic, imported, reference, directory, workloads, progress)
-        else:
-            builder, library, accuracy = build_candidate(config, plan, arithmetic.but(precision=name), imported,
-                                                         reference, directory, workloads)
-        measured.append(Measured(name, accuracy, {}, config.min_cosine))
-        runner = builder.runner(library, plan.candidate_strategy)
+        candidate = candidates[name]
+        measured.append(Measured(name, candidate.measured(), {}, config.min_cosine))
+        runner = candidate.builder.runner(candidate.library, candidate.strategy)
         for w in workloads:
-            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=builder.inputs(w): r(*x))
+            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=candidate.builder.inputs(w): r(*x))
+    workers.idle()
     _time_candidates(measured, calls, config.strategy_repeats)
-    shutil.rmtree(staging / "precision")
     chosen, reason = precision.choose(measured)
     log.info("precision auto: %s", reason)
     entry = PrecisionEntry(precision=chosen.precision, requested="auto", reason=reason, candidates=[
         PrecisionCandidate(precision=m.precision, times_ms=m.times_ms, gate_failures=m.failures, **m.accuracy)
         for m in measured])
-    return chosen_int8.but(precision=chosen.precision), entry
+    shipped = candidates.get(chosen.precision)
+    int8_plan = candidates["int8"].arithmetic.int8 if "int8" in candidates else arithmetic.int8
+    return arithmetic.but(precision=chosen.precision, int8=int8_plan), entry, shipped
 
 
 def _time_candidates(measured: list[Measured], calls: dict, repeats: int) -> None:

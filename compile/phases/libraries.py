@@ -3,8 +3,8 @@ the strategy chosen by time, then the shipped one validated against PyTorch and 
 
 from __future__ import annotations
 
+import functools
 import logging
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -46,6 +46,7 @@ from ..timing import (
 )
 from ..tuning import Tuner
 from ..validate import checked_diff, library_inputs
+from ..workers import Workers
 
 # (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
 COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
@@ -76,10 +77,11 @@ class Candidates:
 
     name: str
     libraries: dict[str, str]  # strategy -> library file in the staging directory
-    strategy_ms: dict[str, float] | None  # None: one strategy, nothing to time
     workloads: list[Workload]
     validation_shapes: list[AnyBucket]
-    seconds: float
+    builds: list[str]  # the builds started in the workers (a reused library's is not)
+    strategy_ms: dict[str, float] | None = None  # None: one strategy, nothing to time (or not yet timed)
+    seconds: float = 0.0  # the builds' time, once built
 
 
 def choose_strategies(pending: list[Candidates], margin: float) -> tuple[dict[str, str], str]:
@@ -136,12 +138,21 @@ def bucket_workloads(bucket: AnyBucket) -> list[Workload]:
     return [first, *{Workload.full(1, seq), Workload.full(max(1, rows // 2), seq)}, *shorter]
 
 
+def _build(shape_module: Callable[[tvm.IRModule], tvm.IRModule], mod: tvm.IRModule, target: tvm.target.Target,
+           path: Path, **options) -> None:
+    """One library, in a build worker: `mod` shaped (a bucket's bounds bound), then built."""
+    build_library(shape_module(mod), target, path, **options)
+
+
 class LibraryBuilder:
     """Builds each library once per candidate strategy, keeps the fastest, validates it."""
 
     def __init__(self, config: CompileConfig, plan: Plan, arithmetic: Arithmetic, staging: Path,
-                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module):
+                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
+                 workers: Workers):
         self.config = config
+        self.workers = workers  # where the libraries are built
+        self.reused_seconds = 0.0  # the build time of a reused generic library (`reuse`)
         self.plan = plan
         self.arithmetic = arithmetic  # what the libraries compute in (the chosen precision)
         self.staging = staging
@@ -167,22 +178,43 @@ class LibraryBuilder:
             if plan.runs_here else {}
         )
 
-    def build(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
+    def start(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
               workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> Candidates:
-        """Build the library once per strategy and time each on the first workload (when `auto`)."""
-        started = time.perf_counter()
-        libraries = {}
+        """Start the library's build once per strategy in the workers (`built` waits for them). A
+        library already in the staging directory (auto's chosen candidate, `reuse`) is not built again."""
+        libraries, builds = {}, []
         for strategy, variant in self.variants.items():
-            library = f"lib/{name}.{strategy}.so"
-            module = shape_module(variant.mod)
-            if self.tuner is not None and static:
-                self.tuner.tune(name, module, self.config.tune / len(self.variants))
-            build_library(module, self.target, self.staging / library, cuda_graph=self.config.cuda_graph and static,
-                          tuned=self.tuner.database if self.tuner is not None else None,
-                          kernels=self.arithmetic.kernels(self.plan.capabilities))
-            libraries[strategy] = library
-        strategy_ms = self._time_strategies(libraries, workloads[0])
-        return Candidates(name, libraries, strategy_ms, workloads, validation_shapes, time.perf_counter() - started)
+            library = libraries[strategy] = f"lib/{name}.{strategy}.so"
+            if (self.staging / library).is_file():
+                continue
+            tuned = None
+            if self.tuner is not None and static:  # tuning times kernels: alone on the machine
+                self.workers.idle()
+                self.tuner.tune(name, shape_module(variant.mod), self.config.tune / len(self.variants))
+                tuned = self.tuner.database
+            builds.append(str(self.staging / library))
+            self.workers.submit(builds[-1], functools.partial(
+                _build, shape_module, variant.mod, self.target, self.staging / library,
+                cuda_graph=self.config.cuda_graph and static, tuned=tuned,
+                kernels=self.arithmetic.kernels(self.plan.capabilities)))
+        return Candidates(name, libraries, workloads, validation_shapes, builds)
+
+    def reuse(self, directory: Path, library: str, strategy: str) -> None:
+        """`directory`'s `library` (a generic library built and measured before, of this arithmetic
+        and strategy) as this builder's generic library: moved in, and not built again."""
+        (directory / library).rename(self.staging / f"lib/generic.{strategy}.so")
+        self.reused_seconds = self.workers.seconds.get(str(directory / library), 0.0)
+
+    def built(self, candidates: Candidates) -> Candidates:
+        """`candidates` once their builds are done (a failed one raises its error), with their time."""
+        candidates.seconds = sum(self.workers.wait(*candidates.builds).values()) if candidates.builds else \
+            self.reused_seconds
+        return candidates
+
+    def time_strategies(self, candidates: Candidates) -> None:
+        """Each strategy's library timed on the first workload, on an idle machine (`Workers.idle`)."""
+        self.workers.idle()
+        candidates.strategy_ms = self._time_strategies(candidates.libraries, candidates.workloads[0])
 
     def finish(self, candidates: Candidates, strategy: str) -> BuildRecord:
         """Ship `strategy`'s library (the others are deleted), validate it, time it on every workload."""
@@ -200,9 +232,7 @@ class LibraryBuilder:
     def runner(self, library: str, strategy: str) -> LibraryRunner:
         return LibraryRunner(self.staging / library, self.device, self.weights[strategy])
 
-    def _time_strategies(self, libraries: dict[str, str], workload: Workload) -> dict[str, float] | None:
-        if len(libraries) == 1:
-            return None
+    def _time_strategies(self, libraries: dict[str, str], workload: Workload) -> dict[str, float]:
         inputs = self.inputs(workload)
         runners = {s: self.runner(library, s) for s, library in libraries.items()}
         stats = interleaved_medians({s: (lambda r=r: r(*inputs)) for s, r in runners.items()},
@@ -248,11 +278,12 @@ class LibraryBuilder:
             return quantize.classifier_agreement(actual, expected)
         return quantize.embedding_agreement(actual, expected)
 
-    def precision_report(self, generic: BuildRecord, linears: int,
-                         chosen: PrecisionEntry | None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
+    def precision_report(self, generic: BuildRecord, linears: int, chosen: PrecisionEntry | None,
+                         measured_before: dict | None = None) -> tuple[PrecisionEntry, QuantizationEntry | None]:
         """What the linear layers compute in (`chosen`: auto's record of how) and how close the generic
-        library stays to the fp32 model; under `min_cosine`, or int8 under its gate, the compile fails
-        (what a precision costs is unknown when not run)."""
+        library stays to the fp32 model (`measured_before`: its accuracy, where it was measured as a
+        candidate); under `min_cosine`, or int8 under its gate, the compile fails (what a precision
+        costs is unknown when not run)."""
         name, attention, int8_plan = self.arithmetic.precision, self.arithmetic.attention, self.arithmetic.int8
         kernel = self.plan.capabilities.linears_kernel(name)
         entry = (chosen or PrecisionEntry(precision=name, requested=name)).model_copy(
@@ -260,7 +291,7 @@ class LibraryBuilder:
         if attention is not None and name in precision.ROUNDED:  # auto may have shipped fp32
             entry = entry.model_copy(update={"attention": attention.entry(name)})
         measured = self.plan.measures_precisions and kernel is not None
-        accuracy = self.agreement(generic.library, generic.strategy) if measured else {}
+        accuracy = (measured_before or self.agreement(generic.library, generic.strategy)) if measured else {}
         if entry.requested != "auto" and accuracy:
             failures = precision.gate_failures(name, accuracy)
             entry = entry.model_copy(update={"candidates": [PrecisionCandidate(
@@ -292,27 +323,37 @@ class LibraryBuilder:
 
 def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,
                     progress: Progress) -> tuple[list[BuildRecord], str]:
-    """Every bucket's library and the generic one, built per strategy, the strategy chosen,
-    then validated and timed: (records, generic last; the shared strategy)."""
+    """Every bucket's library and the generic one, built per strategy in the workers, the strategy
+    chosen, then validated and timed: (records, generic last; the shared strategy)."""
+    with progress.step(f"build {len(plan.buckets) + 1} libraries x {len(builder.variants)} strategies in "
+                       f"{builder.workers.limit} worker processes", "build"):
+        pending = [builder.start(f"bucket_{bucket.name}", functools.partial(specialize, bucket=bucket),
+                                 bucket_workloads(bucket), [bucket]) for bucket in plan.buckets]
+        generic_workloads = cost_model_workloads(config.max_batch, plan.info.max_seq)
+        first = Workload.full(plan.generic_shapes[0].batch, plan.generic_shapes[0].seq)  # `auto` chooses on it
+        workloads = [first] + [w for w in generic_workloads if w != first]
+        pending.append(builder.start("generic", unshaped, workloads, plan.generic_shapes, static=False))
+        builder.workers.idle()
+        for candidates in pending:
+            progress.note(f"{candidates.name}: built in {builder.built(candidates).seconds:.1f} s")
     with OtherLoad() as timing:  # the libraries are timed in here (strategies, then each finish)
-        pending = []
-        for bucket in plan.buckets:
-            with progress.step(f"build bucket {bucket.name}"):
-                pending.append(builder.build(f"bucket_{bucket.name}", lambda m, b=bucket: specialize(m, b),
-                                             bucket_workloads(bucket), [bucket]))
-        with progress.step("build generic library"):
-            generic_workloads = cost_model_workloads(config.max_batch, plan.info.max_seq)
-            first = Workload.full(plan.generic_shapes[0].batch, plan.generic_shapes[0].seq)  # `auto` chooses on it
-            workloads = [first] + [w for w in generic_workloads if w != first]
-            pending.append(builder.build("generic", lambda m: m, workloads, plan.generic_shapes, static=False))
+        for candidates in pending:
+            if len(candidates.libraries) > 1:
+                builder.time_strategies(candidates)
         chosen, shared_strategy = choose_strategies(pending, config.strategy_margin)
         records = []
         for candidates in pending:
             shapes = ", ".join(shape.name for shape in candidates.validation_shapes)
-            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}"):
+            with progress.step(f"validate + time {candidates.name} ({chosen[candidates.name]}) on {shapes}",
+                               "validate+time"):
                 records.append(builder.finish(candidates, chosen[candidates.name]))
     if timing.cores > OTHER_LOAD_WARNING_CORES:
         log.warning("other work kept %.1f cores busy while the libraries were timed: the manifest's "
                     "latencies and cost models, which the server's batch planner uses, are too high; "
                     "compile on an otherwise idle machine", timing.cores)
     return records, shared_strategy
+
+
+def unshaped(mod: tvm.IRModule) -> tvm.IRModule:
+    """The generic library's module: its batch and seq stay symbolic."""
+    return mod

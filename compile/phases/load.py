@@ -55,7 +55,7 @@ def sentence_agreement(dense: torch.nn.Module, pruned: torch.nn.Module, info: Ch
     """The pruned model against the dense one on the shipped sentences, as a reduced precision is measured
     against fp32 (compile/sentences.py): each embedding's cosine (least, mean, the worst sentence), or a
     classifier's top-1 agreement and largest probability difference."""
-    rows = [torch.from_numpy(x) for x in sentence_rows(info.path / "tokenizer.json", info.max_seq)]
+    rows = [torch.from_numpy(x) for x in sentence_rows(info.tokenizer_file, info.max_seq)]
     with torch.no_grad():
         expected, actual = (model(*rows).float().numpy().reshape(len(rows[0]), -1) for model in (dense, pruned))
     if task == "classify":

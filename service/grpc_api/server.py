@@ -16,6 +16,8 @@ import functools
 import logging
 import socket
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -31,6 +33,9 @@ from ..runtime import Runtime, model_kind
 from ..settings import Settings
 from . import tei_pb2 as pb
 from . import tei_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ..tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -49,28 +54,40 @@ STATUS_OF_ERROR_TYPE = {
 MODEL_TYPES = {"classify": pb.MODEL_TYPE_CLASSIFIER, "rerank": pb.MODEL_TYPE_RERANKER}
 SERVICES = ("Info", "Embed", "Predict", "Rerank", "Tokenize")
 SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES)
+# each method's service, by the method's name (unique across them): a call's span is `tei.v1.Embed/Embed`
+SERVICE_OF_METHOD = {method.name: service.full_name for service in pb.DESCRIPTOR.services_by_name.values()
+                     for method in service.methods}
+
+
+@dataclass
+class _Answer:
+    code: grpc.StatusCode = grpc.StatusCode.OK
 
 
 @contextlib.asynccontextmanager
-async def _answering(metrics: Metrics, method: str, context):
-    """Around one call: count it in the HTTP request metrics (endpoint `grpc METHOD`, status its
-    code) and turn a failure into its status code (a ServiceError's by TEI's mapping)."""
-    started, code = time.perf_counter(), grpc.StatusCode.OK
-    try:
-        yield
-    except asyncio.CancelledError:  # the client cancelled: the task (and its queued inputs) go
-        code = grpc.StatusCode.CANCELLED
-        raise
-    except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-        if isinstance(exc, ServiceError):
-            code, message = STATUS_OF_ERROR_TYPE.get(exc.error_type, grpc.StatusCode.INTERNAL), exc.message
-        else:
-            log.exception("gRPC %s failed", method)
-            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
-        await context.abort(code, message)
-    finally:
-        metrics.requests.labels(f"grpc {method}", code.name).inc()
-        metrics.request_seconds.labels(f"grpc {method}", code.name).observe(time.perf_counter() - started)
+async def _answering(metrics: Metrics, tracing: Tracing | None, method: str, context):
+    """Around one call: its trace span (with --otlp-endpoint: `service.tracing`), count it in the HTTP
+    request metrics (endpoint `grpc METHOD`, status its code) and turn a failure into its status code
+    (a ServiceError's by TEI's mapping)."""
+    started, answer = time.perf_counter(), _Answer()
+    span = (contextlib.nullcontext() if tracing is None else
+            tracing.rpc_span(f"{SERVICE_OF_METHOD[method]}/{method}", context.invocation_metadata(), answer))
+    with span:
+        try:
+            yield
+        except asyncio.CancelledError:  # the client cancelled: the task (and its queued inputs) go
+            answer.code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            if isinstance(exc, ServiceError):
+                answer.code, message = STATUS_OF_ERROR_TYPE.get(exc.error_type, grpc.StatusCode.INTERNAL), exc.message
+            else:
+                log.exception("gRPC %s failed", method)
+                answer.code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+            await context.abort(answer.code, message)
+        finally:
+            metrics.requests.labels(f"grpc {method}", answer.code.name).inc()
+            metrics.request_seconds.labels(f"grpc {method}", answer.code.name).observe(time.perf_counter() - started)
 
 
 def _recorded(handler, streams: bool = False):
@@ -79,14 +96,14 @@ def _recorded(handler, streams: bool = False):
     if streams:
         @functools.wraps(handler)
         async def streaming(self, requests, context):
-            async with _answering(self.metrics, handler.__name__, context):
+            async with _answering(self.metrics, self.runtime.tracing, handler.__name__, context):
                 async for answer in handler(self, requests, context):
                     yield answer
         return streaming
 
     @functools.wraps(handler)
     async def unary(self, request, context):
-        async with _answering(self.metrics, handler.__name__, context):
+        async with _answering(self.metrics, self.runtime.tracing, handler.__name__, context):
             return await handler(self, request, context)
     return unary
 

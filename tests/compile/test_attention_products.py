@@ -17,11 +17,12 @@ import pytest
 import tvm
 
 from compile import attention_products
-from compile.phases import decisions, libraries
+from compile.phases import decisions
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.capabilities import Capabilities, KernelConfig
 from compile.int8_plan import kept_precision
+from compile.workers import Workers
 from tests.support.kernels import attention_heads, key_padding_bias
 from tests.support.tvm_run import run
 
@@ -194,24 +195,24 @@ def test_the_compile_builds_every_library_with_the_chosen_products_and_records_w
     injected = _times(1.0, 1.3, "int8")
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with = []
-    real_build = libraries.build_library
+    real_submit = Workers.submit
 
-    def spy(*args, **kwargs):
-        built_with.append(kwargs["kernels"].products)
-        return real_build(*args, **kwargs)
+    def spy(workers, name, build):
+        built_with.append(build.keywords["kernels"].products)
+        return real_submit(workers, name, build)
 
-    monkeypatch.setattr(libraries, "build_library", spy)
-    planned_with, real_plan = [], decisions.plan_for
+    monkeypatch.setattr(Workers, "submit", spy)
+    planned_with, real_simulation = [], decisions.simulation_for
 
-    def plan_spy(*args, **kwargs):
+    def simulation_spy(*args, **kwargs):
         planned_with.append(kwargs["bf16_pays"])
-        return real_plan(*args, **kwargs)
+        return real_simulation(*args, **kwargs)
 
-    monkeypatch.setattr(decisions, "plan_for", plan_spy)
+    monkeypatch.setattr(decisions, "simulation_for", simulation_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=5, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    generic_shapes=["3x20"])
-    assert built_with == ["fp32"] * 3  # the plan's library checked, the bucket, the generic library
+    assert built_with == ["fp32"] * 2  # the plan's library checked (shipped as the generic one), the bucket
     assert planned_with == [False]  # kept units: fp32 where bf16 was slower (or int8 products timed instead)
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.requested) == ("fp32", "auto")

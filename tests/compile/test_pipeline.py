@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from compile.build import make_target
 from compile.checkpoint import example_inputs, inspect_checkpoint, load_wrapper
 from compile.errors import ValidationError
 from compile.timing import OtherLoad, fit_cost_model
+from compile.workers import Workers
 from service.backends import TvmBackend
 from service.planning import BatchLimits, plan_batches
 from tests.support.artifacts import TINY_LATENCIES, compile_artifact, with_latencies
@@ -278,14 +280,14 @@ def test_interrupted_compile_keeps_previous_artifact(tiny_bert_dir, tiny_embed_a
     before = (out / "manifest.json").read_text()
     calls = []
 
-    def interrupted_build(*args, **kwargs):
-        calls.append(args)
-        if len(calls) == 2:
+    def interrupted_submit(workers, name, build):
+        calls.append(name)
+        if len(calls) == 2:  # the first library builds in a worker meanwhile
             raise KeyboardInterrupt
-        return real_build(*args, **kwargs)
+        return real_submit(workers, name, build)
 
-    real_build = libraries.build_library
-    monkeypatch.setattr(libraries, "build_library", interrupted_build)
+    real_submit = Workers.submit
+    monkeypatch.setattr(Workers, "submit", interrupted_submit)
     with pytest.raises(KeyboardInterrupt):
         compile_artifact(tiny_bert_dir, out, ["1x8", "2x16"])
     assert _leftovers(tmp_path) == ["out"]
@@ -341,9 +343,13 @@ def test_progress_counts_the_phases_a_compile_runs(tiny_bert_dir, tmp_path):
     stream = io.StringIO()
     compile_model(config, Progress(0, stream=stream))
     steps = progress_steps(plan_compile(config))
-    assert steps == 2 + 1 + 1 + 2 * 3 + 1  # load + import, passes, tokenizer, 3 libraries built and checked, accuracy
-    finished = [line for line in stream.getvalue().splitlines() if line.startswith("[compile") and " done in " in line]
+    assert steps == 2 + 1 + 1 + 1 + 3 + 1  # load + import, passes, tokenizer, 3 libraries built, each checked, accuracy
+    lines = stream.getvalue().splitlines()
+    finished = [line for line in lines if line.startswith("[compile") and " done in " in line]
     assert [line.split("]")[0] for line in finished] == [f"[compile {i}/{steps}" for i in range(1, steps + 1)]
+    phases = ("load", "import", "passes", "tokenizer", "build", "validate+time", "accuracy")
+    assert re.fullmatch(r"\[compile time\] " + ", ".join(rf"{re.escape(p)} [\d.]+ s" for p in phases)
+                        + r"; [\d.]+ s in all", lines[-1]), lines[-1]
 
 
 def test_the_phases_and_each_strategys_passes_are_listed_from_the_pipeline(capsys):

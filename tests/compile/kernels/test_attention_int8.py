@@ -16,12 +16,13 @@ import torch
 import tvm
 
 from compile import attention_products, int8_simulation
-from compile.phases import decisions, libraries
+from compile.phases import decisions
 from compile.plan import Arithmetic
 from compile.attention_products import Geometry
 from compile.build import build_library, make_target
 from compile.capabilities import KernelConfig
 from compile.kernels import attention_int8, int8
+from compile.workers import Workers
 from tests.support.kernels import attention_heads, key_padding_bias
 from tests.support.tvm_run import run, runs_here
 
@@ -151,22 +152,22 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     injected = {"fp32": {"1x64": 1.0}, "int8": {"1x64": 0.6}}
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
     built_with, planned_with = [], []
-    real_build, real_plan = libraries.build_library, decisions.plan_for
+    real_submit, real_plan = Workers.submit, decisions.plan_for
 
-    def build_spy(*args, **kwargs):
-        built_with.append(kwargs["kernels"].products)
-        return real_build(*args, **kwargs)
+    def build_spy(workers, name, build):
+        built_with.append(build.keywords["kernels"].products)
+        return real_submit(workers, name, build)
 
     def plan_spy(*args, **kwargs):
         planned_with.append(kwargs["attention_products"])
         return real_plan(*args, **kwargs)
 
-    monkeypatch.setattr(libraries, "build_library", build_spy)
+    monkeypatch.setattr(Workers, "submit", build_spy)
     monkeypatch.setattr(decisions, "plan_for", plan_spy)
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=6, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    mcpu="x86-64-v3", generic_shapes=["3x20"])
-    assert built_with == ["int8"] * 3 and planned_with == ["int8"]  # the plan's library checked, bucket, generic
+    assert built_with == ["int8"] * 2 and planned_with == ["int8"]  # the plan's library (shipped as generic), bucket
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.reason, recorded.times_ms) == ("int8", "int8: 0.60x the fp32 kernel's time",
                                                                       injected)
@@ -178,18 +179,23 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
     """The plan with int8 products may keep no linear out of int8 (None where every linear in int8
     misses the gate: no sensitivity passes); then the compile plans with the products bf16 linears
     have (fp32, or bf16 where those were timed faster than fp32), keeping out what the gate needs,
-    and says why. Where int8 linears hold the gate, the int8 products stay."""
+    and says why. Where int8 linears hold the gate, the int8 products stay. Both plans measure with one
+    simulation (its calibration and fp32 reference are theirs)."""
     from types import SimpleNamespace
 
     from compile.int8_plan import Int8Plan
 
-    def fake_plan(*_args, attention_products, keep_out, **_kwargs):
+    def fake_plan(simulation, *_args, attention_products, keep_out, **_kwargs):
         planned.append((attention_products, keep_out))
+        simulated_with.append(simulation)
         if attention_products == "int8" and misses:
             return None
         return Int8Plan(alpha=0.5, scales={}, fallback=["encoder.layer.0.output.dense"] if misses else [],
                         fallback_keys=set(), simulated={}, units=4)
 
+    simulations = []
+    monkeypatch.setattr(decisions, "simulation_for", lambda *_args, **_kwargs: simulations.append(object()) or
+                        simulations[-1])
     monkeypatch.setattr(decisions, "plan_for", fake_plan)
     info = SimpleNamespace(path=Path("model"), max_seq=128)
     config = SimpleNamespace(model_task="embed", min_cosine=0.999)
@@ -201,12 +207,13 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
                                            (without_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
                                            (slower_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
                                            (faster_bf16, True, "bf16", [("int8", False), ("bf16", True)])):
-        planned = []
+        planned, simulated_with, simulations = [], [], []
         plan = SimpleNamespace(info=info, target=V3)
         asked = Arithmetic("int8", attention=attention_products.decide(timed))
         chosen = decisions.plan_int8_linears(config, plan, asked, SimpleNamespace(mod=None), None, progress)
         assert (chosen.attention.products["int8"], planned, len(chosen.int8.fallback)) == (products, plans,
                                                                                             int(misses))
+        assert len(simulations) == 1 and simulated_with == simulations * len(plans)
         assert chosen.attention.reasons["int8"] == (f"{products}: with int8 products, int8 linears miss the gate"
                                                     if misses else "int8: 0.70x the fp32 kernel's time")
         assert chosen.attention.times_ms == timed and asked.int8 is None  # a new value; the asked one stays

@@ -108,7 +108,7 @@ def test_auto_times_three_strategies_and_shares_one_unless_another_gains_the_mar
 
 
 def _candidates(name, **strategy_ms):
-    return Candidates(name, {s: f"lib/{name}.{s}.so" for s in strategy_ms}, strategy_ms, [], [], 0.0)
+    return Candidates(name, {s: f"lib/{name}.{s}.so" for s in strategy_ms}, [], [], [], strategy_ms=strategy_ms)
 
 
 def test_a_library_leaves_the_shared_weight_set_only_for_more_than_the_margin():
@@ -118,7 +118,7 @@ def test_a_library_leaves_the_shared_weight_set_only_for_more_than_the_margin():
     assert shared == "concat"  # 60 ms in all against 62
     assert chosen == {"a": "concat", "b": "off", "c": "concat"}  # b: 20 > 19 x 1.05
     assert choose_strategies(pending, margin=0.1)[0] == {"a": "concat", "b": "concat", "c": "concat"}
-    untimed = [Candidates("d", {"concat": "lib/d.so"}, None, [], [], 0.0)]
+    untimed = [Candidates("d", {"concat": "lib/d.so"}, [], [], [])]
     assert choose_strategies(untimed, margin=0.05) == ({"d": "concat"}, "concat")
 
 

@@ -1,0 +1,122 @@
+"""Library builds in worker processes, one per core at a time: LLVM's code generation is single-threaded,
+so libraries built one after another leave every core but one idle.
+
+Each build runs in a child forked from the compile, which inherits the Relax module and everything the
+build reads (nothing is serialised), writes its library and exits; its failure comes back as the
+compile's error. Nothing is timed while a child builds: every phase that times (attention's products,
+auto's precision, the strategies, each library's latency) first waits for the builds it reads
+(`Workers.wait`), and the compile waits for all of them before timing anything else (`idle`), so that
+timings, which decide precisions and strategies, are taken on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Callable
+
+MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that come back
+
+
+class BuildFailed(RuntimeError):
+    """A build failed in its worker: a fault of the compile (its traceback is the worker's), not of its input."""
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass
+class _Running:
+    process: multiprocessing.Process
+    errors: Connection
+    started: float
+
+
+def _build_in_child(build: Callable[[], None], errors: Connection) -> None:
+    """A child's work: `build`, its failure sent back as one message with its traceback (a SIGTERM
+    ends it at once: the compile's own handler would raise inside TVM)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        build()
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
+        message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        errors.send(message[-MESSAGE_CHARS:])  # within the pipe's buffer: sent whole before the compile reads it
+        errors.close()
+        os._exit(1)
+    errors.close()
+
+
+class Workers:
+    """Builds running in forked children, at most `limit` at once (default: the cores this process
+    may run on). `submit` waits for a free slot; `wait` returns each named build's seconds, or raises
+    its failure; leaving the `with` block ends whatever still runs (a failed or stopped compile)."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = max(1, limit or available_cores())
+        self.running: dict[str, _Running] = {}
+        self.seconds: dict[str, float] = {}  # finished builds
+        self.failures: dict[str, str] = {}
+        self._context = multiprocessing.get_context("fork")
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *_) -> None:
+        for running in self.running.values():
+            running.process.terminate()
+        for running in self.running.values():
+            running.process.join()
+            running.errors.close()
+        self.running.clear()
+
+    def submit(self, name: str, build: Callable[[], None]) -> None:
+        """Start `build` (writing one library) in a child as soon as fewer than `limit` run."""
+        if name in self.running or name in self.seconds:
+            raise ValueError(f"build {name} submitted twice")
+        while len(self.running) >= self.limit:
+            self._reap(block=True)
+        receiver, sender = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=_build_in_child, args=(build, sender), name=f"build {name}",
+                                        daemon=True)
+        process.start()
+        sender.close()
+        self.running[name] = _Running(process, receiver, time.perf_counter())
+
+    def wait(self, *names: str) -> dict[str, float]:
+        """The seconds of each build named (of every one submitted where none is), once finished; a
+        failed build raises its error."""
+        names = names or (*self.running, *self.seconds, *self.failures)
+        while any(name in self.running for name in names):
+            self._reap(block=True)
+        for name in names:
+            if name in self.failures:
+                raise BuildFailed(f"building {name} failed in its worker process: {self.failures[name]}")
+        return {name: self.seconds[name] for name in names}
+
+    def idle(self) -> None:
+        """Wait for every build: what is timed next has the machine to itself."""
+        self.wait()
+
+    def _reap(self, block: bool) -> None:
+        if not self.running:
+            return
+        sentinels = {running.process.sentinel: name for name, running in self.running.items()}
+        for sentinel in wait(list(sentinels), timeout=None if block else 0):
+            name = sentinels[sentinel]
+            running = self.running.pop(name)
+            running.process.join()
+            try:  # a failed build's message; a child that succeeded closed its end unsent
+                message = running.errors.recv() if running.errors.poll() else None
+            except EOFError:
+                message = None
+            running.errors.close()
+            if running.process.exitcode != 0:
+                self.failures[name] = message or f"its process exited {running.process.exitcode}"
+            else:
+                self.seconds[name] = time.perf_counter() - running.started

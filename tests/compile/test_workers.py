@@ -1,0 +1,45 @@
+"""compile/workers.py: builds in forked worker processes, their failures back in the compile."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from compile.workers import BuildFailed, Workers
+
+
+def _write_pid(path: Path) -> None:
+    path.write_text(str(os.getpid()))
+
+
+def _broken() -> None:
+    raise ValueError("a kernel the schedule cannot take")
+
+
+def test_builds_run_in_other_processes_and_a_failure_comes_back_with_its_traceback(tmp_path):
+    with Workers(limit=2) as workers:
+        for name in ("a", "b", "c"):
+            workers.submit(name, lambda name=name: _write_pid(tmp_path / name))
+        workers.submit("broken", _broken)
+        seconds = workers.wait("a", "b", "c")
+        with pytest.raises(BuildFailed, match=r"building broken failed in its worker process: ValueError: a kernel "
+                                              r"the schedule cannot take\n(.|\n)*in _broken"):
+            workers.wait("broken")
+        with pytest.raises(BuildFailed):
+            workers.idle()  # every build, the failed one included
+    pids = {int((tmp_path / name).read_text()) for name in ("a", "b", "c")}
+    assert os.getpid() not in pids and set(seconds) == {"a", "b", "c"} and min(seconds.values()) >= 0
+    with pytest.raises(ValueError, match="submitted twice"):
+        workers.submit("a", lambda: None)
+
+
+def test_leaving_the_block_ends_the_builds_still_running():
+    """A failed or stopped compile leaves no build behind."""
+    never = multiprocessing.get_context("fork").Event()
+    with Workers(limit=1) as workers:
+        workers.submit("stuck", never.wait)
+        (running,) = workers.running.values()
+    assert not running.process.is_alive() and running.process.exitcode is not None

@@ -212,7 +212,7 @@ class BertWrapper(torch.nn.Module):
     def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
         hidden = self.family.embed(self.bert, input_ids, token_type_ids, position_ids)
         mask = attention_mask.to(hidden.dtype)
-        hidden = self.family.encoder(self.bert)(hidden, attention_mask=self.additive_mask(mask)).last_hidden_state
+        hidden = self.family.encode(self.bert, hidden, self.additive_mask(mask))
         if self.task == "classify":
             return self.classifier(hidden)
         if self.pooling == "none":

@@ -1,11 +1,14 @@
-"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R and DistilBERT.
+"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT,
+ELECTRA and MPNet.
 
-All four are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
-feed-forward, so one padded and one packed wrapper compile them all. They differ in module names,
-in what the embeddings take (DistilBERT has no token types), in where positions start (RoBERTa
-and XLM-R count from pad_token_id + 1, while the server always feeds 0..len-1) and in the
-classification head. A `Family` answers exactly those questions; everything it returns is the
-checkpoint's own modules, so every numerical choice stays the checkpoint's.
+All are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU feed-forward, so
+one padded and one packed wrapper compile them all. They differ in module names, in what the
+embeddings take (DistilBERT and MPNet have no token types; ELECTRA projects small embeddings up to
+the hidden size), in where positions start (RoBERTa, XLM-R and MPNet count from the padding index
++ 1, while the server always feeds 0..len-1), in a score bias added to every layer's attention
+scores (MPNet's relative positions) and in the classification head. A `Family` answers exactly
+those questions; everything it returns is the checkpoint's own modules, so every numerical choice
+stays the checkpoint's.
 """
 
 from __future__ import annotations
@@ -92,8 +95,17 @@ class Family:
         return base.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
 
     def encoder(self, base: torch.nn.Module) -> torch.nn.Module:
-        """The layer stack: called as `encoder(hidden, attention_mask=additive).last_hidden_state`."""
+        """The module holding the layer stack."""
         return base.encoder
+
+    def encode(self, base: torch.nn.Module, hidden: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:
+        """The layer stack on the embeddings, with the [batch, 1, 1, seq] additive mask."""
+        return self.encoder(base)(hidden, attention_mask=additive).last_hidden_state
+
+    def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor | None:
+        """What every layer adds to its attention scores before the mask, [1, heads, seq, seq] for the
+        sequences' own positions (`seq`: any tensor whose dim 1 is the sequence bound); None: nothing."""
+        return None
 
     def layers(self, base: torch.nn.Module) -> list[LayerParts]:
         return [self._parts(layer) for layer in self.encoder(base).layer]
@@ -158,6 +170,56 @@ class DistilBert(Family):
                                    model.vocab_projector)
 
 
+class Electra(Family):
+    """ELECTRA: BERT's layers behind embeddings projected up to the hidden size (where the checkpoint
+    has `embeddings_project`), a classification head of its own and the generator's MLM head."""
+
+    base_model_options = {}
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        embedded = super().embed(base, input_ids, token_type_ids, position_ids)
+        return base.embeddings_project(embedded) if hasattr(base, "embeddings_project") else embedded
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.classifier  # ElectraClassificationHead: token 0, dense, GELU, out_proj
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(model.generator_predictions, model.generator_lm_head)
+
+
+class MPNet(Roberta):
+    """MPNet: BERT-like layers named its own way, no token types, positions after its fixed padding
+    index, and one relative position bias (buckets of j - i, learned per head) added to every layer's
+    scores: computed once per call, for one sequence, and shared by the batch and the layers."""
+
+    padding_index = 1  # MPNetEmbeddings' own, whatever the config's pad_token_id
+
+    def first_position(self, pad_token_id: int | None) -> int:
+        return self.padding_index + 1
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        return base.embeddings(input_ids=input_ids, position_ids=position_ids + self.first_position(None))
+
+    def encode(self, base: torch.nn.Module, hidden: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:
+        bias = self.score_bias(base, hidden)
+        for layer in base.encoder.layer:
+            hidden = layer(hidden, additive, bias)[0]
+        return hidden
+
+    def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
+        return base.encoder.compute_position_bias(seq[:1])
+
+    def _parts(self, layer: torch.nn.Module) -> LayerParts:
+        attention = layer.attention.attn
+        return LayerParts(attention.q, attention.k, attention.v, attention.num_attention_heads,
+                          attention.attention_head_size,
+                          lambda context, hidden: layer.attention.LayerNorm(attention.o(context) + hidden),
+                          lambda attended: layer.output(layer.intermediate(attended), attended))
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.lm_head
+
+
 FAMILIES = {
     family.model_type: family
     for family in (
@@ -165,5 +227,7 @@ FAMILIES = {
         Roberta("roberta", "RobertaForSequenceClassification"),
         Roberta("xlm-roberta", "XLMRobertaForSequenceClassification"),
         DistilBert("distilbert", "DistilBertForSequenceClassification"),
+        Electra("electra", "ElectraForSequenceClassification"),
+        MPNet("mpnet", "MPNetForSequenceClassification"),
     )
 }

@@ -43,9 +43,10 @@ class PackedBertWrapper(torch.nn.Module):
         hidden = self.family.embed(self.bert, input_ids[None], token_type_ids[None], position_ids[None])[0]
         mask = attention_mask.to(hidden.dtype)
         additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
+        score_bias = self.family.score_bias(self.bert, gather)  # each sequence's own positions, i and j < seq
         for layer in self.layers:
-            attended = layer.attention_output(self._attention(layer, hidden, rows, additive, scatter, batch, seq),
-                                              hidden)
+            attended = layer.attention_output(
+                self._attention(layer, hidden, rows, score_bias, additive, scatter, batch, seq), hidden)
             hidden = layer.feed_forward(attended)
         if self.task == "classify":  # the head reads token 0 of [batch, seq, hidden]: give it [batch, 1, hidden]
             return self.classifier(torch.index_select(hidden, 0, gather[:, 0])[:, None])
@@ -60,14 +61,18 @@ class PackedBertWrapper(torch.nn.Module):
         return self.head(pool(torch.index_select(hidden, 0, rows).reshape(batch, seq, -1), mask, self.pooling))
 
     @staticmethod
-    def _attention(layer: LayerParts, hidden, rows, additive, scatter, batch, seq):
-        """BERT's eager self-attention per sequence: packed Q, K, V projections, gathered per head."""
+    def _attention(layer: LayerParts, hidden, rows, score_bias, additive, scatter, batch, seq):
+        """BERT's eager self-attention per sequence: packed Q, K, V projections, gathered per head; the
+        family's score bias (if any) added before the mask, as the padded layers add it."""
         heads, size = layer.heads, layer.head_size
 
         def per_sequence(projected):
             return torch.index_select(projected, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
 
         query, key, value = (per_sequence(projection(hidden)) for projection in (layer.query, layer.key, layer.value))
-        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(size) + additive
+        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(size)
+        if score_bias is not None:
+            scores = scores + score_bias
+        scores = scores + additive
         context = torch.matmul(torch.softmax(scores, dim=-1), value)
         return torch.index_select(context.transpose(1, 2).reshape(batch * seq, heads * size), 0, scatter)

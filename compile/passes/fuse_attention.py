@@ -4,7 +4,10 @@ The imported attention is a chain of high-level Relax ops: Q, K and V sliced fro
 layers' output (a split of the Q/K/V concatenation, a gather of each sequence's rows in the
 packed layout), reshaped and transposed per head, `matmul(Q, K^T)`, scaled, plus an additive mask
 of shape [batch, 1, 1, seq], softmax over the keys, `matmul(P, V)`, and the way back to
-[rows, hidden] (a scatter to the packed rows). The pass anchors on the softmax, follows the chain
+[rows, hidden] (a scatter to the packed rows). A score bias of shape [1 or batch, heads, seq, seq] may be
+added to the scaled scores before the mask (MPNet's relative positions, computed once and read by every
+layer): its add's broadcast is its index map, [b or 0, h, i, j] for query i and key j of the sequence, and
+the kernel reads it so. The pass anchors on the softmax, follows the chain
 to both matmuls and to the end of the output's view ops, and proves what each view chain does by
 composing its index maps (reshape, permute_dims, broadcast_to, a split's offset, a gather): Q must
 read Q_src[row(b, i), q_off + h * D + d], K and V likewise, and the end of the chain must hold
@@ -136,6 +139,7 @@ class _Core:
     sources: tuple[relax.Expr, relax.Expr, relax.Expr]
     offsets: tuple[int, int, int]
     bias: relax.Expr
+    score_bias: relax.Expr | None  # [1 or batch, heads, seq, seq], added before the mask
     gather: relax.Expr | None  # the packed layout's [batch, seq] row map; None: padded rows
     shape: AttentionShape
 
@@ -165,15 +169,20 @@ class _Matcher:
         return self.symbols.setdefault(name, tirx.Var(name, "int64"))
 
     def _scores(self, softmax: relax.Call):
-        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias) of softmax(scores * scale + bias)."""
+        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias, score bias or None) of
+        softmax(scores * scale [+ score bias] + bias)."""
         add = self.chains.bound(softmax.args[0])
         if not _call(add, "add"):
             return None
         for scaled, bias in (add.args, add.args[::-1]):
-            bias_shape = _shape(bias) if isinstance(bias.ty, relax.TensorType) and bias.ty.shape is not None else []
-            scaling = self.chains.bound(scaled)
-            if len(bias_shape) == 4 and all(isinstance(d, tirx.IntImm) and int(d) == 1 for d in bias_shape[1:3]) \
-                    and _call(scaling, "multiply", "divide") and isinstance(scaling.args[1], tvm.ir.expr.Constant):
+            bias_shape = _tensor_shape(bias)
+            if len(bias_shape) != 4 or not all(_is_one(d) for d in bias_shape[1:3]):
+                continue
+            scaling, score_bias = self.chains.bound(scaled), None
+            if _call(scaling, "add"):  # scores * scale + score bias
+                scaling, score_bias = next(((self.chains.bound(x), other) for x, other in (
+                    scaling.args, scaling.args[::-1]) if _call(self.chains.bound(x), "multiply", "divide")), (None, None))
+            if _call(scaling, "multiply", "divide") and isinstance(scaling.args[1], tvm.ir.expr.Constant):
                 factor = float(scaling.args[1].value.numpy())
                 scale = factor if _call(scaling, "multiply") else 1.0 / factor
                 scores = scaling.args[0]
@@ -181,8 +190,9 @@ class _Matcher:
                 reshaped = self.chains.bound(scores)
                 if _call(reshaped, "reshape"):
                     scores = reshaped.args[0]
-                if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4:
-                    return scores, shape4, scale, bias
+                if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4 and (
+                        score_bias is None or _score_bias_kind(score_bias, shape4)):
+                    return scores, shape4, scale, bias, score_bias
         return None
 
     def _match(self, var: relax.Var, softmax: relax.Call) -> _Core | None:
@@ -190,7 +200,7 @@ class _Matcher:
         scores = self._scores(softmax)
         if scores is None:
             return None
-        scores_var, (batch, heads, seq, _), scale, bias = scores
+        scores_var, (batch, heads, seq, _), scale, bias, score_bias = scores
         if not isinstance(heads, tirx.IntImm):
             return None
         q3, k3 = chains.bound(scores_var).args
@@ -215,8 +225,9 @@ class _Matcher:
         shape = AttentionShape(batch=self._extent(batch, "batch"), seq=self._extent(seq, "seq"),
                                rows=self._extent(rows, "rows"), heads=int(heads), head_size=int(head_size),
                                max_seq=max_seq, scale=scale, packed=gather is not None,
-                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets)
-        return _Core(end, sources, offsets, bias, gather, shape)
+                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets,
+                               score_bias="" if score_bias is None else _score_bias_kind(score_bias, [batch, heads, seq, seq]))
+        return _Core(end, sources, offsets, bias, score_bias, gather, shape)
 
     def _weighted_sum(self, probabilities: relax.Var):
         """(context [B*H, S, D], V [B*H, S, D]) of matmul(view(probabilities), V)."""
@@ -299,6 +310,24 @@ def _same_extent(a, b) -> bool:
     return Analyzer().can_prove_equal(a, b)
 
 
+def _is_one(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _tensor_shape(expr: relax.Expr) -> list:
+    return _shape(expr) if isinstance(expr.ty, relax.TensorType) and expr.ty.shape is not None else []
+
+
+def _score_bias_kind(score_bias: relax.Expr, scores_shape: list) -> str:
+    """How a score bias added to [batch, heads, seq, seq] scores broadcasts: "shared" ([1, heads, seq, seq]:
+    every sequence reads [0, h, i, j]), "batched" ([batch, heads, seq, seq]: [b, h, i, j]), or "" where its
+    shape is neither (left unfused)."""
+    shape = _tensor_shape(score_bias)
+    if len(shape) != 4 or not all(_same_extent(a, b) for a, b in zip(shape[1:], scores_shape[1:])):
+        return ""
+    return "shared" if _is_one(shape[0]) else "batched" if _same_extent(shape[0], scores_shape[0]) else ""
+
+
 def _samples(sizes: _Sizes, symbols: list[tirx.Var]):
     for values in itertools.product(SAMPLE_SIZES, repeat=len(symbols)):
         yield dict(zip(symbols, (_i64(v) for v in values)))
@@ -371,6 +400,8 @@ class _Rebind(relax.PyExprMutator):
             kernel = self.kernels[core.shape] = self.builder_.add_func(
                 attention.write_attention(core.shape, self.kernel_config), attention.KERNEL_NAME)
         args = [self.visit_expr(x) for x in (*core.sources, core.bias)]
+        if core.score_bias is not None:
+            args.append(self.visit_expr(core.score_bias))
         if core.gather is not None:
             args.append(self.visit_expr(core.gather))
         end_shape = _shape(binding.var)

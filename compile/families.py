@@ -67,6 +67,7 @@ class Family:
     hidden_size_key = "hidden_size"
     heads_key = "num_attention_heads"
     base_model_options = {"add_pooling_layer": False}  # an embedding model has no use for the pooler
+    sdpa = True  # transformers runs the family's attention on PyTorch's fused kernel where asked to
 
     def __init__(self, model_type: str, classifier: str):
         self.model_type = model_type
@@ -82,6 +83,7 @@ class Family:
         server runs."""
         from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
+        attention = attention if self.sdpa else "eager"  # the family's only attention in transformers
         if task == "classify":
             return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation=attention)
         if task == "sparse":
@@ -193,6 +195,7 @@ class MPNet(Roberta):
     scores: computed once per call, for one sequence, and shared by the batch and the layers."""
 
     padding_index = 1  # MPNetEmbeddings' own, whatever the config's pad_token_id
+    sdpa = False
 
     def first_position(self, pad_token_id: int | None) -> int:
         return self.padding_index + 1

@@ -13,6 +13,7 @@ stays the checkpoint's.
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -52,6 +53,15 @@ def pad_vocabulary(decoder: torch.nn.Linear) -> None:
     if decoder.bias is not None:
         bias[:vocab] = decoder.bias.detach()
     decoder.weight, decoder.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
+
+
+def skewed(table: torch.Tensor, length) -> torch.Tensor:
+    """[heads, length, length] of a [heads, 2 x length] table of relative positions kept cyclically (column
+    (j - i) mod 2 x length for query i and key j), in views alone: the table repeated 2 x length - 1 times,
+    flattened and read in rows one shorter than it, so that each query's row starts one column further left."""
+    heads, rows = table.shape[0], 2 * length
+    flat = table[:, None, :].expand(heads, rows - 1, rows).reshape(heads, (rows - 1) * rows)
+    return flat.reshape(heads, rows, rows - 1)[:, :length, :length]
 
 
 class FirstToken(torch.nn.Module):
@@ -195,7 +205,17 @@ class MPNet(Roberta):
     scores: computed once per call, for one sequence, and shared by the batch and the layers."""
 
     padding_index = 1  # MPNetEmbeddings' own, whatever the config's pad_token_id
-    sdpa = False
+    sdpa = False  # transformers has only eager attention for MPNet: `load` puts PyTorch's fused kernel in
+
+    def load(self, path: Path, task: str, attention: str = "eager") -> torch.nn.Module:
+        model = super().load(path, task)
+        if attention == "sdpa":
+            from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
+
+            for module in model.modules():
+                if isinstance(module, MPNetSelfAttention):
+                    module.forward = types.MethodType(_sdpa_self_attention, module)
+        return model
 
     def first_position(self, pad_token_id: int | None) -> int:
         return self.padding_index + 1
@@ -210,7 +230,14 @@ class MPNet(Roberta):
         return hidden
 
     def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
-        return base.encoder.compute_position_bias(seq[:1])
+        """`compute_position_bias`'s, as views (`skewed`) of a table of the relative positions j - i kept
+        cyclically (row r: r below seq, r - 2 x seq from it), 2 x seq rows: the fused attention kernel proves
+        those views and reads the table (compile/passes/fuse_attention.py)."""
+        encoder, length = base.encoder, seq.shape[1]
+        rows = torch.arange(2 * length, device=seq.device)
+        relative = torch.where(rows < length, rows, rows - 2 * length)
+        table = encoder.relative_attention_bias(encoder.relative_position_bucket(relative))  # [2 x seq, heads]
+        return skewed(table.T, length)[None]
 
     def _parts(self, layer: torch.nn.Module) -> LayerParts:
         attention = layer.attention.attn
@@ -221,6 +248,19 @@ class MPNet(Roberta):
 
     def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.lm_head
+
+
+def _sdpa_self_attention(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False,
+                         **kwargs):
+    """MPNetSelfAttention's function on torch.nn.functional.scaled_dot_product_attention: the relative
+    position bias and the mask as its additive `attn_mask`."""
+    shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+    query, key, value = (projection(hidden_states).view(shape).transpose(1, 2)
+                         for projection in (self.q, self.k, self.v))
+    bias = [b for b in (position_bias, attention_mask) if b is not None]
+    context = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias[0] + bias[1] if len(bias) == 2 else (bias or [None])[0])
+    return (self.o(context.transpose(1, 2).reshape(*hidden_states.shape[:-1], self.all_head_size)),)
 
 
 FAMILIES = {

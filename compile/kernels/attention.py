@@ -93,10 +93,12 @@ class AttentionShape:
     packed: bool
     widths: tuple[int, int, int]  # columns of the Q, K and V source tensors
     offsets: tuple[int, int, int]  # where Q, K and V start in them
-    # a score bias added before the mask, [1 or batch, heads, seq, seq] by each sequence's own query and key
-    # positions (MPNet's relative positions, computed once in the graph): "" none, "shared" by every
-    # sequence ([1, ...]), "batched" (one per sequence)
+    # a score bias added before the mask, by each sequence's own query and key positions i and j: "" none;
+    # "relative": a [table_rows, heads] table read at [(j - i) mod table_rows, h] (MPNet's relative positions,
+    # computed once per call in the graph: 2 x seq rows, not seq^2); "shared": [1, heads, seq, seq], read by every
+    # sequence at [0, h, i, j]; "batched": [batch, heads, seq, seq], one per sequence
     score_bias: str = ""
+    table_rows: object = 0  # a "relative" table's rows (at least 2 x seq - 1): an int or a symbolic var
 
 
 # Steps unrolled into one iteration of the fp32 products' loops: over head dims for the scores (a head is
@@ -152,18 +154,19 @@ def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFu
     if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
         raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
                          f"at {lanes} lanes")
-    sizes = (shape.batch, shape.seq, shape.rows)
+    sizes = (shape.batch, shape.seq, shape.rows, shape.table_rows)
     if not all(isinstance(x, (int, tirx.Var)) for x in sizes):  # an expression of a var: written as given
         return _write_attention(shape, lanes, products)
     named = [(x.name, str(x.ty)) if isinstance(x, tirx.Var) else x for x in sizes]
-    return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2]), lanes, products)
+    return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2], table_rows=named[3]), lanes, products)
 
 
 @lru_cache(maxsize=64)
 def _written(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
     """`_write_attention` of a shape whose symbolic sizes are (name, dtype) pairs."""
-    batch, seq, rows = (tirx.Var(*x) if isinstance(x, tuple) else x for x in (shape.batch, shape.seq, shape.rows))
-    return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows), lanes, products)
+    batch, seq, rows, table_rows = (tirx.Var(*x) if isinstance(x, tuple) else x
+                                    for x in (shape.batch, shape.seq, shape.rows, shape.table_rows))
+    return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows, table_rows=table_rows), lanes, products)
 
 
 def _i64(value: int) -> tirx.IntImm:
@@ -201,7 +204,7 @@ class _Kernel:
     NQ: tirx.PrimExpr
     QO: tirx.PrimExpr
     SCALE: tirx.PrimExpr
-    SB: tirx.PrimExpr  # the score bias's first extent: 1 (shared) or B
+    SB: tuple  # the score bias's shape
 
     @classmethod
     def of(cls, shape: AttentionShape, lanes: int, queries: int, stage: int) -> "_Kernel":
@@ -209,30 +212,33 @@ class _Kernel:
         return cls(shape, _i64(shape.heads), _i64(shape.head_size), _i64(lanes), _i64(queries), _i64(stage),
                    _i64(-(-shape.max_seq // stage) * stage), B, S, R, R if shape.packed else B * S,
                    _i64(shape.widths[0]), _i64(shape.offsets[0]), tirx.const(shape.scale, "float32"),
-                   B if shape.score_bias == "batched" else _i64(1))
+                   _score_bias_shape(shape, B, S))
 
     def row_of(self, gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
         as the graph's take(mode="clip")); padded, b * seq + i."""
         return T.max(T.min(gather[b, i], rows - _i64(1)), _i64(0)) if self.shape.packed else b * self.S + i
 
-    def score_bias_of(self, b):
-        """The score bias's first index for sequence b."""
-        return b if self.shape.score_bias == "batched" else _i64(0)
+    def score_bias_at(self, score_bias, b, h, i, j):
+        """Sequence b's score bias of head h, query i and key j."""
+        kind = self.shape.score_bias
+        if kind == "relative":  # (j - i) mod rows, |j - i| < seq <= rows
+            return score_bias[T.if_then_else(j >= i, j - i, j - i + score_bias.shape[0]), h]
+        return score_bias[b if kind == "batched" else _i64(0), h, i, j]
 
     def stage_score_bias(self, factor: float):
         """A macro: tile_bias[j, lane] = the score bias of the tile's query `lane` (the last real one repeated
         past the sequence's end) and key j, times `factor`, for the real keys: transposed, so that the
         products add a key's row of queries as one vector, as they add the mask."""
-        TQ, FACTOR, score_bias_of, staged = self.TQ, tirx.const(factor, "float32"), self.score_bias_of, self.staged
+        TQ, FACTOR, score_bias_at, staged = self.TQ, tirx.const(factor, "float32"), self.score_bias_at, self.staged
 
         @T.macro
         def stage_score_bias(tile_bias, score_bias, b, h, tile, length):
             for lane in T.serial(TQ):
                 for j in T.serial(staged(length)):  # zeros past the real keys, up to a whole tile
-                    tile_bias[j, lane] = T.if_then_else(j < length[0], score_bias[
-                        score_bias_of(b), h, T.min(tile * TQ + lane, length[0] - _i64(1)),
-                        T.min(j, length[0] - _i64(1))] * FACTOR, tirx.const(0.0, "float32"))
+                    tile_bias[j, lane] = T.if_then_else(j < length[0], score_bias_at(
+                        score_bias, b, h, T.min(tile * TQ + lane, length[0] - _i64(1)),
+                        T.min(j, length[0] - _i64(1))) * FACTOR, tirx.const(0.0, "float32"))
 
         return stage_score_bias
 
@@ -605,6 +611,13 @@ class Int8Products:
         return int8_tile
 
 
+def _score_bias_shape(shape: AttentionShape, B, S) -> tuple:
+    if shape.score_bias == "relative":
+        rows = shape.table_rows
+        return (_i64(rows) if isinstance(rows, int) else rows, _i64(shape.heads))
+    return (B if shape.score_bias == "batched" else _i64(1), _i64(shape.heads), S, S)
+
+
 def _tile_bias_pointer(k: _Kernel):
     """What the C products read as the tile's score biases: the staged ones, or NULL (none)."""
     null = tirx.call_intrin("handle", "tirx.reinterpret", tirx.const(0, "uint64"))
@@ -652,7 +665,7 @@ def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.P
     @script.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
                   v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, _i64(1), _i64(1), S), "float32"),
-                  score_bias: T.Buffer((SB, H, S, S), "float32"), gather: T.Buffer((B, S), "int64"),
+                  score_bias: T.Buffer(SB, "float32"), gather: T.Buffer((B, S), "int64"),
                   out: T.Buffer((R_OUT, H * D), "float32")):
         T.func_attr({"tirx.noalias": True})
         # the sequences' lengths are data: whether the pool's launch pays is judged by the bound

@@ -4,10 +4,11 @@ The imported attention is a chain of high-level Relax ops: Q, K and V sliced fro
 layers' output (a split of the Q/K/V concatenation, a gather of each sequence's rows in the
 packed layout), reshaped and transposed per head, `matmul(Q, K^T)`, scaled, plus an additive mask
 of shape [batch, 1, 1, seq], softmax over the keys, `matmul(P, V)`, and the way back to
-[rows, hidden] (a scatter to the packed rows). A score bias of shape [1 or batch, heads, seq, seq] may be
-added to the scaled scores before the mask (MPNet's relative positions, computed once and read by every
-layer): its add's broadcast is its index map, [b or 0, h, i, j] for query i and key j of the sequence, and
-the kernel reads it so. The pass anchors on the softmax, follows the chain
+[rows, hidden] (a scatter to the packed rows). A score bias may be added to the scaled scores before the
+mask, proved like the rest: a [1 or batch, heads, seq, seq] tensor (its add's broadcast is its index map,
+[b or 0, h, i, j] for query i and key j of sequence b), or views of a [rows, heads] table of relative
+positions that read it at [(j - i) mod rows, h] (MPNet's, computed once per call and read by every layer;
+the kernel then reads the table, and the seq x seq views of it are dropped). The pass anchors on the softmax, follows the chain
 to both matmuls and to the end of the output's view ops, and proves what each view chain does by
 composing its index maps (reshape, permute_dims, broadcast_to, a split's offset, a gather): Q must
 read Q_src[row(b, i), q_off + h * D + d], K and V likewise, and the end of the chain must hold
@@ -36,7 +37,8 @@ from ..kernels import attention
 from ..kernels.attention import AttentionShape
 
 _OP = {name: tvm.ir.Op.get(f"relax.{name}") for name in (
-    "nn.softmax", "add", "multiply", "divide", "matmul", "reshape", "permute_dims", "broadcast_to", "take", "split")}
+    "nn.softmax", "add", "multiply", "divide", "matmul", "reshape", "permute_dims", "broadcast_to", "take", "split",
+    "expand_dims", "strided_slice")}
 VIEWS = ("reshape", "permute_dims", "broadcast_to", "take")
 SAMPLE_SIZES = (1, 2, 3, 7, 16)  # values a symbolic dimension takes in the proofs
 
@@ -88,11 +90,31 @@ class _Chains:
         users = self.users.get(var, [])
         return users[0] if len(users) == 1 else None
 
-    def trace(self, expr: relax.Expr, index: list) -> tuple[relax.Expr, list]:
+    def trace(self, expr: relax.Expr, index: list, conditions: list | None = None) -> tuple[relax.Expr, list]:
         """The tensor a chain of views reads from and the index it reads for `index`. A gather
-        (`take` by a 1-D index tensor) reads at a fresh var, recorded in `self.gathers`."""
+        (`take` by a 1-D index tensor) reads at a fresh var, recorded in `self.gathers`. With
+        `conditions` (a list), gathers end the chain, and slices (`expand_dims`, `strided_slice` by
+        step 1) are views too, each adding to `conditions` the (left, right) pairs that must be
+        equal for its index map to hold (a slice's start is not negative)."""
         while True:
             value = self.bound(expr)
+            if conditions is not None and _call(value, "expand_dims"):
+                added = {int(a) % len(index) for a in value.attrs.axis}
+                index, expr = [x for k, x in enumerate(index) if k not in added], value.args[0]
+                continue
+            if conditions is not None and _call(value, "strided_slice"):
+                axes, begins, _, strides = ([_i64(x) if isinstance(x, int) else x for x in arg.fields]
+                                            for arg in value.args[1:5])
+                if any(not (isinstance(step, tirx.IntImm) and int(step) == 1) for step in strides):
+                    return expr, index
+                index = list(index)
+                for axis, begin in zip(axes, begins):
+                    index[int(axis) % len(index)] = index[int(axis) % len(index)] + begin
+                    conditions.append((tirx.max(begin, _i64(0)), begin))
+                expr = value.args[0]
+                continue
+            if conditions is not None and _call(value, "take"):
+                return expr, index
             if isinstance(value, relax.TupleGetItem):
                 split = self.bound(value.tuple_value)
                 if not _call(split, "split") or isinstance(split.attrs.indices_or_sections, (int, tirx.IntImm)):
@@ -139,7 +161,7 @@ class _Core:
     sources: tuple[relax.Expr, relax.Expr, relax.Expr]
     offsets: tuple[int, int, int]
     bias: relax.Expr
-    score_bias: relax.Expr | None  # [1 or batch, heads, seq, seq], added before the mask
+    score_bias: relax.Expr | None  # what the kernel reads of a score bias added before the mask
     gather: relax.Expr | None  # the packed layout's [batch, seq] row map; None: padded rows
     shape: AttentionShape
 
@@ -190,8 +212,7 @@ class _Matcher:
                 reshaped = self.chains.bound(scores)
                 if _call(reshaped, "reshape"):
                     scores = reshaped.args[0]
-                if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4 and (
-                        score_bias is None or _score_bias_kind(score_bias, shape4)):
+                if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4:
                     return scores, shape4, scale, bias, score_bias
         return None
 
@@ -218,6 +239,9 @@ class _Matcher:
         if max_seq is None:
             return None
         sizes = _Sizes(batch, int(heads), seq, int(head_size))
+        read_bias = (None, "", 0) if score_bias is None else self._score_bias(sizes, score_bias)
+        if read_bias is None:
+            return None
         proved = self._prove(sizes, q3, k3, v3, context_var, end)
         if proved is None:
             return None
@@ -226,8 +250,34 @@ class _Matcher:
                                rows=self._extent(rows, "rows"), heads=int(heads), head_size=int(head_size),
                                max_seq=max_seq, scale=scale, packed=gather is not None,
                                widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets,
-                               score_bias="" if score_bias is None else _score_bias_kind(score_bias, [batch, heads, seq, seq]))
-        return _Core(end, sources, offsets, bias, score_bias, gather, shape)
+                               score_bias=read_bias[1], table_rows=read_bias[2])
+        return _Core(end, sources, offsets, bias, read_bias[0], gather, shape)
+
+    def _score_bias(self, sizes: "_Sizes", score_bias: relax.Expr):
+        """(what the kernel reads, kind, table rows) of a score bias added to the [batch, heads, seq, seq] scores,
+        by what its index map is proved to be for query i and key j of head h in sequence b: "relative", its view
+        chain reads a [rows, heads] table at [(j - i) mod rows, h] with rows >= 2 x seq - 1 (MPNet's, from its
+        relative positions' table); "shared", it is [1, heads, seq, seq], read at [0, h, i, j] by the add's
+        broadcast; "batched", [batch, heads, seq, seq] at [b, h, i, j]; None: neither (left unfused)."""
+        index = _index_vars()
+        b, h, i, j, _ = index.values()
+        conditions = []
+        table, read = self.chains.trace(score_bias, [b, h, i, j], conditions)
+        shape = _tensor_shape(table)
+        if len(read) == 2 and len(shape) == 2:
+            rows, seq = shape[0], sizes.seq
+            claims = [*conditions, (read[0], tirx.floormod(j - i, rows)), (read[1], h),
+                      (shape[1], _i64(sizes.heads)), (tirx.max(rows, 2 * seq - 1), rows)]
+            if _proved_for_samples(sizes, claims, index):
+                return table, "relative", self._extent(rows, "table_rows")
+        shape = _tensor_shape(score_bias)
+        if len(shape) != 4:
+            return None
+        rest = [(shape[1], _i64(sizes.heads)), (shape[2], sizes.seq), (shape[3], sizes.seq)]
+        for kind, first in (("shared", _i64(1)), ("batched", sizes.batch)):
+            if _proved_for_samples(sizes, [(shape[0], first), *rest], index):
+                return score_bias, kind, 0
+        return None
 
     def _weighted_sum(self, probabilities: relax.Var):
         """(context [B*H, S, D], V [B*H, S, D]) of matmul(view(probabilities), V)."""
@@ -245,7 +295,7 @@ class _Matcher:
         """(sources, column offsets, gather or None, source rows) when the view chains read Q, K, V
         and write the context where the kernel does, for every sample of the symbolic sizes."""
         chains = self.chains
-        index = {name: tirx.Var(name, "int64") for name in "bhijd"}
+        index = _index_vars()
         b, h, i, j, d = index.values()
         bh = b * sizes.heads + h
         claims, sources, columns, gathers = [], [], [], set()
@@ -318,14 +368,8 @@ def _tensor_shape(expr: relax.Expr) -> list:
     return _shape(expr) if isinstance(expr.ty, relax.TensorType) and expr.ty.shape is not None else []
 
 
-def _score_bias_kind(score_bias: relax.Expr, scores_shape: list) -> str:
-    """How a score bias added to [batch, heads, seq, seq] scores broadcasts: "shared" ([1, heads, seq, seq]:
-    every sequence reads [0, h, i, j]), "batched" ([batch, heads, seq, seq]: [b, h, i, j]), or "" where its
-    shape is neither (left unfused)."""
-    shape = _tensor_shape(score_bias)
-    if len(shape) != 4 or not all(_same_extent(a, b) for a, b in zip(shape[1:], scores_shape[1:])):
-        return ""
-    return "shared" if _is_one(shape[0]) else "batched" if _same_extent(shape[0], scores_shape[0]) else ""
+def _index_vars() -> dict:
+    return {name: tirx.Var(name, "int64") for name in "bhijd"}
 
 
 def _samples(sizes: _Sizes, symbols: list[tirx.Var]):
@@ -364,9 +408,27 @@ def _proved_for_samples(sizes: _Sizes, pairs, index_vars: dict) -> bool:
         analyzer = _analyzer(sizes, binding, index_vars)
         for left, right in pairs:
             left, right = (_substitute(e, binding) for e in (left, right))
-            if not analyzer.can_prove_equal(left, right):
+            if not _equal(analyzer, left, right):
                 return False
     return True
+
+
+def _equal(analyzer: Analyzer, left, right) -> bool:
+    """Whether `left` == `right` provably; where `left` is x mod m (a skewed view's column: the analyzer does
+    not see (i * (m - 1) + j) mod m as (j - i) mod m), by x - y being a multiple of m, where `right` is y mod m,
+    or is y itself with 0 <= y < m."""
+    if analyzer.can_prove_equal(left, right):
+        return True
+    if not isinstance(left, tirx.FloorMod):
+        return False
+    x, m = left.a, left.b
+    if isinstance(right, tirx.FloorMod) and analyzer.can_prove_equal(right.b, m):
+        y = right.a
+    elif analyzer.can_prove(right >= _i64(0)) and analyzer.can_prove(right < m):
+        y = right
+    else:
+        return False
+    return analyzer.can_prove_equal(tirx.floormod(x - y, m), _i64(0))
 
 
 def _constant(sizes: _Sizes, offset, index_vars: dict) -> int | None:

@@ -42,13 +42,14 @@ def _products_on(products: str) -> KernelConfig:
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
-                      upper_bound: int | None = None, score_bias: int | None = None) -> tvm.IRModule:
+                      upper_bound: int | None = None, score_bias: str = "") -> tvm.IRModule:
     """The attention core as the importer writes it from our wrappers: Q/K/V split from one
     concatenated projection, per-head views, scores scaled (packed: divide, as PackedBertWrapper;
     padded: multiply, as transformers' eager attention), plus an additive mask, softmax, the
     weighted sum, and the way back to [rows, hidden] (packed: a scatter to the packed rows).
-    `score_bias`: a [score_bias or batch (0), heads, seq, seq] input added to the scaled scores
-    before the mask (MPNet's relative positions)."""
+    `score_bias` added to the scaled scores before the mask: "shared", a [1, heads, seq, seq] input;
+    "batched", [batch, heads, seq, seq]; "relative", a [2 x seq, heads] table of relative positions
+    skewed into [1, heads, seq, seq] by views, as compile/families.skewed writes MPNet's."""
     op, hidden = relax.op, heads * head_size
     batch = tirx.Var("b", "int64")
     tokens = tirx.Var("t", "int64") if layout == "packed" else batch * seq
@@ -56,8 +57,9 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
     qkv = relax.Var("qkv", relax.TensorType((tokens, 3 * hidden), "float32"))
     bias = relax.Var("bias", relax.TensorType((batch, 1, mask_rows, seq), "float32"))
     params = [qkv, bias]
-    if score_bias is not None:
-        params.append(relax.Var("score_bias", relax.TensorType((score_bias or batch, heads, seq, seq), "float32")))
+    if score_bias:
+        shape = (2 * seq, heads) if score_bias == "relative" else (1 if score_bias == "shared" else batch, heads, seq, seq)
+        params.append(relax.Var("score_bias", relax.TensorType(shape, "float32")))
     if layout == "packed":
         gather = relax.Var("gather", relax.TensorType((batch, seq), "int64"))
         scatter = relax.Var("scatter", relax.TensorType((tokens,), "int64"))
@@ -84,8 +86,9 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
             scores = bb.emit(op.reshape(scores, (batch, heads, seq, seq)))
             scaled = (op.divide(scores, relax.const(math.sqrt(head_size), "float32")) if layout == "packed"
                       else op.multiply(scores, relax.const(1 / math.sqrt(head_size), "float32")))
-            if score_bias is not None:
-                scaled = op.add(bb.emit(scaled), params[2])
+            if score_bias:
+                added = _skewed(bb, params[2], heads, seq) if score_bias == "relative" else params[2]
+                scaled = op.add(bb.emit(scaled), added)
             probabilities = bb.emit(op.nn.softmax(bb.emit(op.add(bb.emit(scaled), bias)), axis=-1))
             context = bb.emit(op.matmul(bb.emit(op.reshape(probabilities, (batch * heads, seq, seq))),
                                         bb.emit(op.reshape(v, (batch * heads, seq, head_size)))))
@@ -98,6 +101,18 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
                 out = bb.emit_output(op.reshape(context, (batch, seq, hidden)))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _skewed(bb: relax.BlockBuilder, table: relax.Var, heads: int, seq) -> relax.Var:
+    """[1, heads, seq, seq] of a [2 x seq, heads] table, element [0, h, i, j] its row (j - i) mod 2 x seq, by
+    the views the importer writes of compile/families.skewed."""
+    op = relax.op
+    repeated = bb.emit(op.broadcast_to(bb.emit(op.expand_dims(bb.emit(op.permute_dims(table, [1, 0])), [1])),
+                                      (heads, 2 * seq - 1, 2 * seq)))
+    rows = bb.emit(op.reshape(bb.emit(op.reshape(repeated, (heads, (2 * seq - 1) * 2 * seq))),
+                              (heads, 2 * seq, 2 * seq - 1)))
+    sliced = bb.emit(op.strided_slice(rows, [1, 2], [0, 0], [seq, seq], [1, 1], assume_inbound=True))
+    return bb.emit(op.expand_dims(sliced, [0]))
 
 
 def _expected_module(layout: str, seq: int, lanes: int) -> tvm.IRModule:
@@ -503,34 +518,50 @@ def _relative_score_bias(seq: int, batch: int, seed: int) -> np.ndarray:
     return tables[:, :, buckets]
 
 
-# (layout, bound, shared by the batch), each arithmetic of the products (mcpu, products) in one of them
-SCORE_BIAS_CASES = {"fp32 x86-64-v4": ("packed", 150, True, "x86-64-v4", "fp32"),
-                    "fp32 x86-64-v3": ("padded", 20, False, "x86-64-v3", "fp32"),
-                    "bf16": ("padded", 20, True, "znver4", "bf16"),
-                    "int8 x86-64-v3": ("packed", 150, False, "x86-64-v3", "int8"),
-                    "int8 x86-64-v4": ("padded", 20, True, "x86-64-v4", "int8")}
+# (layout, bound, the score bias's kind), each arithmetic of the products (mcpu, products) in one of them
+def _relative_table(seq: int, seed: int) -> np.ndarray:
+    """[2 x seq, HEADS]: row r the score bias of relative position r (r < seq), r - 2 x seq (from seq on), by
+    MPNet's buckets."""
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    rows = np.arange(2 * seq)
+    buckets = MPNetEncoder.relative_position_bucket(torch.from_numpy(np.where(rows < seq, rows, rows - 2 * seq)))
+    return (np.random.default_rng(seed).standard_normal((32, HEADS)).astype("float32") * 3)[buckets.numpy()]
+
+
+SCORE_BIAS_CASES = {"fp32 x86-64-v4": ("packed", 150, "relative", "x86-64-v4", "fp32"),
+                    "fp32 x86-64-v3": ("padded", 20, "batched", "x86-64-v3", "fp32"),
+                    "bf16": ("padded", 20, "relative", "znver4", "bf16"),
+                    "int8 x86-64-v3": ("packed", 150, "shared", "x86-64-v3", "int8"),
+                    "int8 x86-64-v4": ("padded", 20, "relative", "x86-64-v4", "int8")}
 
 
 @pytest.mark.parametrize("case", SCORE_BIAS_CASES)
 def test_a_score_bias_is_read_per_sequence_head_query_and_key(case, tmp_path):
-    """The fused kernel adds [1 or batch, heads, seq, seq] to each sequence's scores by its own query and
-    key positions (packed: never another sequence's), in every arithmetic of the products; against numpy
-    in float64. 150 positions reach relative distances past MPNet's 128 (its last bucket)."""
-    layout, seq, shared, mcpu, arithmetic = SCORE_BIAS_CASES[case]
+    """The fused kernel adds a score bias to each sequence's scores by its own query and key positions
+    (packed: never another sequence's), in every arithmetic of the products, read from a table of relative
+    positions through its proved views (which are dropped) or from [1 or batch, heads, seq, seq]; against
+    numpy in float64. 150 positions reach relative distances past MPNet's 128 (its last bucket)."""
+    layout, seq, kind, mcpu, arithmetic = SCORE_BIAS_CASES[case]
     bound = tirx.Var("s", "int64")
-    module = _attention_module(layout, bound, upper_bound=160, score_bias=1 if shared else 0)
+    module = _attention_module(layout, bound, upper_bound=160, score_bias=kind)
     target = make_target("cpu", mcpu=mcpu)
     kernels = KernelConfig.of(target, products=arithmetic)
     after, fused = fuse_attention_in(module, kernels)
-    assert fused == 1 and "relax.nn.softmax" not in _calls(after)
+    assert fused == 1 and not {"relax.nn.softmax", "relax.strided_slice", "relax.broadcast_to"} & set(_calls(after))
     [kernel] = [f for f in after.functions.values() if isinstance(f, tirx.PrimFunc)]
     assert [str(p.name) for p in kernel.params][4] == "score_bias"
+    assert len(kernel.params[4].shape) == (2 if kind == "relative" else 4)
     build_library(module, target, tmp_path / "fused.so", kernels=kernels)
     skip_unless_runs_here(target)
     masks = _run_masks(layout, seq)
     inputs = _inputs(layout, seq, masks, seed=seq)
-    score_bias = _relative_score_bias(seq, 1 if shared else len(masks), seed=seq)
-    got = run(tvm.runtime.load_module(str(tmp_path / "fused.so")), *inputs[:2], score_bias, *inputs[2:])
+    score_bias = _relative_score_bias(seq, len(masks) if kind == "batched" else 1, seed=seq)
+    given = _relative_table(seq, seed=seq) if kind == "relative" else score_bias
+    if kind == "relative":
+        score_bias = given[(np.arange(seq)[None, :] - np.arange(seq)[:, None]) % (2 * seq)].transpose(2, 0, 1)[None]
+    got = run(tvm.runtime.load_module(str(tmp_path / "fused.so")), *inputs[:2], given, *inputs[2:])
     expected = _float64_attention(layout, seq, score_bias)
     if layout == "padded":
         got = got[_read_rows(masks, seq)]

@@ -128,6 +128,21 @@ def test_wrappers_compute_what_transformers_does(checkpoints, family, task):
     np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
 
 
+def test_mpnet_on_pytorchs_fused_attention_computes_what_its_eager_attention_does(checkpoints):
+    """transformers has no SDPA attention for MPNet: the PyTorch peer of the benchmarks and the torch
+    backend get one, the relative position bias and the mask as its additive mask."""
+    from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
+
+    info = inspect_checkpoint(checkpoints["mpnet", "classify"], "classify")
+    eager, sdpa = (load_wrapper(info, "classify", attention=attention) for attention in ("eager", "sdpa"))
+    assert all(type(m).forward is not m.forward for m in sdpa.modules() if isinstance(m, MPNetSelfAttention))
+    batch = _batch(checkpoints["mpnet", "classify"], "classify")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    inputs = (ids, mask, torch.zeros_like(ids), torch.arange(ids.shape[1]).expand_as(ids))
+    with torch.no_grad():
+        np.testing.assert_allclose(sdpa(*inputs).numpy(), eager(*inputs).numpy(), atol=1e-5)
+
+
 def test_mpnets_score_bias_is_its_relative_positions_in_the_last_bucket_past_128():
     """What every MPNet layer adds: per head, the table's entry of bucket(j - i); past 128 positions
     apart, its last bucket (16 - 1 each way)."""
@@ -150,22 +165,22 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
 
 
-@pytest.mark.parametrize("family,layout,precision", [
-    ("mpnet", "packed", "fp32"), pytest.param("mpnet", "padded", "bf16", marks=pytest.mark.requires("avx512_bf16")),
-    ("electra", "padded", "fp32")])
-def test_compiled_embeddings_match_sentence_transformers(checkpoints, tmp_path, family, layout, precision):
-    """Compiled (attention fused, Q/K/V combined, validated against PyTorch) and run on inputs up to
-    MAX_SEQ tokens: sentence-transformers' embeddings, to 0.9999 in fp32 and 0.999 in bf16."""
+@pytest.mark.parametrize("layout,precision", [
+    ("packed", "fp32"), pytest.param("padded", "bf16", marks=pytest.mark.requires("avx512_bf16"))])
+def test_compiled_mpnet_embeddings_match_sentence_transformers(checkpoints, tmp_path, layout, precision):
+    """Compiled (attention fused with the relative position table, Q/K/V combined, validated against
+    PyTorch) and run on inputs up to MAX_SEQ tokens: sentence-transformers' embeddings, to 0.9999 in
+    fp32 and 0.999 in bf16."""
     from sentence_transformers import SentenceTransformer
 
+    family = "mpnet"
     directory = checkpoints[family, "embed"]
     buckets = {"packed": [f"packed-{MAX_SEQ}"], "padded": [f"2x{MAX_SEQ}"]}[layout]
     manifest, _ = compile_artifact(directory, tmp_path / "artifact", buckets, layout=layout, precision=precision,
                                    generic_shapes=["3x5"])
     assert manifest.validated and manifest.model.model_type == family and manifest.pooling == "mean"
     assert manifest.passes.strategies["concat"].attention_fused == 2  # one fused kernel per layer
-    # Q, K, V combined in each layer; ELECTRA's embeddings projected up to the hidden size
-    assert manifest.passes.strategies["concat"].after.matmul == 2 * 6 + (family == "electra")
+    assert manifest.passes.strategies["concat"].after.matmul == 2 * 6  # Q, K, V combined in each layer
     batch = _batch(directory, "embed")
     model = load_artifact(tmp_path / "artifact")
     served = model.run(batch["input_ids"].numpy(), batch["attention_mask"].numpy()).output
@@ -173,17 +188,20 @@ def test_compiled_embeddings_match_sentence_transformers(checkpoints, tmp_path, 
     assert _cosines(served, expected).min() >= (0.9999 if precision == "fp32" else 0.999)
 
 
-def test_compiled_mpnet_reranker_matches_transformers(checkpoints, tmp_path):
-    """A cross-encoder on (query, passage) pairs, packed, fp32: transformers' logits."""
+def test_compiled_electra_reranker_matches_transformers(checkpoints, tmp_path):
+    """A cross-encoder on (query, passage) pairs, packed, fp32: transformers' logits, through ELECTRA's
+    embedding projection and its classification head (token 0, dense, GELU, out_proj)."""
     from transformers import AutoModelForSequenceClassification
 
-    directory = checkpoints["mpnet", "classify"]
+    directory = checkpoints["electra", "classify"]
     manifest, _ = compile_artifact(directory, tmp_path / "artifact", [f"packed-{MAX_SEQ}"], task="classify",
                                    layout="packed", generic_shapes=["3x5"])
     assert manifest.labels == list(TINY_LABELS.values()) and manifest.validated
     assert manifest.passes.strategies["concat"].attention_fused == 2
+    assert manifest.passes.strategies["concat"].after.matmul == 1 + 2 * 6 + 2  # the projection, layers, head
     batch = _batch(directory, "classify")
-    served = load_artifact(tmp_path / "artifact").run(batch["input_ids"].numpy(), batch["attention_mask"].numpy()).output
+    served = load_artifact(tmp_path / "artifact").run(batch["input_ids"].numpy(), batch["attention_mask"].numpy(),
+                                                      batch["token_type_ids"].numpy()).output
     with torch.no_grad():
         expected = AutoModelForSequenceClassification.from_pretrained(directory).eval()(**batch).logits.numpy()
     np.testing.assert_allclose(served, expected, atol=1e-4)

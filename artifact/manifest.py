@@ -18,7 +18,7 @@ SPLADE_POOLINGS = ("splade", "splade-sum")
 MANIFEST_FILE = "manifest.json"
 # The BERT family members compile/families.py compiles, by their config.json `model_type`: known here, without
 # torch, so that a Hub model of another family is refused before anything is downloaded or compiled.
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet")
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "modernbert")
 # huggingface_hub's cache holds a repository's commit as models--ORG--NAME/snapshots/COMMIT
 HUB_SNAPSHOT = re.compile(r"/models--(?P<folder>[\w.-]+)/snapshots/(?P<sha>[0-9a-f]{40})$")
 
@@ -219,6 +219,17 @@ class PrecisionEntry(_Strict):
     attention: AttentionProductsEntry | None = None  # None: fp32 asked (attention's products are fp32)
 
 
+class EmbeddingRangesEntry(_Strict):
+    """Per output dimension, the least and greatest value of the artifact's own embeddings of the
+    shipped sentences (compile/sentences.py), as they come from the libraries (`raw`) and
+    L2-normalized (`normalized`): `[[min, ...], [max, ...]]`, the `ranges` of sentence-transformers'
+    `quantize_embeddings`, with which the server answers int8 and uint8 embeddings."""
+
+    sentences: int
+    raw: list[list[float]]
+    normalized: list[list[float]]
+
+
 class LinearChoice(_Strict):
     """One weight's dense and BSR kernels, timed on the compiling CPU."""
 
@@ -288,6 +299,9 @@ class Manifest(_Strict):
     quantization: QuantizationEntry | None = None  # None: fp32 (or the `dtype`) throughout
     precision: PrecisionEntry | None = None  # None: an artifact from before precisions were chosen
     tuning: TuningEntry | None = None  # None: hand schedules only (no --tune)
+    # None: not a pooled embedding model, its libraries not run at compile time, or compiled before
+    # ranges were recorded; such a model answers no int8 / uint8 embeddings
+    embedding_ranges: EmbeddingRangesEntry | None = None
     validated: bool
     validated_on: str | None = None  # the device validation ran on ("cpu", or the GPU's name)
     tolerance: float

@@ -200,6 +200,7 @@ class BertWrapper(torch.nn.Module):
         self.family = FAMILIES[model.config.model_type]
         self.bert = model.base_model  # the encoder, whatever the family calls it
         self.classifier = self.family.head(model) if task == "classify" else None  # [B, S, H] -> logits
+        self.classifier_pooling = self.family.classifier_pooling(model) if task == "classify" else None
         self.mlm_head = self.family.mlm_head(model) if pooling in SPLADE_POOLINGS else None  # -> vocabulary logits
         self.vocab_size = int(model.config.vocab_size)  # the MLM head's logits are padded past it
 
@@ -212,9 +213,9 @@ class BertWrapper(torch.nn.Module):
     def forward(self, input_ids, attention_mask, token_type_ids, position_ids):
         hidden = self.family.embed(self.bert, input_ids, token_type_ids, position_ids)
         mask = attention_mask.to(hidden.dtype)
-        hidden = self.family.encode(self.bert, hidden, self.additive_mask(mask))
-        if self.task == "classify":
-            return self.classifier(hidden)
+        hidden = self.family.encode(self.bert, hidden, self.additive_mask(mask), position_ids)
+        if self.task == "classify":  # a head of the tokens' mean reads it as [batch, 1, hidden]
+            return self.classifier(pool(hidden, mask, "mean")[:, None] if self.classifier_pooling == "mean" else hidden)
         if self.pooling == "none":
             return hidden
         if self.mlm_head is not None:

@@ -1,18 +1,20 @@
-"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT,
-ELECTRA and MPNet.
+"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA,
+MPNet and ModernBERT.
 
-All are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU feed-forward, so
-one padded and one packed wrapper compile them all. They differ in module names, in what the
-embeddings take (DistilBERT and MPNet have no token types; ELECTRA projects small embeddings up to
-the hidden size), in where positions start (RoBERTa, XLM-R and MPNet count from the padding index
-+ 1, while the server always feeds 0..len-1), in a score bias added to every layer's attention
-scores (MPNet's relative positions) and in the classification head. A `Family` answers exactly
-those questions; everything it returns is the checkpoint's own modules, so every numerical choice
-stays the checkpoint's.
+The first six are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
+feed-forward, so one padded and one packed wrapper compile them all. They differ in module names,
+in what the embeddings take (DistilBERT and MPNet have no token types; ELECTRA projects small
+embeddings up to the hidden size), in where positions start (RoBERTa, XLM-R and MPNet count from the
+padding index + 1, while the server always feeds 0..len-1), in a score bias added to every layer's
+attention scores (MPNet's relative positions) and in the classification head. ModernBERT (pre-norm layers, rotary positions, GeGLU, sliding-window
+attention on two layers in three) runs its layers through the same `LayerParts` in both layouts.
+A `Family` answers exactly those questions; everything it returns is the checkpoint's own modules
+(or tables computed as the checkpoint computes them), so every numerical choice stays the checkpoint's.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,19 +22,62 @@ from typing import Callable
 
 import torch
 
+from .rotary import RotaryTables
+
 
 @dataclass(frozen=True)
 class LayerParts:
-    """One encoder layer as the packed wrapper runs it: Q/K/V projections, then the layer's own
-    attention-output and feed-forward blocks (each with its residual and layer norm)."""
+    """One encoder layer as the wrappers run it: Q/K/V rows of the layer input (at the tokens' positions),
+    attention, then the layer's own attention-output and feed-forward blocks (each with its residual
+    and layer norm). `window`: a query attends to the keys at most this many positions away (sliding-window
+    attention); None, to every key. `sdpa`: the attention on PyTorch's fused kernel (a PyTorch peer's, never
+    exported)."""
 
-    query: torch.nn.Linear
-    key: torch.nn.Linear
-    value: torch.nn.Linear
+    project: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     heads: int
     head_size: int
     attention_output: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (context, layer input) -> attended
     feed_forward: Callable[[torch.Tensor], torch.Tensor]  # attended -> layer output
+    window: int | None = None
+    sdpa: bool = False
+
+
+def linear_projections(query: torch.nn.Linear, key: torch.nn.Linear, value: torch.nn.Linear):
+    """`LayerParts.project` of three Linears of the layer input (no position in them)."""
+    return lambda hidden, positions: (query(hidden), key(hidden), value(hidden))
+
+
+def attention_core(layer: LayerParts, query, key, value, additive_mask, score_bias=None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(head_size) [+ score bias] + mask) V over [batch, heads, seq, head_size], the mask
+    [batch, 1, 1, seq] (0 for real keys, the dtype's min for padding) and, on a sliding-window layer, the keys
+    farther than its window masked too; the family's score bias ([1, heads, seq, seq]) where it has one
+    (FuseAttention recognises this graph: compile/passes/fuse_attention.py)."""
+    mask = additive_mask if layer.window is None else windowed(additive_mask, layer.window)
+    if layer.sdpa:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask if score_bias is None else score_bias + mask, scale=layer.head_size ** -0.5)
+    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(layer.head_size)
+    scores = (scores if score_bias is None else scores + score_bias) + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def windowed(additive_mask: torch.Tensor, window: int) -> torch.Tensor:
+    """[batch, 1, seq, seq]: the padding mask, and the dtype's min where |query - key| > window (as
+    transformers' bidirectional sliding-window mask; the min replaces, never adds to, a padding key's)."""
+    index = torch.arange(additive_mask.shape[-1], device=additive_mask.device)
+    far = (index[:, None] - index[None, :]).abs() > window
+    return torch.where(far, torch.finfo(additive_mask.dtype).min, additive_mask)
+
+
+def padded_attention(layer: LayerParts, query, key, value, additive_mask) -> torch.Tensor:
+    """`attention_core` of [batch, seq, heads * head_size] rows, the context in the same layout."""
+    batch, seq, width = query.shape
+
+    def per_head(rows):
+        return rows.reshape(batch, seq, layer.heads, layer.head_size).transpose(1, 2)
+
+    context = attention_core(layer, per_head(query), per_head(key), per_head(value), additive_mask)
+    return context.transpose(1, 2).reshape(batch, seq, width)
 
 
 # A multiple of every CPU matmul tile width (AVX2 24, AVX-512 32, compile/kernels/dense.py): an MLM
@@ -107,25 +152,34 @@ class Family:
         return base.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
 
     def encoder(self, base: torch.nn.Module) -> torch.nn.Module:
-        """The module holding the layer stack."""
+        """The layer stack: called as `encoder(hidden, attention_mask=additive).last_hidden_state`."""
         return base.encoder
 
-    def encode(self, base: torch.nn.Module, hidden: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:
-        """The layer stack on the embeddings, with the [batch, 1, 1, seq] additive mask."""
-        return self.encoder(base)(hidden, attention_mask=additive).last_hidden_state
+    def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
+        """The padded layer stack's output ([batch, seq, hidden]) from the embeddings and the additive mask."""
+        return self.encoder(base)(hidden, attention_mask=additive_mask).last_hidden_state
+
+    def final(self, base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """What follows the last layer (a pre-norm stack's final norm)."""
+        return hidden
 
     def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor | None:
         """What every layer adds to its attention scores before the mask, [1, heads, seq, seq] for the
         sequences' own positions (`seq`: any tensor whose dim 1 is the sequence bound); None: nothing."""
         return None
 
+    def classifier_pooling(self, model: torch.nn.Module) -> str:
+        """What the classification head reads: "cls" (token 0, which `head` selects) or "mean" (the
+        real tokens' mean, which the wrappers hand it as [batch, 1, hidden])."""
+        return "cls"
+
     def layers(self, base: torch.nn.Module) -> list[LayerParts]:
         return [self._parts(layer) for layer in self.encoder(base).layer]
 
     def _parts(self, layer: torch.nn.Module) -> LayerParts:
         attention = layer.attention.self
-        return LayerParts(attention.query, attention.key, attention.value, attention.num_attention_heads,
-                          attention.attention_head_size, layer.attention.output,
+        return LayerParts(linear_projections(attention.query, attention.key, attention.value),
+                          attention.num_attention_heads, attention.attention_head_size, layer.attention.output,
                           lambda attended: layer.output(layer.intermediate(attended), attended))
 
     def head(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -169,7 +223,7 @@ class DistilBert(Family):
 
     def _parts(self, layer: torch.nn.Module) -> LayerParts:
         attention = layer.attention
-        return LayerParts(attention.q_lin, attention.k_lin, attention.v_lin, attention.n_heads,
+        return LayerParts(linear_projections(attention.q_lin, attention.k_lin, attention.v_lin), attention.n_heads,
                           attention.attention_head_size,
                           lambda context, hidden: layer.sa_layer_norm(attention.out_lin(context) + hidden),
                           lambda attended: layer.output_layer_norm(layer.ffn(attended) + attended))
@@ -223,10 +277,10 @@ class MPNet(Roberta):
     def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
         return base.embeddings(input_ids=input_ids, position_ids=position_ids + self.first_position(None))
 
-    def encode(self, base: torch.nn.Module, hidden: torch.Tensor, additive: torch.Tensor) -> torch.Tensor:
+    def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
         bias = self.score_bias(base, hidden)
         for layer in base.encoder.layer:
-            hidden = layer(hidden, additive, bias)[0]
+            hidden = layer(hidden, additive_mask, bias)[0]
         return hidden
 
     def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
@@ -241,13 +295,70 @@ class MPNet(Roberta):
 
     def _parts(self, layer: torch.nn.Module) -> LayerParts:
         attention = layer.attention.attn
-        return LayerParts(attention.q, attention.k, attention.v, attention.num_attention_heads,
+        return LayerParts(linear_projections(attention.q, attention.k, attention.v), attention.num_attention_heads,
                           attention.attention_head_size,
                           lambda context, hidden: layer.attention.LayerNorm(attention.o(context) + hidden),
                           lambda attended: layer.output(layer.intermediate(attended), attended))
 
     def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
         return model.lm_head
+
+
+class ModernBert(Family):
+    """ModernBERT: pre-norm layers without biases, one Q/K/V linear, rotary positions (a table per layer
+    type: global and sliding-window layers have their own theta), GeGLU, sliding windows of
+    `local_attention` keys around each query between the global layers, a final norm, and a head
+    (dense, activation, norm, linear) after token 0 or the tokens' mean."""
+
+    base_model_options = {}
+
+    def load(self, path: Path, task: str, attention: str = "eager") -> torch.nn.Module:
+        model = super().load(path, task, attention)
+        RotaryTables.of(model.base_model)  # before the wrapper reads the state dict (export, its key)
+        return model
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        return base.embeddings(input_ids=input_ids)  # positions enter through the rotary tables
+
+    def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
+        """On [batch * seq, hidden] rows, so that the rotated Q and K are rows the fused attention reads."""
+        batch, seq, width = hidden.shape
+        rows, positions = hidden.reshape(batch * seq, width), position_ids.reshape(batch * seq)
+        for layer in self.layers(base):
+            projected = (x.reshape(batch, seq, -1) for x in layer.project(rows, positions))
+            context = padded_attention(layer, *projected, additive_mask).reshape(batch * seq, -1)
+            rows = layer.feed_forward(layer.attention_output(context, rows))
+        return self.final(base, rows.reshape(batch, seq, width))
+
+    def final(self, base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return base.final_norm(hidden)
+
+    def classifier_pooling(self, model: torch.nn.Module) -> str:
+        return model.config.classifier_pooling
+
+    def layers(self, base: torch.nn.Module) -> list[LayerParts]:
+        tables = RotaryTables.of(base)
+        return [self._modern_parts(layer, base.config, tables) for layer in base.layers]
+
+    def _modern_parts(self, layer: torch.nn.Module, config, tables: "RotaryTables") -> LayerParts:
+        attention, heads = layer.attn, int(config.num_attention_heads)
+        size = attention.head_dim
+        rotate = tables.rotation(layer.attention_type)
+
+        def project(hidden, positions):
+            query, key, value = attention.Wqkv(layer.attn_norm(hidden)).chunk(3, dim=-1)
+            return rotate(query, positions, heads), rotate(key, positions, heads), value
+
+        return LayerParts(project, heads, size, lambda context, hidden: hidden + attention.Wo(context),
+                          lambda attended: attended + layer.mlp(layer.mlp_norm(attended)),
+                          window=int(config.sliding_window) if attention.sliding_window is not None else None,
+                          sdpa=config._attn_implementation == "sdpa")
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(FirstToken(), model.head, model.classifier)
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(model.head, model.decoder)
 
 
 def _sdpa_self_attention(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False,
@@ -272,5 +383,6 @@ FAMILIES = {
         DistilBert("distilbert", "DistilBertForSequenceClassification"),
         Electra("electra", "ElectraForSequenceClassification"),
         MPNet("mpnet", "MPNetForSequenceClassification"),
+        ModernBert("modernbert", "ModernBertForSequenceClassification"),
     )
 }

@@ -12,12 +12,10 @@ library with it on padded rows.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .checkpoint import BertWrapper, pool, splade
-from .families import LayerParts
+from .families import LayerParts, attention_core
 
 
 class PackedBertWrapper(torch.nn.Module):
@@ -30,6 +28,7 @@ class PackedBertWrapper(torch.nn.Module):
         self.family = padded.family
         self.bert = padded.bert
         self.classifier = padded.classifier
+        self.classifier_pooling = padded.classifier_pooling
         self.mlm_head = padded.mlm_head
         self.vocab_size = padded.vocab_size
         self.dense = padded.dense  # the Dense layers after pooling, where the checkpoint has them
@@ -45,9 +44,12 @@ class PackedBertWrapper(torch.nn.Module):
         additive = (1.0 - mask[:, None, None, :]) * torch.finfo(hidden.dtype).min
         score_bias = self.family.score_bias(self.bert, gather)  # each sequence's own positions, i and j < seq
         for layer in self.layers:
-            attended = layer.attention_output(
-                self._attention(layer, hidden, rows, score_bias, additive, scatter, batch, seq), hidden)
-            hidden = layer.feed_forward(attended)
+            context = self._attention(layer, layer.project(hidden, position_ids), rows, additive, score_bias,
+                                      scatter, batch, seq)
+            hidden = layer.feed_forward(layer.attention_output(context, hidden))
+        hidden = self.family.final(self.bert, hidden)
+        if self.task == "classify" and self.classifier_pooling == "mean":
+            return self.classifier(pool(torch.index_select(hidden, 0, rows).reshape(batch, seq, -1), mask, "mean")[:, None])
         if self.task == "classify":  # the head reads token 0 of [batch, seq, hidden]: give it [batch, 1, hidden]
             return self.classifier(torch.index_select(hidden, 0, gather[:, 0])[:, None])
         if self.pooling == "none":  # [tokens, hidden]: every real token's state, in packed order
@@ -61,18 +63,14 @@ class PackedBertWrapper(torch.nn.Module):
         return self.head(pool(torch.index_select(hidden, 0, rows).reshape(batch, seq, -1), mask, self.pooling))
 
     @staticmethod
-    def _attention(layer: LayerParts, hidden, rows, score_bias, additive, scatter, batch, seq):
-        """BERT's eager self-attention per sequence: packed Q, K, V projections, gathered per head; the
-        family's score bias (if any) added before the mask, as the padded layers add it."""
+    def _attention(layer: LayerParts, projected, rows, additive, score_bias, scatter, batch, seq):
+        """The eager self-attention per sequence: packed Q, K, V rows, gathered per head (so that a sliding
+        window or a score bias never reaches into another sequence), the context scattered back to the packed
+        rows."""
         heads, size = layer.heads, layer.head_size
 
-        def per_sequence(projected):
-            return torch.index_select(projected, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
+        def per_sequence(rows_of_tokens):
+            return torch.index_select(rows_of_tokens, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
 
-        query, key, value = (per_sequence(projection(hidden)) for projection in (layer.query, layer.key, layer.value))
-        scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(size)
-        if score_bias is not None:
-            scores = scores + score_bias
-        scores = scores + additive
-        context = torch.matmul(torch.softmax(scores, dim=-1), value)
+        context = attention_core(layer, *(per_sequence(x) for x in projected), additive, score_bias)
         return torch.index_select(context.transpose(1, 2).reshape(batch * seq, heads * size), 0, scatter)

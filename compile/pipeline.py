@@ -55,7 +55,8 @@ PHASES = (
     Phase("tokenizer", "copy the tokenizer"),
     Phase("libraries", "each bucket's library and the generic one, per strategy; chosen, validated, timed",
           steps=lambda plan: 2 * (len(plan.buckets) + 1)),
-    Phase("accuracy", "the generic library against the fp32 model on the shipped sentences"),
+    Phase("accuracy", "the generic library against the fp32 model on the shipped sentences; its embeddings' "
+          "ranges (int8 / uint8 embeddings)"),
 )
 
 
@@ -116,11 +117,12 @@ def ship(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, variants: Va
     records, shared_strategy = build_libraries(builder, config, plan, progress)
     with progress.step(f"{arithmetic.precision} accuracy against the fp32 model on the shipped sentences"):
         precision_entry, quantization = builder.precision_report(records[-1], variants.linears, auto_entry)
+        embedding_ranges = builder.embedding_ranges(records[-1])
     used = {r.strategy for r in records}
     for strategy in set(weight_files) - used:
         (staging / weight_files.pop(strategy).file).unlink()
     manifest = assemble_manifest(config, plan, builder, variants, records, weight_files, shared_strategy, sparsity,
-                                 precision_entry, quantization)
+                                 precision_entry, quantization, embedding_ranges)
     return manifest, records
 
 

@@ -74,9 +74,16 @@ def bert_flops(config: dict, lengths: list[int]) -> float:
 
     hidden, inter = value("hidden_size", "dim"), value("intermediate_size", "hidden_dim")
     layers = value("num_hidden_layers", "n_layers")
-    linear = 2 * sum(lengths) * (4 * hidden * hidden + 2 * hidden * inter)
-    attention = 2 * 2 * sum(length * length for length in lengths) * hidden
-    return float(layers * (linear + attention))
+    gated = config.get("model_type") == "modernbert"  # GeGLU: two input projections, then the output one
+    linear = 2 * sum(lengths) * (4 * hidden * hidden + (3 if gated else 2) * hidden * inter)
+
+    def attention(reach: int) -> int:  # each query's keys: every one, or a sliding window's
+        return 2 * 2 * sum(length * min(length, reach) for length in lengths) * hidden
+
+    windows = [layer == "sliding_attention" for layer in config.get("layer_types") or []]
+    window_keys = int(config.get("local_attention", 0)) + 1
+    return float(layers * linear + sum(attention(window_keys if windowed else max(lengths, default=0))
+                                       for windowed in windows + [False] * (layers - len(windows))))
 
 
 def matmul_peak_gflops(threads: int, device: str = "cpu", dtype: str = "float32") -> float:

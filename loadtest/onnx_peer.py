@@ -32,8 +32,11 @@ def artifact_checkpoint(manifest) -> CheckpointInfo:
 
 
 def export_onnx(model, path: Path, optimize: bool = True) -> Path:
-    """The wrapper exported to ONNX with dynamic batch and sequence (the graph every peer reads)."""
-    dims = {name: {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("seq", max=512)} for name in INPUT_NAMES}
+    """The wrapper exported to ONNX with dynamic batch and sequence up to the model's positions (the graph
+    every peer reads)."""
+    positions = max(512, int(model.bert.config.max_position_embeddings))  # ModernBERT's 8192
+    dims = {name: {0: torch.export.Dim("batch", max=1024), 1: torch.export.Dim("seq", max=positions)}
+            for name in INPUT_NAMES}
     with torch.no_grad():
         torch.onnx.export(model, example_inputs(2, 8, 30522), str(path), input_names=list(INPUT_NAMES),
                           output_names=["output"], dynamic_shapes=dims, dynamo=True, optimize=optimize, verbose=False)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter, ValidationError
 
+from artifact.embedding_dtypes import EMBEDDING_DTYPES
 from artifact.errors import ArtifactError
 from artifact.hub import HubError
 from compile.errors import CompileError
@@ -99,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--auto-truncate", nargs="?", const=True, type=_switch, metavar="true|false",
         help="HTTP requests that do not say `truncate` cut over-long inputs (default on, as TEI); off: 413")
     add("--no-auto-truncate", dest="auto_truncate", action="store_false", default=None, help="--auto-truncate false")
+    add("--embedding-dtype", choices=EMBEDDING_DTYPES, help="what /embed, /v1/embeddings and gRPC Embed answer in "
+        "where a request names no `embedding_dtype` (default float32): int8 / uint8 (the model's calibration "
+        "ranges), binary / ubinary (signs packed 8 to a byte), as sentence-transformers' quantize_embeddings")
     # The rest of TEI's command line: its names for flags above, its flags, and those refused
     add("--hostname", dest="host", help="TEI's name for --host")
     add("-p", dest="port", type=int, help="--port")

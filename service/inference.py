@@ -15,8 +15,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from artifact.embedding_dtypes import CALIBRATED_DTYPES, l2_normalize, quantize
+from artifact.manifest import EmbeddingRangesEntry
+
 from .batcher import Batcher
-from .errors import TooLarge
+from .errors import NotSupported, TooLarge
 from .inputs import (
     TextInput,
     TokenIds,
@@ -39,6 +42,9 @@ ZERO_SHOT_SCALE = 20.0
 # than handing them to the tokenizer thread and back); longer ones off it, so a large request
 # never stalls the loop.
 INLINE_TOKENIZE_CHARS = 2048
+# Why a model answers no int8 / uint8 embeddings
+UNCALIBRATED = ("records no calibration ranges (compiled before they were recorded, or where its libraries could not "
+                "run); recompile it with bert-compile")
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,10 @@ class ModelService:
 
     def __init__(self, name: str, task: str, labels: list[str], tokenizer: TextTokenizer, batcher: Batcher,
                  tokenizer_pool: ThreadPoolExecutor, max_client_batch_size: int, output_dim: int,
-                 problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None):
+                 problem_type: str | None = None, prompts: Prompts | None = None, tracing: Tracing | None = None,
+                 embedding_ranges: EmbeddingRangesEntry | None = None):
         self.name = name
+        self.embedding_ranges = embedding_ranges  # int8 / uint8 embeddings' calibration (None: not recorded)
         self.tracing = tracing  # with --otlp-endpoint: each request's stages become spans
         self.prompts = prompts or Prompts({}, "")
         self.output_dim = output_dim
@@ -130,13 +138,33 @@ class ModelService:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, work, *args)
 
     async def embed(self, inputs: list[str | TokenIds], normalize: bool, truncation: Truncation,
-                    dimensions: int | None = None, prompt_name: str | None = None) -> tuple[np.ndarray, Computed]:
+                    dimensions: int | None = None, prompt_name: str | None = None,
+                    embedding_dtype: str = "float32") -> tuple[np.ndarray, Computed]:
         """Embeddings of texts or token ids; with `dimensions`, the first d components (Matryoshka),
-        normalised after the cut; `prompt_name` (else the default prompt) is prepended to every text."""
+        normalised after the cut, then quantized to `embedding_dtype` (sentence-transformers' order);
+        `prompt_name` (else the default prompt) is prepended to every text."""
         valid_dimensions(dimensions, self.output_dim)
+        ranges = self.quantization_ranges(embedding_dtype, normalize, dimensions)
         computed = await self.compute(self.prompts.apply(inputs, prompt_name), truncation)
         vectors = computed.outputs[:, :dimensions]
-        return (l2_normalize(vectors) if normalize else vectors), computed
+        return quantize(l2_normalize(vectors) if normalize else vectors, embedding_dtype, ranges), computed
+
+    def quantization_ranges(self, embedding_dtype: str, normalize: bool, dimensions: int | None) -> np.ndarray | None:
+        """The `[2, dim]` ranges int8 / uint8 embeddings are bucketed by (None for the other dtypes):
+        the calibration recorded at compile time of the full vectors, normalized or not; unnormalized
+        ones hold for their first d components too. Refused where the model has none that fit."""
+        if embedding_dtype not in CALIBRATED_DTYPES:
+            return None
+        ranges = self.embedding_ranges
+        if ranges is None:
+            raise NotSupported(f"embedding_dtype {embedding_dtype}: model {self.name!r} {UNCALIBRATED}, "
+                               f"or ask binary or ubinary")
+        if normalize and dimensions not in (None, self.output_dim):
+            raise NotSupported(f"embedding_dtype {embedding_dtype} of normalized embeddings cut to {dimensions} "
+                               f"dimensions: the model's calibration ranges are of its full {self.output_dim}-"
+                               f"dimension vectors; ask normalize false, all {self.output_dim} dimensions, or "
+                               f"binary or ubinary")
+        return np.asarray(ranges.normalized if normalize else ranges.raw, dtype=np.float32)[:, :dimensions]
 
     async def embed_all(self, inputs: list[str | TokenIds], truncation: Truncation,
                         prompt_name: str | None = None) -> tuple[list[np.ndarray], Computed]:
@@ -187,10 +215,6 @@ def _characters(item: TextInput | TokenIds) -> int:
 def sparse_pairs(weights: np.ndarray) -> list[dict]:
     indices = np.flatnonzero(weights)
     return [{"index": int(i), "value": float(v)} for i, v in zip(indices, weights[indices])]
-
-
-def l2_normalize(vectors: np.ndarray) -> np.ndarray:
-    return vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -153,6 +153,11 @@ def _truncation(request: Request, body=None) -> Truncation:
     return truncation(body.truncate, body.truncation_direction, auto_truncate=auto_truncate)
 
 
+def _embedding_dtype(request: Request, body) -> str:
+    """`body`'s embedding_dtype, else the server's --embedding-dtype."""
+    return body.embedding_dtype or request.app.state.settings.embedding_dtype
+
+
 def _json(content, headers: dict[str, str]) -> Response:
     """A JSON answer encoded by orjson, numpy arrays included: Python's json module spent a quarter
     of the event loop's time on the floats of the embeddings under load (py-spy)."""
@@ -220,13 +225,16 @@ async def embed(body: EmbedRequest, request: Request) -> Response:
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed(inputs, body.normalize, _truncation(request, body), body.dimensions,
-                                            body.prompt_name)
+                                            body.prompt_name, _embedding_dtype(request, body))
     return _json(vectors, _headers(service, computed, started))
 
 
 async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Response:
-    """One answer per input from the model serving `task` (embed_all or embed_sparse)."""
+    """One answer per input from the model serving `task` (embed_all or embed_sparse), in float32."""
     started = time.perf_counter()
+    if body.embedding_dtype not in (None, "float32"):
+        raise NotSupported(f"embedding_dtype {body.embedding_dtype}: /{task} answers float32; quantized "
+                           f"embeddings are pooled ones, on /embed and /v1/embeddings")
     service = _runtime(request).model(task, body.model)
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
@@ -367,17 +375,25 @@ async def retrieve_model(name: str, request: Request) -> dict:
     return _runtime(request).list_model(name)
 
 
+def packed_bytes(vector: np.ndarray) -> bytes:
+    """An embedding as OpenAI's base64 carries it: float32 little-endian, as the `openai` client
+    decodes it; a quantized one its bytes as they are (int8 signed, binary and ubinary the packed bits)."""
+    return np.asarray(vector, dtype="<f4" if vector.dtype == np.float32 else vector.dtype).tobytes()
+
+
 @post("/v1/embeddings", "/embeddings")  # /embeddings: an OpenAI client whose base URL has no /v1
 async def openai_embeddings(body: OpenAIEmbeddingRequest, request: Request) -> Response:
-    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it."""
+    """OpenAI's embeddings API; base64 is little-endian float32, as the `openai` client decodes it, or
+    a quantized `embedding_dtype`'s bytes (`packed_bytes`)."""
     started = time.perf_counter()
     service = _runtime(request).openai_model(body.model)
     inputs = one_per_item(body.input)
     service.check_batch_size(len(inputs))
     vectors, computed = await service.embed(inputs, normalize=True, truncation=_truncation(request),
-                                            dimensions=body.dimensions, prompt_name=body.prompt_name)
+                                            dimensions=body.dimensions, prompt_name=body.prompt_name,
+                                            embedding_dtype=_embedding_dtype(request, body))
     if body.encoding_format == "base64":
-        data = [base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode() for vector in vectors]
+        data = [base64.b64encode(packed_bytes(vector)).decode() for vector in vectors]
     else:
         data = vectors.tolist()
     content = OpenAIEmbeddingResponse(

@@ -23,13 +23,14 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from artifact.cores import limit_pool_spinning, usable_cores
+from artifact.embedding_dtypes import CALIBRATED_DTYPES, EMBEDDING_DTYPES
 from artifact.levels import artifact_for_this_cpu
 from artifact.manifest import Manifest
 
 from .backends import Backend, load_backend
 from .batcher import Batcher
 from .errors import ModelNotFound, NotSupported, Unavailable
-from .inference import ModelService
+from .inference import UNCALIBRATED, ModelService
 from .lanes import Lanes
 from .memory import resident_bytes
 from .metrics import Metrics
@@ -87,6 +88,7 @@ def served_artifacts(settings: Settings) -> list[ServedArtifact]:
     if twice:
         raise ArtifactSetError(f"two models are named {twice[0]!r}; name them apart with --served-name")
     check_tei_choices(served, settings)
+    check_embedding_dtype(served, settings)
     return served
 
 
@@ -110,6 +112,26 @@ def check_tei_choices(served: list[ServedArtifact], settings: Settings) -> None:
             raise ArtifactSetError(
                 f"--pooling {settings.pooling}: model {artifact.name!r} pools by {pooling}, chosen when it was "
                 f"compiled; compile it with bert-compile --pooling mean|cls|max|none|splade, or leave --pooling out")
+
+
+def check_embedding_dtype(served: list[ServedArtifact], settings: Settings) -> None:
+    """--embedding-dtype int8 / uint8 needs every embedding model's calibration ranges: refused at
+    start rather than on every request that names no dtype."""
+    lacking = [artifact.name for artifact in served
+               if model_kind(artifact.manifest) == "embed" and artifact.manifest.embedding_ranges is None]
+    if settings.embedding_dtype in CALIBRATED_DTYPES and lacking:
+        raise ArtifactSetError(
+            f"--embedding-dtype {settings.embedding_dtype}: model {lacking[0]!r} {UNCALIBRATED}, or serve binary "
+            f"or ubinary")
+
+
+def embedding_dtypes(manifest: Manifest) -> list[str]:
+    """The dtypes a model answers embeddings in: none but a pooled embedding model's, int8 and uint8
+    where it records calibration ranges."""
+    if model_kind(manifest) != "embed":
+        return []
+    return [dtype for dtype in EMBEDDING_DTYPES
+            if dtype not in CALIBRATED_DTYPES or manifest.embedding_ranges is not None]
 
 
 def freeze_startup_objects() -> None:
@@ -231,7 +253,7 @@ class Runtime:
         return ModelService(artifact.name, manifest.task, manifest.labels,
                             TextTokenizer(tokenizer_dir / "tokenizer.json", limit, manifest.model.vocab_size), batcher,
                             self._tokenizer_pool, settings.max_client_batch_size, manifest.output_dim,
-                            manifest.problem_type, artifact.prompts, self.tracing)
+                            manifest.problem_type, artifact.prompts, self.tracing, manifest.embedding_ranges)
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
@@ -298,6 +320,7 @@ class Runtime:
             "max_batch_requests": settings.max_batch_requests,
             "max_client_batch_size": settings.max_client_batch_size,
             "auto_truncate": settings.auto_truncate,
+            "embedding_dtype": settings.embedding_dtype,
             "tokenization_workers": settings.tokenization_workers,
             "version": VERSION, "sha": None, "docker_label": None,  # TEI's build fields
             "backend": settings.backend,
@@ -343,6 +366,7 @@ class Runtime:
             "pooling": manifest.pooling,
             "labels": manifest.labels,
             "output_dim": manifest.output_dim,
+            "embedding_dtypes": embedding_dtypes(manifest),
             "max_input_length": service.tokenizer.max_length if service else None,
             "prompts": service.prompts.describe() if service else None,
             "buckets": [{"name": b.bucket.name, "batch": b.batch, "seq": b.seq, "strategy": b.strategy}

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from artifact.embedding_dtypes import EmbeddingDtype
+
 from .inputs import no_empty_input, no_empty_sequence, non_empty, predict_inputs, texts_only, texts_or_ids
 
 # Texts only (classification, tokenization): one string or several, none empty
@@ -24,6 +26,9 @@ EmbeddingInputs = Annotated[str | list[int] | list[str | list[int]], BeforeValid
                             AfterValidator(no_empty_input)]
 # Texts none of which is empty (zero-shot labels, /similarity's sentences)
 Texts = Annotated[list[str], AfterValidator(no_empty_input)]
+
+EMBEDDING_DTYPE_DOC = ("int8 / uint8 (by the model's calibration ranges), binary / ubinary (signs packed 8 to a "
+                       "byte) as sentence-transformers' quantize_embeddings; default: the server's --embedding-dtype")
 
 
 class _Strict(BaseModel):
@@ -49,6 +54,7 @@ class EmbedRequest(_Truncating):
     normalize: bool = True
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
+    embedding_dtype: EmbeddingDtype | None = Field(None, description=EMBEDDING_DTYPE_DOC)
 
 
 class EmbedAllRequest(_Truncating):
@@ -56,6 +62,7 @@ class EmbedAllRequest(_Truncating):
 
     inputs: EmbeddingInputs
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
+    embedding_dtype: EmbeddingDtype | None = Field(None, description="float32 only (quantized: /embed)")
 
 
 class PipelineParameters(_Strict):
@@ -129,11 +136,12 @@ class OpenAIEmbeddingRequest(_Request):
     user: str | None = None
     dimensions: int | None = Field(None, ge=1, description="Matryoshka: keep the first d components")
     prompt_name: str | None = None
+    embedding_dtype: EmbeddingDtype | None = Field(None, description=EMBEDDING_DTYPE_DOC)
 
 
 class OpenAIEmbedding(BaseModel):
     object: Literal["embedding"] = "embedding"
-    embedding: list[float] | str
+    embedding: list[int] | list[float] | str  # int: a quantized embedding_dtype
     index: int
 
 

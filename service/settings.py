@@ -14,6 +14,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from artifact.embedding_dtypes import EmbeddingDtype
+
 ENV_PREFIX = "BERT_SERVE_"
 # A TEI container's environment carries over: the variables TEI reads for the flags both servers have (not
 # HOSTNAME and PORT, which shells and orchestrators set for other reasons).
@@ -72,6 +74,8 @@ class Settings(BaseModel):
     payload_limit: int = Field(2_000_000, ge=1, description="request body bytes; beyond: 413")
     auto_truncate: bool = Field(True, description="HTTP: default of `truncate`, and what /v1/embeddings does "
                                 "(TEI's default); gRPC requests truncate only when they ask")
+    embedding_dtype: EmbeddingDtype = Field(
+        "float32", description="what the embedding routes answer in where a request names no `embedding_dtype`")
     api_key: str | None = None
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["text", "json"] = "text"

@@ -185,6 +185,16 @@ def test_flops_of_minilm_count_real_tokens():
     assert bert_flops(config, [128, 32]) < bert_flops(config, [128, 128])
 
 
+def test_flops_of_modernbert_count_geglu_and_windows():
+    """ModernBERT: three projections of the feed-forward width (GeGLU), and on its sliding-window layers each
+    query's window of keys (local_attention + 1 of them), not the whole sequence."""
+    config = {"model_type": "modernbert", "hidden_size": 768, "intermediate_size": 1152, "num_hidden_layers": 3,
+              "layer_types": ["full_attention", "sliding_attention", "sliding_attention"], "local_attention": 128}
+    linear = 2 * 8192 * (4 * 768 ** 2 + 3 * 768 * 1152)
+    assert bert_flops(config, [8192]) == 3 * linear + 4 * 8192 * 768 * (8192 + 2 * 129)
+    assert bert_flops(config, [100]) == 3 * (2 * 100 * (4 * 768 ** 2 + 3 * 768 * 1152)) + 3 * 4 * 100 * 100 * 768
+
+
 def test_fp32_candidates_are_held_to_the_tolerance_and_reduced_precisions_to_their_least_cosine():
     precisions = {"tvm_bucket": "fp32", "tvm_bucket[bf16]": "bf16", "openvino_int8": "int8"}
     # a bf16 or int8 candidate may differ by far more than fp32's 1e-3, as long as it points the same way

@@ -35,6 +35,15 @@ buffer outgrows the caches, beyond the 512 positions of BERT-family models). Wor
 each sequence's own length, not the bound: keys and queries past a sequence's last real token
 are skipped (padded layout: its padding rows are written as zeros, which no output reads).
 
+A sliding-window layer (`AttentionShape.window`: ModernBERT's local layers, where a query sees the keys at
+most `window` positions away) runs each tile of queries over the keys its window reaches only, from the
+key tile at or below `tile start - window` to the one past `tile end + window` (each query's own window
+masked within them), so its products cost `seq x (2 window + tile)`, linear in the sequence's length, and
+touch a window's rows of the scores buffer; the window is within a sequence's own keys by construction,
+packed batches included. Its products are fp32 or bf16 (the micro-kernels run on the window's keys from a
+staged tile on, each query's window masked between the scores and the softmax), bf16 also in the
+libraries whose other layers run AMX or int8 products, where the CPU has AVX512_BF16 (`_window_products`).
+
 In bf16 libraries (and int8 ones, where timed faster) the two products and the softmax between
 them run on attention_bf16.py's micro-kernels instead (which also round each tile's scaled queries
 straight from their rows into the dim pairs the products read), or with the products on AMX tiles
@@ -99,6 +108,7 @@ class AttentionShape:
     # sequence at [0, h, i, j]; "batched": [batch, heads, seq, seq], one per sequence
     score_bias: str = ""
     table_rows: object = 0  # a "relative" table's rows (at least 2 x seq - 1): an int or a symbolic var
+    window: int | None = None  # sliding-window attention: keys at most this far from the query; None: all keys
 
 
 # Steps unrolled into one iteration of the fp32 products' loops: over head dims for the scores (a head is
@@ -150,7 +160,8 @@ def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFu
     the same kernel for every library it builds and for its pass report, so each kernel is written
     once per process where its sizes are ints or vars: vars are told apart by name and type (a
     PrimFunc's vars are its own)."""
-    lanes, products = kernels.capabilities.lanes, kernels.products
+    lanes = kernels.capabilities.lanes
+    products = kernels.products if shape.window is None else _window_products(kernels, shape.head_size)
     if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
         raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
                          f"at {lanes} lanes")
@@ -159,6 +170,14 @@ def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFu
         return _write_attention(shape, lanes, products)
     named = [(x.name, str(x.ty)) if isinstance(x, tirx.Var) else x for x in sizes]
     return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2], table_rows=named[3]), lanes, products)
+
+
+def _window_products(kernels: KernelConfig, head_size: int) -> str:
+    """A sliding window's products: the AMX and int8 kernels take every key of a tile from key 0, so their
+    libraries' windowed layers run on the AVX512_BF16 micro-kernels where the CPU has them, else in fp32."""
+    if kernels.products == "fp32" or "bf16" not in kernels.capabilities.attention_products(head_size):
+        return "fp32"
+    return "bf16"
 
 
 @lru_cache(maxsize=64)
@@ -246,6 +265,23 @@ class _Kernel:
         """How many keys are staged for a sequence of `length` real keys (zeros past them)."""
         return (length[0] + self.STAGE - _i64(1)) // self.STAGE * self.STAGE
 
+    def key_span(self, tile, length):
+        """(first key, end) of the keys a tile of queries reads: every real one, or (sliding window) those in
+        reach of its queries, from a whole staged tile of keys on (the end a whole one too, or the last real key)."""
+        if self.shape.window is None:
+            return _i64(0), length[0]
+        window, stage = _i64(self.shape.window), self.STAGE
+        first = T.max(tile * self.TQ - window, _i64(0)) // stage * stage
+        return first, T.min((tile * self.TQ + self.TQ + window + stage - _i64(1)) // stage * stage, self.staged(length))
+
+    def windowed(self, score, i, j, length):
+        """The score of query i and key j, masked where j is out of i's window (queries past the end
+        count as the last one)."""
+        if self.shape.window is None:
+            return score
+        reach = T.abs(T.min(i, length[0] - _i64(1)) - j)
+        return T.if_then_else(reach <= _i64(self.shape.window), score, tirx.const(NEG, "float32"))
+
     def query_tiles(self, length):
         """The loop over the tiles of queries of a sequence of `length` tokens."""
         return T.serial((length[0] + self.TQ - _i64(1)) // self.TQ)
@@ -308,16 +344,19 @@ class Fp32Products:
         zero, neg = tirx.const(0.0, "float32"), tirx.const(NEG, "float32")
         scores_of, context_of = self._scores(k), self._context(k)
 
+        key_span = k.key_span
+
         @T.macro
         def fp32_tile(keys, values, queries, scores, key_bias, tile_bias, out, gather, b, h, tile, length):
+            first, end = key_span(tile, length)
             top = T.alloc_buffer((TQ,), "float32", scope="local")
             total = T.alloc_buffer((TQ,), "float32", scope="local")
             for qv in T.unroll(QV):
                 for lane in T.vectorized(V):
                     top[qv * V + lane] = neg
                     total[qv * V + lane] = zero
-            scores_of(keys, queries, scores, top, key_bias, tile_bias, length)
-            for j in T.serial(length[0]):
+            scores_of(keys, queries, scores, top, key_bias, tile_bias, tile, length, first, end)
+            for j in T.serial(first, end):
                 for qv in T.unroll(QV):
                     for lane in T.vectorized(V):
                         scores[j, qv * V + lane] = exp2_of_nonpositive(scores[j, qv * V + lane] - top[qv * V + lane])
@@ -326,7 +365,7 @@ class Fp32Products:
             for qv in T.unroll(QV):
                 for lane in T.vectorized(V):
                     inverse[qv * V + lane] = T.float32(1) / total[qv * V + lane]
-            context_of(values, scores, inverse, out, gather, b, h, tile, length)
+            context_of(values, scores, inverse, out, gather, b, h, tile, length, first, end)
 
         return fp32_tile
 
@@ -336,11 +375,12 @@ class Fp32Products:
         max_j sT[j, i] taken as they are written: in a pass of its own over the scores each max waited on the
         one before it (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
         TQ, V, D, KB, DU = k.TQ, k.V, k.D, _i64(self.keys), _i64(DIMS_UNROLLED)
-        QV, zero, biased = TQ // V, tirx.const(0.0, "float32"), bool(k.shape.score_bias)
+        QV, zero, windowed = TQ // V, tirx.const(0.0, "float32"), k.windowed
+        biased = bool(k.shape.score_bias)
 
         @T.macro
-        def fp32_scores(keys, queries, scores, top, key_bias, tile_bias, length):
-            for block in T.serial((length[0] + KB - _i64(1)) // KB):
+        def fp32_scores(keys, queries, scores, top, key_bias, tile_bias, tile, length, first, end):
+            for block in T.serial(first // KB, (end + KB - _i64(1)) // KB):
                 acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
                 for key, qv in T.grid(KB, QV):
                     for lane in T.vectorized(V):
@@ -357,12 +397,14 @@ class Fp32Products:
                     for qv in T.unroll(QV):
                         for lane in T.vectorized(V):
                             if biased:  # the queries' own score bias, staged as the tile's
-                                scores[block * KB + key, qv * V + lane] = (
+                                scores[block * KB + key, qv * V + lane] = windowed(
                                     acc[key, qv * V + lane] + key_bias[block * KB + key]
-                                    + tile_bias[block * KB + key, qv * V + lane])
+                                    + tile_bias[block * KB + key, qv * V + lane], tile * TQ + qv * V + lane,
+                                    block * KB + key, length)
                             else:
-                                scores[block * KB + key, qv * V + lane] = (acc[key, qv * V + lane]
-                                                                           + key_bias[block * KB + key])
+                                scores[block * KB + key, qv * V + lane] = windowed(
+                                    acc[key, qv * V + lane] + key_bias[block * KB + key], tile * TQ + qv * V + lane,
+                                    block * KB + key, length)
                             top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
 
         return fp32_scores
@@ -385,15 +427,15 @@ class Fp32Products:
                             scores[j, first + q] * values[j, dims + dv * V + lane])
 
         @T.macro
-        def context_pass(values, scores, inverse, out, gather, b, h, tile, length, first, dims, queries):
+        def context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end, dims, queries, first):
             context = T.alloc_buffer((queries, DP * V), "float32", scope="local")
             for q, dv in T.grid(queries, DP):
                 for lane in T.vectorized(V):
                     context[q, dv * V + lane] = zero
-            for j_steps in T.serial(length[0] // KU):
+            for j_steps in T.serial((end - start) // KU):
                 for j_step in T.unroll(KU):
-                    context_step(context, values, scores, j_steps * KU + j_step, first, dims, queries)
-            for j in T.serial(length[0] // KU * KU, length[0]):
+                    context_step(context, values, scores, start + j_steps * KU + j_step, first, dims, queries)
+            for j in T.serial(start + (end - start) // KU * KU, end):
                 context_step(context, values, scores, j, first, dims, queries)
             for q in T.serial(queries):
                 i = tile * TQ + first + q
@@ -404,14 +446,14 @@ class Fp32Products:
                                 context[q, dv * V + lane] * inverse[first + q])
 
         @T.macro
-        def fp32_context(values, scores, inverse, out, gather, b, h, tile, length):
+        def fp32_context(values, scores, inverse, out, gather, b, h, tile, length, start, end):
             for part in T.serial(D // (DP * V)):
                 for group in T.serial(LARGER):
-                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, group * QP,
-                                 part * DP * V, QP)
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end,
+                                 part * DP * V, QP, group * QP)
                 for group in T.serial(SMALLER):
-                    context_pass(values, scores, inverse, out, gather, b, h, tile, length,
-                                 LARGER * QP + group * (QP - _i64(1)), part * DP * V, QP - _i64(1))
+                    context_pass(values, scores, inverse, out, gather, b, h, tile, length, start, end,
+                                 part * DP * V, QP - _i64(1), LARGER * QP + group * (QP - _i64(1)))
 
         return fp32_context
 
@@ -474,32 +516,37 @@ class Bf16Products:
 
     def _context(self, k: _Kernel):
         """A macro: context_b[queries, dims] = probs_b x values_b."""
-        context_symbol = self.symbols.CONTEXT.format(head=k.shape.head_size)
+        context_symbol, D = self.symbols.CONTEXT.format(head=k.shape.head_size), k.D
 
         @T.macro
-        def context(context_b, probs_b, values_b, length):
-            T.evaluate(_call(context_symbol, _start(context_b, "w"), _start(probs_b, "r"), _start(values_b, "r"),
-                             (length[0] + _i64(1)) // _i64(2)))
+        def context(context_b, probs_b, values_b, first, keys):  # values_b from key `first` on: [keys / 2, D] words
+            T.evaluate(_call(context_symbol, _start(context_b, "w"), _start(probs_b, "r"),
+                             values_b.access_ptr("r", offset=first // _i64(2) * D), (keys + _i64(1)) // _i64(2)))
 
         return context
 
     def _tile(self, k: _Kernel):
-        """A macro: one tile of queries: scores, softmax and context in C, the normalised rows written."""
-        V, D, S, R_OUT, row_of = k.V, k.D, k.S, k.R_OUT, k.row_of
+        """A macro: one tile of queries: scores, softmax and context in C, the normalised rows written. A sliding
+        window's tile runs them on the keys in its reach (`_Kernel.key_span`), each query's window masked
+        between the scores and the softmax (`_window_mask`)."""
+        V, D, S, R_OUT, row_of, key_span = k.V, k.D, k.S, k.R_OUT, k.row_of, k.key_span
         scores_symbol = self.symbols.SCORES.format(head=k.shape.head_size)
-        context, tile_bias_of = self._context(k), _tile_bias_pointer(k)
+        context, window_mask, tile_bias_of = self._context(k), self._window_mask(k), _tile_bias_pointer(k)
 
         @T.macro
         def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, tile_bias, out, gather, b, h, tile,
                       length):
             top = T.alloc_buffer((V,), "float32")
             total = T.alloc_buffer((V,), "float32")
-            T.evaluate(_call(scores_symbol, _start(scores, "w"), _start(top, "w"), _start(keys_b, "r"),
-                             _start(queries_b, "r"), bias.access_ptr("r", offset=b * S), tile_bias_of(tile_bias),
-                             length[0]))
+            first, end = key_span(tile, length)
+            keys = T.min(end, length[0]) - first  # the real ones: the bias is read for these only
+            T.evaluate(_call(scores_symbol, _start(scores, "w"), _start(top, "w"),
+                             keys_b.access_ptr("r", offset=first * (D // _i64(2))), _start(queries_b, "r"),
+                             bias.access_ptr("r", offset=b * S + first), tile_bias_of(tile_bias, first), keys))
+            window_mask(scores, top, tile, length, first, keys)
             T.evaluate(_call(attention_bf16.SOFTMAX_PAIRS, _start(probs_b, "w"), _start(total, "w"),
-                             _start(scores, "r"), _start(top, "r"), length[0]))
-            context(context_b, probs_b, values_b, length)
+                             _start(scores, "r"), _start(top, "r"), keys))
+            context(context_b, probs_b, values_b, first, keys)
             for q in T.serial(V):
                 i = tile * V + q
                 if i < length[0]:
@@ -507,6 +554,26 @@ class Bf16Products:
                         out[row_of(gather, b, i, R_OUT), h * D + d] = context_b[q, d] / total[q]
 
         return bf16_tile
+
+    def _window_mask(self, k: _Kernel):
+        """A macro: a sliding window's scores (of `keys` keys from `first` on) masked out of each query's window,
+        and each query's largest score taken again; nothing without a window."""
+        V, windowed, neg = k.V, k.windowed, tirx.const(NEG, "float32")
+
+        @T.macro
+        def window_mask(scores, top, tile, length, first, keys):
+            for lane in T.vectorized(V):
+                top[lane] = neg
+            for j in T.serial(keys):
+                for lane in T.vectorized(V):
+                    scores[j, lane] = windowed(scores[j, lane], tile * V + lane, first + j, length)
+                    top[lane] = T.max(top[lane], scores[j, lane])
+
+        @T.macro
+        def no_mask(scores, top, tile, length, first, keys):
+            T.evaluate(0)
+
+        return no_mask if k.shape.window is None else window_mask
 
 
 class AmxProducts(Bf16Products):
@@ -533,9 +600,9 @@ class AmxProducts(Bf16Products):
         S_MAX, context_symbol = k.S_MAX, self.symbols.CONTEXT.format(head=k.shape.head_size)
 
         @T.macro
-        def context(context_b, probs_b, values_b, length):  # zeroes the probabilities up to a whole tile
+        def context(context_b, probs_b, values_b, first, keys):  # zeroes the probabilities up to a whole tile
             T.evaluate(_call(context_symbol, _start(context_b, "w"), _start(probs_b, "rw"), _start(values_b, "r"),
-                             S_MAX, (length[0] + _i64(1)) // _i64(2)))
+                             S_MAX, (keys + _i64(1)) // _i64(2)))
 
         return context
 
@@ -601,7 +668,7 @@ class Int8Products:
             T.evaluate(_call(tile_symbol, _start(context, "w"), _start(queries_q, "r"), _start(query_scales, "r"),
                              _start(keys_q, "r"), _start(key_init, "r"), _start(key_scales, "r"),
                              _start(values_q, "r"), _start(value_scales, "r"), bias.access_ptr("r", offset=b * S),
-                             tile_bias_of(tile_bias), length[0], _start(scores, "w"), _start(probs_q, "w")))
+                             tile_bias_of(tile_bias, _i64(0)), length[0], _start(scores, "w"), _start(probs_q, "w")))
             for q in T.serial(TQ):
                 i = tile * TQ + q
                 if i < length[0]:
@@ -619,9 +686,10 @@ def _score_bias_shape(shape: AttentionShape, B, S) -> tuple:
 
 
 def _tile_bias_pointer(k: _Kernel):
-    """What the C products read as the tile's score biases: the staged ones, or NULL (none)."""
+    """What the C products read as the tile's score biases from key `first` on: the staged ones, or NULL (none)."""
     null = tirx.call_intrin("handle", "tirx.reinterpret", tirx.const(0, "uint64"))
-    return (lambda tile_bias: _start(tile_bias, "r")) if k.shape.score_bias else (lambda tile_bias: null)
+    return ((lambda tile_bias, first: tile_bias.access_ptr("r", offset=first * k.TQ)) if k.shape.score_bias
+            else (lambda tile_bias, first: null))
 
 
 ARITHMETIC = {"fp32": Fp32Products, "bf16": Bf16Products, "amx": AmxProducts, "int8": Int8Products}

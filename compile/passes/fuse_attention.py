@@ -17,6 +17,11 @@ the packed layout's gather[b, i] (whose inverse the scatter is). Only then is th
 chain rebound to the kernel's output; DeadCodeElimination drops the rest. Anything else (another
 mask shape, a head size the lanes do not divide, an unbounded sequence) is left as it was.
 
+A sliding-window layer's mask (compile/families.py `windowed`) is the same [batch, 1, 1, seq] mask
+with the keys farther than the window from each query replaced by a large negative:
+`where(abs(i - j) > window, min, mask)` over i, j = arange(seq) (expand_dims'd against each other) of
+the scores' own sequence axis. That is recognised exactly, and the kernel is written with the window.
+
 Symbolic dimensions (batch, token count, the generic library's sequence) make some of those
 index maps unprovable in general; they are proved for every combination of a few sizes instead
 (`SAMPLE_SIZES`), over all indices.
@@ -38,7 +43,7 @@ from ..kernels.attention import AttentionShape
 
 _OP = {name: tvm.ir.Op.get(f"relax.{name}") for name in (
     "nn.softmax", "add", "multiply", "divide", "matmul", "reshape", "permute_dims", "broadcast_to", "take", "split",
-    "expand_dims", "strided_slice")}
+    "where", "greater", "abs", "subtract", "expand_dims", "arange", "strided_slice")}
 VIEWS = ("reshape", "permute_dims", "broadcast_to", "take")
 SAMPLE_SIZES = (1, 2, 3, 7, 16)  # values a symbolic dimension takes in the proofs
 
@@ -160,7 +165,7 @@ class _Core:
     end: relax.Var
     sources: tuple[relax.Expr, relax.Expr, relax.Expr]
     offsets: tuple[int, int, int]
-    bias: relax.Expr
+    bias: relax.Expr  # [batch, 1, 1, seq]
     score_bias: relax.Expr | None  # what the kernel reads of a score bias added before the mask
     gather: relax.Expr | None  # the packed layout's [batch, seq] row map; None: padded rows
     shape: AttentionShape
@@ -190,13 +195,45 @@ class _Matcher:
             return int(extent)
         return self.symbols.setdefault(name, tirx.Var(name, "int64"))
 
+    def _window(self, mask: relax.Expr) -> tuple[relax.Expr, int | None]:
+        """(the [batch, 1, 1, seq] mask, the window) of a sliding-window mask `where(abs(i - j) > window,
+        a large negative, mask)` over i and j of one arange; else (`mask`, None)."""
+        chains = self.chains
+        where = chains.bound(mask)
+        if not _call(where, "where"):
+            return mask, None
+        condition, masked, kept = where.args
+        masked, greater = self._constant(masked), chains.bound(condition)
+        if masked is None or masked > attention.REAL_KEY_BIAS or not _call(greater, "greater") or \
+                self._constant(greater.args[1]) is None:
+            return mask, None
+        distance = chains.bound(greater.args[0])
+        difference = chains.bound(distance.args[0]) if _call(distance, "abs") else None
+        if not _call(difference, "subtract"):
+            return mask, None
+        axes = [chains.bound(x) for x in difference.args]
+        if not all(_call(x, "expand_dims") and len(x.attrs.axis) == 1 for x in axes) or \
+                sorted(int(x.attrs.axis[0]) for x in axes) != [0, 1] or not axes[0].args[0].same_as(axes[1].args[0]):
+            return mask, None
+        arange = chains.bound(axes[0].args[0])
+        if not (_call(arange, "arange") and _arange_of(arange, _shape(kept)[-1])):
+            return mask, None
+        return kept, int(self._constant(greater.args[1]))
+
+    def _constant(self, expr: relax.Expr) -> float | None:
+        """The value of a scalar constant (or of a var bound to one)."""
+        expr = self.chains.bound(expr) or expr
+        return float(expr.value.numpy()) if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1 else None
+
     def _scores(self, softmax: relax.Call):
-        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias, score bias or None) of
-        softmax(scores * scale [+ score bias] + bias)."""
+        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias, window, score bias or None) of
+        softmax(scores * scale [+ score bias] + bias), the bias a [B, 1, 1, S] mask, or a sliding window's mask
+        of one (`_window`)."""
         add = self.chains.bound(softmax.args[0])
         if not _call(add, "add"):
             return None
-        for scaled, bias in (add.args, add.args[::-1]):
+        for scaled, mask in (add.args, add.args[::-1]):
+            bias, window = self._window(mask)
             bias_shape = _tensor_shape(bias)
             if len(bias_shape) != 4 or not all(_is_one(d) for d in bias_shape[1:3]):
                 continue
@@ -213,7 +250,7 @@ class _Matcher:
                 if _call(reshaped, "reshape"):
                     scores = reshaped.args[0]
                 if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4:
-                    return scores, shape4, scale, bias, score_bias
+                    return scores, shape4, scale, bias, window, score_bias
         return None
 
     def _match(self, var: relax.Var, softmax: relax.Call) -> _Core | None:
@@ -221,7 +258,7 @@ class _Matcher:
         scores = self._scores(softmax)
         if scores is None:
             return None
-        scores_var, (batch, heads, seq, _), scale, bias, score_bias = scores
+        scores_var, (batch, heads, seq, _), scale, bias, window, score_bias = scores
         if not isinstance(heads, tirx.IntImm):
             return None
         q3, k3 = chains.bound(scores_var).args
@@ -249,7 +286,7 @@ class _Matcher:
         shape = AttentionShape(batch=self._extent(batch, "batch"), seq=self._extent(seq, "seq"),
                                rows=self._extent(rows, "rows"), heads=int(heads), head_size=int(head_size),
                                max_seq=max_seq, scale=scale, packed=gather is not None,
-                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets,
+                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets, window=window,
                                score_bias=read_bias[1], table_rows=read_bias[2])
         return _Core(end, sources, offsets, bias, read_bias[0], gather, shape)
 
@@ -354,6 +391,12 @@ def _bounds(func: relax.Function) -> dict:
     attrs = func.attrs or {}
     upper = attrs.get("tir_var_upper_bound", {}) if "tir_var_upper_bound" in attrs else {}
     return {name: value for name, value in upper.items()}
+
+
+def _arange_of(arange: relax.Call, extent) -> bool:
+    """Whether `arange` is arange(0, extent, 1)."""
+    start, end, step = arange.args
+    return _same_extent(start, _i64(0)) and _same_extent(step, _i64(1)) and _same_extent(end, extent)
 
 
 def _same_extent(a, b) -> bool:

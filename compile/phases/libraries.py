@@ -14,8 +14,16 @@ import torch
 import tvm
 
 from artifact.bucketing import AnyBucket, Bucket
+from artifact.embedding_dtypes import calibration_ranges
 from artifact.loader import LibraryRunner, device_for, load_weights
-from artifact.manifest import CostModel, PrecisionCandidate, PrecisionEntry, QuantizationEntry, WeightsEntry
+from artifact.manifest import (
+    CostModel,
+    EmbeddingRangesEntry,
+    PrecisionCandidate,
+    PrecisionEntry,
+    QuantizationEntry,
+    WeightsEntry,
+)
 
 from .. import precision
 from ..build import build_library, specialize
@@ -41,6 +49,9 @@ from ..validate import checked_diff, library_inputs
 
 # (batch, seq) the generic library is timed at for its cost model, clipped to its bounds.
 COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
+# and, for a long-context model (ModernBERT's 8192 positions), one long sequence at each of these that fits: from
+# short shapes alone, the quadratic term (its global layers' attention) would be extrapolated 64-fold
+LONG_COST_MODEL_SHAPES = ((1, 1024), (1, 4096))
 log = logging.getLogger(__name__)
 
 
@@ -109,7 +120,8 @@ class BuildRecord:
 
 def cost_model_workloads(max_batch: int, max_seq: int) -> list[Workload]:
     """The generic library's: full rows at a few (batch, seq) within its bounds."""
-    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES})
+    long = tuple((b, s) for b, s in LONG_COST_MODEL_SHAPES if s <= max_seq)
+    shapes = sorted({(min(b, max_batch), min(s, max_seq)) for b, s in COST_MODEL_SHAPES + long})
     return [Workload.full(b, s) for b, s in shapes]
 
 
@@ -213,15 +225,23 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def agreement(self, library: str, strategy: str) -> dict:
-        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
-        embedding, or a classifier's top-1 agreement and largest probability difference."""
-        info = self.plan.info
-        rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+    def sentence_outputs(self, library: str, strategy: str) -> np.ndarray:
+        """A generic library's outputs on the shipped sentences, a row per sentence."""
+        rows = self._sentence_rows()
         runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
-        actual = np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+        return np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
+
+    def _sentence_rows(self) -> tuple[np.ndarray, ...]:
+        info = self.plan.info
+        return sentence_rows(info.path / "tokenizer.json", info.max_seq)
+
+    def agreement(self, library: str, strategy: str) -> dict:
+        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
+        embedding, or a classifier's top-1 agreement and largest probability difference."""
+        rows = self._sentence_rows()
+        actual = self.sentence_outputs(library, strategy)
         with torch.no_grad():
             expected = self.wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
         if self.config.model_task == "classify":
@@ -254,6 +274,13 @@ class LibraryBuilder:
                                              sentences=len(ACCURACY_SENTENCES), **accuracy,
                                              **(int8_plan.manifest_fields(linears) if int8_plan else {}))
         return entry, quantization
+
+    def embedding_ranges(self, generic: BuildRecord) -> EmbeddingRangesEntry | None:
+        """The calibration of int8 / uint8 embeddings: the shipped generic library's own embeddings of
+        the shipped sentences (a pooled embedding model whose libraries run here; else None)."""
+        if not (self.validate and self.config.task == "embed" and not self.config.token_outputs):
+            return None
+        return calibration_ranges(self.sentence_outputs(generic.library, generic.strategy))
 
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:

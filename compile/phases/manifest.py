@@ -13,6 +13,7 @@ from artifact.hashing import file_sha256
 from artifact.loader import device_name
 from artifact.manifest import (
     BucketEntry,
+    EmbeddingRangesEntry,
     GenericEntry,
     Manifest,
     ModelEntry,
@@ -60,7 +61,8 @@ def sparsity_entry(loaded: dict | None, variants: Variants) -> SparsityEntry | N
 def assemble_manifest(config: CompileConfig, plan: Plan, builder: LibraryBuilder, variants: Variants,
                       records: list[BuildRecord], weight_files: dict[str, WeightsEntry], shared_strategy: str,
                       sparsity: dict | None, precision_entry: PrecisionEntry,
-                      quantization: QuantizationEntry | None) -> Manifest:
+                      quantization: QuantizationEntry | None,
+                      embedding_ranges: EmbeddingRangesEntry | None) -> Manifest:
     """The artifact's manifest: what was built, for which CPU, how it was chosen and validated."""
     info, staging, generic = plan.info, builder.staging, records[-1]
 
@@ -98,6 +100,7 @@ def assemble_manifest(config: CompileConfig, plan: Plan, builder: LibraryBuilder
         quantization=quantization,
         precision=precision_entry,
         tuning=builder.tuner.save(staging, config.tune) if builder.tuner is not None else None,
+        embedding_ranges=embedding_ranges,
         validated=builder.validate,
         validated_on=device_name(builder.device) if builder.validate else None,
         tolerance=config.tolerance_for(builder.arithmetic.precision),

@@ -20,6 +20,8 @@ import time
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from artifact.embedding_dtypes import EMBEDDING_DTYPES
+
 from ..auth import bearer_key_matches
 from ..errors import InvalidInput, ServiceError, Unauthorized
 from ..inference import Computed
@@ -182,9 +184,19 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         service = self.runtime.model("embed")
         normalize = request.normalize if request.HasField("normalize") else True  # TEI's default
         dimensions = request.dimensions if request.HasField("dimensions") else None
+        dtype = self._embedding_dtype(request)
         vectors, computed = await service.embed([_text(request.inputs)], normalize, self._truncation(request),
-                                                dimensions, prompt_name=_prompt(request))
-        return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started))
+                                                dimensions, prompt_name=_prompt(request), embedding_dtype=dtype)
+        return pb.EmbedResponse(embeddings=vectors[0], metadata=_metadata(computed, started),
+                                **({"embedding_dtype": dtype} if dtype != "float32" else {}))
+
+    def _embedding_dtype(self, request) -> str:
+        """The request's `embedding_dtype` (not TEI's field), else the server's --embedding-dtype."""
+        if not request.HasField("embedding_dtype"):
+            return self.runtime.settings.embedding_dtype
+        if request.embedding_dtype not in EMBEDDING_DTYPES:
+            raise InvalidInput(f"embedding_dtype {request.embedding_dtype!r} is none of {', '.join(EMBEDDING_DTYPES)}")
+        return request.embedding_dtype
 
     async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
         started = time.perf_counter()

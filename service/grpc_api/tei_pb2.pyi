@@ -74,28 +74,32 @@ class Metadata(_message.Message):
     def __init__(self, compute_chars: _Optional[int] = ..., compute_tokens: _Optional[int] = ..., total_time_ns: _Optional[int] = ..., tokenization_time_ns: _Optional[int] = ..., queue_time_ns: _Optional[int] = ..., inference_time_ns: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("inputs", "truncate", "normalize", "truncation_direction", "prompt_name", "dimensions")
+    __slots__ = ("inputs", "truncate", "normalize", "truncation_direction", "prompt_name", "dimensions", "embedding_dtype")
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATION_DIRECTION_FIELD_NUMBER: _ClassVar[int]
     PROMPT_NAME_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DTYPE_FIELD_NUMBER: _ClassVar[int]
     inputs: str
     truncate: bool
     normalize: bool
     truncation_direction: TruncationDirection
     prompt_name: str
     dimensions: int
-    def __init__(self, inputs: _Optional[str] = ..., truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ...) -> None: ...
+    embedding_dtype: str
+    def __init__(self, inputs: _Optional[str] = ..., truncate: _Optional[bool] = ..., normalize: _Optional[bool] = ..., truncation_direction: _Optional[_Union[TruncationDirection, str]] = ..., prompt_name: _Optional[str] = ..., dimensions: _Optional[int] = ..., embedding_dtype: _Optional[str] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "metadata")
+    __slots__ = ("embeddings", "metadata", "embedding_dtype")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DTYPE_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedScalarFieldContainer[float]
     metadata: Metadata
-    def __init__(self, embeddings: _Optional[_Iterable[float]] = ..., metadata: _Optional[_Union[Metadata, _Mapping]] = ...) -> None: ...
+    embedding_dtype: str
+    def __init__(self, embeddings: _Optional[_Iterable[float]] = ..., metadata: _Optional[_Union[Metadata, _Mapping]] = ..., embedding_dtype: _Optional[str] = ...) -> None: ...
 
 class EmbedSparseRequest(_message.Message):
     __slots__ = ("inputs", "truncate", "truncation_direction", "prompt_name")

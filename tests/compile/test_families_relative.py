@@ -205,3 +205,34 @@ def test_compiled_electra_reranker_matches_transformers(checkpoints, tmp_path):
     with torch.no_grad():
         expected = AutoModelForSequenceClassification.from_pretrained(directory).eval()(**batch).logits.numpy()
     np.testing.assert_allclose(served, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["mpnet", "electra"])
+def test_sparse_wrappers_compute_splade_of_the_masked_lm(tmp_path, family):
+    """`--task sparse`: the family's masked-LM head (MPNet's lm_head; ELECTRA's generator head, from its
+    embedding size) under SPLADE's max pooling, padded and packed, equals transformers' logits pooled so."""
+    from transformers import AutoModelForMaskedLM
+
+    from artifact.packed_batch import pack_batch
+    from compile.packed_model import PackedBertWrapper
+
+    torch.manual_seed(3)
+    tokenizer = _tokenizer(family)
+    directory = tmp_path / family
+    AutoModelForMaskedLM.from_config(_config(family, len(tokenizer), architectures=[
+        {"mpnet": "MPNetForMaskedLM", "electra": "ElectraForMaskedLM"}[family]])).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    info = inspect_checkpoint(directory, "embed", "splade")
+    assert info.pooling == "splade" and info.output_dim == len(tokenizer)
+    wrapper = load_wrapper(info, "embed")
+    batch = _batch(directory, "embed")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    types = batch.get("token_type_ids", torch.zeros_like(ids))
+    with torch.no_grad():
+        got = wrapper(ids, mask, types, torch.arange(ids.shape[1]).expand_as(ids))
+        logits = AutoModelForMaskedLM.from_pretrained(directory, attn_implementation="eager").eval()(**batch).logits
+        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
+            ids.numpy(), mask.numpy(), types.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
+    expected = torch.log1p(torch.relu(logits * mask[..., None])).amax(dim=1)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
+    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)

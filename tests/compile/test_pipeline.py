@@ -93,6 +93,19 @@ def test_cost_model_fit_recovers_known_coefficients():
     np.testing.assert_allclose(fit_cost_model(no_attention), (2.0, 0.01, 0.0), atol=1e-12)
 
 
+def test_a_long_context_generic_library_is_timed_on_long_sequences():
+    """A model of 8,192 positions has its generic library timed on one sequence of 1,024 and of 4,096 tokens
+    (the quadratic term measured, not extrapolated from 128 tokens); a 512-position one as before."""
+    from compile.phases.libraries import cost_model_workloads
+
+    def shapes(max_seq):
+        return {(workload.batch, workload.seq) for workload in cost_model_workloads(64, max_seq)}
+
+    assert max(seq for _, seq in shapes(512)) == 128
+    assert shapes(8192) == shapes(512) | {(1, 1024), (1, 4096)}
+    assert shapes(2048) == shapes(512) | {(1, 1024)}
+
+
 def test_cost_model_fit_never_goes_negative():
     """Timings that fall with size (noise) fit non-negative terms, not a negative slope."""
     samples = {(1, 16): 5.0, (1, 64): 4.0, (4, 64): 3.0, (8, 128): 2.5}

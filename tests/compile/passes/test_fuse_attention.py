@@ -42,14 +42,16 @@ def _products_on(products: str) -> KernelConfig:
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
-                      upper_bound: int | None = None, score_bias: str = "") -> tvm.IRModule:
+                      upper_bound: int | None = None, window: int | None = None, far_value: float = MIN,
+                      score_bias: str = "") -> tvm.IRModule:
     """The attention core as the importer writes it from our wrappers: Q/K/V split from one
     concatenated projection, per-head views, scores scaled (packed: divide, as PackedBertWrapper;
-    padded: multiply, as transformers' eager attention), plus an additive mask, softmax, the
-    weighted sum, and the way back to [rows, hidden] (packed: a scatter to the packed rows).
-    `score_bias` added to the scaled scores before the mask: "shared", a [1, heads, seq, seq] input;
-    "batched", [batch, heads, seq, seq]; "relative", a [2 x seq, heads] table of relative positions
-    skewed into [1, heads, seq, seq] by views, as compile/families.skewed writes MPNet's."""
+    padded: multiply, as transformers' eager attention), plus an additive mask (with `window`, a sliding
+    window's, as compile.families.windowed writes it), softmax, the weighted sum, and the way back to
+    [rows, hidden] (packed: a scatter to the packed rows). `score_bias` added to the scaled scores before
+    the mask: "shared", a [1, heads, seq, seq] input; "batched", [batch, heads, seq, seq]; "relative", a
+    [2 x seq, heads] table of relative positions skewed into [1, heads, seq, seq] by views, as
+    compile/families.skewed writes MPNet's."""
     op, hidden = relax.op, heads * head_size
     batch = tirx.Var("b", "int64")
     tokens = tirx.Var("t", "int64") if layout == "packed" else batch * seq
@@ -89,7 +91,8 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
             if score_bias:
                 added = _skewed(bb, params[2], heads, seq) if score_bias == "relative" else params[2]
                 scaled = op.add(bb.emit(scaled), added)
-            probabilities = bb.emit(op.nn.softmax(bb.emit(op.add(bb.emit(scaled), bias)), axis=-1))
+            mask = bias if window is None else _windowed(bb, bias, seq, window, far_value)
+            probabilities = bb.emit(op.nn.softmax(bb.emit(op.add(bb.emit(scaled), mask)), axis=-1))
             context = bb.emit(op.matmul(bb.emit(op.reshape(probabilities, (batch * heads, seq, seq))),
                                         bb.emit(op.reshape(v, (batch * heads, seq, head_size)))))
             context = bb.emit(op.permute_dims(bb.emit(op.reshape(context, (batch, heads, seq, head_size))),
@@ -113,6 +116,16 @@ def _skewed(bb: relax.BlockBuilder, table: relax.Var, heads: int, seq) -> relax.
                               (heads, 2 * seq, 2 * seq - 1)))
     sliced = bb.emit(op.strided_slice(rows, [1, 2], [0, 0], [seq, seq], [1, 1], assume_inbound=True))
     return bb.emit(op.expand_dims(sliced, [0]))
+
+
+def _windowed(bb: relax.BlockBuilder, bias: relax.Var, seq, window: int, far_value: float) -> relax.Var:
+    """where(|i - j| > window, min, bias) over i, j of arange(seq), as the importer writes compile.families.windowed."""
+    op = relax.op
+    index = bb.emit(op.arange(0, seq, 1, dtype="int64"))
+    distance = bb.emit(op.abs(bb.emit(op.subtract(bb.emit(op.expand_dims(index, [1])),
+                                                     bb.emit(op.expand_dims(index, [0]))))))
+    far = bb.emit(op.greater(distance, relax.const(window, "int64")))
+    return bb.emit(op.where(far, bb.emit(relax.const(far_value, "float32")), bias))
 
 
 def _expected_module(layout: str, seq: int, lanes: int) -> tvm.IRModule:
@@ -229,6 +242,34 @@ def test_fused_kernel_equals_the_unfused_graph(layout, seq, symbolic, lanes):
     np.testing.assert_allclose(fused, _float64_attention(layout, seq), rtol=1e-5, atol=3e-6)
 
 
+@pytest.mark.parametrize("layout,symbolic,lanes", [("packed", True, 8), ("padded", False, 16)])
+def test_sliding_window_kernel_equals_float64(layout, symbolic, lanes):
+    """A sliding-window mask (window 5, sequences of 1 to 40 tokens: windows that reach both ends,
+    several query tiles) is recognised, written into the kernel's shape, and computed as numpy does."""
+    seq, target = 40, TARGETS[lanes]
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None, window=5)
+    after, fused = fuse_attention_in(module, KERNELS[lanes])
+    assert fused == 1 and "where" not in _calls(after)
+    kernels = [func for func in after.functions.values() if isinstance(func, tirx.PrimFunc)]
+    hidden = HEADS * HEAD_SIZE
+    shape = AttentionShape(batch=tirx.Var("batch", "int64"), seq=tirx.Var("seq", "int64") if symbolic else seq,
+                           rows=tirx.Var("rows", "int64"), heads=HEADS, head_size=HEAD_SIZE, max_seq=64 if symbolic
+                           else seq, scale=1 / math.sqrt(HEAD_SIZE), packed=layout == "packed",
+                           widths=(3 * hidden,) * 3, offsets=(0, hidden, 2 * hidden), window=5)
+    tvm.ir.assert_structural_equal(kernels, [attention.write_attention(shape, KERNELS[lanes])], map_free_vars=True)
+    built = build_scheduled(module, target, kernels=KernelConfig.of(target, fused_attention=True))
+    skip_unless_runs_here(target)
+    _, got = _run_unfused_and_fused(built, built, layout, seq)
+    np.testing.assert_allclose(got, _float64_attention(layout, seq, window=5), rtol=1e-5, atol=3e-6)
+
+
+def test_a_band_that_does_not_mask_is_left_as_it_was():
+    """where(|i - j| > 5, 0, mask) leaves far keys in: not a sliding window, so nothing fuses."""
+    module = _attention_module("packed", 16, window=5, far_value=0.0)
+    assert fuse_attention_in(module, KERNELS[16])[1] == 0
+
+
 def _bf16_library(module: tvm.IRModule, path, products: str = "bf16") -> tvm.runtime.Module:
     """`module` built with attention's products in bf16 (`products` "bf16": for an AVX512_BF16 CPU;
     "amx": for an AMX one), linked with the micro-kernels (skips the test where this CPU cannot run it)."""
@@ -254,6 +295,24 @@ def test_bf16_products_keep_the_unfused_graphs_answers(products, layout, seq, sy
                                             layout, seq, head_size)
     np.testing.assert_allclose(fused, unfused, rtol=0, atol=0.15)
     assert np.abs(fused - unfused).mean() < 0.01
+
+
+@pytest.mark.parametrize("layout,symbolic", [("packed", True), ("padded", False)])
+def test_bf16_products_keep_a_sliding_windows_answers(layout, symbolic, tmp_path):
+    """A windowed layer in an AMX library runs on the AVX512_BF16 micro-kernels over the keys in its tiles'
+    reach (window 5, 40 keys), each query's window masked: within bf16's rounding of numpy's float64."""
+    seq = 40
+    bound = tirx.Var("s", "int64") if symbolic else seq
+    module = _attention_module(layout, bound, upper_bound=64 if symbolic else None, window=5)
+    shape = AttentionShape(tirx.Var("b", "int64"), seq, tirx.Var("t", "int64"), HEADS, HEAD_SIZE, seq, 0.25,
+                           layout == "packed", (3 * HEADS * HEAD_SIZE,) * 3, (0, 48, 96), window=5)
+    assert attention_bf16.SCORES.format(head=HEAD_SIZE) in _extern_calls(
+        attention.write_attention(shape, _products_on("amx")))
+    library = _bf16_library(module, tmp_path / "fused.so")
+    _, fused = _run_unfused_and_fused(library, library, layout, seq)
+    expected = _float64_attention(layout, seq, window=5)
+    np.testing.assert_allclose(fused, expected, rtol=0, atol=0.15)
+    assert np.abs(fused - expected).mean() < 0.01
 
 
 @pytest.mark.parametrize("products,head_size", [("bf16", HEAD_SIZE), ("amx", 32), ("amx", 64), ("amx", 128)])
@@ -388,9 +447,11 @@ def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
     return unfused, fused
 
 
-def _float64_attention(layout: str, seq: int, score_bias: np.ndarray | None = None) -> np.ndarray:
+def _float64_attention(layout: str, seq: int, window: int | None = None,
+                       score_bias: np.ndarray | None = None) -> np.ndarray:
     """What `_run_unfused_and_fused` compares, computed in float64 by numpy: per sequence and head,
-    softmax(q k^T / sqrt(d) (+ the sequence's score bias [heads, seq, seq]) + the mask's bias) v."""
+    softmax(q k^T / sqrt(d) (+ the sequence's score bias [heads, seq, seq]) + the mask's bias) v (with
+    `window`, keys farther from the query masked too)."""
     masks = _run_masks(layout, seq)
     inputs = _inputs(layout, seq, masks, seed=seq)
     qkv, hidden = inputs[0].astype(np.float64), HEADS * HEAD_SIZE
@@ -398,7 +459,9 @@ def _float64_attention(layout: str, seq: int, score_bias: np.ndarray | None = No
     def attend(rows: np.ndarray, real_keys: np.ndarray, b: int) -> np.ndarray:
         q, k, v = (rows[:, part * hidden:(part + 1) * hidden].reshape(len(rows), HEADS, HEAD_SIZE).transpose(1, 0, 2)
                    for part in range(3))
-        scores = q @ k.transpose(0, 2, 1) / math.sqrt(HEAD_SIZE) + np.where(real_keys, 0.0, MIN)
+        index = np.arange(len(rows))
+        near = np.abs(index[:, None] - index[None, :]) <= (len(rows) if window is None else window)
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(HEAD_SIZE) + np.where(real_keys & near, 0.0, MIN)
         if score_bias is not None:
             scores = scores + score_bias[b % len(score_bias), :, :len(rows), :len(rows)]
         weights = np.exp(scores - scores.max(-1, keepdims=True))
@@ -562,7 +625,7 @@ def test_a_score_bias_is_read_per_sequence_head_query_and_key(case, tmp_path):
     if kind == "relative":
         score_bias = given[(np.arange(seq)[None, :] - np.arange(seq)[:, None]) % (2 * seq)].transpose(2, 0, 1)[None]
     got = run(tvm.runtime.load_module(str(tmp_path / "fused.so")), *inputs[:2], given, *inputs[2:])
-    expected = _float64_attention(layout, seq, score_bias)
+    expected = _float64_attention(layout, seq, score_bias=score_bias)
     if layout == "padded":
         got = got[_read_rows(masks, seq)]
     # fp32: summation order; bf16: as test_bf16_products_keep_the_unfused_graphs_answers; int8: these harsh

@@ -14,14 +14,14 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .manifest import MODEL_TYPES
+from .manifest import MODEL_TYPES, remote_code_refusal
 
 REPO_ID = re.compile(r"[\w.-]+(?:/[\w.-]+)?")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the first the repository has is the one fetched
 CHECKPOINT_FILES = (
     "config.json",
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json", "merges.txt",
-    "sentencepiece.bpe.model",
+    "sentencepiece.bpe.model", "spm.model", "added_tokens.json",  # slow tokenizers' files, converted when compiled
     # sentence-transformers: its modules, their folders (1_Pooling/, 2_Dense/, ...), input limit and prompts
     "modules.json", "sentence_bert_config.json", "config_sentence_transformers.json", "[0-9]_*/*",
 )
@@ -61,6 +61,9 @@ def resolve(model: HubModel) -> Snapshot:
     directory = _snapshot(model, ["config.json"])
     config = json.loads((directory / "config.json").read_text())
     model_type = config.get("model_type")
+    refusal = remote_code_refusal(config, model.repo_id)
+    if refusal is not None:
+        raise HubError(refusal)
     if model_type not in MODEL_TYPES:
         architectures = ", ".join(config.get("architectures") or []) or "no architectures named"
         raise HubError(f"{model.repo_id} is a {model_type or 'model without a model_type'} model ({architectures}); "

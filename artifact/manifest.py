@@ -23,6 +23,20 @@ MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet
 HUB_SNAPSHOT = re.compile(r"/models--(?P<folder>[\w.-]+)/snapshots/(?P<sha>[0-9a-f]{40})$")
 
 
+def remote_code_refusal(config: dict, name: str) -> str | None:
+    """Why the checkpoint `name` of this config.json is not compiled, where its `auto_map` names code of its
+    own (what transformers runs only with trust_remote_code: NomicBERT, GTE's "new", Jina's BERT with
+    ALiBi under model_type bert), in one line; None where transformers implements it itself."""
+    auto_map = config.get("auto_map")
+    if not auto_map:
+        return None
+    code = sorted({(target[0] if isinstance(target, list) else str(target)).rsplit(".", 1)[-1]
+                   for target in auto_map.values() if target})
+    return (f"{name} needs trust_remote_code: its config.json maps model_type {config.get('model_type')!r} to code of "
+            f"its own ({', '.join(code)}), which is not compiled; supported: {', '.join(MODEL_TYPES)}, as "
+            "transformers implements them")
+
+
 def write_json_atomically(model: BaseModel, path: Path) -> None:
     """Write `model` as JSON through a temporary file and a rename, so a reader never sees half a file."""
     partial = path.with_name(f".{path.name}.partial")

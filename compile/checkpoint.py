@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from artifact.hashing import file_sha256
-from artifact.manifest import SPLADE_POOLINGS
+from artifact.manifest import SPLADE_POOLINGS, remote_code_refusal
 
 from .dense_head import DenseLayer, dense_head, dense_layers, module_config, module_kind, sentence_transformers_modules
 from .errors import CompileError
 from .families import FAMILIES, Family
+from .tokenizer import fast_tokenizer_file
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 DEFAULT_LABELS = 2  # a classifier's labels where its config names none (transformers' PretrainedConfig default)
@@ -27,8 +28,7 @@ LEGACY_POOLING_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens
                        "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
 INPUT_NAMES = ("input_ids", "attention_mask", "token_type_ids", "position_ids")  # the wrapper's arguments
-TOKENIZER_FILES = (
-    "tokenizer.json",
+TOKENIZER_FILES = (  # copied into the artifact beside its tokenizer.json (`tokenizer.fast_tokenizer_file`)
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.txt",  # WordPiece (BERT, DistilBERT)
@@ -47,6 +47,7 @@ class CheckpointInfo:
     path: Path
     config: dict
     weight_files: tuple[Path, ...]
+    tokenizer_file: Path  # the fast tokenizer AutoTokenizer loads from it, saved (`tokenizer.fast_tokenizer_file`)
     pooling: str
     labels: list[str] = field(default_factory=list)
     dense: tuple[DenseLayer, ...] = ()  # sentence-transformers Dense modules after the pooling
@@ -144,6 +145,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
         raise CompileError(f"{config_file} is not valid JSON: {exc}") from None
+    refusal = remote_code_refusal(config, str(model_dir))
+    if refusal is not None:
+        raise CompileError(refusal)
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
         raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r}; "
@@ -151,8 +155,7 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     weight_files = tuple(model_dir / name for name in WEIGHT_FILES if (model_dir / name).is_file())
     if not weight_files:
         raise CompileError(f"{model_dir} has no weights ({' or '.join(WEIGHT_FILES)})")
-    if not (model_dir / "tokenizer.json").is_file():
-        raise CompileError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
+    tokenizer_file = fast_tokenizer_file(model_dir)
     labels: list[str] = []
     if task == "classify":
         architectures = config.get("architectures") or []
@@ -177,6 +180,7 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
         path=model_dir.resolve(),
         config=config,
         weight_files=weight_files,
+        tokenizer_file=tokenizer_file,
         pooling=pooling if task == "embed" else "none",
         labels=labels,
         dense=dense_layers(model_dir, int(config[family.hidden_size_key])) if pooled else (),

@@ -80,7 +80,7 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         with progress.step(f"passes for strategy {', '.join(plan.strategies)}; lift weights"):
             variants = transform(config, plan, arithmetic, imported, plan.strategies, sparse=sparsity is not None)
         with progress.step("copy tokenizer"):
-            copy_tokenizer(plan.info.path, staging / TOKENIZER_DIR)
+            copy_tokenizer(plan.info, staging / TOKENIZER_DIR)
         manifest, records = ship(config, plan, arithmetic, variants, reference, staging, sparsity, auto_entry, progress)
         manifest.write(staging)
     return manifest, records

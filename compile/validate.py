@@ -80,7 +80,7 @@ def cosine_drift(dense: torch.nn.Module, pruned: torch.nn.Module, info: Checkpoi
     """Mean cosine similarity of the pruned model's outputs to the dense model's on fixed sentences."""
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(info.path / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(info.tokenizer_file))
     tokenizer.enable_padding()
     tokenizer.enable_truncation(min(128, info.max_seq))
     encodings = tokenizer.encode_batch(DRIFT_SENTENCES)

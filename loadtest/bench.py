@@ -293,7 +293,7 @@ def load_candidates(args, scratch: Path) -> Candidates:
         _log(f"bench: OpenVINO default precision and f32{' and NNCF int8' if args.int8 else ''} ...")
         graph = scratch / "model.onnx"  # ONNX Runtime's plain export, when it ran
         graph = graph if graph.exists() else export_onnx(wrapper, graph)
-        openvino = openvino_models(graph, args.threads, args.int8, info.path / "tokenizer.json", info.max_seq)
+        openvino = openvino_models(graph, args.threads, args.int8, info.tokenizer_file, info.max_seq)
         precisions.update({label: "int8" if label == "openvino_int8" else ov.precision()
                            for label, ov in openvino.items()})
     compiled_wrapper = torch.compile(wrapper) if args.torch_compile else None

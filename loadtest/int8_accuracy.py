@@ -88,10 +88,10 @@ def openvino_int8_outputs(model_dir: Path, sets: dict[str, list[str]]) -> dict[s
     info = inspect_checkpoint(model_dir, "embed")
     with tempfile.TemporaryDirectory() as scratch:
         onnx = export_onnx(load_wrapper(info, "embed"), Path(scratch) / "model.onnx")
-        model = openvino_models(onnx, 2, True, info.path / "tokenizer.json", info.max_seq)["openvino_int8"]
+        model = openvino_models(onnx, 2, True, info.tokenizer_file, info.max_seq)["openvino_int8"]
         names = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
         return {name: np.concatenate([model(dict(zip(names, row))) for row in
-                                      encoded(info.path / "tokenizer.json", sentences, info.max_seq)])
+                                      encoded(info.tokenizer_file, sentences, info.max_seq)])
                 for name, sentences in sets.items()}
 
 

@@ -53,7 +53,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
     imported = export_and_import(wrapper, manifest.generic.max_batch, info.max_seq, manifest.model.vocab_size)
     kept = {unit.unit: unit.precision for unit in quantization.kept}
     attention = manifest.precision.attention
-    rows = sentence_rows(info.path / "tokenizer.json", info.max_seq)
+    rows = sentence_rows(info.tokenizer_file, info.max_seq)
     simulation = Simulation(wrapper, rows, quantizable_modules(imported.mod, kernel),
                             lambda actual, reference: {"actual": actual},
                             kernel.int16_pairs, next(iter(kept.values()), "fp32"),

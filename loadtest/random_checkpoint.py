@@ -14,12 +14,13 @@ from pathlib import Path
 
 from compile.checkpoint import TOKENIZER_FILES
 from compile.config import default_model_dir
+from compile.tokenizer import TOKENIZER_JSON
 
 
 def copy_tokenizer(destination: Path) -> None:
     """MiniLM's WordPiece tokenizer files (vocabulary 30522) into `destination`."""
     source = default_model_dir()
-    for name in TOKENIZER_FILES:
+    for name in (TOKENIZER_JSON, *TOKENIZER_FILES):
         if (source / name).is_file():
             shutil.copy2(source / name, destination / name)
 

@@ -19,11 +19,13 @@ from artifact.embedding_dtypes import CALIBRATED_DTYPES, l2_normalize, quantize
 from artifact.manifest import EmbeddingRangesEntry
 
 from .batcher import Batcher
-from .errors import NotSupported, TooLarge
+from .errors import InvalidInput, NotSupported, TooLarge
 from .inputs import (
+    DEFAULT_HYPOTHESIS_TEMPLATE,
     TextInput,
     TokenIds,
     Truncation,
+    hypotheses,
     no_empty_pair,
     ranked_labels,
     ranked_texts,
@@ -83,26 +85,35 @@ class ModelService:
         self.problem_type = problem_type
         self.task = task
         self.labels = labels
+        # a classifier one of whose labels is entailment scores zero-shot labels as NLI (`nli_scores`)
+        self.entailment = entailment_index(labels) if task == "classify" else None
         self.tokenizer = tokenizer
         self.batcher = batcher
         self.max_client_batch_size = max_client_batch_size
         self._tokenizer_pool = tokenizer_pool
 
-    def check_batch_size(self, count: int, labels: int = 0) -> None:
-        """TEI's limit of inputs per request; zero-shot `labels` are embedded beside the inputs, so they count."""
-        if count + labels <= self.max_client_batch_size:
-            return
-        size = f"batch size {count + labels}"
-        if labels:
-            size += f" ({count} input{'s' * (count != 1)} and {labels} zero-shot labels, each embedded)"
-        raise TooLarge(f"{size} > maximum allowed batch size {self.max_client_batch_size}")
+    def check_batch_size(self, count: int, detail: str = "") -> None:
+        """TEI's limit of inputs per request (`detail` says what was counted, where not just the inputs)."""
+        if count > self.max_client_batch_size:
+            raise TooLarge(f"batch size {count}{detail} > maximum allowed batch size {self.max_client_batch_size}")
 
-    async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> Computed:
-        """Tokenize, batch and run `inputs` (a pair may have one empty side: `inputs.no_empty_pair`)."""
+    def check_zero_shot_size(self, texts: int, labels: int) -> None:
+        """Zero-shot runs more than the request's texts, and all of it counts: each label is embedded
+        beside the texts, or (NLI) each (text, hypothesis) pair is one input."""
+        inputs = f"{texts} input{'s' * (texts != 1)}"
+        if self.entailment is None:
+            self.check_batch_size(texts + labels, f" ({inputs} and {labels} zero-shot labels, each embedded)")
+        else:
+            self.check_batch_size(texts * labels, f" ({inputs} x {labels} zero-shot labels, each pair run)")
+
+    async def compute(self, inputs: list[TextInput | TokenIds], truncation: Truncation,
+                      premise_first: bool = False) -> Computed:
+        """Tokenize, batch and run `inputs` (a pair may have one empty side: `inputs.no_empty_pair`);
+        `premise_first`: an over-long pair loses tokens of its first text only (`TextTokenizer.encode`)."""
         no_empty_pair(inputs)
         started = time.perf_counter()
         characters = sum(map(_characters, inputs))
-        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation)
+        encoded = await self._tokenizing(characters, self.tokenizer.encode, inputs, truncation, premise_first)
         tokenized = time.perf_counter()
         results = await self.batcher.submit(encoded)
         if self.tracing is not None:
@@ -198,12 +209,33 @@ class ModelService:
         logits = computed.outputs[:, 0]
         return ranked_texts(logits if raw_scores else sigmoid(logits), texts, return_text), computed
 
-    async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool,
-                        truncation: Truncation) -> tuple[list[list[dict]], Computed]:
-        """Score labels by cosine similarity of their embeddings to each input's, softmax over labels."""
+    async def zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool, truncation: Truncation,
+                        template: str | None = None, multi_label: bool = False) -> tuple[list[list[dict]], Computed]:
+        """Candidate labels ranked per text: by an NLI classifier as transformers' zero-shot-classification
+        pipeline ranks them (`nli_zero_shot`), else by an embedding model's cosine similarity of each
+        label's embedding to the text's, softmaxed over labels."""
+        self.check_zero_shot_size(len(texts), len(labels))
+        if self.entailment is not None:
+            return await self.nli_zero_shot(texts, labels, raw_scores, truncation, template, multi_label)
+        if template is not None or multi_label:
+            raise InvalidInput(f"`hypothesis_template` and `multi_label` apply to an NLI classifier (one whose labels "
+                               f"include entailment); model {self.name!r} is an embedding model, which scores labels "
+                               "by the cosine similarity of their embeddings")
         vectors, computed = await self.embed(texts + labels, normalize=True, truncation=truncation)
         similarity = vectors[: len(texts)] @ vectors[len(texts):].T
         scores = similarity if raw_scores else softmax(similarity * ZERO_SHOT_SCALE)
+        return [ranked_labels(labels, row) for row in scores], computed
+
+    async def nli_zero_shot(self, texts: list[str], labels: list[str], raw_scores: bool, truncation: Truncation,
+                            template: str | None, multi_label: bool) -> tuple[list[list[dict]], Computed]:
+        """Each (text, hypothesis) pair, the label put in `template` (the pipeline's "This example is {}."),
+        run as one input of one request, truncated as the pipeline truncates (the text only); scored by
+        `nli_scores`, or with `raw_scores` each pair's entailment logit."""
+        filled = hypotheses(DEFAULT_HYPOTHESIS_TEMPLATE if template is None else template, labels)
+        computed = await self.compute([(text, hypothesis) for text in texts for hypothesis in filled], truncation,
+                                      premise_first=True)
+        logits = computed.outputs.reshape(len(texts), len(labels), -1)
+        scores = logits[..., self.entailment] if raw_scores else nli_scores(logits, self.entailment, multi_label)
         return [ranked_labels(labels, row) for row in scores], computed
 
 
@@ -218,8 +250,9 @@ def sparse_pairs(weights: np.ndarray) -> list[dict]:
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
-    return shifted / shifted.sum(axis=1, keepdims=True)
+    """Over the last axis."""
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
 def sigmoid(logits: np.ndarray) -> np.ndarray:
@@ -233,3 +266,19 @@ def probabilities(logits: np.ndarray, problem_type: str | None = None) -> np.nda
         return sigmoid(logits)
     return softmax(logits)
 
+
+def entailment_index(labels: list[str]) -> int | None:
+    """The entailment class of an NLI classifier, found as transformers' zero-shot pipeline finds it: the
+    first label that starts with "entail" in any case; None for a classifier of anything else."""
+    return next((i for i, label in enumerate(labels) if label.lower().startswith("entail")), None)
+
+
+def nli_scores(logits: np.ndarray, entailment: int, multi_label: bool) -> np.ndarray:
+    """[texts, labels] scores from [texts, labels, classes] NLI logits, as transformers'
+    zero-shot-classification pipeline computes them: one label, or `multi_label`, each label on its own
+    (a softmax of its entailment logit against its contradiction's, the contradiction class being the
+    first, or the last where entailment is the first); otherwise a softmax over the labels' entailment logits."""
+    if multi_label or logits.shape[1] == 1:
+        contradiction = -1 if entailment == 0 else 0
+        return softmax(logits[..., [contradiction, entailment]])[..., 1]
+    return softmax(logits[..., entailment])

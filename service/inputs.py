@@ -112,6 +112,24 @@ def zero_shot_texts(inputs: str | list) -> tuple[list[str], bool]:
     return no_empty_input(texts, field="inputs"), not isinstance(inputs, str)
 
 
+# transformers' zero-shot-classification pipeline's hypothesis, one per candidate label
+DEFAULT_HYPOTHESIS_TEMPLATE = "This example is {}."
+
+
+def hypotheses(template: str, labels: list[str]) -> list[str]:
+    """Each label's NLI hypothesis: `template` formatted with it (`str.format`, as the pipeline does); a
+    template the first label leaves unchanged (no `{}`), or that `str.format` cannot fill, is refused."""
+    try:
+        filled = [template.format(label) for label in labels]
+    except (IndexError, KeyError, ValueError) as exc:
+        raise InvalidInput(f"`hypothesis_template` {template!r} cannot be filled with a label ({type(exc).__name__}: "
+                           f"{exc}); put {{}} where the label goes, e.g. {DEFAULT_HYPOTHESIS_TEMPLATE!r}") from None
+    if filled[0] == template:
+        raise InvalidInput(f"`hypothesis_template` {template!r} has no {{}} where the label goes, e.g. "
+                           f"{DEFAULT_HYPOTHESIS_TEMPLATE!r}")
+    return filled
+
+
 # --- token ids: the embedding routes take one input's ids (a list of integers) where they take a text
 
 

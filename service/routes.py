@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from .errors import NotSupported, Unavailable
+from .errors import InvalidInput, Unavailable
 from .inference import Computed, ModelService
 from .inputs import Truncation, one_per_item, predict_sequences, truncation, zero_shot_texts
 from .runtime import Runtime
@@ -258,18 +258,19 @@ async def embed_sparse(body: EmbedAllRequest, request: Request) -> Response:
 @post("/predict", "/classify")
 async def classify(body: ClassifyRequest, request: Request) -> Response:
     """A fine-tuned head over TEI's inputs (a text, a pair, or a batch of both: `inputs.predict_sequences`),
-    or zero-shot over `labels` with the embed model (a text or a list of texts: `inputs.zero_shot_texts`)."""
+    or zero-shot over `labels` (a text or a list of texts: `inputs.zero_shot_texts`) with an NLI classifier
+    or an embedding model (`ModelService.zero_shot`)."""
     started = time.perf_counter()
     truncation = _truncation(request, body)
     if body.labels:
         texts, batched = zero_shot_texts(body.inputs)
-        try:
-            service = _runtime(request).model("embed", body.model)
-        except NotSupported as exc:
-            raise NotSupported(f"zero-shot `labels` are scored by an embedding model: {exc}") from None
-        service.check_batch_size(len(texts), labels=len(body.labels))
-        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation)
+        service = _runtime(request).model("zero_shot", body.model)
+        predictions, computed = await service.zero_shot(texts, body.labels, body.raw_scores, truncation,
+                                                        body.hypothesis_template, body.multi_label)
     else:
+        if body.hypothesis_template is not None or body.multi_label:
+            raise InvalidInput("`hypothesis_template` and `multi_label` apply to zero-shot classification: give "
+                               "the candidate `labels`")
         texts, batched = predict_sequences(body.inputs)
         service = _runtime(request).model("classify", body.model)
         service.check_batch_size(len(texts))
@@ -277,10 +278,12 @@ async def classify(body: ClassifyRequest, request: Request) -> Response:
         if body.parameters is not None and body.parameters.function_to_apply is not None:
             scoring = body.parameters.function_to_apply
         predictions, computed = await service.classify(texts, scoring, truncation)
-    if body.parameters is not None:  # the HF Inference API's shape: a list per input, the top k of each
-        content = [ranks[: body.parameters.top_k] for ranks in predictions]
-    else:  # TEI's: one sequence gets one flat list
-        content = predictions if batched else predictions[0]
+    top_k = body.parameters.top_k if body.parameters is not None else None
+    ranked = [ranks[:top_k] for ranks in predictions]
+    if body.parameters is not None and not body.labels:  # the HF Inference API's text classification: a list per input
+        content = ranked
+    else:  # TEI's, and the HF Inference API's zero-shot: one text gets one flat list
+        content = ranked if batched else ranked[0]
     return JSONResponse(content, headers=_headers(service, computed, started))
 
 

@@ -30,7 +30,7 @@ from artifact.manifest import Manifest
 from .backends import Backend, load_backend
 from .batcher import Batcher
 from .errors import ModelNotFound, NotSupported, Unavailable
-from .inference import UNCALIBRATED, ModelService
+from .inference import UNCALIBRATED, ModelService, entailment_index
 from .lanes import Lanes
 from .memory import resident_bytes
 from .metrics import Metrics
@@ -257,12 +257,14 @@ class Runtime:
 
     def model(self, task: str | None, name: str | None = None) -> ModelService:
         """The model a request asks for by `name`, else the first one serving `task` (embed,
-        classify, or rerank: a classifier with one label; None: any, the first model given)."""
+        classify, rerank: a classifier with one label, zero_shot: an embedding model or an NLI
+        classifier; None: any, the first model given)."""
         if name is not None:
             artifact = self.served(name)
             if task is not None and not serves(artifact.manifest, task):
-                raise NotSupported(f"model {name!r} is {describe_kind(artifact.manifest)}, not {KIND_OF_TASK[task]}"
-                                   f"{route_hint(artifact.manifest)}")
+                manifest = artifact.manifest
+                raise NotSupported(f"model {name!r} is {describe_kind(manifest)}{labels_of(manifest, task)}, not "
+                                   f"{KIND_OF_TASK[task]}{route_hint(manifest)}")
         else:
             artifact = next((artifact for artifact in self.artifacts
                              if task is None or serves(artifact.manifest, task)), None)
@@ -385,7 +387,9 @@ class Runtime:
 KIND_OF_TASK = {"embed": "an embedding model", "classify": "a classifier",
                 "rerank": "a reranker (a one-label classifier)",
                 "embed_all": "a token-embedding model (compiled with --pooling none)",
-                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)"}
+                "embed_sparse": "a sparse (SPLADE) model (compiled with --task sparse)",
+                "zero_shot": "an embedding model or an NLI classifier (one of whose labels is entailment) for "
+                             "zero-shot `labels`"}
 ROUTE_OF_TASK = {"embed": "/embed", "classify": "/predict", "rerank": "/rerank", "embed_all": "/embed_all",
                  "embed_sparse": "/embed_sparse"}
 
@@ -409,9 +413,18 @@ def model_kind(manifest: Manifest) -> str:
 def serves(manifest: Manifest, task: str) -> bool:
     """Which routes a model answers: a reranker is a classifier with one label, as in TEI (and
     still answers /predict); an embedding model's pooling decides between /embed, /embed_all and
-    /embed_sparse."""
+    /embed_sparse; zero-shot `labels` take a pooled embedding model or an NLI classifier."""
     kind = model_kind(manifest)
+    if task == "zero_shot":
+        return kind == "embed" or (manifest.task == "classify" and entailment_index(manifest.labels) is not None)
     return kind == task or (task == "classify" and kind == "rerank")
+
+
+def labels_of(manifest: Manifest, task: str) -> str:
+    """A classifier refused zero-shot: what its labels are instead of entailment."""
+    if task != "zero_shot" or manifest.task != "classify":
+        return ""
+    return f" with labels {', '.join(manifest.labels)}"
 
 
 def describe_kind(manifest: Manifest) -> str:

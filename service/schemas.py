@@ -66,19 +66,43 @@ class EmbedAllRequest(_Truncating):
 
 
 class PipelineParameters(_Strict):
-    """The Hugging Face Inference API's text-classification `parameters` (what
-    `huggingface_hub.InferenceClient.text_classification` sends)."""
+    """The Hugging Face Inference API's text-classification and zero-shot-classification `parameters`
+    (what `huggingface_hub.InferenceClient.text_classification` and `.zero_shot_classification` send)."""
 
     top_k: int | None = Field(None, ge=1)
     function_to_apply: Literal["sigmoid", "softmax", "none"] | None = None
+    candidate_labels: Texts | None = None  # zero-shot's `labels`
+    hypothesis_template: str | None = None
+    multi_label: bool | None = None
 
 
 class ClassifyRequest(_Truncating):
     inputs: PredictInputs
     raw_scores: bool = False
-    labels: Texts | None = Field(None, description="zero-shot candidate labels (uses the embed model)")
+    labels: Texts | None = Field(None, description="zero-shot candidate labels: scored by an NLI classifier (one "
+                                 "whose labels include entailment) as transformers' zero-shot pipeline, or by an "
+                                 "embedding model's similarity")
+    hypothesis_template: str | None = Field(None, description="NLI zero-shot: each label's hypothesis, the label "
+                                            "at {} (default \"This example is {}.\")")
+    multi_label: bool = Field(False, description="NLI zero-shot: score each label on its own (entailment against "
+                              "contradiction) rather than softmax over the labels")
     parameters: PipelineParameters | None = Field(
-        None, description="the HF Inference API's payload: answers take its shape, a list per input")
+        None, description="the HF Inference API's payload: answers take its shape, a list per input (zero-shot's: "
+        "as without it); its candidate_labels, hypothesis_template and multi_label are zero-shot's fields")
+
+    @model_validator(mode="after")
+    def _take_zero_shot_parameters(self) -> "ClassifyRequest":
+        """The Inference API's zero-shot `parameters` as the fields they are here (`candidate_labels`:
+        `labels`); one given in both places is refused rather than one of them ignored."""
+        if self.parameters is None:
+            return self
+        for given, name in (("candidate_labels", "labels"), ("hypothesis_template", "hypothesis_template"),
+                            ("multi_label", "multi_label")):
+            if given in self.parameters.model_fields_set and getattr(self.parameters, given) is not None:
+                if name in self.model_fields_set:
+                    raise ValueError(f"`{name}` is given twice: at the top level and in `parameters` ({given})")
+                setattr(self, name, getattr(self.parameters, given))
+        return self
 
 
 class RerankRequest(_Truncating):

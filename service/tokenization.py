@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
 import numpy as np
 from tokenizers import Tokenizer
 
@@ -89,11 +90,17 @@ class TextTokenizer:
         self._full = Tokenizer.from_file(str(tokenizer_file))
         self._full.no_padding()
         self._full.no_truncation()  # the shipped tokenizer.json may truncate at 128 and pad
-        self._truncating = {}
-        for direction in ("right", "left"):  # special tokens stay: the text loses its end, or its start
-            self._truncating[direction] = Tokenizer.from_file(str(tokenizer_file))
-            self._truncating[direction].no_padding()
-            self._truncating[direction].enable_truncation(max_length, direction=direction)
+        self._file = tokenizer_file
+        # special tokens stay: the text loses its end, or its start; a pair its longer text's tokens first
+        self._truncating = {(direction, "longest_first"): self._truncator(direction, "longest_first")
+                            for direction in ("right", "left")}
+
+    def _truncator(self, direction: str, strategy: str) -> Tokenizer:
+        """The tokenizer that cuts over-long inputs at `direction`; a pair by `strategy` (`tokenizers`')."""
+        tokenizer = Tokenizer.from_file(str(self._file))
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(self.max_length, strategy=strategy, direction=direction)
+        return tokenizer
 
     def tokens(self, texts: list[str], add_special_tokens: bool) -> list[list[dict]]:
         """TEI's /tokenize: per input, each token's id, its text (the input's own characters, or
@@ -115,12 +122,21 @@ class TextTokenizer:
         in_vocabulary((token for row in ids for token in row), self._full.get_vocab_size(), "`ids`")
         return self._full.decode_batch(ids, skip_special_tokens=skip_special_tokens)
 
-    def encode(self, inputs: list[TextInput | TokenIds], truncation: Truncation) -> list[Encoded]:
+    def encode(self, inputs: list[TextInput | TokenIds], truncation: Truncation,
+               premise_first: bool = False) -> list[Encoded]:
         """Token ids and type ids; a pair is one sequence with both segments (a cross-encoder's
-        input), truncated longest-first; token ids are taken as given (`encode_ids`)."""
+        input), truncated longest-first, or with `premise_first` (an NLI premise and hypothesis) its
+        first text only, as transformers' zero-shot pipeline cuts it; token ids are taken as given
+        (`encode_ids`)."""
         texts = [item for item in inputs if not isinstance(item, list)]
-        tokenizer = self._full if truncation is None else self._truncating[truncation]
-        encodings = iter(tokenizer.encode_batch(texts) if texts else ())
+        tokenizer = self._full if truncation is None else self._truncation(truncation, premise_first)
+        try:
+            encodings = iter(tokenizer.encode_batch(texts) if texts else ())
+        except Exception as exc:  # tokenizers' own: a pair whose second text alone is over the limit
+            if not premise_first or "too short" not in str(exc):
+                raise
+            raise TooLarge(f"`inputs` must have at most {self.max_length} tokens: a hypothesis and the special "
+                           "tokens leave no room for the text") from None
         encoded = []
         for item in inputs:
             if isinstance(item, list):
@@ -131,6 +147,14 @@ class TextTokenizer:
             encoded.append(Encoded(np.asarray(encoding.ids, dtype=np.int64),
                                    np.asarray(encoding.type_ids, dtype=np.int64)))
         return encoded
+
+    def _truncation(self, direction: str, premise_first: bool) -> Tokenizer:
+        """The truncating tokenizer of a direction and pair strategy; only_first's built on first use
+        (a dict's item assignment is atomic: two threads at once at worst build it twice)."""
+        key = (direction, "only_first" if premise_first else "longest_first")
+        if key not in self._truncating:
+            self._truncating[key] = self._truncator(*key)
+        return self._truncating[key]
 
     def encode_ids(self, ids: TokenIds, truncation: Truncation) -> Encoded:
         """One input given as token ids (TEI's and OpenAI's pre-tokenized input): run as given, no

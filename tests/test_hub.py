@@ -57,11 +57,16 @@ def hub():
     bert_config = json.loads(minilm["config.json"])
     gpt2 = {"config.json": json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}).encode(),
             "model.safetensors": b"weights"}
+    nomic = {"config.json": json.dumps({"model_type": "nomic_bert", "architectures": ["NomicBertModel"], "auto_map": {
+        "AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+        "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"}}).encode(),
+        "model.safetensors": b"weights"}
     repos = {
         "acme/minilm": Repo({V1: {**minilm, **NOT_FETCHED}, MAIN: {**minilm, **NOT_FETCHED, "README.md": b"v2"}},
                             {"main": MAIN, "v1": V1}),
         "acme/private-minilm": Repo({V1: minilm}, {"main": V1}, private=True),
         "acme/gpt2": Repo({V1: gpt2}, {"main": V1}),
+        "acme/nomic": Repo({V1: nomic}, {"main": V1}),
         "acme/no-weights": Repo({V1: {"config.json": json.dumps(bert_config).encode(),
                                       "tokenizer.json": minilm["tokenizer.json"]}}, {"main": V1}),
     }
@@ -300,11 +305,14 @@ def one_line_error(command: list[str], env: dict[str, str]) -> str:
     ("acme/private-minilm", ["--hf-token", "hf_wrong"], "0", "{hub} refused the token given (--hf-token or HF_TOKEN)"),
     ("acme/gpt2", [], "0", "acme/gpt2 is a gpt2 model (GPT2LMHeadModel); only the BERT family compiles here: "
                            + ", ".join(MODEL_TYPES)),
+    ("acme/nomic", [], "0", "acme/nomic needs trust_remote_code: its config.json maps model_type 'nomic_bert' to code "
+                            "of its own (NomicBertConfig, NomicBertModel), which is not compiled; supported: "
+                            + ", ".join(MODEL_TYPES) + ", as transformers implements them"),
     ("acme/no-weights", [], "0", f"acme/no-weights has no model.safetensors or pytorch_model.bin at commit {V1}"),
     ("acme/minilm", ["--revision", "v9"], "0", "acme/minilm has no revision 'v9' on {hub}"),
     ("acme/minilm", [], "1", "HF_HUB_OFFLINE is set and acme/minilm is not in the Hub cache"),
     ("acme/minilm", [], "unreachable", "cannot reach {hub} (ConnectError) and acme/minilm is not in the Hub cache"),
-], ids=["404", "401-no-token", "401-wrong-token", "not-bert", "no-weights", "no-revision", "offline-not-cached",
+], ids=["404", "401-no-token", "401-wrong-token", "not-bert", "remote-code", "no-weights", "no-revision", "offline-not-cached",
         "no-network-not-cached"])
 def test_a_model_that_cannot_be_had_is_one_line_and_exit_2(hub, compile_config, tmp_path, model, more, offline,
                                                            message):

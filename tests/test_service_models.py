@@ -92,8 +92,13 @@ def test_models_are_listed_and_selected_by_name(client):
         "embedding model, on POST /embed; 'e5ish', an embedding model, on POST /embed; 'sentiment', a classifier, "
         "on POST /predict; 'reranker', a reranker (a one-label classifier), on POST /rerank")
     zero_shot = client.post("/classify", json={"inputs": "x", "labels": ["a"], "model": "sentiment"})
-    assert zero_shot.status_code == 400 and zero_shot.json()["error"].startswith(
-        "zero-shot `labels` are scored by an embedding model: model 'sentiment' is a classifier")
+    assert zero_shot.status_code == 400 and zero_shot.json()["error"] == (
+        "model 'sentiment' is a classifier with labels negative, neutral, positive, not an embedding model or an NLI "
+        "classifier (one of whose labels is entailment) for zero-shot `labels`; a classifier is served on POST /predict")
+    templated = client.post("/classify", json={"inputs": "x", "labels": ["a"], "hypothesis_template": "It is {}."})
+    assert templated.status_code == 422 and templated.json()["error"] == (
+        "`hypothesis_template` and `multi_label` apply to an NLI classifier (one whose labels include entailment); "
+        "model 'tiny' is an embedding model, which scores labels by the cosine similarity of their embeddings")
     labels = [p["label"] for p in client.post("/predict", json={"inputs": "fine"}).json()]
     assert sorted(labels) == ["negative", "neutral", "positive"]  # /predict's default: the first classifier
     tokens = client.post("/tokenize", json={"inputs": "fine", "model": "sentiment"})  # any model tokenizes

@@ -48,7 +48,7 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     attention = arithmetic.attention
 
     def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
-        return plan_for(imported.mod, plan.target, reference, plan.info.path / "tokenizer.json", plan.info.max_seq,
+        return plan_for(imported.mod, plan.target, reference, plan.info.tokenizer_file, plan.info.max_seq,
                         config.model_task, config.min_cosine, progress.note, bf16_pays=attention.bf16_pays,
                         attention_products=products, keep_out=keep_out)
 

@@ -235,7 +235,7 @@ class LibraryBuilder:
 
     def _sentence_rows(self) -> tuple[np.ndarray, ...]:
         info = self.plan.info
-        return sentence_rows(info.path / "tokenizer.json", info.max_seq)
+        return sentence_rows(info.tokenizer_file, info.max_seq)
 
     def agreement(self, library: str, strategy: str) -> dict:
         """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each

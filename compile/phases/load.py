@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import TOKENIZER_FILES, CheckpointInfo, load_wrapper
+from ..tokenizer import TOKENIZER_JSON
 from ..config import CompileConfig
 from ..errors import CompileError
 from ..passes.sparsity import prune_model
@@ -44,8 +45,11 @@ def prune(wrapper: torch.nn.Module, info: CheckpointInfo, config: CompileConfig)
             "cosine_vs_dense": cosine_drift(dense, wrapper, info)}
 
 
-def copy_tokenizer(model_dir: Path, destination: Path) -> None:
+def copy_tokenizer(info: CheckpointInfo, destination: Path) -> None:
+    """The checkpoint's fast tokenizer (its own tokenizer.json, or the one converted from its files) and the
+    files beside it that the server reads (limits, prompts) into `destination`."""
     destination.mkdir()
+    shutil.copy2(info.tokenizer_file, destination / TOKENIZER_JSON)
     for name in TOKENIZER_FILES:
-        if (model_dir / name).is_file():
-            shutil.copy2(model_dir / name, destination / name)
+        if (info.path / name).is_file():
+            shutil.copy2(info.path / name, destination / name)

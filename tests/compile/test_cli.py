@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from artifact.manifest import MODEL_TYPES
 from tests.support.commands import REPO, run_cli
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
@@ -56,6 +57,22 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_bert_dir, gpt2_dir, make
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_a_checkpoint_that_needs_remote_code_exits_2_with_one_line(tmp_path):
+    """Jina's BERT says model_type bert, but its auto_map runs a BERT of its own (ALiBi): refused, not
+    compiled as the BERT transformers implements."""
+    directory = tmp_path / "jina"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["JinaBertForMaskedLM"],
+        "auto_map": {"AutoConfig": "jinaai/jina-bert-implementation--configuration_bert.JinaBertConfig",
+                     "AutoModel": "jinaai/jina-bert-implementation--modeling_bert.JinaBertModel"}}))
+    result = run_cli("--model", str(directory), "--out", str(tmp_path / "out"))
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"bert-compile: error: {directory} needs trust_remote_code: its config.json maps model_type 'bert' to code of "
+        f"its own (JinaBertConfig, JinaBertModel), which is not compiled; supported: {', '.join(MODEL_TYPES)}, as "
+        "transformers implements them"), result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_unknown_task_exits_2(tmp_path):

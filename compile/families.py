@@ -1,10 +1,12 @@
-"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT and ModernBERT.
+"""The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA,
+MPNet and ModernBERT.
 
-The first four are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
+The first six are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
 feed-forward, so one padded and one packed wrapper compile them all. They differ in module names,
-in what the embeddings take (DistilBERT has no token types), in where positions start (RoBERTa
-and XLM-R count from pad_token_id + 1, while the server always feeds 0..len-1) and in the
-classification head. ModernBERT (pre-norm layers, rotary positions, GeGLU, sliding-window
+in what the embeddings take (DistilBERT and MPNet have no token types; ELECTRA projects small
+embeddings up to the hidden size), in where positions start (RoBERTa, XLM-R and MPNet count from the
+padding index + 1, while the server always feeds 0..len-1), in a score bias added to every layer's
+attention scores (MPNet's relative positions) and in the classification head. ModernBERT (pre-norm layers, rotary positions, GeGLU, sliding-window
 attention on two layers in three) runs its layers through the same `LayerParts` in both layouts.
 A `Family` answers exactly those questions; everything it returns is the checkpoint's own modules
 (or tables computed as the checkpoint computes them), so every numerical choice stays the checkpoint's.
@@ -13,6 +15,7 @@ A `Family` answers exactly those questions; everything it returns is the checkpo
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -44,15 +47,17 @@ def linear_projections(query: torch.nn.Linear, key: torch.nn.Linear, value: torc
     return lambda hidden, positions: (query(hidden), key(hidden), value(hidden))
 
 
-def attention_core(layer: LayerParts, query, key, value, additive_mask) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(head_size) + mask) V over [batch, heads, seq, head_size], the mask [batch, 1, 1,
-    seq] (0 for real keys, the dtype's min for padding) and, on a sliding-window layer, the keys farther than
-    its window masked too (FuseAttention recognises this graph: compile/passes/fuse_attention.py)."""
+def attention_core(layer: LayerParts, query, key, value, additive_mask, score_bias=None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(head_size) [+ score bias] + mask) V over [batch, heads, seq, head_size], the mask
+    [batch, 1, 1, seq] (0 for real keys, the dtype's min for padding) and, on a sliding-window layer, the keys
+    farther than its window masked too; the family's score bias ([1, heads, seq, seq]) where it has one
+    (FuseAttention recognises this graph: compile/passes/fuse_attention.py)."""
     mask = additive_mask if layer.window is None else windowed(additive_mask, layer.window)
     if layer.sdpa:
-        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
-                                                                scale=layer.head_size ** -0.5)
-    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(layer.head_size) + mask
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask if score_bias is None else score_bias + mask, scale=layer.head_size ** -0.5)
+    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(layer.head_size)
+    scores = (scores if score_bias is None else scores + score_bias) + mask
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
 
@@ -95,6 +100,15 @@ def pad_vocabulary(decoder: torch.nn.Linear) -> None:
     decoder.weight, decoder.bias = torch.nn.Parameter(weight), torch.nn.Parameter(bias)
 
 
+def skewed(table: torch.Tensor, length) -> torch.Tensor:
+    """[heads, length, length] of a [heads, 2 x length] table of relative positions kept cyclically (column
+    (j - i) mod 2 x length for query i and key j), in views alone: the table repeated 2 x length - 1 times,
+    flattened and read in rows one shorter than it, so that each query's row starts one column further left."""
+    heads, rows = table.shape[0], 2 * length
+    flat = table[:, None, :].expand(heads, rows - 1, rows).reshape(heads, (rows - 1) * rows)
+    return flat.reshape(heads, rows, rows - 1)[:, :length, :length]
+
+
 class FirstToken(torch.nn.Module):
     """[batch, seq, hidden] -> [batch, hidden] of token 0, for heads that do not select it themselves."""
 
@@ -108,6 +122,7 @@ class Family:
     hidden_size_key = "hidden_size"
     heads_key = "num_attention_heads"
     base_model_options = {"add_pooling_layer": False}  # an embedding model has no use for the pooler
+    sdpa = True  # transformers runs the family's attention on PyTorch's fused kernel where asked to
 
     def __init__(self, model_type: str, classifier: str):
         self.model_type = model_type
@@ -123,6 +138,7 @@ class Family:
         server runs."""
         from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForSequenceClassification
 
+        attention = attention if self.sdpa else "eager"  # the family's only attention in transformers
         if task == "classify":
             return AutoModelForSequenceClassification.from_pretrained(path, attn_implementation=attention)
         if task == "sparse":
@@ -146,6 +162,11 @@ class Family:
     def final(self, base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """What follows the last layer (a pre-norm stack's final norm)."""
         return hidden
+
+    def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor | None:
+        """What every layer adds to its attention scores before the mask, [1, heads, seq, seq] for the
+        sequences' own positions (`seq`: any tensor whose dim 1 is the sequence bound); None: nothing."""
+        return None
 
     def classifier_pooling(self, model: torch.nn.Module) -> str:
         """What the classification head reads: "cls" (token 0, which `head` selects) or "mean" (the
@@ -215,6 +236,74 @@ class DistilBert(Family):
                                    model.vocab_projector)
 
 
+class Electra(Family):
+    """ELECTRA: BERT's layers behind embeddings projected up to the hidden size (where the checkpoint
+    has `embeddings_project`), a classification head of its own and the generator's MLM head."""
+
+    base_model_options = {}
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        embedded = super().embed(base, input_ids, token_type_ids, position_ids)
+        return base.embeddings_project(embedded) if hasattr(base, "embeddings_project") else embedded
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.classifier  # ElectraClassificationHead: token 0, dense, GELU, out_proj
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(model.generator_predictions, model.generator_lm_head)
+
+
+class MPNet(Roberta):
+    """MPNet: BERT-like layers named its own way, no token types, positions after its fixed padding
+    index, and one relative position bias (buckets of j - i, learned per head) added to every layer's
+    scores: computed once per call, for one sequence, and shared by the batch and the layers."""
+
+    padding_index = 1  # MPNetEmbeddings' own, whatever the config's pad_token_id
+    sdpa = False  # transformers has only eager attention for MPNet: `load` puts PyTorch's fused kernel in
+
+    def load(self, path: Path, task: str, attention: str = "eager") -> torch.nn.Module:
+        model = super().load(path, task)
+        if attention == "sdpa":
+            from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
+
+            for module in model.modules():
+                if isinstance(module, MPNetSelfAttention):
+                    module.forward = types.MethodType(_sdpa_self_attention, module)
+        return model
+
+    def first_position(self, pad_token_id: int | None) -> int:
+        return self.padding_index + 1
+
+    def embed(self, base: torch.nn.Module, input_ids, token_type_ids, position_ids) -> torch.Tensor:
+        return base.embeddings(input_ids=input_ids, position_ids=position_ids + self.first_position(None))
+
+    def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
+        bias = self.score_bias(base, hidden)
+        for layer in base.encoder.layer:
+            hidden = layer(hidden, additive_mask, bias)[0]
+        return hidden
+
+    def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor:
+        """`compute_position_bias`'s, as views (`skewed`) of a table of the relative positions j - i kept
+        cyclically (row r: r below seq, r - 2 x seq from it), 2 x seq rows: the fused attention kernel proves
+        those views and reads the table (compile/passes/fuse_attention.py)."""
+        encoder, length = base.encoder, seq.shape[1]
+        rows = torch.arange(2 * length, device=seq.device)
+        relative = torch.where(rows < length, rows, rows - 2 * length)
+        table = encoder.relative_attention_bias(encoder.relative_position_bucket(relative))  # [2 x seq, heads]
+        return skewed(table.T, length)[None]
+
+    def _parts(self, layer: torch.nn.Module) -> LayerParts:
+        attention = layer.attention.attn
+        return LayerParts(linear_projections(attention.q, attention.k, attention.v), attention.num_attention_heads,
+                          attention.attention_head_size,
+                          lambda context, hidden: layer.attention.LayerNorm(attention.o(context) + hidden),
+                          lambda attended: layer.output(layer.intermediate(attended), attended))
+
+    def mlm_head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model.lm_head
+
+
 class ModernBert(Family):
     """ModernBERT: pre-norm layers without biases, one Q/K/V linear, rotary positions (a table per layer
     type: global and sliding-window layers have their own theta), GeGLU, sliding windows of
@@ -272,6 +361,19 @@ class ModernBert(Family):
         return torch.nn.Sequential(model.head, model.decoder)
 
 
+def _sdpa_self_attention(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False,
+                         **kwargs):
+    """MPNetSelfAttention's function on torch.nn.functional.scaled_dot_product_attention: the relative
+    position bias and the mask as its additive `attn_mask`."""
+    shape = (*hidden_states.shape[:-1], -1, self.attention_head_size)
+    query, key, value = (projection(hidden_states).view(shape).transpose(1, 2)
+                         for projection in (self.q, self.k, self.v))
+    bias = [b for b in (position_bias, attention_mask) if b is not None]
+    context = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=bias[0] + bias[1] if len(bias) == 2 else (bias or [None])[0])
+    return (self.o(context.transpose(1, 2).reshape(*hidden_states.shape[:-1], self.all_head_size)),)
+
+
 FAMILIES = {
     family.model_type: family
     for family in (
@@ -279,6 +381,8 @@ FAMILIES = {
         Roberta("roberta", "RobertaForSequenceClassification"),
         Roberta("xlm-roberta", "XLMRobertaForSequenceClassification"),
         DistilBert("distilbert", "DistilBertForSequenceClassification"),
+        Electra("electra", "ElectraForSequenceClassification"),
+        MPNet("mpnet", "MPNetForSequenceClassification"),
         ModernBert("modernbert", "ModernBertForSequenceClassification"),
     )
 }

@@ -34,7 +34,35 @@ def _amax(node, importer) -> relax.Var:
         relax.op.max(importer.env[node.args[0]], axis=list(dim) or None, keepdims=keepdim))
 
 
-CONVERTERS = {"amax.default": _amax}  # ops the importer lacks, by their ATen name
+def _slice(node, importer) -> relax.Var:
+    """A step-1 slice whose bounds are provably inside the tensor (every symbolic size at least 1) as a
+    `strided_slice` that assumes so: its shape is then end - begin, where the importer's own gives the
+    clamped `min(max(...))` form, which later passes cannot always type (MPNet's skewed relative
+    positions, compile/families.skewed); any other slice as the importer writes it."""
+    from tvm.sym.analyzer import Analyzer
+
+    x = importer.env[node.args[0]]
+    dim, begin, end, step = [*node.args[1:], *(0, 0, None, 1)[len(node.args) - 1:]][:4]  # slice's defaults
+    begin, end = (importer.env[v] if isinstance(v, torch.fx.Node) else v for v in (begin or 0, end))
+    shape = importer.shape_of(x)
+    if step == 1 and end is not None and shape is not None:
+        extent, analyzer = shape[dim % len(shape)], Analyzer()
+        bounds = [_i64(v) if isinstance(v, int) else v for v in (begin, end, extent)]
+        for var in {v for e in bounds for v in tvm.tirx.analysis.undefined_vars(e)}:
+            analyzer.bind(var, tvm.ir.Range(_i64(1), _i64(2 ** 31)))
+        first, last, size = bounds
+        if all(analyzer.can_prove(analyzer.canonical_simplify(high - low) >= 0)
+               for low, high in ((_i64(0), first), (first, last), (last, size))):
+            return importer.block_builder.emit(relax.op.strided_slice(
+                x, [dim % len(shape)], [first], [last], [1], assume_inbound=True))
+    return importer._slice(node)
+
+
+def _i64(value: int):
+    return tvm.tirx.IntImm("int64", value)
+
+
+CONVERTERS = {"amax.default": _amax, "slice.Tensor": _slice}  # ops the importer lacks or writes unusably
 # Exports kept in this process, by `export_key`: the levels of one compile (and a process that
 # compiles one checkpoint in several settings) export it once. A few entries, each a weight set.
 EXPORTS_KEPT = 4

@@ -47,8 +47,10 @@ class PackedBertWrapper(torch.nn.Module):
         hidden = self.family.embed(self.bert, input_ids[None], token_type_ids[None], position_ids[None])[0]
         mask = attention_mask.to(hidden.dtype)
         additive = self.additive_mask(attention_mask, hidden.dtype)
+        score_bias = self.family.score_bias(self.bert, gather)  # each sequence's own positions, i and j < seq
         for layer in self.layers:
-            context = self._attention(layer, layer.project(hidden, position_ids), rows, additive, scatter, batch, seq)
+            context = self._attention(layer, layer.project(hidden, position_ids), rows, additive, score_bias,
+                                      scatter, batch, seq)
             hidden = layer.feed_forward(layer.attention_output(context, hidden))
         hidden = self.family.final(self.bert, hidden)
         pooled = self.pooled(hidden, mask, gather, rows, batch, seq)
@@ -71,13 +73,14 @@ class PackedBertWrapper(torch.nn.Module):
         return self.head(pool(torch.index_select(hidden, 0, rows).reshape(batch, seq, -1), mask, self.pooling))
 
     @staticmethod
-    def _attention(layer: LayerParts, projected, rows, additive, scatter, batch, seq):
+    def _attention(layer: LayerParts, projected, rows, additive, score_bias, scatter, batch, seq):
         """The eager self-attention per sequence: packed Q, K, V rows, gathered per head (so that a sliding
-        window never reaches into another sequence), the context scattered back to the packed rows."""
+        window or a score bias never reaches into another sequence), the context scattered back to the packed
+        rows."""
         heads, size = layer.heads, layer.head_size
 
         def per_sequence(rows_of_tokens):
             return torch.index_select(rows_of_tokens, 0, rows).reshape(batch, seq, heads, size).transpose(1, 2)
 
-        context = attention_core(layer, *(per_sequence(x) for x in projected), additive)
+        context = attention_core(layer, *(per_sequence(x) for x in projected), additive, score_bias)
         return torch.index_select(context.transpose(1, 2).reshape(batch * seq, heads * size), 0, scatter)

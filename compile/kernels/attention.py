@@ -102,6 +102,12 @@ class AttentionShape:
     packed: bool
     widths: tuple[int, int, int]  # columns of the Q, K and V source tensors
     offsets: tuple[int, int, int]  # where Q, K and V start in them
+    # a score bias added before the mask, by each sequence's own query and key positions i and j: "" none;
+    # "relative": a [table_rows, heads] table read at [(j - i) mod table_rows, h] (MPNet's relative positions,
+    # computed once per call in the graph: 2 x seq rows, not seq^2); "shared": [1, heads, seq, seq], read by every
+    # sequence at [0, h, i, j]; "batched": [batch, heads, seq, seq], one per sequence
+    score_bias: str = ""
+    table_rows: object = 0  # a "relative" table's rows (at least 2 x seq - 1): an int or a symbolic var
     window: int | None = None  # sliding-window attention: keys at most this far from the query; None: all keys
 
 
@@ -159,11 +165,11 @@ def write_attention(shape: AttentionShape, kernels: KernelConfig) -> tirx.PrimFu
     if products != "fp32" and products not in kernels.capabilities.attention_products(shape.head_size):
         raise ValueError(f"the fused attention kernel has no {products} products for {shape.head_size}-wide heads "
                          f"at {lanes} lanes")
-    sizes = (shape.batch, shape.seq, shape.rows)
+    sizes = (shape.batch, shape.seq, shape.rows, shape.table_rows)
     if not all(isinstance(x, (int, tirx.Var)) for x in sizes):  # an expression of a var: written as given
         return _write_attention(shape, lanes, products)
     named = [(x.name, str(x.ty)) if isinstance(x, tirx.Var) else x for x in sizes]
-    return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2]), lanes, products)
+    return _written(replace(shape, batch=named[0], seq=named[1], rows=named[2], table_rows=named[3]), lanes, products)
 
 
 def _window_products(kernels: KernelConfig, head_size: int) -> str:
@@ -177,8 +183,9 @@ def _window_products(kernels: KernelConfig, head_size: int) -> str:
 @lru_cache(maxsize=64)
 def _written(shape: AttentionShape, lanes: int, products: str) -> tirx.PrimFunc:
     """`_write_attention` of a shape whose symbolic sizes are (name, dtype) pairs."""
-    batch, seq, rows = (tirx.Var(*x) if isinstance(x, tuple) else x for x in (shape.batch, shape.seq, shape.rows))
-    return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows), lanes, products)
+    batch, seq, rows, table_rows = (tirx.Var(*x) if isinstance(x, tuple) else x
+                                    for x in (shape.batch, shape.seq, shape.rows, shape.table_rows))
+    return _write_attention(replace(shape, batch=batch, seq=seq, rows=rows, table_rows=table_rows), lanes, products)
 
 
 def _i64(value: int) -> tirx.IntImm:
@@ -216,18 +223,43 @@ class _Kernel:
     NQ: tirx.PrimExpr
     QO: tirx.PrimExpr
     SCALE: tirx.PrimExpr
+    SB: tuple  # the score bias's shape
 
     @classmethod
     def of(cls, shape: AttentionShape, lanes: int, queries: int, stage: int) -> "_Kernel":
         B, S, R = (_i64(x) if isinstance(x, int) else x for x in (shape.batch, shape.seq, shape.rows))
         return cls(shape, _i64(shape.heads), _i64(shape.head_size), _i64(lanes), _i64(queries), _i64(stage),
                    _i64(-(-shape.max_seq // stage) * stage), B, S, R, R if shape.packed else B * S,
-                   _i64(shape.widths[0]), _i64(shape.offsets[0]), tirx.const(shape.scale, "float32"))
+                   _i64(shape.widths[0]), _i64(shape.offsets[0]), tirx.const(shape.scale, "float32"),
+                   _score_bias_shape(shape, B, S))
 
     def row_of(self, gather, b, i, rows):
         """The source (or output) row of sequence b's token i: packed, its gathered row (clamped,
         as the graph's take(mode="clip")); padded, b * seq + i."""
         return T.max(T.min(gather[b, i], rows - _i64(1)), _i64(0)) if self.shape.packed else b * self.S + i
+
+    def score_bias_at(self, score_bias, b, h, i, j):
+        """Sequence b's score bias of head h, query i and key j."""
+        kind = self.shape.score_bias
+        if kind == "relative":  # (j - i) mod rows, |j - i| < seq <= rows
+            return score_bias[T.if_then_else(j >= i, j - i, j - i + score_bias.shape[0]), h]
+        return score_bias[b if kind == "batched" else _i64(0), h, i, j]
+
+    def stage_score_bias(self, factor: float):
+        """A macro: tile_bias[j, lane] = the score bias of the tile's query `lane` (the last real one repeated
+        past the sequence's end) and key j, times `factor`, for the real keys: transposed, so that the
+        products add a key's row of queries as one vector, as they add the mask."""
+        TQ, FACTOR, score_bias_at, staged = self.TQ, tirx.const(factor, "float32"), self.score_bias_at, self.staged
+
+        @T.macro
+        def stage_score_bias(tile_bias, score_bias, b, h, tile, length):
+            for lane in T.serial(TQ):
+                for j in T.serial(staged(length)):  # zeros past the real keys, up to a whole tile
+                    tile_bias[j, lane] = T.if_then_else(j < length[0], score_bias_at(
+                        score_bias, b, h, T.min(tile * TQ + lane, length[0] - _i64(1)),
+                        T.min(j, length[0] - _i64(1))) * FACTOR, tirx.const(0.0, "float32"))
+
+        return stage_score_bias
 
     def staged(self, length):
         """How many keys are staged for a sequence of `length` real keys (zeros past them)."""
@@ -283,22 +315,25 @@ class Fp32Products:
         S_MAX, TQ, D, R, QO, staged = k.S_MAX, k.TQ, k.D, k.R, k.QO, k.staged
         LOG2_SCALE, LOG2_E = tirx.const(k.shape.scale * LOG2E, "float32"), tirx.const(LOG2E, "float32")
         neg, row_of, query_tiles = tirx.const(NEG, "float32"), k.row_of, k.query_tiles
-        tile_of = self._tile(k)
+        tile_of, biased, stage_score_bias = self._tile(k), bool(k.shape.score_bias), k.stage_score_bias(LOG2E)
 
         @T.macro
-        def products(q_src, bias, gather, out, keys, values, b, h, length):
+        def products(q_src, bias, score_bias, gather, out, keys, values, b, h, length):
             # the mask of the keys, -inf past the last key (a whole tile staged)
             key_bias = T.alloc_buffer((S_MAX,), "float32")
             for j in T.serial(staged(length)):
                 key_bias[j] = T.if_then_else(j < length[0], T.max(
                     bias[b, _i64(0), _i64(0), T.min(j, length[0] - _i64(1))] * LOG2_E, neg), neg)
             scores = T.alloc_buffer((S_MAX, TQ), "float32")
+            tile_bias = T.alloc_buffer((S_MAX if biased else _i64(1), TQ), "float32")  # in log2 units
             for tile in query_tiles(length):
                 queries = T.alloc_buffer((D, TQ), "float32")
                 for d, lane in T.grid(D, TQ):
                     i = T.min(tile * TQ + lane, length[0] - _i64(1))
                     queries[d, lane] = q_src[row_of(gather, b, i, R), QO + h * D + d] * LOG2_SCALE
-                tile_of(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length)
+                if biased:
+                    stage_score_bias(tile_bias, score_bias, b, h, tile, length)
+                tile_of(keys, values, queries, scores, key_bias, tile_bias, out, gather, b, h, tile, length)
 
         return products
 
@@ -312,7 +347,7 @@ class Fp32Products:
         key_span = k.key_span
 
         @T.macro
-        def fp32_tile(keys, values, queries, scores, key_bias, out, gather, b, h, tile, length):
+        def fp32_tile(keys, values, queries, scores, key_bias, tile_bias, out, gather, b, h, tile, length):
             first, end = key_span(tile, length)
             top = T.alloc_buffer((TQ,), "float32", scope="local")
             total = T.alloc_buffer((TQ,), "float32", scope="local")
@@ -320,7 +355,7 @@ class Fp32Products:
                 for lane in T.vectorized(V):
                     top[qv * V + lane] = neg
                     total[qv * V + lane] = zero
-            scores_of(keys, queries, scores, top, key_bias, tile, length, first, end)
+            scores_of(keys, queries, scores, top, key_bias, tile_bias, tile, length, first, end)
             for j in T.serial(first, end):
                 for qv in T.unroll(QV):
                     for lane in T.vectorized(V):
@@ -341,9 +376,10 @@ class Fp32Products:
         one before it (x86-64-v3 MiniLM calls at 512 tokens: 0.99x the time)."""
         TQ, V, D, KB, DU = k.TQ, k.V, k.D, _i64(self.keys), _i64(DIMS_UNROLLED)
         QV, zero, windowed = TQ // V, tirx.const(0.0, "float32"), k.windowed
+        biased = bool(k.shape.score_bias)
 
         @T.macro
-        def fp32_scores(keys, queries, scores, top, key_bias, tile, length, first, end):
+        def fp32_scores(keys, queries, scores, top, key_bias, tile_bias, tile, length, first, end):
             for block in T.serial(first // KB, (end + KB - _i64(1)) // KB):
                 acc = T.alloc_buffer((KB, TQ), "float32", scope="local")
                 for key, qv in T.grid(KB, QV):
@@ -360,9 +396,15 @@ class Fp32Products:
                 for key in T.unroll(KB):
                     for qv in T.unroll(QV):
                         for lane in T.vectorized(V):
-                            scores[block * KB + key, qv * V + lane] = windowed(
-                                acc[key, qv * V + lane] + key_bias[block * KB + key], tile * TQ + qv * V + lane,
-                                block * KB + key, length)
+                            if biased:  # the queries' own score bias, staged as the tile's
+                                scores[block * KB + key, qv * V + lane] = windowed(
+                                    acc[key, qv * V + lane] + key_bias[block * KB + key]
+                                    + tile_bias[block * KB + key, qv * V + lane], tile * TQ + qv * V + lane,
+                                    block * KB + key, length)
+                            else:
+                                scores[block * KB + key, qv * V + lane] = windowed(
+                                    acc[key, qv * V + lane] + key_bias[block * KB + key], tile * TQ + qv * V + lane,
+                                    block * KB + key, length)
                             top[qv * V + lane] = T.max(top[qv * V + lane], scores[block * KB + key, qv * V + lane])
 
         return fp32_scores
@@ -433,9 +475,10 @@ class Bf16Products:
         S_MAX, TQ, D, V, SCALE = k.S_MAX, k.TQ, k.D, k.V, k.SCALE
         staged_keys, query_tiles, query_offsets = k.staged, k.query_tiles, k.query_offsets()
         stage_values, tile_of = self._stage_values(k), self._tile(k)
+        biased, stage_score_bias = bool(k.shape.score_bias), k.stage_score_bias(1.0)
 
         @T.macro
-        def products(q_src, bias, gather, out, keys, values, b, h, length):
+        def products(q_src, bias, score_bias, gather, out, keys, values, b, h, length):
             scores = T.alloc_buffer((S_MAX, TQ), "float32")
             keys_b = T.alloc_buffer((S_MAX, D // _i64(2)), "float32")  # one bf16 pair per 32-bit word
             values_b = T.alloc_buffer((S_MAX // _i64(2), D), "float32")  # amx: [D, S_MAX] bf16, transposed
@@ -445,6 +488,7 @@ class Bf16Products:
             query_rows = T.alloc_buffer((V,), "int64", scope="local")
             probs_b = T.alloc_buffer((S_MAX // _i64(2), V), "float32")
             context_b = T.alloc_buffer((V, D), "float32")
+            tile_bias = T.alloc_buffer((S_MAX if biased else _i64(1), V), "float32")
             staged = staged_keys(length)
             T.evaluate(_call(attention_bf16.ROUND, _start(keys_b, "w"), _start(keys, "r"), staged * D))
             stage_values(values_b, values, staged)
@@ -452,7 +496,10 @@ class Bf16Products:
                 query_offsets(query_rows, gather, b, h, tile, length)
                 T.evaluate(_call(attention_bf16.QUERY_PAIRS, _start(queries_b, "w"), q_src.access_ptr("r"),
                                  query_rows.access_ptr("r"), SCALE, D))
-                tile_of(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length)
+                if biased:
+                    stage_score_bias(tile_bias, score_bias, b, h, tile, length)
+                tile_of(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, tile_bias, out, gather, b, h,
+                        tile, length)
 
         return products
 
@@ -484,17 +531,18 @@ class Bf16Products:
         between the scores and the softmax (`_window_mask`)."""
         V, D, S, R_OUT, row_of, key_span = k.V, k.D, k.S, k.R_OUT, k.row_of, k.key_span
         scores_symbol = self.symbols.SCORES.format(head=k.shape.head_size)
-        context, window_mask = self._context(k), self._window_mask(k)
+        context, window_mask, tile_bias_of = self._context(k), self._window_mask(k), _tile_bias_pointer(k)
 
         @T.macro
-        def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, out, gather, b, h, tile, length):
+        def bf16_tile(keys_b, values_b, queries_b, scores, probs_b, context_b, bias, tile_bias, out, gather, b, h, tile,
+                      length):
             top = T.alloc_buffer((V,), "float32")
             total = T.alloc_buffer((V,), "float32")
             first, end = key_span(tile, length)
             keys = T.min(end, length[0]) - first  # the real ones: the bias is read for these only
             T.evaluate(_call(scores_symbol, _start(scores, "w"), _start(top, "w"),
                              keys_b.access_ptr("r", offset=first * (D // _i64(2))), _start(queries_b, "r"),
-                             bias.access_ptr("r", offset=b * S + first), keys))
+                             bias.access_ptr("r", offset=b * S + first), tile_bias_of(tile_bias, first), keys))
             window_mask(scores, top, tile, length, first, keys)
             T.evaluate(_call(attention_bf16.SOFTMAX_PAIRS, _start(probs_b, "w"), _start(total, "w"),
                              _start(scores, "r"), _start(top, "r"), keys))
@@ -575,9 +623,10 @@ class Int8Products:
         """A macro: the operands quantized, then the tile loop."""
         S_MAX, TQ, D = k.S_MAX, k.TQ, k.D
         staged_keys, query_tiles, tile_of = k.staged, k.query_tiles, self._tile(k)
+        biased, stage_score_bias = bool(k.shape.score_bias), k.stage_score_bias(1.0)
 
         @T.macro
-        def products(q_src, bias, gather, out, keys, values, b, h, length):
+        def products(q_src, bias, score_bias, gather, out, keys, values, b, h, length):
             scores = T.alloc_buffer((S_MAX, TQ), "float32")
             keys_q = T.alloc_buffer((S_MAX * D // _i64(4),), "float32")
             key_init = T.alloc_buffer((S_MAX,), "float32")  # int32
@@ -589,14 +638,17 @@ class Int8Products:
             query_rows_q = T.alloc_buffer((TQ,), "int64", scope="local")
             probs_q = T.alloc_buffer((S_MAX // _i64(4) * TQ,), "float32")  # u8 quads
             context_q = T.alloc_buffer((TQ, D), "float32")
+            tile_bias = T.alloc_buffer((S_MAX if biased else _i64(1), TQ), "float32")
             staged_q = staged_keys(length)
             T.evaluate(_call(attention_int8.STAGE_KEYS, _start(keys_q, "w"), _start(key_init, "w"),
                              _start(key_scales, "w"), _start(keys, "r"), staged_q, D))
             T.evaluate(_call(attention_int8.STAGE_VALUES, _start(values_q, "w"), _start(value_scales, "w"),
                              _start(values, "r"), staged_q, D))
             for tile in query_tiles(length):
+                if biased:
+                    stage_score_bias(tile_bias, score_bias, b, h, tile, length)
                 tile_of(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows_q,
-                        scores, probs_q, context_q, q_src, bias, out, gather, b, h, tile, length)
+                        scores, probs_q, context_q, q_src, bias, tile_bias, out, gather, b, h, tile, length)
 
         return products
 
@@ -605,17 +657,18 @@ class Int8Products:
         then scores, softmax and the normalised context in one call."""
         TQ, D, S, R_OUT, SCALE, row_of = k.TQ, k.D, k.S, k.R_OUT, k.SCALE, k.row_of
         tile_symbol, query_offsets = attention_int8.TILE.format(head=k.shape.head_size), k.query_offsets()
+        tile_bias_of = _tile_bias_pointer(k)
 
         @T.macro
         def int8_tile(keys_q, key_init, key_scales, values_q, value_scales, queries_q, query_scales, query_rows, scores,
-                      probs_q, context, q_src, bias, out, gather, b, h, tile, length):
+                      probs_q, context, q_src, bias, tile_bias, out, gather, b, h, tile, length):
             query_offsets(query_rows, gather, b, h, tile, length)
             T.evaluate(_call(attention_int8.QUERY_QUADS, _start(queries_q, "w"), _start(query_scales, "w"),
                              q_src.access_ptr("r"), query_rows.access_ptr("r"), SCALE, D))
             T.evaluate(_call(tile_symbol, _start(context, "w"), _start(queries_q, "r"), _start(query_scales, "r"),
                              _start(keys_q, "r"), _start(key_init, "r"), _start(key_scales, "r"),
                              _start(values_q, "r"), _start(value_scales, "r"), bias.access_ptr("r", offset=b * S),
-                             length[0], _start(scores, "w"), _start(probs_q, "w")))
+                             tile_bias_of(tile_bias, _i64(0)), length[0], _start(scores, "w"), _start(probs_q, "w")))
             for q in T.serial(TQ):
                 i = tile * TQ + q
                 if i < length[0]:
@@ -623,6 +676,20 @@ class Int8Products:
                         out[row_of(gather, b, i, R_OUT), h * D + d] = context[q, d]
 
         return int8_tile
+
+
+def _score_bias_shape(shape: AttentionShape, B, S) -> tuple:
+    if shape.score_bias == "relative":
+        rows = shape.table_rows
+        return (_i64(rows) if isinstance(rows, int) else rows, _i64(shape.heads))
+    return (B if shape.score_bias == "batched" else _i64(1), _i64(shape.heads), S, S)
+
+
+def _tile_bias_pointer(k: _Kernel):
+    """What the C products read as the tile's score biases from key `first` on: the staged ones, or NULL (none)."""
+    null = tirx.call_intrin("handle", "tirx.reinterpret", tirx.const(0, "uint64"))
+    return ((lambda tile_bias, first: tile_bias.access_ptr("r", offset=first * k.TQ)) if k.shape.score_bias
+            else (lambda tile_bias, first: null))
 
 
 ARITHMETIC = {"fp32": Fp32Products, "bf16": Bf16Products, "amx": AmxProducts, "int8": Int8Products}
@@ -633,13 +700,13 @@ def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.P
     products over the tiles of queries, and (padded layout) its padding rows zeroed."""
     arithmetic = ARITHMETIC[products](lanes)
     k = _Kernel.of(shape, lanes, arithmetic.queries, arithmetic.stage)
-    H, D, S_MAX, B, S, R, R_OUT, NQ, staged = k.H, k.D, k.S_MAX, k.B, k.S, k.R, k.R_OUT, k.NQ, k.staged
+    H, D, S_MAX, B, S, R, R_OUT, NQ, SB, staged = k.H, k.D, k.S_MAX, k.B, k.S, k.R, k.R_OUT, k.NQ, k.SB, k.staged
     (NK, NV), (KO, VO) = (_i64(w) for w in shape.widths[1:]), (_i64(o) for o in shape.offsets[1:])
     zero, real_key, row_of = tirx.const(0.0, "float32"), tirx.const(REAL_KEY_BIAS, "float32"), k.row_of
     packed, MIN_WORK, arithmetic_products = shape.packed, _i64(MIN_PARALLEL_WORK), arithmetic.products(k)
 
     @T.macro
-    def task(q_src, k_src, v_src, bias, gather, out, bh):
+    def task(q_src, k_src, v_src, bias, score_bias, gather, out, bh):
         b = bh // H
         h = bh % H
         length = T.alloc_buffer((_i64(1),), "int64", scope="local")
@@ -658,7 +725,7 @@ def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.P
                     gather, b, T.min(j, length[0] - _i64(1)), R), KO + h * D + d], zero)
                 values[j, d] = T.if_then_else(j < length[0], v_src[row_of(
                     gather, b, T.min(j, length[0] - _i64(1)), R), VO + h * D + d], zero)
-        arithmetic_products(q_src, bias, gather, out, keys, values, b, h, length)
+        arithmetic_products(q_src, bias, score_bias, gather, out, keys, values, b, h, length)
         if not packed:
             for i, d in T.grid(S - length[0], D):
                 out[b * S + length[0] + i, h * D + d] = zero
@@ -666,16 +733,18 @@ def _write_attention(shape: AttentionShape, lanes: int, products: str) -> tirx.P
     @script.prim_func(s_tir=True, private=True)  # the module's only public function is `main`
     def attention(q_src: T.Buffer((R, NQ), "float32"), k_src: T.Buffer((R, NK), "float32"),
                   v_src: T.Buffer((R, NV), "float32"), bias: T.Buffer((B, _i64(1), _i64(1), S), "float32"),
-                  gather: T.Buffer((B, S), "int64"), out: T.Buffer((R_OUT, H * D), "float32")):
+                  score_bias: T.Buffer(SB, "float32"), gather: T.Buffer((B, S), "int64"),
+                  out: T.Buffer((R_OUT, H * D), "float32")):
         T.func_attr({"tirx.noalias": True})
         # the sequences' lengths are data: whether the pool's launch pays is judged by the bound
         if B * H * S * S * D >= MIN_WORK:
             for bh in T.parallel(B * H):
-                task(q_src, k_src, v_src, bias, gather, out, bh)
+                task(q_src, k_src, v_src, bias, score_bias, gather, out, bh)
         else:
             for bh in T.serial(B * H):
-                task(q_src, k_src, v_src, bias, gather, out, bh)
+                task(q_src, k_src, v_src, bias, score_bias, gather, out, bh)
 
     func = attention if packed else without_param(attention, "gather")  # the padded row map needs none
+    func = func if shape.score_bias else without_param(func, "score_bias")
     func = claim_iterations(func, _i64(1))  # tasks claimed as threads come free
     return prescheduled(fast_math(func))

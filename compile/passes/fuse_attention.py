@@ -4,7 +4,11 @@ The imported attention is a chain of high-level Relax ops: Q, K and V sliced fro
 layers' output (a split of the Q/K/V concatenation, a gather of each sequence's rows in the
 packed layout), reshaped and transposed per head, `matmul(Q, K^T)`, scaled, plus an additive mask
 of shape [batch, 1, 1, seq], softmax over the keys, `matmul(P, V)`, and the way back to
-[rows, hidden] (a scatter to the packed rows). The pass anchors on the softmax, follows the chain
+[rows, hidden] (a scatter to the packed rows). A score bias may be added to the scaled scores before the
+mask, proved like the rest: a [1 or batch, heads, seq, seq] tensor (its add's broadcast is its index map,
+[b or 0, h, i, j] for query i and key j of sequence b), or views of a [rows, heads] table of relative
+positions that read it at [(j - i) mod rows, h] (MPNet's, computed once per call and read by every layer;
+the kernel then reads the table, and the seq x seq views of it are dropped). The pass anchors on the softmax, follows the chain
 to both matmuls and to the end of the output's view ops, and proves what each view chain does by
 composing its index maps (reshape, permute_dims, broadcast_to, a split's offset, a gather): Q must
 read Q_src[row(b, i), q_off + h * D + d], K and V likewise, and the end of the chain must hold
@@ -39,7 +43,7 @@ from ..kernels.attention import AttentionShape
 
 _OP = {name: tvm.ir.Op.get(f"relax.{name}") for name in (
     "nn.softmax", "add", "multiply", "divide", "matmul", "reshape", "permute_dims", "broadcast_to", "take", "split",
-    "where", "greater", "abs", "subtract", "expand_dims", "arange")}
+    "where", "greater", "abs", "subtract", "expand_dims", "arange", "strided_slice")}
 VIEWS = ("reshape", "permute_dims", "broadcast_to", "take")
 SAMPLE_SIZES = (1, 2, 3, 7, 16)  # values a symbolic dimension takes in the proofs
 
@@ -91,11 +95,31 @@ class _Chains:
         users = self.users.get(var, [])
         return users[0] if len(users) == 1 else None
 
-    def trace(self, expr: relax.Expr, index: list) -> tuple[relax.Expr, list]:
+    def trace(self, expr: relax.Expr, index: list, conditions: list | None = None) -> tuple[relax.Expr, list]:
         """The tensor a chain of views reads from and the index it reads for `index`. A gather
-        (`take` by a 1-D index tensor) reads at a fresh var, recorded in `self.gathers`."""
+        (`take` by a 1-D index tensor) reads at a fresh var, recorded in `self.gathers`. With
+        `conditions` (a list), gathers end the chain, and slices (`expand_dims`, `strided_slice` by
+        step 1) are views too, each adding to `conditions` the (left, right) pairs that must be
+        equal for its index map to hold (a slice's start is not negative)."""
         while True:
             value = self.bound(expr)
+            if conditions is not None and _call(value, "expand_dims"):
+                added = {int(a) % len(index) for a in value.attrs.axis}
+                index, expr = [x for k, x in enumerate(index) if k not in added], value.args[0]
+                continue
+            if conditions is not None and _call(value, "strided_slice"):
+                axes, begins, _, strides = ([_i64(x) if isinstance(x, int) else x for x in arg.fields]
+                                            for arg in value.args[1:5])
+                if any(not (isinstance(step, tirx.IntImm) and int(step) == 1) for step in strides):
+                    return expr, index
+                index = list(index)
+                for axis, begin in zip(axes, begins):
+                    index[int(axis) % len(index)] = index[int(axis) % len(index)] + begin
+                    conditions.append((tirx.max(begin, _i64(0)), begin))
+                expr = value.args[0]
+                continue
+            if conditions is not None and _call(value, "take"):
+                return expr, index
             if isinstance(value, relax.TupleGetItem):
                 split = self.bound(value.tuple_value)
                 if not _call(split, "split") or isinstance(split.attrs.indices_or_sections, (int, tirx.IntImm)):
@@ -142,6 +166,7 @@ class _Core:
     sources: tuple[relax.Expr, relax.Expr, relax.Expr]
     offsets: tuple[int, int, int]
     bias: relax.Expr  # [batch, 1, 1, seq]
+    score_bias: relax.Expr | None  # what the kernel reads of a score bias added before the mask
     gather: relax.Expr | None  # the packed layout's [batch, seq] row map; None: padded rows
     shape: AttentionShape
 
@@ -201,17 +226,22 @@ class _Matcher:
         return float(expr.value.numpy()) if isinstance(expr, tvm.ir.expr.Constant) and expr.value.numpy().size == 1 else None
 
     def _scores(self, softmax: relax.Call):
-        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias, window) of softmax(scores * scale + bias),
-        the bias a [B, 1, 1, S] mask, or a sliding window's mask of one (`_window`)."""
+        """(scores [B*H, S, S] matmul, its 4-D shape, scale, bias, window, score bias or None) of
+        softmax(scores * scale [+ score bias] + bias), the bias a [B, 1, 1, S] mask, or a sliding window's mask
+        of one (`_window`)."""
         add = self.chains.bound(softmax.args[0])
         if not _call(add, "add"):
             return None
         for scaled, mask in (add.args, add.args[::-1]):
             bias, window = self._window(mask)
-            bias_shape = _shape(bias) if isinstance(bias.ty, relax.TensorType) and bias.ty.shape is not None else []
-            scaling = self.chains.bound(scaled)
-            if len(bias_shape) == 4 and all(isinstance(d, tirx.IntImm) and int(d) == 1 for d in bias_shape[1:3]) \
-                    and _call(scaling, "multiply", "divide") and isinstance(scaling.args[1], tvm.ir.expr.Constant):
+            bias_shape = _tensor_shape(bias)
+            if len(bias_shape) != 4 or not all(_is_one(d) for d in bias_shape[1:3]):
+                continue
+            scaling, score_bias = self.chains.bound(scaled), None
+            if _call(scaling, "add"):  # scores * scale + score bias
+                scaling, score_bias = next(((self.chains.bound(x), other) for x, other in (
+                    scaling.args, scaling.args[::-1]) if _call(self.chains.bound(x), "multiply", "divide")), (None, None))
+            if _call(scaling, "multiply", "divide") and isinstance(scaling.args[1], tvm.ir.expr.Constant):
                 factor = float(scaling.args[1].value.numpy())
                 scale = factor if _call(scaling, "multiply") else 1.0 / factor
                 scores = scaling.args[0]
@@ -220,7 +250,7 @@ class _Matcher:
                 if _call(reshaped, "reshape"):
                     scores = reshaped.args[0]
                 if _call(self.chains.bound(scores), "matmul") and len(shape4) == 4:
-                    return scores, shape4, scale, bias, window
+                    return scores, shape4, scale, bias, window, score_bias
         return None
 
     def _match(self, var: relax.Var, softmax: relax.Call) -> _Core | None:
@@ -228,7 +258,7 @@ class _Matcher:
         scores = self._scores(softmax)
         if scores is None:
             return None
-        scores_var, (batch, heads, seq, _), scale, bias, window = scores
+        scores_var, (batch, heads, seq, _), scale, bias, window, score_bias = scores
         if not isinstance(heads, tirx.IntImm):
             return None
         q3, k3 = chains.bound(scores_var).args
@@ -246,6 +276,9 @@ class _Matcher:
         if max_seq is None:
             return None
         sizes = _Sizes(batch, int(heads), seq, int(head_size))
+        read_bias = (None, "", 0) if score_bias is None else self._score_bias(sizes, score_bias)
+        if read_bias is None:
+            return None
         proved = self._prove(sizes, q3, k3, v3, context_var, end)
         if proved is None:
             return None
@@ -253,8 +286,35 @@ class _Matcher:
         shape = AttentionShape(batch=self._extent(batch, "batch"), seq=self._extent(seq, "seq"),
                                rows=self._extent(rows, "rows"), heads=int(heads), head_size=int(head_size),
                                max_seq=max_seq, scale=scale, packed=gather is not None,
-                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets, window=window)
-        return _Core(end, sources, offsets, bias, gather, shape)
+                               widths=tuple(int(_shape(s)[1]) for s in sources), offsets=offsets, window=window,
+                               score_bias=read_bias[1], table_rows=read_bias[2])
+        return _Core(end, sources, offsets, bias, read_bias[0], gather, shape)
+
+    def _score_bias(self, sizes: "_Sizes", score_bias: relax.Expr):
+        """(what the kernel reads, kind, table rows) of a score bias added to the [batch, heads, seq, seq] scores,
+        by what its index map is proved to be for query i and key j of head h in sequence b: "relative", its view
+        chain reads a [rows, heads] table at [(j - i) mod rows, h] with rows >= 2 x seq - 1 (MPNet's, from its
+        relative positions' table); "shared", it is [1, heads, seq, seq], read at [0, h, i, j] by the add's
+        broadcast; "batched", [batch, heads, seq, seq] at [b, h, i, j]; None: neither (left unfused)."""
+        index = _index_vars()
+        b, h, i, j, _ = index.values()
+        conditions = []
+        table, read = self.chains.trace(score_bias, [b, h, i, j], conditions)
+        shape = _tensor_shape(table)
+        if len(read) == 2 and len(shape) == 2:
+            rows, seq = shape[0], sizes.seq
+            claims = [*conditions, (read[0], tirx.floormod(j - i, rows)), (read[1], h),
+                      (shape[1], _i64(sizes.heads)), (tirx.max(rows, 2 * seq - 1), rows)]
+            if _proved_for_samples(sizes, claims, index):
+                return table, "relative", self._extent(rows, "table_rows")
+        shape = _tensor_shape(score_bias)
+        if len(shape) != 4:
+            return None
+        rest = [(shape[1], _i64(sizes.heads)), (shape[2], sizes.seq), (shape[3], sizes.seq)]
+        for kind, first in (("shared", _i64(1)), ("batched", sizes.batch)):
+            if _proved_for_samples(sizes, [(shape[0], first), *rest], index):
+                return score_bias, kind, 0
+        return None
 
     def _weighted_sum(self, probabilities: relax.Var):
         """(context [B*H, S, D], V [B*H, S, D]) of matmul(view(probabilities), V)."""
@@ -272,7 +332,7 @@ class _Matcher:
         """(sources, column offsets, gather or None, source rows) when the view chains read Q, K, V
         and write the context where the kernel does, for every sample of the symbolic sizes."""
         chains = self.chains
-        index = {name: tirx.Var(name, "int64") for name in "bhijd"}
+        index = _index_vars()
         b, h, i, j, d = index.values()
         bh = b * sizes.heads + h
         claims, sources, columns, gathers = [], [], [], set()
@@ -343,6 +403,18 @@ def _same_extent(a, b) -> bool:
     return Analyzer().can_prove_equal(a, b)
 
 
+def _is_one(extent) -> bool:
+    return isinstance(extent, tirx.IntImm) and int(extent) == 1
+
+
+def _tensor_shape(expr: relax.Expr) -> list:
+    return _shape(expr) if isinstance(expr.ty, relax.TensorType) and expr.ty.shape is not None else []
+
+
+def _index_vars() -> dict:
+    return {name: tirx.Var(name, "int64") for name in "bhijd"}
+
+
 def _samples(sizes: _Sizes, symbols: list[tirx.Var]):
     for values in itertools.product(SAMPLE_SIZES, repeat=len(symbols)):
         yield dict(zip(symbols, (_i64(v) for v in values)))
@@ -379,9 +451,27 @@ def _proved_for_samples(sizes: _Sizes, pairs, index_vars: dict) -> bool:
         analyzer = _analyzer(sizes, binding, index_vars)
         for left, right in pairs:
             left, right = (_substitute(e, binding) for e in (left, right))
-            if not analyzer.can_prove_equal(left, right):
+            if not _equal(analyzer, left, right):
                 return False
     return True
+
+
+def _equal(analyzer: Analyzer, left, right) -> bool:
+    """Whether `left` == `right` provably; where `left` is x mod m (a skewed view's column: the analyzer does
+    not see (i * (m - 1) + j) mod m as (j - i) mod m), by x - y being a multiple of m, where `right` is y mod m,
+    or is y itself with 0 <= y < m."""
+    if analyzer.can_prove_equal(left, right):
+        return True
+    if not isinstance(left, tirx.FloorMod):
+        return False
+    x, m = left.a, left.b
+    if isinstance(right, tirx.FloorMod) and analyzer.can_prove_equal(right.b, m):
+        y = right.a
+    elif analyzer.can_prove(right >= _i64(0)) and analyzer.can_prove(right < m):
+        y = right
+    else:
+        return False
+    return analyzer.can_prove_equal(tirx.floormod(x - y, m), _i64(0))
 
 
 def _constant(sizes: _Sizes, offset, index_vars: dict) -> int | None:
@@ -415,6 +505,8 @@ class _Rebind(relax.PyExprMutator):
             kernel = self.kernels[core.shape] = self.builder_.add_func(
                 attention.write_attention(core.shape, self.kernel_config), attention.KERNEL_NAME)
         args = [self.visit_expr(x) for x in (*core.sources, core.bias)]
+        if core.score_bias is not None:
+            args.append(self.visit_expr(core.score_bias))
         if core.gather is not None:
             args.append(self.visit_expr(core.gather))
         end_shape = _shape(binding.var)

@@ -33,10 +33,12 @@ int32_t bert_bf16_transpose_round(uint16_t *dst, const float *src, int64_t rows,
       _tile_dpbf16ps(G, KB, 7);                 \
     }                                           \
   }
-/* Key j's stored scores plus its bias, and each query's largest so far. */
+/* Key j's stored scores plus its bias (and the queries' score biases, where tile_bias is not NULL), and each
+   query's largest so far. */
 #define AMX_SCORE_ROW(j)                                                                   \
   {                                                                                        \
     __m512 s = _mm512_add_ps(_mm512_loadu_ps(scores + (j) * 16), _mm512_set1_ps(bias[j])); \
+    if (tile_bias) s = _mm512_add_ps(s, _mm512_loadu_ps(tile_bias + (j) * 16));            \
     _mm512_storeu_ps(scores + (j) * 16, s);                                                \
     largest = _mm512_max_ps(largest, s);                                                   \
   }
@@ -53,7 +55,8 @@ int32_t bert_bf16_transpose_round(uint16_t *dst, const float *src, int64_t rows,
    (docs/experiments/amx-attention-scores.md). */
 #define AMX_SCORES(HEAD, A0, B0, A1, B1)                                                                  \
   int32_t bert_amx_attention_scores_d##HEAD(float *scores, float *top, const uint16_t *keys,              \
-                                            const uint16_t *queries, const float *bias, int64_t length) { \
+                                            const uint16_t *queries, const float *bias,                   \
+                                            const float *tile_bias, int64_t length) {                     \
     enum { STEPS = HEAD / 32, ACCS = STEPS > 2 ? 2 : 4 };                                                 \
     const int64_t blocks = (length + 15) / 16;                                                            \
     __m512 largest = _mm512_set1_ps(-__FLT_MAX__);                                                        \

@@ -84,12 +84,13 @@ int32_t bert_bf16_query_pairs(float *dst, const float *src, const int64_t *offse
 typedef float bert_pair_word __attribute__((may_alias, aligned(2)));
 #define PAIR_AT(p) ((__m512bh)_mm512_castps_si512(_mm512_set1_ps(*(const bert_pair_word *)(p))))
 
-/* scores[j][16] = keys[j][HEAD] x queries[HEAD / 2][16][2] + bias[j] for the keys j < length, 8 keys x 16 queries
-   a tile (one broadcast dim pair of a key times one register of the queries' pairs per instruction); top[16]:
-   each query's largest score. */
+/* scores[j][16] = keys[j][HEAD] x queries[HEAD / 2][16][2] + bias[j] (+ tile_bias[j][16], each query's own
+   score bias, where not NULL) for the keys j < length, 8 keys x 16 queries a tile (one broadcast dim pair of a
+   key times one register of the queries' pairs per instruction); top[16]: each query's largest score. */
 #define SCORES(HEAD)                                                                                       \
   int32_t bert_bf16_attention_scores_d##HEAD(float *scores, float *top, const uint16_t *keys,              \
-                                             const uint16_t *queries, const float *bias, int64_t length) { \
+                                             const uint16_t *queries, const float *bias,                   \
+                                             const float *tile_bias, int64_t length) {                     \
     __m512 largest = _mm512_set1_ps(-__FLT_MAX__);                                                         \
     for (int64_t block = 0; block < (length + 7) / 8; ++block) {                                           \
       const uint16_t *k = keys + block * 8 * HEAD;                                                         \
@@ -104,6 +105,7 @@ typedef float bert_pair_word __attribute__((may_alias, aligned(2)));
         int64_t j = block * 8 + i;                                                                         \
         if (j < length) {                                                                                  \
           __m512 s = _mm512_add_ps(acc[i], _mm512_set1_ps(bias[j]));                                       \
+          if (tile_bias) s = _mm512_add_ps(s, _mm512_loadu_ps(tile_bias + j * 16));                        \
           _mm512_storeu_ps(scores + j * 16, s);                                                            \
           largest = _mm512_max_ps(largest, s);                                                             \
         }                                                                                                  \

@@ -166,7 +166,8 @@ int32_t bert_int8_query_quads(uint8_t *dst, float *scales, const float *src, con
 /* keys first .. first + N - 1 against the tile's queries: their scores written and the running max. */
 static inline __attribute__((always_inline)) __m512 bert_score_block16(
     float *scores, const uint8_t *queries, const int8_t *keys, const int32_t *key_init, const float *key_scales,
-    const float *bias, __m512 scale, __m512 top, int64_t first, int64_t length, const int N, const int head) {
+    const float *bias, const float *tile_bias, __m512 scale, __m512 top, int64_t first, int64_t length, const int N,
+    const int head) {
   __m512i acc[16];
   _Pragma("GCC unroll 16") for (int i = 0; i < N; ++i) acc[i] = _mm512_set1_epi32(key_init[first + i]);
   const int8_t *k = keys + first * head;
@@ -181,6 +182,7 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
     if (j < length) {
       s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(scale, _mm512_set1_ps(key_scales[j])),
                           _mm512_set1_ps(bias[j]));
+      if (tile_bias) s = _mm512_add_ps(s, _mm512_loadu_ps(tile_bias + 16 * j));
       top = _mm512_max_ps(top, s);
     }
     _mm512_storeu_ps(scores + 16 * j, s);
@@ -194,17 +196,19 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
 #define TILE(HEAD)                                                                                               \
   int32_t bert_int8_attention_d##HEAD(float *context, const uint8_t *queries, const float *query_scales,         \
                                       const int8_t *keys, const int32_t *key_init, const float *key_scales,      \
-                                      const int8_t *values, const float *value_scales, const float *bias,        \
+                                      const int8_t *values, const float *value_scales, const float *bias, const float *tile_bias,        \
                                       int64_t length, float *scores, uint32_t *probs) {                          \
     const __m512 scale = _mm512_loadu_ps(query_scales);                                                          \
     __m512 top = _mm512_set1_ps(-__FLT_MAX__);                                                                   \
     const int64_t staged = (length + 3) / 4 * 4;                                                                 \
     int64_t first = 0;                                                                                           \
     for (; first + 16 <= staged; first += 16)                                                                    \
-      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, scale, top, first, length, 16, \
+      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, tile_bias, scale, top, first, length, \
+                               16, \
                                HEAD);                                                                            \
     for (; first < staged; first += 4)                                                                           \
-      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, scale, top, first, length, 4,  \
+      top = bert_score_block16(scores, queries, keys, key_init, key_scales, bias, tile_bias, scale, top, first, length, \
+                               4, \
                                HEAD);                                                                            \
     top = _mm512_sub_ps(top, _mm512_set1_ps(BERT_LOG_PROBABILITY_CODES)); /* exp(s - top) x 255 */               \
     __m512i sum = _mm512_setzero_si512();                                                                        \
@@ -222,7 +226,8 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
     return 0;                                                                                                    \
   }
 #else
-/* One tile of 16 queries: scores[j][16] = (keys[j] . queries) x the two scales + bias[j] for the keys
+/* One tile of 16 queries: scores[j][16] = (keys[j] . queries) x the two scales + bias[j] (+ tile_bias[j][16],
+   each query's own score bias, where not NULL) for the keys
    j < length (4 keys x 2 registers of queries a block), each query's largest; probs[j / 4][16] = the
    quads of exp(scores - largest) onto 0..255 (keys past `length` 0), with each query's sum of codes;
    context[16][HEAD] = probs x values x value_scales / that sum (QP queries x DP registers of dims a
@@ -230,7 +235,7 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
 #define TILE(HEAD)                                                                                                    \
   int32_t bert_int8_attention_d##HEAD(float *context, const uint8_t *queries, const float *query_scales,              \
                                       const int8_t *keys, const int32_t *key_init, const float *key_scales,           \
-                                      const int8_t *values, const float *value_scales, const float *bias,             \
+                                      const int8_t *values, const float *value_scales, const float *bias, const float *tile_bias,             \
                                       int64_t length, float *scores, uint32_t *probs) {                               \
     enum { QUADS = HEAD / 4 };                                                                                        \
     const __m256 scale_lo = _mm256_loadu_ps(query_scales), scale_hi = _mm256_loadu_ps(query_scales + 8);              \
@@ -254,6 +259,10 @@ static inline __attribute__((always_inline)) __m512 bert_score_block16(
           __m256 ks = _mm256_set1_ps(key_scales[j]), b = _mm256_set1_ps(bias[j]);                                     \
           __m256 s_lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo[i]), _mm256_mul_ps(scale_lo, ks), b);                   \
           __m256 s_hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi[i]), _mm256_mul_ps(scale_hi, ks), b);                   \
+          if (tile_bias) {                                                                                            \
+            s_lo = _mm256_add_ps(s_lo, _mm256_loadu_ps(tile_bias + 16 * j));                                          \
+            s_hi = _mm256_add_ps(s_hi, _mm256_loadu_ps(tile_bias + 16 * j + 8));                                      \
+          }                                                                                                           \
           _mm256_storeu_ps(scores + 16 * j, s_lo);                                                                    \
           _mm256_storeu_ps(scores + 16 * j + 8, s_hi);                                                                \
           top_lo = _mm256_max_ps(top_lo, s_lo);                                                                       \

@@ -42,12 +42,16 @@ def _products_on(products: str) -> KernelConfig:
 
 
 def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = HEAD_SIZE, mask_rows: int = 1,
-                      upper_bound: int | None = None, window: int | None = None, far_value: float = MIN) -> tvm.IRModule:
+                      upper_bound: int | None = None, window: int | None = None, far_value: float = MIN,
+                      score_bias: str = "") -> tvm.IRModule:
     """The attention core as the importer writes it from our wrappers: Q/K/V split from one
     concatenated projection, per-head views, scores scaled (packed: divide, as PackedBertWrapper;
     padded: multiply, as transformers' eager attention), plus an additive mask (with `window`, a sliding
     window's, as compile.families.windowed writes it), softmax, the weighted sum, and the way back to
-    [rows, hidden] (packed: a scatter to the packed rows)."""
+    [rows, hidden] (packed: a scatter to the packed rows). `score_bias` added to the scaled scores before
+    the mask: "shared", a [1, heads, seq, seq] input; "batched", [batch, heads, seq, seq]; "relative", a
+    [2 x seq, heads] table of relative positions skewed into [1, heads, seq, seq] by views, as
+    compile/families.skewed writes MPNet's."""
     op, hidden = relax.op, heads * head_size
     batch = tirx.Var("b", "int64")
     tokens = tirx.Var("t", "int64") if layout == "packed" else batch * seq
@@ -55,6 +59,9 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
     qkv = relax.Var("qkv", relax.TensorType((tokens, 3 * hidden), "float32"))
     bias = relax.Var("bias", relax.TensorType((batch, 1, mask_rows, seq), "float32"))
     params = [qkv, bias]
+    if score_bias:
+        shape = (2 * seq, heads) if score_bias == "relative" else (1 if score_bias == "shared" else batch, heads, seq, seq)
+        params.append(relax.Var("score_bias", relax.TensorType(shape, "float32")))
     if layout == "packed":
         gather = relax.Var("gather", relax.TensorType((batch, seq), "int64"))
         scatter = relax.Var("scatter", relax.TensorType((tokens,), "int64"))
@@ -81,6 +88,9 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
             scores = bb.emit(op.reshape(scores, (batch, heads, seq, seq)))
             scaled = (op.divide(scores, relax.const(math.sqrt(head_size), "float32")) if layout == "packed"
                       else op.multiply(scores, relax.const(1 / math.sqrt(head_size), "float32")))
+            if score_bias:
+                added = _skewed(bb, params[2], heads, seq) if score_bias == "relative" else params[2]
+                scaled = op.add(bb.emit(scaled), added)
             mask = bias if window is None else _windowed(bb, bias, seq, window, far_value)
             probabilities = bb.emit(op.nn.softmax(bb.emit(op.add(bb.emit(scaled), mask)), axis=-1))
             context = bb.emit(op.matmul(bb.emit(op.reshape(probabilities, (batch * heads, seq, seq))),
@@ -94,6 +104,18 @@ def _attention_module(layout: str, seq, *, heads: int = HEADS, head_size: int = 
                 out = bb.emit_output(op.reshape(context, (batch, seq, hidden)))
         bb.emit_func_output(out)
     return bb.get()
+
+
+def _skewed(bb: relax.BlockBuilder, table: relax.Var, heads: int, seq) -> relax.Var:
+    """[1, heads, seq, seq] of a [2 x seq, heads] table, element [0, h, i, j] its row (j - i) mod 2 x seq, by
+    the views the importer writes of compile/families.skewed."""
+    op = relax.op
+    repeated = bb.emit(op.broadcast_to(bb.emit(op.expand_dims(bb.emit(op.permute_dims(table, [1, 0])), [1])),
+                                      (heads, 2 * seq - 1, 2 * seq)))
+    rows = bb.emit(op.reshape(bb.emit(op.reshape(repeated, (heads, (2 * seq - 1) * 2 * seq))),
+                              (heads, 2 * seq, 2 * seq - 1)))
+    sliced = bb.emit(op.strided_slice(rows, [1, 2], [0, 0], [seq, seq], [1, 1], assume_inbound=True))
+    return bb.emit(op.expand_dims(sliced, [0]))
 
 
 def _windowed(bb: relax.BlockBuilder, bias: relax.Var, seq, window: int, far_value: float) -> relax.Var:
@@ -425,19 +447,23 @@ def _run_unfused_and_fused(unfused_lib, fused_lib, layout: str, seq: int,
     return unfused, fused
 
 
-def _float64_attention(layout: str, seq: int, window: int | None = None) -> np.ndarray:
+def _float64_attention(layout: str, seq: int, window: int | None = None,
+                       score_bias: np.ndarray | None = None) -> np.ndarray:
     """What `_run_unfused_and_fused` compares, computed in float64 by numpy: per sequence and head,
-    softmax(q k^T / sqrt(d) + the mask's bias) v (with `window`, keys farther from the query masked too)."""
+    softmax(q k^T / sqrt(d) (+ the sequence's score bias [heads, seq, seq]) + the mask's bias) v (with
+    `window`, keys farther from the query masked too)."""
     masks = _run_masks(layout, seq)
     inputs = _inputs(layout, seq, masks, seed=seq)
     qkv, hidden = inputs[0].astype(np.float64), HEADS * HEAD_SIZE
 
-    def attend(rows: np.ndarray, real_keys: np.ndarray) -> np.ndarray:
+    def attend(rows: np.ndarray, real_keys: np.ndarray, b: int) -> np.ndarray:
         q, k, v = (rows[:, part * hidden:(part + 1) * hidden].reshape(len(rows), HEADS, HEAD_SIZE).transpose(1, 0, 2)
                    for part in range(3))
         index = np.arange(len(rows))
         near = np.abs(index[:, None] - index[None, :]) <= (len(rows) if window is None else window)
         scores = q @ k.transpose(0, 2, 1) / math.sqrt(HEAD_SIZE) + np.where(real_keys & near, 0.0, MIN)
+        if score_bias is not None:
+            scores = scores + score_bias[b % len(score_bias), :, :len(rows), :len(rows)]
         weights = np.exp(scores - scores.max(-1, keepdims=True))
         return (weights / weights.sum(-1, keepdims=True) @ v).transpose(1, 0, 2).reshape(len(rows), hidden)
 
@@ -445,9 +471,9 @@ def _float64_attention(layout: str, seq: int, window: int | None = None) -> np.n
         out, gather = np.zeros((len(qkv), hidden)), inputs[2]
         for b, length in enumerate(masks.sum(1)):
             rows = gather[b, :length]
-            out[rows] = attend(qkv[rows], np.ones(length, bool))
+            out[rows] = attend(qkv[rows], np.ones(length, bool), b)
         return out
-    out = np.stack([attend(qkv[b * seq:(b + 1) * seq], masks[b].astype(bool)) for b in range(len(masks))])
+    out = np.stack([attend(qkv[b * seq:(b + 1) * seq], masks[b].astype(bool), b) for b in range(len(masks))])
     return out[_read_rows(masks, seq)]
 
 
@@ -537,3 +563,75 @@ def test_a_kernel_is_written_once_per_process_for_each_shape_and_products():
     assert attention.write_attention(shape(32), KERNELS[16]) is not kernel
     padded = shape(24, packed=False)
     assert attention.write_attention(padded, KERNELS[16]) is not attention.write_attention(padded, KERNELS[16])
+
+
+# ----------------------------------------------------------------------------- a score bias
+
+
+def _relative_score_bias(seq: int, batch: int, seed: int) -> np.ndarray:
+    """[batch, HEADS, seq, seq]: per head a table by the relative position j - i in MPNet's 32 buckets
+    (max distance 128: positions further apart share the last bucket), a different table per sequence
+    where `batch` > 1; large enough to move the softmax."""
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    relative = torch.arange(seq)[None, :] - torch.arange(seq)[:, None]
+    buckets = MPNetEncoder.relative_position_bucket(relative).numpy()
+    tables = np.random.default_rng(seed).standard_normal((batch, HEADS, 32)).astype("float32") * 3
+    return tables[:, :, buckets]
+
+
+# (layout, bound, the score bias's kind), each arithmetic of the products (mcpu, products) in one of them
+def _relative_table(seq: int, seed: int) -> np.ndarray:
+    """[2 x seq, HEADS]: row r the score bias of relative position r (r < seq), r - 2 x seq (from seq on), by
+    MPNet's buckets."""
+    import torch
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    rows = np.arange(2 * seq)
+    buckets = MPNetEncoder.relative_position_bucket(torch.from_numpy(np.where(rows < seq, rows, rows - 2 * seq)))
+    return (np.random.default_rng(seed).standard_normal((32, HEADS)).astype("float32") * 3)[buckets.numpy()]
+
+
+SCORE_BIAS_CASES = {"fp32 x86-64-v4": ("packed", 150, "relative", "x86-64-v4", "fp32"),
+                    "fp32 x86-64-v3": ("padded", 20, "batched", "x86-64-v3", "fp32"),
+                    "bf16": ("padded", 20, "relative", "znver4", "bf16"),
+                    "int8 x86-64-v3": ("packed", 150, "shared", "x86-64-v3", "int8"),
+                    "int8 x86-64-v4": ("padded", 20, "relative", "x86-64-v4", "int8")}
+
+
+@pytest.mark.parametrize("case", SCORE_BIAS_CASES)
+def test_a_score_bias_is_read_per_sequence_head_query_and_key(case, tmp_path):
+    """The fused kernel adds a score bias to each sequence's scores by its own query and key positions
+    (packed: never another sequence's), in every arithmetic of the products, read from a table of relative
+    positions through its proved views (which are dropped) or from [1 or batch, heads, seq, seq]; against
+    numpy in float64. 150 positions reach relative distances past MPNet's 128 (its last bucket)."""
+    layout, seq, kind, mcpu, arithmetic = SCORE_BIAS_CASES[case]
+    bound = tirx.Var("s", "int64")
+    module = _attention_module(layout, bound, upper_bound=160, score_bias=kind)
+    target = make_target("cpu", mcpu=mcpu)
+    kernels = KernelConfig.of(target, products=arithmetic)
+    after, fused = fuse_attention_in(module, kernels)
+    assert fused == 1 and not {"relax.nn.softmax", "relax.strided_slice", "relax.broadcast_to"} & set(_calls(after))
+    [kernel] = [f for f in after.functions.values() if isinstance(f, tirx.PrimFunc)]
+    assert [str(p.name) for p in kernel.params][4] == "score_bias"
+    assert len(kernel.params[4].shape) == (2 if kind == "relative" else 4)
+    build_library(module, target, tmp_path / "fused.so", kernels=kernels)
+    skip_unless_runs_here(target)
+    masks = _run_masks(layout, seq)
+    inputs = _inputs(layout, seq, masks, seed=seq)
+    score_bias = _relative_score_bias(seq, len(masks) if kind == "batched" else 1, seed=seq)
+    given = _relative_table(seq, seed=seq) if kind == "relative" else score_bias
+    if kind == "relative":
+        score_bias = given[(np.arange(seq)[None, :] - np.arange(seq)[:, None]) % (2 * seq)].transpose(2, 0, 1)[None]
+    got = run(tvm.runtime.load_module(str(tmp_path / "fused.so")), *inputs[:2], given, *inputs[2:])
+    expected = _float64_attention(layout, seq, score_bias=score_bias)
+    if layout == "padded":
+        got = got[_read_rows(masks, seq)]
+    # fp32: summation order; bf16: as test_bf16_products_keep_the_unfused_graphs_answers; int8: these harsh
+    # inputs' error without a score bias too (a mean of 0.019, the largest 0.24)
+    atol, mean = {"fp32": (3e-5, 1e-6), "int8": (0.3, 0.02)}.get(arithmetic, (0.15, 0.01))
+    np.testing.assert_allclose(got, expected, rtol=1e-5 if arithmetic == "fp32" else 0, atol=atol)
+    assert np.abs(got - expected).mean() < mean
+    unbiased = _float64_attention(layout, seq)
+    assert np.abs(unbiased - expected).mean() > 0.1  # the bias matters

@@ -18,7 +18,7 @@ SPLADE_POOLINGS = ("splade", "splade-sum")
 MANIFEST_FILE = "manifest.json"
 # The BERT family members compile/families.py compiles, by their config.json `model_type`: known here, without
 # torch, so that a Hub model of another family is refused before anything is downloaded or compiled.
-MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "modernbert")
+MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "modernbert", "deberta-v2")
 # huggingface_hub's cache holds a repository's commit as models--ORG--NAME/snapshots/COMMIT
 HUB_SNAPSHOT = re.compile(r"/models--(?P<folder>[\w.-]+)/snapshots/(?P<sha>[0-9a-f]{40})$")
 

@@ -44,6 +44,7 @@ TOKENIZER_FILES = (  # copied into the artifact beside its tokenizer.json (`toke
     "vocab.json",  # byte-level BPE (RoBERTa)
     "merges.txt",
     "sentencepiece.bpe.model",  # XLM-R
+    "spm.model",  # DeBERTa-v2/v3's SentencePiece
     "sentence_bert_config.json",  # max_seq_length: the input limit sentence-transformers applies
     "config_sentence_transformers.json",  # prompts (e5-style "query: " prefixes) and the default prompt name
 )
@@ -180,6 +181,9 @@ def inspect_checkpoint(model_dir: Path, task: str, pooling: str = "auto") -> Che
     if family is None:
         raise CompileError(f"{model_dir} is not a BERT checkpoint (model_type={config.get('model_type')!r}; "
                            f"supported: {', '.join(FAMILIES)})")
+    reason = family.unsupported(config, task, pooling)
+    if reason is not None:
+        raise CompileError(f"{model_dir} ({config['model_type']}): {reason}")
     weight_files = tuple(model_dir / name for name in WEIGHT_FILES if (model_dir / name).is_file())
     if not weight_files:
         raise CompileError(f"{model_dir} has no weights ({' or '.join(WEIGHT_FILES)})")

@@ -1,5 +1,5 @@
 """The BERT family as the wrappers see it: what differs between BERT, RoBERTa, XLM-R, DistilBERT, ELECTRA,
-MPNet and ModernBERT.
+MPNet, ModernBERT and DeBERTa-v2/v3.
 
 The first six are post-LayerNorm encoders with eager attention (matmul + softmax) and a GELU
 feed-forward, so one padded and one packed wrapper compile them all. They differ in module names,
@@ -7,13 +7,15 @@ in what the embeddings take (DistilBERT and MPNet have no token types; ELECTRA p
 embeddings up to the hidden size), in where positions start (RoBERTa, XLM-R and MPNet count from the
 padding index + 1, while the server always feeds 0..len-1), in a score bias added to every layer's
 attention scores (MPNet's relative positions) and in the classification head. ModernBERT (pre-norm layers, rotary positions, GeGLU, sliding-window
-attention on two layers in three) runs its layers through the same `LayerParts` in both layouts.
+attention on two layers in three) runs its layers through the same `LayerParts` in both layouts, and so
+does DeBERTa-v2, whose layers add to their scores a term of their own Q and K (`LayerParts.relative_scores`).
 A `Family` answers exactly those questions; everything it returns is the checkpoint's own modules
 (or tables computed as the checkpoint computes them), so every numerical choice stays the checkpoint's.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from dataclasses import dataclass
@@ -21,6 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from artifact.manifest import SPLADE_POOLINGS
 
 from .rotary import RotaryTables
 
@@ -40,6 +44,9 @@ class LayerParts:
     feed_forward: Callable[[torch.Tensor], torch.Tensor]  # attended -> layer output
     window: int | None = None
     sdpa: bool = False
+    scale_divisor: float | None = None  # what Q K^T is divided by; None: sqrt(head_size)
+    # [batch, heads, seq, seq] added to the scores, of the layer's own per-head Q and K (DeBERTa's disentangled terms)
+    relative_scores: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 def linear_projections(query: torch.nn.Linear, key: torch.nn.Linear, value: torch.nn.Linear):
@@ -50,13 +57,17 @@ def linear_projections(query: torch.nn.Linear, key: torch.nn.Linear, value: torc
 def attention_core(layer: LayerParts, query, key, value, additive_mask, score_bias=None) -> torch.Tensor:
     """softmax(Q K^T / sqrt(head_size) [+ score bias] + mask) V over [batch, heads, seq, head_size], the mask
     [batch, 1, 1, seq] (0 for real keys, the dtype's min for padding) and, on a sliding-window layer, the keys
-    farther than its window masked too; the family's score bias ([1, heads, seq, seq]) where it has one
-    (FuseAttention recognises this graph: compile/passes/fuse_attention.py)."""
+    farther than its window masked too; the family's score bias ([1, heads, seq, seq]) where it has one, or the
+    layer's `relative_scores` of this Q and K ([batch, heads, seq, seq]) (FuseAttention recognises this graph:
+    compile/passes/fuse_attention.py)."""
     mask = additive_mask if layer.window is None else windowed(additive_mask, layer.window)
+    divisor = layer.scale_divisor or math.sqrt(layer.head_size)
+    if layer.relative_scores is not None:
+        score_bias = layer.relative_scores(query, key)
     if layer.sdpa:
         return torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask if score_bias is None else score_bias + mask, scale=layer.head_size ** -0.5)
-    scores = torch.matmul(query, key.transpose(-1, -2)) / math.sqrt(layer.head_size)
+            query, key, value, attn_mask=mask if score_bias is None else score_bias + mask, scale=1.0 / divisor)
+    scores = torch.matmul(query, key.transpose(-1, -2)) / divisor
     scores = (scores if score_bias is None else scores + score_bias) + mask
     return torch.matmul(torch.softmax(scores, dim=-1), value)
 
@@ -166,6 +177,10 @@ class Family:
     def score_bias(self, base: torch.nn.Module, seq: torch.Tensor) -> torch.Tensor | None:
         """What every layer adds to its attention scores before the mask, [1, heads, seq, seq] for the
         sequences' own positions (`seq`: any tensor whose dim 1 is the sequence bound); None: nothing."""
+        return None
+
+    def unsupported(self, config: dict, task: str, pooling: str) -> str | None:
+        """Why a checkpoint of this family with `config` is not compiled for `task` / `pooling`, in words; None: it is."""
         return None
 
     def classifier_pooling(self, model: torch.nn.Module) -> str:
@@ -361,6 +376,102 @@ class ModernBert(Family):
         return torch.nn.Sequential(model.head, model.decoder)
 
 
+class DebertaV2(Family):
+    """DeBERTa-v2 and v3: BERT-like post-norm layers whose attention is disentangled. Besides Q K^T, each layer
+    scores every query against the relative position of each key (content-to-position, c2p) and every key
+    against the query's (position-to-content, p2c): the layer's own Q and K against its projections of one
+    table of relative position embeddings, read at log buckets of i - j. That term depends on the layer's
+    content, so each layer computes it as a [batch, heads, seq, seq] score bias of each sequence's own
+    positions, which the fused attention kernel adds; every term is divided by sqrt(head_size x (1 + terms))."""
+
+    base_model_options = {}
+    sdpa = False  # transformers has only eager attention for DeBERTa-v2
+
+    def unsupported(self, config: dict, task: str, pooling: str) -> str | None:
+        if int(config.get("conv_kernel_size", 0) or 0) > 0:
+            return "its convolution after the first layer (conv_kernel_size, DeBERTa-v2 xlarge/xxlarge) is not compiled"
+        terms = set(config.get("pos_att_type") or [])
+        if not terms <= {"c2p", "p2c"}:
+            return f"pos_att_type {sorted(terms)} is not compiled (supported: c2p, p2c)"
+        if pooling in SPLADE_POOLINGS:
+            return "its masked-LM head is not compiled (--task sparse)"
+        return None
+
+    def encode(self, base: torch.nn.Module, hidden, additive_mask, position_ids) -> torch.Tensor:
+        for layer in self.layers(base):
+            context = padded_attention(layer, *layer.project(hidden, position_ids), additive_mask)
+            hidden = layer.feed_forward(layer.attention_output(context, hidden))
+        return hidden
+
+    def load(self, path: Path, task: str, attention: str = "eager") -> torch.nn.Module:
+        model = super().load(path, task)
+        encoder = model.base_model.encoder
+        if encoder.relative_attention:  # each layer's projections of the relative table, once (weights of the export)
+            with torch.no_grad():
+                table = encoder.get_rel_embedding()
+                for layer in encoder.layer:
+                    _project_positions(layer.attention.self, table)
+        return model
+
+    def layers(self, base: torch.nn.Module) -> list[LayerParts]:
+        return [self._disentangled_parts(layer) for layer in base.encoder.layer]
+
+    def _disentangled_parts(self, layer: torch.nn.Module) -> LayerParts:
+        attention = layer.attention.self
+        terms = [term for term in ("c2p", "p2c") if term in attention.pos_att_type]
+        divisor = math.sqrt(attention.attention_head_size * (1 + len(terms)))
+        scores = None
+        if attention.relative_attention and terms:
+            scores = functools.partial(_disentangled_scores, attention, divisor)
+        return LayerParts(linear_projections(attention.query_proj, attention.key_proj, attention.value_proj),
+                          attention.num_attention_heads, attention.attention_head_size, layer.attention.output,
+                          lambda attended: layer.output(layer.intermediate(attended), attended),
+                          scale_divisor=divisor, relative_scores=scores)
+
+    def head(self, model: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(model.pooler, model.classifier)  # ContextPooler: token 0, dense, activation
+
+
+def _project_positions(attention: torch.nn.Module, table: torch.Tensor) -> None:
+    """Register on a DisentangledSelfAttention its c2p keys and p2c queries of the relative position table
+    ([heads, 2 x span, head_size]), as transformers projects them at every call."""
+    span, heads = attention.pos_ebd_size, attention.num_attention_heads
+    shared = attention.share_att_key
+    for term, name, projection in (("c2p", "position_keys", "key_proj" if shared else "pos_key_proj"),
+                                   ("p2c", "position_queries", "query_proj" if shared else "pos_query_proj")):
+        if term in attention.pos_att_type:
+            rows = getattr(attention, projection)(table[:2 * span])
+            attention.register_buffer(name, rows.reshape(2 * span, heads, -1).transpose(0, 1).contiguous())
+
+
+def _disentangled_scores(attention: torch.nn.Module, divisor: float, query, key) -> torch.Tensor:
+    """DisentangledSelfAttention.disentangled_attention_bias's terms for per-head Q and K [batch, heads, seq,
+    head_size] of positions 0..seq-1: [batch, heads, seq, seq], as transformers computes them (its buckets, its
+    clamped table indices, its gathers)."""
+    from transformers.models.deberta_v2.modeling_deberta_v2 import make_log_bucket_position
+
+    batch, heads, seq, _ = query.shape
+    span = attention.pos_ebd_size
+    # build_relative_position's buckets of i - j, [seq, seq], from float differences (the same values: its int64
+    # ones are divided into floats before the log, a division TVM's importer keeps in int64)
+    index = torch.arange(seq, dtype=torch.float32, device=query.device)
+    positions = index[:, None] - index[None, :]
+    if attention.position_buckets > 0 and attention.max_relative_positions > 0:
+        positions = make_log_bucket_position(positions, attention.position_buckets, attention.max_relative_positions)
+    positions = positions.to(torch.long)
+    terms = []
+    if "c2p" in attention.pos_att_type:  # [batch, heads, seq, 2 x span], as the position keys' products with Q
+        # (not Q's with them: CombineParallelMatmul would join that matmul to Q K^T's, which the fused attention reads)
+        c2p = torch.matmul(attention.position_keys, query.transpose(-1, -2)).transpose(-1, -2)
+        index = torch.clamp(positions + span, 0, 2 * span - 1).expand(batch, heads, seq, seq)
+        terms.append(torch.gather(c2p, -1, index) / divisor)
+    if "p2c" in attention.pos_att_type:
+        p2c = torch.matmul(key, attention.position_queries.transpose(-1, -2))  # [batch, heads, seq (keys), 2 x span]
+        index = torch.clamp(-positions + span, 0, 2 * span - 1).expand(batch, heads, seq, seq)
+        terms.append(torch.gather(p2c, -1, index).transpose(-1, -2) / divisor)
+    return terms[0] if len(terms) == 1 else terms[0] + terms[1]
+
+
 def _sdpa_self_attention(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False,
                          **kwargs):
     """MPNetSelfAttention's function on torch.nn.functional.scaled_dot_product_attention: the relative
@@ -384,5 +495,6 @@ FAMILIES = {
         Electra("electra", "ElectraForSequenceClassification"),
         MPNet("mpnet", "MPNetForSequenceClassification"),
         ModernBert("modernbert", "ModernBertForSequenceClassification"),
+        DebertaV2("deberta-v2", "DebertaV2ForSequenceClassification"),
     )
 }

@@ -194,7 +194,7 @@ def test_other_model_types_and_heads_are_refused(tmp_path, checkpoints):
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(CompileError, match=r"not a BERT checkpoint \(model_type='gpt2'; supported: bert, roberta, "
-                                           r"xlm-roberta, distilbert, electra, mpnet, modernbert\)"):
+                                           r"xlm-roberta, distilbert, electra, mpnet, modernbert, deberta-v2\)"):
         inspect_checkpoint(gpt2, "embed")
     with pytest.raises(CompileError, match="not a DistilBertForSequenceClassification checkpoint"):
         inspect_checkpoint(checkpoints["distilbert", "embed"], "classify")

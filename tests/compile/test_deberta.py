@@ -1,0 +1,173 @@
+"""DeBERTa-v2/v3 through the same pipeline as BERT: tiny random-weight checkpoints (layer-norm scales not all
+1, the relative position table scaled up so that its disentangled terms move the softmax) with a SentencePiece
+model trained here and shipped as spm.model alone, as DeBERTa-v3 ships it; compared with transformers in both
+layouts on inputs longer than the 8 position buckets: a v3-style embedder (shared attention keys, a normed
+relative table, no absolute positions) and a v2-style classifier (its own position projections, token types)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from artifact.loader import load_artifact
+from compile.checkpoint import inspect_checkpoint, load_wrapper
+from compile.errors import CompileError
+from compile.tokenizer import fast_tokenizer_file
+from compile.validate import DRIFT_SENTENCES
+from service.tokenization import TextTokenizer
+from tests.support.artifacts import compile_artifact
+from tests.support.checkpoints import TINY_LABELS, scale_layer_norms
+
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
+MAX_SEQ = 48  # six times the position buckets' range
+LONG = " ".join(DRIFT_SENTENCES * 2)  # longer than MAX_SEQ tokens: truncated to it
+TEXTS = [*DRIFT_SENTENCES[:3], "a", LONG]
+PAIRS = [("the cat plays a guitar", DRIFT_SENTENCES[0]), ("a", DRIFT_SENTENCES[1]), (DRIFT_SENTENCES[2], LONG)]
+SPECIALS = {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+            "bos_token": "[CLS]", "eos_token": "[SEP]", "mask_token": "[MASK]"}
+STYLES = {  # the embedder as DeBERTa-v3 is configured, the classifier as DeBERTa-v2 (base/large) is
+    "embed": dict(share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0,
+                  pos_att_type=["p2c", "c2p"]),
+    "classify": dict(share_att_key=False, position_biased_input=True, type_vocab_size=2, pos_att_type=["c2p", "p2c"],
+                     num_labels=3, id2label=TINY_LABELS, label2id={v: k for k, v in TINY_LABELS.items()}),
+}
+
+
+def _spm_model() -> bytes:
+    """A SentencePiece unigram model with DeBERTa-v3's special tokens at its ids ([PAD] 0, [CLS] 1, [SEP] 2)."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(DRIFT_SENTENCES * 4), model_writer=model, vocab_size=120, model_type="unigram",
+        pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
+        unk_piece="[UNK]", user_defined_symbols=["[MASK]"], hard_vocab_limit=False, minloglevel=2)
+    return model.getvalue()
+
+
+def make_checkpoint(directory: Path, task: str) -> Path:
+    """A 2-layer random-weight DeBERTa-v2 checkpoint; for embed a sentence-transformers one (mean pooling)."""
+    from transformers import AutoModel, AutoModelForSequenceClassification, DebertaV2Config
+
+    directory.mkdir()
+    (directory / "spm.model").write_bytes(_spm_model())
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False, "model_max_length": MAX_SEQ, **SPECIALS}))
+    torch.manual_seed(len(task))
+    config = DebertaV2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=128, max_position_embeddings=MAX_SEQ, initializer_range=0.2,
+                             relative_attention=True, position_buckets=8, max_relative_positions=MAX_SEQ,
+                             pad_token_id=0, **STYLES[task])
+    model = (AutoModelForSequenceClassification if task == "classify" else AutoModel).from_config(config)
+    scale_layer_norms(model, seed=len(task))
+    with torch.no_grad():
+        model.base_model.encoder.rel_embeddings.weight.mul_(5.0)  # moves the softmax as much as Q K^T does
+    model.save_pretrained(directory)
+    if task == "embed":
+        (directory / "modules.json").write_text(json.dumps(
+            [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (directory / "1_Pooling").mkdir()
+        (directory / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True}))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deberta")
+    return {task: make_checkpoint(root / task, task) for task in ("embed", "classify")}
+
+
+def _batch(directory: Path, task: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    inputs = [list(pair) for pair in zip(*PAIRS)] if task == "classify" else [TEXTS]
+    return tokenizer(*inputs, padding=True, truncation=True, max_length=MAX_SEQ, return_tensors="pt")
+
+
+def _expected(directory: Path, task: str, batch) -> np.ndarray:
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    with torch.no_grad():
+        if task == "classify":
+            return AutoModelForSequenceClassification.from_pretrained(directory).eval()(**batch).logits.numpy()
+        hidden = AutoModel.from_pretrained(directory).eval()(**batch).last_hidden_state
+        mask = batch["attention_mask"][..., None]
+        return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+
+
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_wrappers_compute_what_transformers_does(checkpoints, task):
+    """The padded wrapper equals the transformers model (classify: on pairs, through its ContextPooler); the
+    packed wrapper, whose disentangled terms are each sequence's own, equals the padded one."""
+    from artifact.packed_batch import pack_batch
+    from compile.packed_model import PackedBertWrapper
+
+    directory = checkpoints[task]
+    info = inspect_checkpoint(directory, task)
+    assert info.max_seq == MAX_SEQ and info.pooling == ("mean" if task == "embed" else "none")
+    wrapper = load_wrapper(info, task)
+    batch = _batch(directory, task)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    assert ids.shape[1] == MAX_SEQ
+    types = batch.get("token_type_ids", torch.zeros_like(ids))
+    with torch.no_grad():
+        got = wrapper(ids, mask, types, torch.arange(ids.shape[1]).expand_as(ids))
+        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
+            ids.numpy(), mask.numpy(), types.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
+    np.testing.assert_allclose(got.numpy(), _expected(directory, task, batch), atol=1e-5)
+    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
+
+
+def test_the_spm_model_is_served_as_transformers_tokenizes(checkpoints):
+    """DeBERTa-v3 ships spm.model and no tokenizer.json: the artifact's tokenizer is the one transformers
+    builds from it, [CLS] A [SEP] B [SEP] for pairs."""
+    from transformers import AutoTokenizer
+
+    directory = checkpoints["classify"]
+    expected = AutoTokenizer.from_pretrained(directory)
+    served = TextTokenizer(fast_tokenizer_file(directory), 512, len(expected))
+    items = [*TEXTS, *PAIRS]
+    assert [e.ids.tolist() for e in served.encode(items, truncation=None)] == [
+        expected(*([item] if isinstance(item, str) else item))["input_ids"] for item in items]
+
+
+def test_compiled_packed_embedder_matches_transformers(checkpoints, tmp_path):
+    """Compiled packed in fp32: every layer's attention fused with its disentangled terms as the score bias,
+    validated against PyTorch, and run on inputs up to MAX_SEQ tokens: transformers' mean-pooled states."""
+    directory = checkpoints["embed"]
+    manifest, _ = compile_artifact(directory, tmp_path / "artifact", [f"packed-{MAX_SEQ}"], layout="packed",
+                                   precision="fp32", generic_shapes=["3x5"])
+    assert manifest.validated and manifest.model.model_type == "deberta-v2" and manifest.pooling == "mean"
+    assert manifest.passes.strategies["concat"].attention_fused == 2  # one fused kernel per layer
+    batch = _batch(directory, "embed")
+    served = load_artifact(tmp_path / "artifact").run(batch["input_ids"].numpy(), batch["attention_mask"].numpy()).output
+    expected = _expected(directory, "embed", batch)
+    cosines = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
+    assert cosines.min() >= 0.9999
+    np.testing.assert_allclose(served, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"conv_kernel_size": 3}, "convolution after the first layer"),
+    ({"pos_att_type": ["c2p", "p2p"]}, r"pos_att_type \['c2p', 'p2p'\] is not compiled"),
+])
+def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, change, reason):
+    directory = tmp_path / "variant"
+    directory.mkdir()
+    for source in checkpoints["embed"].iterdir():
+        if source.is_file():
+            (directory / source.name).write_bytes(source.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(CompileError, match=reason) as refused:
+        inspect_checkpoint(directory, "embed")
+    assert "\n" not in str(refused.value)

@@ -156,11 +156,12 @@ def test_compiled_packed_embedder_matches_transformers(checkpoints, tmp_path):
     np.testing.assert_allclose(served, expected, atol=1e-4)
 
 
-@pytest.mark.parametrize("change,reason", [
-    ({"conv_kernel_size": 3}, "convolution after the first layer"),
-    ({"pos_att_type": ["c2p", "p2p"]}, r"pos_att_type \['c2p', 'p2p'\] is not compiled"),
+@pytest.mark.parametrize("change,pooling,reason", [
+    ({"conv_kernel_size": 3}, "auto", "convolution after the first layer"),
+    ({"pos_att_type": ["c2p", "p2p"]}, "auto", r"pos_att_type \['c2p', 'p2p'\] is not compiled"),
+    ({"architectures": ["DebertaV2ForMaskedLM"]}, "splade", r"masked-LM head is not compiled \(--task sparse\)"),
 ])
-def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, change, reason):
+def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, change, pooling, reason):
     directory = tmp_path / "variant"
     directory.mkdir()
     for source in checkpoints["embed"].iterdir():
@@ -169,5 +170,5 @@ def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, cha
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(CompileError, match=reason) as refused:
-        inspect_checkpoint(directory, "embed")
+        inspect_checkpoint(directory, "embed", pooling)
     assert "\n" not in str(refused.value)

@@ -156,6 +156,27 @@ def test_compiled_packed_embedder_matches_transformers(checkpoints, tmp_path):
     np.testing.assert_allclose(served, expected, atol=1e-4)
 
 
+def test_padded_attention_fuses_with_its_disentangled_terms(checkpoints):
+    """The padded layout's graph (the compile above is packed): each layer's softmax and both its matmuls
+    become one fused kernel call that adds the layer's c2p + p2c terms."""
+    from tvm import relax
+
+    from compile.build import make_target
+    from compile.capabilities import KernelConfig
+    from compile.importer import export_and_import
+    from compile.passes.fuse_attention import fuse_attention_in
+    from compile.passes.strategy import apply_strategy
+
+    info = inspect_checkpoint(checkpoints["classify"], "classify")
+    imported = export_and_import(load_wrapper(info, "classify"), 4, MAX_SEQ, info.config["vocab_size"], "padded")
+    after, fused = fuse_attention_in(apply_strategy(imported.mod, "concat"),
+                                     KernelConfig.of(make_target("cpu", mcpu="x86-64-v4")))
+    softmaxes = []
+    relax.analysis.post_order_visit(after["main"].body, lambda e: softmaxes.append(e) if isinstance(
+        e, relax.Call) and getattr(e.op, "name", "") == "relax.nn.softmax" else None)
+    assert fused == 2 and not softmaxes
+
+
 @pytest.mark.parametrize("change,pooling,reason", [
     ({"conv_kernel_size": 3}, "auto", "convolution after the first layer"),
     ({"pos_att_type": ["c2p", "p2p"]}, "auto", r"pos_att_type \['c2p', 'p2p'\] is not compiled"),

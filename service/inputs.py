@@ -1,11 +1,12 @@
 """The input rules HTTP and gRPC share, each in one place: what may be empty, what a pair is (TEI's
 /predict shapes), token ids, truncation, embedding dtypes and bge-m3's outputs, and ranking best first.
 
-A rule refuses with InvalidInput, which each transport answers with its own status: HTTP with a JSON
-422 (`errors.py`), gRPC with INVALID_ARGUMENT. The HTTP schemas run the shape rules as pydantic
-validators while they parse: InvalidInput is a ValueError, so pydantic reports it at the field it
-refuses (`inputs: cannot be empty`). So the messages leave the field unnamed, unless the caller
-names it (`field`) where no parser's location does, as gRPC's must.
+A rule refuses with InvalidInput (NotSupported, a 400, for what a model cannot answer), which each
+transport answers with its own status: HTTP with a JSON 422 (`errors.py`), gRPC with INVALID_ARGUMENT.
+The HTTP schemas run the shape rules as pydantic validators while they parse: InvalidInput is a
+ValueError, so pydantic reports it at the field it refuses (`inputs: cannot be empty`). So the
+messages leave the field unnamed, unless the caller names it (`field`) where no parser's location
+does, as gRPC's must.
 """
 
 from __future__ import annotations

@@ -115,7 +115,8 @@ def test_grpc_embed_hybrid_and_its_stream_answer_what_http_answers(client, chann
     hybrid = rpb_grpc.EmbedHybridStub(channel)
     expected = client.post("/embed_hybrid", json={"inputs": TEXTS}).json()
     requests = [rpb.EmbedHybridRequest(inputs=text) for text in TEXTS]  # no outputs named: all three
-    for answers in ([hybrid.EmbedHybrid(request) for request in requests], list(hybrid.EmbedHybridStream(iter(requests)))):
+    singles = [hybrid.EmbedHybrid(request) for request in requests]
+    for answers in (singles, list(hybrid.EmbedHybridStream(iter(requests)))):
         assert len(answers) == len(TEXTS)
         for answer, wanted in zip(answers, expected):
             assert len(answer.dense) and len(answer.sparse) and len(answer.colbert)

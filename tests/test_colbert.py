@@ -208,7 +208,8 @@ def test_grpc_embed_multi_and_its_stream_answer_what_http_answers(client, embed_
 
 def test_grpc_embed_multi_quantizes_and_refuses_as_http(client, channel, embed_multi):
     for dtype in ("binary", "ubinary"):
-        answer = embed_multi.EmbedMulti(rpb.EmbedMultiRequest(inputs=DOCUMENTS[0], is_query=False, embedding_dtype=dtype))
+        request = rpb.EmbedMultiRequest(inputs=DOCUMENTS[0], is_query=False, embedding_dtype=dtype)
+        answer = embed_multi.EmbedMulti(request)
         expected = client.post("/embed_multi", json={"inputs": DOCUMENTS[0], "is_query": False,
                                                      "embedding_dtype": dtype}).json()[0]
         assert answer.embedding_dtype == dtype

@@ -68,6 +68,8 @@ SERVICES = ((pb, pb_grpc, ("Info", "Embed", "Predict", "Rerank", "Tokenize")),
             (rpb, rpb_grpc, ("EmbedMulti", "EmbedHybrid")))
 SERVICE_NAMES = tuple(messages.DESCRIPTOR.services_by_name[name].full_name
                       for messages, _, names in SERVICES for name in names)
+# the API key guards both packages' methods; reflection stays open
+GUARDED_PREFIXES = tuple(f"/{messages.DESCRIPTOR.package}." for messages, _, _ in SERVICES)
 # each method's service, by the method's name (unique across them): a call's span is `tei.v1.Embed/Embed`
 SERVICE_OF_METHOD = {method.name: service.full_name for messages, _, _ in SERVICES
                      for service in messages.DESCRIPTOR.services_by_name.values() for method in service.methods}
@@ -339,7 +341,7 @@ class Servicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictServi
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer KEY` metadata on every method of SERVICE_NAMES (UNAUTHENTICATED otherwise)."""
+    """`authorization: Bearer KEY` metadata on every method of tei.v1 and bertserve.v1 (UNAUTHENTICATED otherwise)."""
 
     def __init__(self, api_key: str, metrics: Metrics):
         self.api_key = api_key.encode()
@@ -368,9 +370,6 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(refuse)
         return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-GUARDED_PREFIXES = tuple(f"/{name}/" for name in SERVICE_NAMES)  # reflection stays open
 
 
 class GrpcPortTaken(ValueError):

@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--default-prompt", help="prepend this text to inputs that name no prompt (e.g. 'query: ')")
     add("--host")
     add("--port", type=int)
-    add("--grpc-port", type=int, help="also serve TEI's gRPC API (tei.v1, with server reflection) on this port, "
-        "sharing the models, batching, limits and API key (as `authorization: Bearer KEY` metadata)")
+    add("--grpc-port", type=int, help="also serve TEI's gRPC API (tei.v1) and /embed_multi's and /embed_hybrid's "
+        "methods (bertserve.v1), with server reflection, on this port, sharing the models, batching, limits and "
+        "API key (as `authorization: Bearer KEY` metadata)")
     add("--backend", choices=["tvm", "torch"], help="tvm (default) or torch eager on the same checkpoint")
     add("--cores", type=int, help="cores to use (default: the affinity mask capped by the cgroup CPU quota)")
     add("--workers", type=int, help="batches run side by side per model (default: tvm one per core, torch 1)")

@@ -1,21 +1,24 @@
 """The input rules HTTP and gRPC share, each in one place: what may be empty, what a pair is (TEI's
-/predict shapes), token ids, truncation, and ranking best first.
+/predict shapes), token ids, truncation, embedding dtypes and bge-m3's outputs, and ranking best first.
 
-A rule refuses with InvalidInput, which each transport answers with its own status: HTTP with a JSON
-422 (`errors.py`), gRPC with INVALID_ARGUMENT. The HTTP schemas run the shape rules as pydantic
-validators while they parse: InvalidInput is a ValueError, so pydantic reports it at the field it
-refuses (`inputs: cannot be empty`). So the messages leave the field unnamed, unless the caller
-names it (`field`) where no parser's location does, as gRPC's must.
+A rule refuses with InvalidInput (NotSupported, a 400, for what a model cannot answer), which each
+transport answers with its own status: HTTP with a JSON 422 (`errors.py`), gRPC with INVALID_ARGUMENT.
+The HTTP schemas run the shape rules as pydantic validators while they parse: InvalidInput is a
+ValueError, so pydantic reports it at the field it refuses (`inputs: cannot be empty`). So the
+messages leave the field unnamed, unless the caller names it (`field`) where no parser's location
+does, as gRPC's must.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
-from .errors import InvalidInput
+from artifact.embedding_dtypes import CALIBRATED_DTYPES, EMBEDDING_DTYPES
+
+from .errors import InvalidInput, NotSupported
 
 TextInput = str | tuple[str, str]  # one text, or a (query, passage) pair for a cross-encoder
 TokenIds = list[int]  # one input already tokenized: the model's input ids, run as given
@@ -189,6 +192,35 @@ def valid_dimensions(dimensions: int | None, width: int) -> None:
     (gRPC's may be 0, HTTP's schema refuses it first)."""
     if dimensions is not None and not 0 < dimensions <= width:
         raise InvalidInput(f"`dimensions` must be at least 1 and at most the model's {width}, got {dimensions}")
+
+
+# --- embedding dtypes and bge-m3's outputs (HTTP's schemas refuse an unknown name as they parse)
+
+
+def known_embedding_dtype(dtype: str) -> str:
+    if dtype not in EMBEDDING_DTYPES:
+        raise InvalidInput(f"embedding_dtype {dtype!r} is none of {', '.join(EMBEDDING_DTYPES)}")
+    return dtype
+
+
+def token_vector_dtype(dtype: str) -> str:
+    """/embed_multi's dtype: token vectors have no calibration ranges, so float32, binary or ubinary."""
+    if known_embedding_dtype(dtype) in CALIBRATED_DTYPES:
+        raise NotSupported(f"embedding_dtype {dtype}: token vectors have no calibration ranges "
+                           "(float32, binary or ubinary)")
+    return dtype
+
+
+HybridOutput = Literal["dense", "sparse", "colbert"]
+HYBRID_OUTPUTS: tuple[str, ...] = get_args(HybridOutput)
+
+
+def hybrid_outputs(requested: Sequence[str]) -> list[str]:
+    """/embed_hybrid's outputs, each once in the order asked; none named (gRPC's unset list): all three."""
+    unknown = [name for name in requested if name not in HYBRID_OUTPUTS]
+    if unknown:
+        raise InvalidInput(f"`outputs` {unknown[0]!r} is none of {', '.join(HYBRID_OUTPUTS)}")
+    return list(dict.fromkeys(requested)) or list(HYBRID_OUTPUTS)
 
 
 # --- ranking: best first, ties in input order

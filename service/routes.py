@@ -19,11 +19,19 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import Discriminator, Tag, TypeAdapter, ValidationError
 from starlette.responses import JSONResponse, Response
 
-from artifact.embedding_dtypes import CALIBRATED_DTYPES, quantize
+from artifact.embedding_dtypes import quantize
 
 from .errors import InvalidInput, NotSupported, Unavailable
 from .inference import Computed, ModelService
-from .inputs import Truncation, one_per_item, predict_sequences, truncation, zero_shot_texts
+from .inputs import (
+    Truncation,
+    hybrid_outputs,
+    one_per_item,
+    predict_sequences,
+    token_vector_dtype,
+    truncation,
+    zero_shot_texts,
+)
 from .runtime import Runtime
 from .schemas import (
     ClassifyRequest,
@@ -261,11 +269,9 @@ async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
     service = _runtime(request).model("embed_multi", body.model)
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
-    if body.embedding_dtype in CALIBRATED_DTYPES:
-        raise NotSupported(f"embedding_dtype {body.embedding_dtype}: token vectors have no calibration ranges "
-                           "(float32, binary or ubinary)")
+    dtype = token_vector_dtype(body.embedding_dtype)
     vectors, computed = await service.embed_multi(inputs, body.is_query, _truncation(request, body))
-    return _json([quantize(rows, body.embedding_dtype) for rows in vectors], _headers(service, computed, started))
+    return _json([quantize(rows, dtype) for rows in vectors], _headers(service, computed, started))
 
 
 @post("/embed_hybrid")
@@ -275,7 +281,7 @@ async def embed_hybrid(body: EmbedHybridRequest, request: Request) -> Response:
     service = _runtime(request).model("embed_hybrid", body.model)
     inputs = one_per_item(body.inputs)
     service.check_batch_size(len(inputs))
-    answers, computed = await service.embed_hybrid(inputs, list(dict.fromkeys(body.outputs)), body.normalize,
+    answers, computed = await service.embed_hybrid(inputs, hybrid_outputs(body.outputs), body.normalize,
                                                    _truncation(request, body), body.prompt_name)
     return _json(answers, _headers(service, computed, started))
 

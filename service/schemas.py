@@ -14,7 +14,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 
 from artifact.embedding_dtypes import EmbeddingDtype
 
-from .inputs import no_empty_input, no_empty_sequence, non_empty, predict_inputs, texts_only, texts_or_ids
+from .inputs import HYBRID_OUTPUTS, HybridOutput, no_empty_input, no_empty_sequence, non_empty, predict_inputs, texts_only, texts_or_ids
 
 # Texts only (classification, tokenization): one string or several, none empty
 Inputs = Annotated[str | list[str], BeforeValidator(texts_only), AfterValidator(no_empty_input)]
@@ -79,8 +79,8 @@ class EmbedHybridRequest(_Truncating):
     """/embed_hybrid's body: any of bge-m3's three outputs, from one pass per input."""
 
     inputs: EmbeddingInputs
-    outputs: list[Literal["dense", "sparse", "colbert"]] = Field(
-        ["dense", "sparse", "colbert"], min_length=1, description="which outputs each answer holds")
+    outputs: list[HybridOutput] = Field(
+        list(HYBRID_OUTPUTS), min_length=1, description="which outputs each answer holds")
     normalize: bool = True
     prompt_name: str | None = Field(None, description="one of the checkpoint's sentence-transformers prompts")
 

@@ -53,7 +53,8 @@ class Settings(BaseModel):
     default_prompt: str | None = Field(None, description="a text prepended to every input that names no prompt")
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
-    grpc_port: int | None = Field(None, ge=0, le=65535, description="also serve TEI's gRPC API (tei.v1) on this port")
+    grpc_port: int | None = Field(None, ge=0, le=65535, description="also serve TEI's gRPC API (tei.v1) and our "
+                                  "retrieval methods (bertserve.v1) on this port")
     backend: Literal["tvm", "torch"] = "tvm"
     cores: int | None = Field(None, ge=1, description="cores to use; default: the affinity mask capped by the cgroup quota")
     workers: int | None = Field(None, ge=1, description="batches run side by side per model; default: see service.topology")

@@ -1,6 +1,6 @@
 """ColBERT (PyLate) models: `--task colbert` (or detected), the projection of every token computed in the
 packed libraries, queries and documents tokenized and filtered as PyLate's `ColBERT.encode(is_query=...)`
-does, served on POST /embed_multi through a real server on loopback.
+does, served on POST /embed_multi and gRPC's bertserve.v1 EmbedMulti through a real server on loopback.
 
 The reference is PyLate's algorithm on transformers: its own `Dense`, `insert_prefix_token` and
 `skiplist_mask`, around its tokenization and filtering as `ColBERT.tokenize` and `ColBERT.encode` write
@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import httpx
 import numpy as np
 import pytest
 
 from compile.checkpoint import inspect_checkpoint
 from compile.errors import CompileError
+from loadtest.servers import free_port
+from service.grpc_api import retrieval_pb2 as rpb
+from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import COLBERT_SETTINGS, save_tiny_colbert
 
@@ -38,10 +42,29 @@ def colbert_artifact(colbert_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(serve, colbert_artifact, tiny_embed_artifact):
-    with serve([colbert_artifact, tiny_embed_artifact], "--max-wait-ms", "20") as running, \
-            httpx.Client(base_url=running.url, timeout=60) as client:
+def server(serve, colbert_artifact, tiny_embed_artifact):
+    port = free_port()
+    with serve([colbert_artifact, tiny_embed_artifact], "--max-wait-ms", "20", "--grpc-port", str(port)) as running:
+        running.grpc = f"127.0.0.1:{port}"
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.grpc) as channel:
+        yield channel
+
+
+@pytest.fixture(scope="module")
+def embed_multi(channel):
+    """bertserve.v1's EmbedMulti stub on the same server."""
+    return rpb_grpc.EmbedMultiStub(channel)
 
 
 def pylate_encode(model_dir, texts: list[str], is_query: bool) -> list[np.ndarray]:
@@ -161,3 +184,57 @@ def test_embed_multi_quantizes_as_sentence_transformers_and_refuses_uncalibrated
     refused = client.post("/embed_multi", json={"inputs": "hello", "embedding_dtype": "int8"})
     assert refused.status_code == 400 and "calibration" in refused.json()["error"]
     assert client.post("/embed_multi", json={"inputs": "hello", "embedding_dtype": "int4"}).status_code == 422
+
+
+def token_vectors(answer: rpb.EmbedMultiResponse) -> np.ndarray:
+    return np.asarray([row.embeddings for row in answer.token_embeddings], dtype=np.float32)
+
+
+@pytest.mark.parametrize("is_query,texts", [(True, QUERIES), (False, DOCUMENTS)])
+def test_grpc_embed_multi_and_its_stream_answer_what_http_answers(client, embed_multi, is_query, texts):
+    expected = client.post("/embed_multi", json={"inputs": texts, "is_query": is_query}).json()
+    requests = [rpb.EmbedMultiRequest(inputs=text, is_query=is_query) for text in texts]
+    singles = [embed_multi.EmbedMulti(request) for request in requests]
+    streamed = list(embed_multi.EmbedMultiStream(iter(requests)))
+    for answers in (singles, streamed):
+        assert_same_vectors([token_vectors(answer) for answer in answers], [np.asarray(rows) for rows in expected])
+        assert not any(answer.HasField("embedding_dtype") for answer in answers)  # float32
+    single = client.post("/embed_multi", json={"inputs": texts[0], "is_query": is_query})
+    assert singles[0].metadata.compute_tokens == int(single.headers["x-compute-tokens"])
+    if is_query:  # unset is_query: a query, as HTTP's default
+        assert_same_vectors([token_vectors(embed_multi.EmbedMulti(rpb.EmbedMultiRequest(inputs=texts[0])))],
+                            [np.asarray(expected[0])])
+
+
+def test_grpc_embed_multi_quantizes_and_refuses_as_http(client, channel, embed_multi):
+    for dtype in ("binary", "ubinary"):
+        request = rpb.EmbedMultiRequest(inputs=DOCUMENTS[0], is_query=False, embedding_dtype=dtype)
+        answer = embed_multi.EmbedMulti(request)
+        expected = client.post("/embed_multi", json={"inputs": DOCUMENTS[0], "is_query": False,
+                                                     "embedding_dtype": dtype}).json()[0]
+        assert answer.embedding_dtype == dtype
+        np.testing.assert_array_equal(token_vectors(answer), np.asarray(expected))
+    by_name = embed_multi.EmbedMulti(rpb.EmbedMultiRequest(inputs="hello", model="tiny-colbert"))
+    assert token_vectors(by_name).shape == (COLBERT_SETTINGS["query_length"], 16)
+    for request, says, http_status in (
+            (rpb.EmbedMultiRequest(inputs="hello", embedding_dtype="int8"), "calibration", 400),
+            (rpb.EmbedMultiRequest(inputs="hello", embedding_dtype="int4"), "int4", 422),
+            (rpb.EmbedMultiRequest(inputs="hello", model="tiny-embed"), "projection", 400),
+            (rpb.EmbedMultiRequest(inputs=""), "empty", 422)):
+        with pytest.raises(grpc.RpcError) as refused:
+            embed_multi.EmbedMulti(request)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
+        body = {"inputs": request.inputs, **({"embedding_dtype": request.embedding_dtype}
+                                             if request.HasField("embedding_dtype") else {}),
+                **({"model": request.model} if request.HasField("model") else {})}
+        assert client.post("/embed_multi", json=body).status_code == http_status
+    with pytest.raises(grpc.RpcError) as unknown:
+        embed_multi.EmbedMulti(rpb.EmbedMultiRequest(inputs="hello", model="nope"))
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as in_stream:  # a bad message fails its stream
+        list(embed_multi.EmbedMultiStream(iter([rpb.EmbedMultiRequest(inputs="ok"), rpb.EmbedMultiRequest(inputs="")])))
+    assert in_stream.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as not_m3:
+        rpb_grpc.EmbedHybridStub(channel).EmbedHybrid(rpb.EmbedHybridRequest(inputs="hello"))
+    assert not_m3.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bge-m3" in not_m3.value.details()
+    assert client.post("/embed_hybrid", json={"inputs": "hello"}).status_code == 400

@@ -26,7 +26,7 @@ def _script(name: str):
 
 reference = _script("reference")
 API = ROOT / "docs" / "API.md"
-PROTO = ROOT / "service" / "grpc_api" / "tei.proto"
+PROTOS = sorted((ROOT / "service" / "grpc_api").glob("*.proto"))  # TEI's tei.v1 and our bertserve.v1
 LINKED_DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "experiments").glob("*.md"))]
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -55,8 +55,8 @@ def test_every_http_route_is_in_the_api_doc():
 
 
 def test_every_grpc_method_is_in_the_api_doc():
-    methods = re.findall(r"^\s*rpc\s+(\w+)\s*\(", PROTO.read_text(), re.M)
-    assert "Embed" in methods and "RerankStream" in methods
+    methods = [method for proto in PROTOS for method in re.findall(r"^\s*rpc\s+(\w+)\s*\(", proto.read_text(), re.M)]
+    assert {"Embed", "RerankStream", "EmbedMulti", "EmbedHybridStream"} <= set(methods)
     text = API.read_text()
     assert not [method for method in methods if f"`{method}`" not in text]
 

@@ -16,6 +16,8 @@ from google.protobuf.descriptor_pool import DescriptorPool
 
 from loadtest.random_checkpoint import copy_tokenizer
 from loadtest.servers import free_port
+from service.grpc_api import retrieval_pb2 as rpb
+from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.support.artifacts import compile_artifact
@@ -148,6 +150,12 @@ def test_reflection_lists_and_describes_the_services(channel):
     assert {m.name for m in embed.methods} == {"Embed", "EmbedStream", "EmbedSparse", "EmbedSparseStream",
                                                "EmbedAll", "EmbedAllStream"}
     assert pool.FindMessageTypeByName("tei.v1.EmbedRequest").fields_by_name["inputs"].number == 1
+    # our own package beside TEI's, described with the tei.v1 messages it reuses
+    assert {"bertserve.v1.EmbedMulti", "bertserve.v1.EmbedHybrid"} <= set(database.get_services())
+    hybrid = pool.FindServiceByName("bertserve.v1.EmbedHybrid")
+    assert {m.name for m in hybrid.methods} == {"EmbedHybrid", "EmbedHybridStream"}
+    assert hybrid.methods_by_name["EmbedHybrid"].output_type.fields_by_name["sparse"].message_type.full_name == \
+        "tei.v1.SparseValue"
 
 
 def test_embed_fields_as_in_teis_proto(channel, http):
@@ -230,6 +238,10 @@ def test_bad_calls_get_tei_status_codes_and_the_server_keeps_serving(channel, se
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
     refused = status_of(embed.Embed, pb.EmbedRequest(inputs="hello"), metadata=(("authorization", "Bearer wrong"),))
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+    multi = rpb_grpc.EmbedMultiStub(channel).EmbedMulti  # our own package wants the key too
+    assert status_of(multi, rpb.EmbedMultiRequest(inputs="hello")).code() == grpc.StatusCode.UNAUTHENTICATED
+    no_colbert = status_of(multi, rpb.EmbedMultiRequest(inputs="hello"), metadata=AUTH)
+    assert no_colbert.code() == grpc.StatusCode.INVALID_ARGUMENT and "ColBERT" in no_colbert.details()
     lowercase = (("authorization", f"bearer {KEY}"),)  # the scheme is case-insensitive (RFC 7235)
     assert len(embed.Embed(pb.EmbedRequest(inputs="hello"), metadata=lowercase).embeddings) > 0
     assert status_of(embed.Embed, pb.EmbedRequest(inputs=""), metadata=AUTH).code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -114,6 +114,8 @@ def test_each_grpc_call_is_traced_like_a_request(traced):
     with each message's stages; a refused call, its code."""
     import grpc
 
+    from service.grpc_api import retrieval_pb2 as rpb
+    from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
     from service.grpc_api import tei_pb2 as pb
     from service.grpc_api import tei_pb2_grpc as pb_grpc
 
@@ -125,7 +127,9 @@ def test_each_grpc_call_is_traced_like_a_request(traced):
         assert len(list(embed.EmbedStream(iter([pb.EmbedRequest(inputs=text) for text in TEXTS])))) == len(TEXTS)
         with pytest.raises(grpc.RpcError) as refused:
             embed.Embed(pb.EmbedRequest(inputs=""))
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as no_colbert:  # bertserve.v1's methods too (no ColBERT model here)
+            rpb_grpc.EmbedMultiStub(channel).EmbedMulti(rpb.EmbedMultiRequest(inputs=TEXTS[0]))
+    assert refused.value.code() == no_colbert.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     wait_until(lambda: len(collector.named("tei.v1.Embed/Embed")) == 2 and collector.named("tei.v1.Embed/EmbedStream")
                and len(collector.named("inference")) >= 3, what="the calls' spans exported")
     call, failed = sorted(collector.named("tei.v1.Embed/Embed"), key=lambda span: span.start_time_unix_nano)
@@ -136,6 +140,11 @@ def test_each_grpc_call_is_traced_like_a_request(traced):
         "grpc", "tei.v1.Embed", "Embed", 0)
     assert_stages_inside(collector, call)
     assert {a.key: a.value.int_value for a in failed.attributes}["rpc.grpc.status_code"] == \
+        grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    wait_until(lambda: collector.named("bertserve.v1.EmbedMulti/EmbedMulti"), what="EmbedMulti's span exported")
+    (multi,) = collector.named("bertserve.v1.EmbedMulti/EmbedMulti")
+    assert {a.key: a.value.string_value for a in multi.attributes}["rpc.service"] == "bertserve.v1.EmbedMulti"
+    assert {a.key: a.value.int_value for a in multi.attributes}["rpc.grpc.status_code"] == \
         grpc.StatusCode.INVALID_ARGUMENT.value[0]
     (stream,) = collector.named("tei.v1.Embed/EmbedStream")
     assert sum(span.parent_span_id == stream.span_id for span in collector.named("inference")) == len(TEXTS)

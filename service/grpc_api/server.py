@@ -1,9 +1,10 @@
-"""TEI's gRPC API (`tei.v1`, tei.proto) beside the HTTP server: the same models, batchers, limits,
+"""TEI's gRPC API (`tei.v1`, tei.proto) beside the HTTP server, and our own retrieval methods
+(`bertserve.v1`, retrieval.proto: /embed_multi and /embed_hybrid): the same models, batchers, limits,
 API key and metrics, on the same event loop.
 
 Each RPC is one input (the streaming RPCs: one per message, run concurrently so that they batch
 together, answered in order). Errors carry TEI's status codes for its error types; with an API key
-every tei.v1 method wants `authorization: Bearer KEY` metadata (reflection stays open, so clients
+every method of both packages wants `authorization: Bearer KEY` metadata (reflection stays open, so clients
 can discover the API). A client that cancels a call cancels the handler's task, so its queued
 input leaves the batcher's queue like an HTTP request whose client went away.
 """
@@ -22,15 +23,25 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from artifact.embedding_dtypes import EMBEDDING_DTYPES
+from artifact.embedding_dtypes import quantize
 
 from ..auth import bearer_key_matches
 from ..errors import InvalidInput, ServiceError, Unauthorized
 from ..inference import Computed
-from ..inputs import Truncation, non_empty, sequence, truncation
+from ..inputs import (
+    Truncation,
+    hybrid_outputs,
+    known_embedding_dtype,
+    non_empty,
+    sequence,
+    token_vector_dtype,
+    truncation,
+)
 from ..metrics import Metrics
 from ..runtime import Runtime, model_kind
 from ..settings import Settings
+from . import retrieval_pb2 as rpb
+from . import retrieval_pb2_grpc as rpb_grpc
 from . import tei_pb2 as pb
 from . import tei_pb2_grpc as pb_grpc
 
@@ -52,11 +63,16 @@ STATUS_OF_ERROR_TYPE = {
     "NotFound": grpc.StatusCode.NOT_FOUND,
 }
 MODEL_TYPES = {"classify": pb.MODEL_TYPE_CLASSIFIER, "rerank": pb.MODEL_TYPE_RERANKER}
-SERVICES = ("Info", "Embed", "Predict", "Rerank", "Tokenize")
-SERVICE_NAMES = tuple(pb.DESCRIPTOR.services_by_name[name].full_name for name in SERVICES)
+# each package's generated modules and its services, all served by one servicer
+SERVICES = ((pb, pb_grpc, ("Info", "Embed", "Predict", "Rerank", "Tokenize")),
+            (rpb, rpb_grpc, ("EmbedMulti", "EmbedHybrid")))
+SERVICE_NAMES = tuple(messages.DESCRIPTOR.services_by_name[name].full_name
+                      for messages, _, names in SERVICES for name in names)
+# the API key guards both packages' methods; reflection stays open
+GUARDED_PREFIXES = tuple(f"/{messages.DESCRIPTOR.package}." for messages, _, _ in SERVICES)
 # each method's service, by the method's name (unique across them): a call's span is `tei.v1.Embed/Embed`
-SERVICE_OF_METHOD = {method.name: service.full_name for service in pb.DESCRIPTOR.services_by_name.values()
-                     for method in service.methods}
+SERVICE_OF_METHOD = {method.name: service.full_name for messages, _, _ in SERVICES
+                     for service in messages.DESCRIPTOR.services_by_name.values() for method in service.methods}
 
 
 @dataclass
@@ -169,9 +185,15 @@ def _prompt(request) -> str | None:
     return request.prompt_name if request.HasField("prompt_name") else None
 
 
-class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictServicer, pb_grpc.RerankServicer,
-                  pb_grpc.TokenizeServicer):
-    """Every tei.v1 RPC (their names are unique across the five services), over the HTTP routes' runtime."""
+def _model(request) -> str | None:
+    """bertserve.v1's `model`, as HTTP's: unset, the first model serving the method's task."""
+    return request.model if request.HasField("model") else None
+
+
+class Servicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictServicer, pb_grpc.RerankServicer,
+               pb_grpc.TokenizeServicer, rpb_grpc.EmbedMultiServicer, rpb_grpc.EmbedHybridServicer):
+    """Every tei.v1 and bertserve.v1 RPC (their names are unique across the services), over the HTTP
+    routes' runtime."""
 
     def __init__(self, runtime: Runtime, metrics: Metrics):
         self.runtime, self.metrics = runtime, metrics
@@ -211,9 +233,32 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
         """The request's `embedding_dtype` (not TEI's field), else the server's --embedding-dtype."""
         if not request.HasField("embedding_dtype"):
             return self.runtime.settings.embedding_dtype
-        if request.embedding_dtype not in EMBEDDING_DTYPES:
-            raise InvalidInput(f"embedding_dtype {request.embedding_dtype!r} is none of {', '.join(EMBEDDING_DTYPES)}")
-        return request.embedding_dtype
+        return known_embedding_dtype(request.embedding_dtype)
+
+    async def _embed_multi(self, request) -> rpb.EmbedMultiResponse:
+        """/embed_multi's answer for one input: its token vectors, float32 unless `embedding_dtype` says."""
+        started = time.perf_counter()
+        service = self.runtime.model("embed_multi", _model(request))
+        dtype = token_vector_dtype(request.embedding_dtype if request.HasField("embedding_dtype") else "float32")
+        is_query = request.is_query if request.HasField("is_query") else True  # HTTP's default
+        vectors, computed = await service.embed_multi([_text(request.inputs)], is_query, self._truncation(request))
+        return rpb.EmbedMultiResponse(
+            token_embeddings=[pb.TokenEmbedding(embeddings=row) for row in quantize(vectors[0], dtype)],
+            metadata=_metadata(computed, started), **({"embedding_dtype": dtype} if dtype != "float32" else {}))
+
+    async def _embed_hybrid(self, request) -> rpb.EmbedHybridResponse:
+        """/embed_hybrid's answer for one input: the `outputs` asked for (none named: all three)."""
+        started = time.perf_counter()
+        service = self.runtime.model("embed_hybrid", _model(request))
+        outputs = hybrid_outputs(request.outputs)
+        normalize = request.normalize if request.HasField("normalize") else True
+        answers, computed = await service.embed_hybrid([_text(request.inputs)], outputs, normalize,
+                                                       self._truncation(request), _prompt(request))
+        answer = answers[0]
+        return rpb.EmbedHybridResponse(
+            dense=answer.get("dense", ()), sparse=[pb.SparseValue(**pair) for pair in answer.get("sparse", ())],
+            colbert=[pb.TokenEmbedding(embeddings=row) for row in answer.get("colbert", ())],
+            metadata=_metadata(computed, started))
 
     async def _embed_sparse(self, request) -> pb.EmbedSparseResponse:
         started = time.perf_counter()
@@ -289,17 +334,21 @@ class TeiServicer(pb_grpc.InfoServicer, pb_grpc.EmbedServicer, pb_grpc.PredictSe
     TokenizeStream = _rpc("TokenizeStream", "_tokenize", streams=True)
     Decode = _rpc("Decode", "_decode")
     DecodeStream = _rpc("DecodeStream", "_decode", streams=True)
+    EmbedMulti = _rpc("EmbedMulti", "_embed_multi")
+    EmbedMultiStream = _rpc("EmbedMultiStream", "_embed_multi", streams=True)
+    EmbedHybrid = _rpc("EmbedHybrid", "_embed_hybrid")
+    EmbedHybridStream = _rpc("EmbedHybridStream", "_embed_hybrid", streams=True)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer KEY` metadata on every tei.v1 method (UNAUTHENTICATED otherwise)."""
+    """`authorization: Bearer KEY` metadata on every method of tei.v1 and bertserve.v1 (UNAUTHENTICATED otherwise)."""
 
     def __init__(self, api_key: str, metrics: Metrics):
         self.api_key = api_key.encode()
         self.metrics = metrics
 
     async def intercept_service(self, continuation, details):
-        if not details.method.startswith("/tei.v1."):
+        if not details.method.startswith(GUARDED_PREFIXES):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
         if bearer_key_matches(given.encode(), self.api_key):
@@ -340,14 +389,15 @@ def check_grpc_port(host: str, port: int) -> None:
 
 
 async def start_grpc(settings: Settings, runtime: Runtime, metrics: Metrics) -> grpc.aio.Server:
-    """Serve tei.v1 (and server reflection) on `settings.host:settings.grpc_port`; messages over
+    """Serve tei.v1 and bertserve.v1 (and server reflection) on `settings.host:settings.grpc_port`; messages over
     --payload-limit are refused with RESOURCE_EXHAUSTED, as HTTP bodies over it are with 413."""
     interceptors = [ApiKeyInterceptor(settings.api_key, metrics)] if settings.api_key else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", settings.payload_limit)])
-    servicer = TeiServicer(runtime, metrics)
-    for name in SERVICES:
-        getattr(pb_grpc, f"add_{name}Servicer_to_server")(servicer, server)
+    servicer = Servicer(runtime, metrics)
+    for _, stubs, names in SERVICES:
+        for name in names:
+            getattr(stubs, f"add_{name}Servicer_to_server")(servicer, server)
     reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
     address = f"{settings.host}:{settings.grpc_port}"
     try:
@@ -355,5 +405,5 @@ async def start_grpc(settings: Settings, runtime: Runtime, metrics: Metrics) -> 
     except RuntimeError as exc:
         raise OSError(f"cannot listen for gRPC on {address}: {exc}") from None
     await server.start()
-    log.info("gRPC (tei.v1) listening on %s:%d", settings.host, port)
+    log.info("gRPC (tei.v1, bertserve.v1) listening on %s:%d", settings.host, port)
     return server

@@ -197,7 +197,7 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
     monkeypatch.setattr(decisions, "simulation_for", lambda *_args, **_kwargs: simulations.append(object()) or
                         simulations[-1])
     monkeypatch.setattr(decisions, "plan_for", fake_plan)
-    info = SimpleNamespace(path=Path("model"), max_seq=128)
+    info = SimpleNamespace(path=Path("model"), max_seq=128, tokenizer_file=Path("model") / "tokenizer.json")
     config = SimpleNamespace(model_task="embed", min_cosine=0.999)
     progress = SimpleNamespace(note=lambda text: None)
     without_bf16 = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}

@@ -111,15 +111,23 @@ def minilm_packed_artifact(minilm_dir, tmp_path_factory) -> Path:
 def serve(tmp_path_factory):
     """Start `python -m service` (or `module`) on a free loopback port: a context manager yielding, once /ready
     says 200, a namespace with `url`, `process` and `log` (the server's output file)."""
+    import contextlib
     import itertools
 
-    from loadtest.servers import running_server
+    from loadtest.servers import free_port, running_server
 
     logs = tmp_path_factory.mktemp("server-logs")
     counter = itertools.count()
 
-    def start(artifacts, *args, env=None, ready_headers=None, timeout=180.0, module="service"):
-        return running_server(artifacts, "--log-level", "warning", *args, log_path=logs / f"server-{next(counter)}.log",
-                              env=env, ready_headers=ready_headers, timeout=timeout, module=module)
+    @contextlib.contextmanager
+    def start(artifacts, *args, env=None, ready_headers=None, timeout=180.0, module="service", grpc=False):
+        """`grpc`: also serve gRPC on a free port, reached at the namespace's `grpc` address."""
+        port = free_port() if grpc else None
+        with running_server(artifacts, "--log-level", "warning", *args, *(("--grpc-port", str(port)) if grpc else ()),
+                            log_path=logs / f"server-{next(counter)}.log", env=env, ready_headers=ready_headers,
+                            timeout=timeout, module=module) as running:
+            if grpc:
+                running.grpc = f"127.0.0.1:{port}"
+            yield running
 
     return start

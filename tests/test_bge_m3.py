@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from compile.validate import DRIFT_SENTENCES
-from loadtest.servers import free_port
 from service.grpc_api import retrieval_pb2 as rpb
 from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from service.grpc_api import tei_pb2 as pb
@@ -34,9 +33,7 @@ def m3_dir(tmp_path_factory):
 def server(serve, m3_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bge-m3-artifact") / "tiny-m3"
     compile_artifact(m3_dir, out, ["packed-32"], layout="packed", precision="fp32", generic_shapes=["2x11"])
-    port = free_port()
-    with serve([out], "--max-wait-ms", "20", "--grpc-port", str(port)) as running:
-        running.grpc = f"127.0.0.1:{port}"
+    with serve([out], "--max-wait-ms", "20", grpc=True) as running:
         yield running
 
 

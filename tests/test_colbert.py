@@ -18,7 +18,6 @@ import pytest
 
 from compile.checkpoint import inspect_checkpoint
 from compile.errors import CompileError
-from loadtest.servers import free_port
 from service.grpc_api import retrieval_pb2 as rpb
 from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from tests.support.artifacts import compile_artifact
@@ -43,9 +42,7 @@ def colbert_artifact(colbert_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(serve, colbert_artifact, tiny_embed_artifact):
-    port = free_port()
-    with serve([colbert_artifact, tiny_embed_artifact], "--max-wait-ms", "20", "--grpc-port", str(port)) as running:
-        running.grpc = f"127.0.0.1:{port}"
+    with serve([colbert_artifact, tiny_embed_artifact], "--max-wait-ms", "20", grpc=True) as running:
         yield running
 
 

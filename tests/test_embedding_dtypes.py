@@ -22,7 +22,6 @@ from artifact.embedding_dtypes import l2_normalize, quantize
 from artifact.loader import load_artifact
 from artifact.manifest import Manifest
 from compile.passes.quantize import sentence_rows
-from loadtest.servers import free_port
 from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.support.service import error_of
@@ -78,10 +77,8 @@ def uncalibrated(tiny_embed_artifact, tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(serve, tiny_embed_artifact, tiny_classify_artifact):
     """int8 by default (--embedding-dtype), gRPC beside HTTP."""
-    port = free_port()
     with serve([tiny_embed_artifact, tiny_classify_artifact], "--embedding-dtype", "int8",
-               "--grpc-port", str(port)) as running:
-        running.grpc = f"127.0.0.1:{port}"
+               grpc=True) as running:
         yield running
 
 

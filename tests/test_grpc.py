@@ -46,10 +46,8 @@ def artifacts(tiny_bert_dir, tiny_embed_artifact, tiny_classify_artifact, tmp_pa
 
 @pytest.fixture(scope="module")
 def server(serve, artifacts):
-    port = free_port()
-    with serve(artifacts, "--grpc-port", str(port), "--api-key", KEY, "--payload-limit", str(PAYLOAD_LIMIT),
-               "--max-wait-ms", "20", ready_headers=dict(AUTH)) as running:
-        running.grpc = f"127.0.0.1:{port}"
+    with serve(artifacts, "--api-key", KEY, "--payload-limit", str(PAYLOAD_LIMIT),
+               "--max-wait-ms", "20", ready_headers=dict(AUTH), grpc=True) as running:
         yield running
 
 

@@ -13,7 +13,6 @@ import pytest
 from compile.config import CompileConfig
 from compile.errors import CompileError
 from loadtest.random_checkpoint import copy_tokenizer
-from loadtest.servers import free_port
 from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.support.artifacts import compile_artifact
@@ -55,9 +54,7 @@ def artifacts(checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(serve, artifacts, tiny_embed_artifact):
-    port = free_port()
-    with serve([*artifacts, tiny_embed_artifact], "--grpc-port", str(port), "--max-wait-ms", "20") as running:
-        running.grpc = f"127.0.0.1:{port}"
+    with serve([*artifacts, tiny_embed_artifact], "--max-wait-ms", "20", grpc=True) as running:
         yield running
 
 

@@ -230,12 +230,19 @@ async def metrics(request: Request) -> Response:
     return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+def _model_and_inputs(request: Request, task: str, body):
+    """The model serving `task` (or the one `body` names) and the body's inputs, one per item, within the
+    client batch limit."""
+    service = _runtime(request).model(task, body.model)
+    inputs = one_per_item(body.inputs)
+    service.check_batch_size(len(inputs))
+    return service, inputs
+
+
 @post("/embed")
 async def embed(body: EmbedRequest, request: Request) -> Response:
     started = time.perf_counter()
-    service = _runtime(request).model("embed", body.model)
-    inputs = one_per_item(body.inputs)
-    service.check_batch_size(len(inputs))
+    service, inputs = _model_and_inputs(request, "embed", body)
     vectors, computed = await service.embed(inputs, body.normalize, _truncation(request, body), body.dimensions,
                                             body.prompt_name, _embedding_dtype(request, body))
     return _json(vectors, _headers(service, computed, started))
@@ -247,9 +254,7 @@ async def _per_input(body: EmbedAllRequest, request: Request, task: str) -> Resp
     if body.embedding_dtype not in (None, "float32"):
         raise NotSupported(f"embedding_dtype {body.embedding_dtype}: /{task} answers float32; quantized "
                            f"embeddings are pooled ones, on /embed and /v1/embeddings")
-    service = _runtime(request).model(task, body.model)
-    inputs = one_per_item(body.inputs)
-    service.check_batch_size(len(inputs))
+    service, inputs = _model_and_inputs(request, task, body)
     answer = service.embed_all if task == "embed_all" else service.embed_sparse
     answers, computed = await answer(inputs, _truncation(request, body), body.prompt_name)
     return _json(answers, _headers(service, computed, started))
@@ -266,9 +271,7 @@ async def embed_all(body: EmbedAllRequest, request: Request) -> Response:
 async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
     """Per input, a ColBERT model's token vectors, as PyLate's `encode(is_query=...)` returns them."""
     started = time.perf_counter()
-    service = _runtime(request).model("embed_multi", body.model)
-    inputs = one_per_item(body.inputs)
-    service.check_batch_size(len(inputs))
+    service, inputs = _model_and_inputs(request, "embed_multi", body)
     dtype = token_vector_dtype(body.embedding_dtype)
     vectors, computed = await service.embed_multi(inputs, body.is_query, _truncation(request, body))
     return _json([quantize(rows, dtype) for rows in vectors], _headers(service, computed, started))
@@ -278,9 +281,7 @@ async def embed_multi(body: EmbedMultiRequest, request: Request) -> Response:
 async def embed_hybrid(body: EmbedHybridRequest, request: Request) -> Response:
     """bge-m3: per input, any of its dense vector, lexical weights and ColBERT vectors from one pass."""
     started = time.perf_counter()
-    service = _runtime(request).model("embed_hybrid", body.model)
-    inputs = one_per_item(body.inputs)
-    service.check_batch_size(len(inputs))
+    service, inputs = _model_and_inputs(request, "embed_hybrid", body)
     answers, computed = await service.embed_hybrid(inputs, hybrid_outputs(body.outputs), body.normalize,
                                                    _truncation(request, body), body.prompt_name)
     return _json(answers, _headers(service, computed, started))

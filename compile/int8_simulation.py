@@ -42,6 +42,12 @@ EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
 # passes on 2 cores took ~0.2 ms a token and ~5 ms besides
 FORWARD_COST_TOKENS = 25
 LAYER_CACHE_BYTES = 256 * 2**20  # encoder layers' outputs kept from the plan's passes for later ones
+# PyTorch threads of the simulation's passes. Their operators are small (a length batch of sentences
+# at a time) and the compile builds libraries beside them (compile/workers.py): a second thread waits
+# for the first at each operator's end, spinning on a core a build could use, or descheduled by one,
+# and MiniLM's passes took several times the CPU and wall time on two threads that they took on one,
+# with the same answers.
+SIMULATION_THREADS = 1
 
 
 @dataclass
@@ -168,6 +174,17 @@ def fake_bf16_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     probabilities = kernel_exp(scores - scores.amax(-1, keepdim=True)) * real.transpose(-1, -2)
     context = (_bf16(probabilities) @ _bf16(value)) / probabilities.sum(-1, keepdim=True)
     return context.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def simulation_threads():
+    """PyTorch on `SIMULATION_THREADS` inside the block, as many as before after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(SIMULATION_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _register_attention(name: str, function: Callable) -> None:
@@ -387,7 +404,8 @@ class Simulation:
 
     def _probe(self) -> None:
         """A pass over one sentence, for what its hooks see of the model's structure."""
-        self.wrapper(*(x[:1] for x in self.batches[0]))
+        with simulation_threads():
+            self.wrapper(*(x[:1] for x in self.batches[0]))
 
     def _units(self, names: dict) -> list[Unit]:
         """Group the linears by the input tensor they read in one forward pass (Q, K, V share one)."""
@@ -436,7 +454,7 @@ class Simulation:
 
         self.codes, self.codes_alpha = {}, None  # both follow from the maxima
         self.layer_cache.clear()
-        with torch.no_grad(), self._hooks(record):
+        with torch.no_grad(), self._hooks(record), simulation_threads():
             self.wrapper(*self.rows)
         for unit in self.units:
             unit.activation_max = maxima[unit.modules[0]].numpy()
@@ -471,8 +489,8 @@ class Simulation:
     def run(self, reference: bool = False) -> np.ndarray:
         """The model's outputs on the rows: the fp32 `reference`, or as the int8 library computes them."""
         simulated = self.attention_products in SIMULATED_PRODUCTS and not reference
-        with torch.no_grad(), self._built_linears(), (simulated_attention(self.wrapper, self.attention_products)
-                                                       if simulated else nullcontext()):
+        with torch.no_grad(), simulation_threads(), self._built_linears(), (
+                simulated_attention(self.wrapper, self.attention_products) if simulated else nullcontext()):
             return torch.cat([self.wrapper(*batch).float() for batch in self.batches]).numpy()[self.restore]
 
     def accuracy(self, alpha: float, kept: set[str]) -> dict:

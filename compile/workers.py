@@ -21,6 +21,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that come back
+# Builds yield the cores to the compile's own work beside them (the model's import, the int8 plan's
+# simulation, passes, accuracy), which the next step waits for, and take whatever it leaves idle.
+BUILD_NICENESS = 10
 
 
 class BuildFailed(RuntimeError):
@@ -43,6 +46,7 @@ def _build_in_child(build: Callable[[], None], errors: Connection) -> None:
     ends it at once: the compile's own handler would raise inside TVM)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
+        os.nice(BUILD_NICENESS)
         build()
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
         message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -29,13 +30,25 @@ REPLANS = 2  # times an int8 plan is admitted again after its library missed wha
 log = logging.getLogger(__name__)
 
 
-def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.AttentionChoice:
+def start_attention_builds(config: CompileConfig, plan: Plan,
+                           workers: Workers) -> attention_products.KernelBuilds | None:
+    """The builds of the kernels `choose_attention` times, started in `workers`, to run beside the
+    model's import (None: nothing to time)."""
+    if not plan.chooses_attention:
+        return None
+    return attention_products.start_builds(plan.target, attention_products.Geometry.of(plan.info),
+                                           config.attention_products, plan.measures, workers)
+
+
+def choose_attention(config: CompileConfig, plan: Plan,
+                     builds: attention_products.KernelBuilds | None = None) -> attention_products.AttentionChoice:
     """The arithmetic of attention's products beside bf16 / int8 linears: timed on this CPU where
-    the libraries run here and are validated (as the strategies are), else as asked or the rule."""
+    the libraries run here and are validated (as the strategies are), else as asked or the rule;
+    `builds`: the timed kernels', started before (`start_attention_builds`)."""
     if plan.measures:
         use_all_cores()
     choice = attention_products.choose(plan.target, attention_products.Geometry.of(plan.info),
-                                       config.attention_products, plan.measures)
+                                       config.attention_products, plan.measures, builds)
     log.info("attention products: beside bf16 linears %s; beside int8 linears %s", choice.reasons["bf16"],
              choice.reasons["int8"])
     return choice
@@ -120,14 +133,16 @@ def check_int8_plan(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, i
 
 def checked_int8_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
                            reference: torch.nn.Module, directory: Path, progress: Progress,
-                           workers: Workers) -> Candidate:
-    """The int8 candidate, built and measured (`start_candidate`). Where it misses the gate (or
+                           workers: Workers, meanwhile: Callable[[], object] = lambda: None) -> Candidate:
+    """The int8 candidate, built and measured (`start_candidate`; `meanwhile` runs while its first
+    build is under way: auto's other candidates measured). Where it misses the gate (or
     --min-cosine) that its plan kept in simulation, the simulation was off by more than the plan's
     margin: the plan is admitted again with the margin that library showed it needs
     (`Int8Plan.replanned`) and built again, up to REPLANS times. Returns the last one built (its
     arithmetic holds the last plan)."""
     arithmetic = arithmetic.but(precision="int8")
     candidate = start_candidate(config, plan, arithmetic, imported, reference, directory / "plan-0", workers)
+    meanwhile()
     for attempt in range(1, REPLANS + 1):
         accuracy = candidate.measured()
         if not precision.accuracy_failures("int8", accuracy, config.min_cosine):
@@ -185,8 +200,9 @@ def choose_precision(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, 
     measured, candidates = [], dict(started)
     refused = arithmetic.int8.refusal(config.min_cosine) if "int8" in plan.precision_candidates else None
     if "int8" in plan.precision_candidates and not refused:
-        candidates["int8"] = checked_int8_candidate(config, plan, arithmetic, imported, reference,
-                                                    staging / "precision" / "int8", progress, workers)
+        candidates["int8"] = checked_int8_candidate(
+            config, plan, arithmetic, imported, reference, staging / "precision" / "int8", progress, workers,
+            meanwhile=lambda: [candidate.measured() for candidate in started.values()])
     calls = {}
     for name in plan.precision_candidates:
         if name not in candidates:  # nothing to build: every linear would stay out of int8

@@ -178,3 +178,23 @@ def test_integer_products_are_exact_at_the_int8_bound():
     assert not torch.equal(a @ b.T, exact)  # one fp32 product
     short = (a[:, :384], b[:, :384])
     assert torch.equal(integer_matmul(*short, 255 * weight_max), (short[0].double() @ short[1].double().T).float())
+
+
+def test_the_simulation_runs_on_one_thread_and_gives_the_threads_back(outlier_checkpoint):
+    """Its passes' operators are small and libraries build beside them: PyTorch runs them (and the
+    calibration) on SIMULATION_THREADS, and the compile's own thread count is back after each."""
+    from compile.int8_simulation import SIMULATION_THREADS, Simulation
+
+    wrapper, rows, keys = plan_inputs(outlier_checkpoint)
+    seen, before = [], torch.get_num_threads()
+    handle = wrapper.register_forward_hook(lambda *_args: seen.append(torch.get_num_threads()))
+    try:
+        torch.set_num_threads(2)
+        simulation = Simulation(wrapper, rows, keys, lambda actual, reference: {"actual": actual})
+        simulation.calibrate()
+        simulated = simulation.accuracy(0.5, set())["actual"]
+        assert seen and set(seen) == {SIMULATION_THREADS} and torch.get_num_threads() == 2
+    finally:
+        handle.remove()
+        torch.set_num_threads(before)
+    assert not np.array_equal(simulated, simulation.reference)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from compile.workers import BuildFailed, Workers
+from compile.workers import BUILD_NICENESS, BuildFailed, Workers
 
 
 def _write_pid(path: Path) -> None:
@@ -43,3 +43,12 @@ def test_leaving_the_block_ends_the_builds_still_running():
         workers.submit("stuck", never.wait)
         (running,) = workers.running.values()
     assert not running.process.is_alive() and running.process.exitcode is not None
+
+
+def test_builds_yield_the_cores_to_the_compiles_own_work(tmp_path):
+    """A build runs BUILD_NICENESS below the compile's priority: the work the compile does beside it
+    (the int8 plan's simulation, passes) comes first, and the build takes what it leaves idle."""
+    with Workers(limit=1) as workers:
+        workers.submit("niceness", lambda: (tmp_path / "niceness").write_text(str(os.nice(0))))
+        workers.wait("niceness")
+    assert int((tmp_path / "niceness").read_text()) == min(19, os.nice(0) + BUILD_NICENESS)

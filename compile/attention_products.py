@@ -111,12 +111,11 @@ def refusal(requested: str, capabilities: Capabilities) -> str | None:
     return capabilities.bf16_refusal("--attention-products bf16", "fp32 or auto") if requested == "bf16" else None
 
 
-def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool,
-           builds: "KernelBuilds | None" = None) -> AttentionChoice:
+def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
     """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in each reduced
     arithmetic the CPU runs at the model's head size (when `timed`: the libraries run here), the
     fastest kept per library precision (`decide`), else the CPU's bf16 where it has it, int8 beside
-    int8 linears where not. `builds`: the timed kernels' builds started before (`start_builds`)."""
+    int8 linears where not."""
     capabilities = Capabilities.of(target)
     reduced = capabilities.reduced_products
     if requested == "fp32" or not reduced:
@@ -136,7 +135,7 @@ def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed:
                     for linears, allowed in BESIDE.items()}
         return AttentionChoice(products, requested, {linears: f"{p}: {why}" if p != "fp32" else
                                                      "fp32: no bf16 products here" for linears, p in products.items()})
-    return decide(_time_kernels(target, geometry, ("fp32", *candidates), builds))
+    return decide(_time_kernels(target, geometry, ("fp32", *candidates)))
 
 
 def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
@@ -158,53 +157,24 @@ def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
     return AttentionChoice(products, "auto", reasons, times_ms)
 
 
-def timed_products(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> tuple[str, ...]:
-    """The kernels `choose` times ("fp32" first), or () where it times none."""
-    candidates = Capabilities.of(target).attention_products(geometry.head_size)
-    return ("fp32", *candidates) if timed and requested == "auto" and candidates else ()
-
-
-class KernelBuilds:
-    """The builds of the kernels `choose` times, started in `workers` ahead of their timing, so that
-    they run while the compile does work that times nothing (the model's import); `times` waits for
-    every build (nothing else may run while it times) and times them."""
-
-    def __init__(self, target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...],
-                 workers: Workers):
-        self.workers = workers
-        self.scratch = tempfile.TemporaryDirectory(prefix="bert-attention-")
-        self.paths = {products: Path(self.scratch.name) / f"attention-{products}.so" for products in candidates}
-        for products, path in self.paths.items():
-            workers.submit(str(path), functools.partial(build_kernel, target, geometry, products, path))
-
-    def times(self, geometry: Geometry) -> dict[str, dict[str, float]]:
-        """Median ms of each kernel per timed length, interleaved, on an otherwise idle machine."""
-        with self.scratch:
-            self.workers.idle()
-            kernels = {products: _TimedKernel(path, geometry) for products, path in self.paths.items()}
-            times = {products: {} for products in kernels}
-            for seq in sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS}):
-                calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
-                for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
-                    times[products][f"1x{seq}"] = round(stats["median_s"] * 1e3, 4)
-            return times
-
-
-def start_builds(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool,
-                 workers: Workers) -> KernelBuilds | None:
-    """The builds of the kernels `choose` will time, started in `workers` (None: it times none)."""
-    candidates = timed_products(target, geometry, requested, timed)
-    return KernelBuilds(target, geometry, candidates, workers) if candidates else None
-
-
-def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...],
-                  builds: KernelBuilds | None = None) -> dict[str, dict[str, float]]:
-    """Median ms of each candidate's kernel per timed length (`builds`: theirs, started before; else
-    the kernels built at once here, compile/workers.py), timed once every build is done."""
-    if builds is not None:
-        return builds.times(geometry)
-    with Workers() as workers:
-        return KernelBuilds(target, geometry, candidates, workers).times(geometry)
+def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...]
+                  ) -> dict[str, dict[str, float]]:
+    """Median ms of each candidate's kernel per timed length, interleaved; the kernels built at once
+    (compile/workers.py), then timed once every build is done."""
+    seqs = sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS})
+    times = {products: {} for products in candidates}
+    with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch:
+        paths = {products: Path(scratch) / f"attention-{products}.so" for products in candidates}
+        with Workers() as workers:
+            for products, path in paths.items():
+                workers.submit(products, functools.partial(build_kernel, target, geometry, products, path))
+            workers.idle()
+        kernels = {products: _TimedKernel(path, geometry) for products, path in paths.items()}
+        for seq in seqs:
+            calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
+            for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
+                times[products][f"1x{seq}"] = round(stats["median_s"] * 1e3, 4)
+    return times
 
 
 def _geometric_mean(times: dict[str, float]) -> float:

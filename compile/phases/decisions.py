@@ -30,25 +30,13 @@ REPLANS = 2  # times an int8 plan is admitted again after its library missed wha
 log = logging.getLogger(__name__)
 
 
-def start_attention_builds(config: CompileConfig, plan: Plan,
-                           workers: Workers) -> attention_products.KernelBuilds | None:
-    """The builds of the kernels `choose_attention` times, started in `workers`, to run beside the
-    model's import (None: nothing to time)."""
-    if not plan.chooses_attention:
-        return None
-    return attention_products.start_builds(plan.target, attention_products.Geometry.of(plan.info),
-                                           config.attention_products, plan.measures, workers)
-
-
-def choose_attention(config: CompileConfig, plan: Plan,
-                     builds: attention_products.KernelBuilds | None = None) -> attention_products.AttentionChoice:
+def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.AttentionChoice:
     """The arithmetic of attention's products beside bf16 / int8 linears: timed on this CPU where
-    the libraries run here and are validated (as the strategies are), else as asked or the rule;
-    `builds`: the timed kernels', started before (`start_attention_builds`)."""
+    the libraries run here and are validated (as the strategies are), else as asked or the rule."""
     if plan.measures:
         use_all_cores()
     choice = attention_products.choose(plan.target, attention_products.Geometry.of(plan.info),
-                                       config.attention_products, plan.measures, builds)
+                                       config.attention_products, plan.measures)
     log.info("attention products: beside bf16 linears %s; beside int8 linears %s", choice.reasons["bf16"],
              choice.reasons["int8"])
     return choice

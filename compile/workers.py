@@ -11,6 +11,7 @@ timings, which decide precisions and strategies, are taken on an otherwise idle 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -21,8 +22,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Callable
 
 MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that come back
-# Builds yield the cores to the compile's own work beside them (the model's import, the int8 plan's
-# simulation, passes, accuracy), which the next step waits for, and take whatever it leaves idle.
+# A build the compile's own work runs beside (the int8 plan's simulation beside auto's candidates),
+# which the next step waits for, yields the cores to it and takes whatever it leaves idle. Builds the
+# compile only waits for keep their priority (niced, they would yield to other tenants).
 BUILD_NICENESS = 10
 
 
@@ -41,12 +43,13 @@ class _Running:
     started: float
 
 
-def _build_in_child(build: Callable[[], None], errors: Connection) -> None:
+def _build_in_child(build: Callable[[], None], errors: Connection, niceness: int) -> None:
     """A child's work: `build`, its failure sent back as one message with its traceback (a SIGTERM
     ends it at once: the compile's own handler would raise inside TVM)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        os.nice(BUILD_NICENESS)
+        if niceness:
+            os.nice(niceness)
         build()
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
         message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
@@ -66,6 +69,7 @@ class Workers:
         self.running: dict[str, _Running] = {}
         self.seconds: dict[str, float] = {}  # finished builds
         self.failures: dict[str, str] = {}
+        self.niceness = 0  # of the builds submitted now (`beside_the_compile`)
         self._context = multiprocessing.get_context("fork")
 
     def __enter__(self) -> "Workers":
@@ -79,6 +83,16 @@ class Workers:
             running.errors.close()
         self.running.clear()
 
+    @contextlib.contextmanager
+    def beside_the_compile(self):
+        """Builds submitted inside the block run BUILD_NICENESS below the compile's priority: it works
+        beside them."""
+        self.niceness = BUILD_NICENESS
+        try:
+            yield
+        finally:
+            self.niceness = 0
+
     def submit(self, name: str, build: Callable[[], None]) -> None:
         """Start `build` (writing one library) in a child as soon as fewer than `limit` run."""
         if name in self.running or name in self.seconds:
@@ -86,7 +100,7 @@ class Workers:
         while len(self.running) >= self.limit:
             self._reap(block=True)
         receiver, sender = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=_build_in_child, args=(build, sender), name=f"build {name}",
+        process = self._context.Process(target=_build_in_child, args=(build, sender, self.niceness), name=f"build {name}",
                                         daemon=True)
         process.start()
         sender.close()

@@ -95,7 +95,8 @@ def start_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, i
     variants = transform(config, plan, arithmetic, imported, (strategy,))
     weights = {strategy: save_weights(directory, strategy, variants.models[strategy])}
     builder = LibraryBuilder(config, plan, arithmetic, directory, variants.models, weights, reference, workers)
-    library = builder.start("generic", unshaped, [], plan.generic_shapes, static=False).libraries[strategy]
+    with workers.beside_the_compile():  # the int8 plan's simulation, or auto's measuring, runs beside it
+        library = builder.start("generic", unshaped, [], plan.generic_shapes, static=False).libraries[strategy]
     return Candidate(arithmetic, builder, variants, weights, directory, library, strategy)
 
 

@@ -45,10 +45,16 @@ def test_leaving_the_block_ends_the_builds_still_running():
     assert not running.process.is_alive() and running.process.exitcode is not None
 
 
-def test_builds_yield_the_cores_to_the_compiles_own_work(tmp_path):
-    """A build runs BUILD_NICENESS below the compile's priority: the work the compile does beside it
-    (the int8 plan's simulation, passes) comes first, and the build takes what it leaves idle."""
+def test_a_build_beside_the_compiles_own_work_yields_the_cores_to_it(tmp_path):
+    """A build submitted `beside_the_compile` runs BUILD_NICENESS below the compile's priority (the int8
+    plan's simulation beside it comes first); one the compile only waits for keeps its priority."""
+    def write_niceness(name: str) -> None:
+        (tmp_path / name).write_text(str(os.nice(0)))
+
     with Workers(limit=1) as workers:
-        workers.submit("niceness", lambda: (tmp_path / "niceness").write_text(str(os.nice(0))))
-        workers.wait("niceness")
-    assert int((tmp_path / "niceness").read_text()) == min(19, os.nice(0) + BUILD_NICENESS)
+        with workers.beside_the_compile():
+            workers.submit("beside", lambda: write_niceness("beside"))
+        workers.submit("waited", lambda: write_niceness("waited"))
+        workers.wait("beside", "waited")
+    assert int((tmp_path / "beside").read_text()) == min(19, os.nice(0) + BUILD_NICENESS)
+    assert int((tmp_path / "waited").read_text()) == os.nice(0)

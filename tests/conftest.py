@@ -80,6 +80,12 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return save_planted_checkpoint(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
+@pytest.fixture(scope="session")
+def unseen_checkpoint(tmp_path_factory) -> Path:
+    """A tiny embedder whose outlier channels fire only on tokens that no shipped sentence holds."""
+    return save_planted_checkpoint(tmp_path_factory.mktemp("unseen"), "unseen")
+
+
 # The session's artifacts are compiled once per run, not once per worker: read-only, shared by every file.
 @pytest.fixture(scope="session")
 def tiny_embed_artifact(tiny_bert_dir, tmp_path_factory) -> Path:

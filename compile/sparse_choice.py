@@ -85,7 +85,7 @@ def _simulated(name: str, precision: str, x: np.ndarray, weight: np.ndarray) -> 
     storage = storage_of(name)
     if storage == "tir":
         return (x.astype(np.float32) @ weight.T).astype(np.float64)
-    rows = _rows_u8(x) if storage == "vnni" else x
+    rows = _rows_u8(x) if storage in bsr.QUANTISED else x
     return rows @ bsr.stored_weight(storage, weight).astype(np.float64).T
 
 

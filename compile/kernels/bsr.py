@@ -5,13 +5,15 @@ Storages, each a `Storage`:
   f32    fp32 blocks, fp32 FMA (the seed's kernel, register-tiled);
   bf16w  bf16 blocks widened in the register, fp32 FMA (half the bytes streamed; activations stay fp32);
   i8w    int8 blocks (per output row scales, applied on write-back), fp32 FMA (a quarter of the bytes);
-  vnni   16 x 4 int8 blocks x the tile's activations quantised per row onto u8 with a zero point, `vpdpbusd`.
+  vnni   16 x 4 int8 blocks x the tile's activations quantised per row onto u8 with a zero point, `vpdpbusd`;
+  vnni_gather  16 x 1 int8 blocks taken in fours of any k, the same activations a k per line, `vpdpbusd`.
 
 Block shapes without padding: the FMA storages widen a block column of R rows into R / lanes vectors, so any
 R that is 1, 2 or 4 vectors and any C run as they are (16x1, 32x1, 16x4 on AVX-512; 8x1, 16x1, 32x1 on AVX2).
-`vpdpbusd` sums 4 consecutive k of a row in one int32 lane: its block is 16 x 4 (one zmm); a weight pruned in
-16 x 1 blocks is regrouped into the 16 x 4 blocks that hold any of its non-zeros, zeros included (its cost:
-the 16 x 4 density, a quarter of the instructions per stored block). `vdpbf16ps` would pair 2 k: bf16
+`vpdpbusd` sums 4 k of a row in one int32 lane: vnni's block is 16 x 4 (one zmm), 4 consecutive k; a weight
+pruned in 16 x 1 blocks runs there as the 16 x 4 blocks that hold any of its non-zeros, zeros included (at 10%
+density, about a third of them), or on vnni_gather, which packs each block row's 16 x 1 blocks in fours and
+interleaves the four k's activation lines in the register (no zeros multiplied; 8 shuffles a four). `vdpbf16ps` would pair 2 k: bf16
 activations would then round too, so bf16 blocks are widened instead and keep fp32 activations.
 
 A call prepares each tile of activation rows once (transposed, or vnni: quantised), then runs tasks of (row
@@ -52,7 +54,11 @@ STORAGES = {
     "bf16w": Storage("bf16w", "uint16", False, "bf16 blocks widened to fp32, fp32 FMA"),
     "i8w": Storage("i8w", "int8", True, "int8 blocks (per-row scales) widened to fp32, fp32 FMA"),
     "vnni": Storage("vnni", "int8", True, "16x4 int8 blocks x per-row u8 activations, vpdpbusd"),
+    "vnni_gather": Storage("vnni_gather", "int8", True,
+                           "16x1 int8 blocks in fours of any k x per-row u8 activations, vpdpbusd"),
 }
+QUANTISED = frozenset({"vnni", "vnni_gather"})  # the storages whose kernels quantise the activations
+GATHER_BLOCK = (16, 1)
 
 FMA_OBJECTS = {
     16: CObject("bsr.c", frozenset({f"bert_bsr_{s}_v16" for s in ("rows", "f32", "bf16w", "i8w")}),
@@ -60,19 +66,22 @@ FMA_OBJECTS = {
     8: CObject("bsr.c", frozenset({f"bert_bsr_{s}_v8" for s in ("rows", "f32", "bf16w", "i8w")}),
                ("-mavx2", "-mfma"), (("BERT_LANES", 8),), "v8"),
 }
-VNNI_OBJECT = CObject("bsr.c", frozenset({"bert_bsr_vnni_rows_v16", "bert_bsr_vnni_v16"}),
+VNNI_OBJECT = CObject("bsr.c", frozenset({f"bert_bsr_{s}_v16" for s in
+                                           ("vnni_rows", "vnni", "vnni_gather_rows", "vnni_gather")}),
                       ("-mavx512f", "-mavx512bw", "-mavx512vnni"), (("BERT_LANES", 16), ("BERT_BSR_VNNI", 1)), "vnni")
 OBJECTS = (*FMA_OBJECTS.values(), VNNI_OBJECT)
 
 
 def symbol(storage: str, lanes: int) -> str:
-    return f"bert_bsr_{storage}_v{16 if storage == 'vnni' else lanes}"
+    return f"bert_bsr_{storage}_v{16 if storage in QUANTISED else lanes}"
 
 
 def fits(storage: str, block: tuple[int, int], lanes: int, vnni: bool, k: int, n: int) -> bool:
     """Whether `storage`'s kernel runs a weight [n, k] of `block`s on a CPU of `lanes` (and VNNI)."""
     if storage == "vnni":
         return vnni and lanes == 16 and k % VNNI_BLOCK[1] == 0 and n % VNNI_BLOCK[0] == 0
+    if storage == "vnni_gather":
+        return vnni and lanes == 16 and tuple(block) == GATHER_BLOCK and k % 16 == 0 and n % 16 == 0
     return lanes in ACCUMULATORS and block[0] % lanes == 0 and block[0] // lanes in (1, 2, 4)
 
 
@@ -83,7 +92,7 @@ def block_of(storage: str, block: tuple[int, int]) -> tuple[int, int]:
 
 def tile_rows(storage: str, block: tuple[int, int], lanes: int) -> int:
     """Activation rows per task (c/bsr.c's TILE_<RV>)."""
-    return VNNI_TILE if storage == "vnni" else ACCUMULATORS[lanes] // (block[0] // lanes)
+    return VNNI_TILE if storage in QUANTISED else ACCUMULATORS[lanes] // (block[0] // lanes)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -128,7 +137,7 @@ def row_scales(weight: np.ndarray) -> np.ndarray:
 
 
 def quantized(weight: np.ndarray) -> np.ndarray:
-    """W in int8 codes of `row_scales` (what i8w and vnni store)."""
+    """W in int8 codes of `row_scales` (what i8w and the vnni storages store)."""
     return np.clip(np.rint(weight / row_scales(weight)[:, None]), -127, 127).astype(np.int8)
 
 
@@ -136,30 +145,50 @@ def stored_weight(storage: str, weight: np.ndarray) -> np.ndarray:
     """The fp32 weight `storage`'s blocks hold (its rounding): what its kernel multiplies by."""
     if storage == "bf16w":
         return (_round_bf16(weight).astype(np.uint32) << 16).view(np.float32)
-    if storage in ("i8w", "vnni"):
+    if STORAGES[storage].scaled:
         return quantized(weight).astype(np.float32) * row_scales(weight)[:, None]
     return weight.astype(np.float32)
 
 
 def pack(storage: str, weight: np.ndarray, block: tuple[int, int]) -> dict[str, np.ndarray]:
     """The kernel's arrays for `weight` [N, K], in its argument order: blocks (fp32 storages: [nnz, C, R],
-    a block column contiguous; vnni: [nnz, 16, 4], a row's 4 k in one int32 lane), per-row scales,
-    per-row sums of the stored codes (vnni), each block's first k, and the block rows' starts."""
+    a block column contiguous; vnni: [nnz, 16, 4], a row's 4 k in one int32 lane; vnni_gather: [fours, 16, 4]),
+    per-row scales, per-row sums of the stored codes (vnni storages), each block's first k (vnni_gather: each
+    four's 4 k), and the block rows' starts."""
     rows, cols = block_of(storage, block)
-    values = quantized(weight) if storage in ("i8w", "vnni") else weight.astype(np.float32)
+    values = quantized(weight) if STORAGES[storage].scaled else weight.astype(np.float32)
     data, indices, indptr = to_bsr(values, (rows, cols))
-    if storage != "vnni":
+    if storage == "vnni_gather":
+        data, indices, indptr = _in_fours(data, indices, indptr)
+    elif storage != "vnni":
         data = data.transpose(0, 2, 1)
     if storage == "bf16w":
         data = _round_bf16(data)
     arrays = {"data": np.ascontiguousarray(data)}
     if STORAGES[storage].scaled:
         arrays["scales"] = row_scales(weight)
-    if storage == "vnni":
+    if storage in QUANTISED:
         arrays["colsum"] = values.astype(np.int32).sum(axis=1).astype(np.int32)
-    arrays["offsets"] = (indices * cols).astype(np.int32)
+    arrays["offsets"] = (indices.reshape(-1) * cols).astype(np.int32)
     arrays["indptr"] = indptr
     return arrays
+
+
+def _in_fours(data: np.ndarray, indices: np.ndarray, indptr: np.ndarray) -> tuple[np.ndarray, ...]:
+    """16 x 1 blocks [nnz, 16, 1] as fours [fours, 16, 4] per block row (the last four of a row padded with zero
+    blocks at its first block's k), with each four's 4 block columns [fours, 4] and the rows' first fours."""
+    fours, columns, starts = [], [], [0]
+    for br in range(len(indptr) - 1):
+        first, last = int(indptr[br]), int(indptr[br + 1])
+        count = -(-(last - first) // 4) * 4
+        blocks = np.zeros((count, 16), data.dtype)
+        blocks[:last - first] = data[first:last, :, 0]
+        at = np.full(count, indices[first] if last > first else 0, np.int32)
+        at[:last - first] = indices[first:last]
+        fours.append(blocks.reshape(-1, 4, 16).transpose(0, 2, 1))
+        columns.append(at.reshape(-1, 4))
+        starts.append(starts[-1] + count // 4)
+    return np.concatenate(fours), np.concatenate(columns), np.asarray(starts, np.int32)
 
 
 # ----------------------------------------------------------------------------- the kernel
@@ -171,7 +200,7 @@ def bsr_kernel(storage: str, m, k: int, n: int, arrays: dict[str, np.ndarray], b
     Two parallel loops: each tile of rows prepared once (transposed; vnni: quantised), then the tasks (the C
     routines take sizes and indices as int32: c/bsr.c says why)."""
     block = block_of(storage, block)
-    obj = VNNI_OBJECT if storage == "vnni" else FMA_OBJECTS[lanes]
+    obj = VNNI_OBJECT if storage in QUANTISED else FMA_OBJECTS[lanes]
     load_in_process(obj.build())  # the compile times the kernels it builds in this process
     i64 = lambda value: tirx.IntImm("int64", value)  # noqa: E731
     M = i64(m) if isinstance(m, int) else m
@@ -182,7 +211,7 @@ def bsr_kernel(storage: str, m, k: int, n: int, arrays: dict[str, np.ndarray], b
     scales_shape = (i64(len(arrays["scales"])),) if "scales" in arrays else (i64(1),)
     colsum_shape = (i64(len(arrays["colsum"])),) if "colsum" in arrays else (i64(1),)
     nnz, starts = i64(len(arrays["offsets"])), i64(len(arrays["indptr"]))
-    quantised = storage == "vnni"
+    quantised = storage in QUANTISED
     rows_per_tile = TILE * K // i64(4) if quantised else TILE * K  # u8 codes in fours, or fp32
     TILES = (M + TILE - i64(1)) // TILE
     CHUNKS = tirx.max(i64(1), tirx.min(BLOCK_ROWS, (i64(TASKS) + TILES - i64(1)) // TILES))
@@ -211,8 +240,8 @@ def bsr_kernel(storage: str, m, k: int, n: int, arrays: dict[str, np.ndarray], b
 def _rows_call(storage, lanes, block, rows, scales_at, tile_rows_total, x, m, k, tile):
     """The first loop's C routine: one tile of rows transposed (or, vnni, quantised: codes, then each row's
     scale and zero point after `scales_at` words)."""
-    if storage == "vnni":
-        return T.call_extern("int32", "bert_bsr_vnni_rows_v16", rows.access_ptr("w"),
+    if storage in QUANTISED:
+        return T.call_extern("int32", f"bert_bsr_{storage}_rows_v16", rows.access_ptr("w"),
                              rows.access_ptr("w", offset=scales_at), rows.access_ptr("w", offset=scales_at + tile_rows_total),
                              x.access_ptr("r"), m, k, tile)
     return T.call_extern("int32", f"bert_bsr_rows_v{lanes}", rows.access_ptr("w"), x.access_ptr("r"), m, k,
@@ -223,14 +252,14 @@ def _call(name, storage, block, out, rows, scales_at, tile_rows_total, m, k, n, 
           indptr, tile, chunk, chunks):
     """The second loop's C routine: its pointer and size arguments in c/bsr.c's order."""
     args = [out.access_ptr("w"), rows.access_ptr("r")]
-    if storage == "vnni":
+    if storage in QUANTISED:
         args += [rows.access_ptr("r", offset=scales_at), rows.access_ptr("r", offset=scales_at + tile_rows_total)]
     args += [m, k, n, data.access_ptr("r")]
     if STORAGES[storage].scaled:
         args.append(scales.access_ptr("r"))
-    if storage == "vnni":
+    if storage in QUANTISED:
         args.append(colsum.access_ptr("r"))
     args += [offsets.access_ptr("r"), indptr.access_ptr("r")]
-    if storage != "vnni":
+    if storage not in QUANTISED:
         args += [tirx.IntImm("int64", block[0]), tirx.IntImm("int64", block[1])]
     return T.call_extern("int32", name, *args, tile, chunk, chunks)

@@ -10,7 +10,8 @@
      bf16w bf16 weights widened to fp32 in the register (a shift), fp32 FMA: half the bytes streamed;
      i8w   int8 weights widened and scaled per output row on write-back, fp32 FMA: a quarter of them;
      vnni  (zmm, AVX512_VNNI, 16 x 4 blocks only) int8 weights x the tile's activations quantised per row
-           onto u8 with a zero point, `vpdpbusd` (4 k values per int32 lane: a 16 x 4 block is one zmm).
+           onto u8 with a zero point, `vpdpbusd` (4 k values per int32 lane: a 16 x 4 block is one zmm);
+     vnni_gather (zmm, AVX512_VNNI, 16 x 1 blocks) the same, a block row's blocks in fours of any k.
    Which one a weight gets is timed and gated by the compile (compile/passes/sparsity.py).
 
    Sizes and indices arrive as int32: TVM narrows the int64 indices of loops of a constant extent to int32
@@ -236,6 +237,22 @@ int32_t bert_bsr_vnni_rows_v16(uint32_t *xq, float *xs, int32_t *xz, const float
   return 0;
 }
 
+/* y[row0 + t][br * 16 + r] for the tile's rows: the int32 sums less each row's zero point times the stored
+   codes' sum, scaled by the weight row's and the activation row's scales. */
+static inline void write_back(float *out, int64_t n, int64_t row0, int64_t rows, int64_t br, const __m512i *acc,
+                              const float *scales, const int32_t *colsum, const float *xs, const int32_t *xz) {
+  const __m512 sw = _mm512_loadu_ps(scales + br * 16);
+  const __m512i sums = _mm512_loadu_si512(colsum + br * 16);
+#pragma GCC unroll 16
+  for (int t = 0; t < VNNI_TILE; ++t) {
+    if (t < rows) {
+      __m512i exact = _mm512_sub_epi32(acc[t], _mm512_mullo_epi32(sums, _mm512_set1_epi32(xz[t])));
+      __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sw, _mm512_set1_ps(xs[t])));
+      _mm512_storeu_ps(out + (row0 + t) * n + br * 16, y);
+    }
+  }
+}
+
 /* data: [nnz][16][4] int8 (lane r: the block's 4 weights of output row r); colsum[N]: each row's sum of
    its stored int8 weights (for the zero point); scales[N] per output row. */
 int32_t bert_bsr_vnni_v16(float *out, const uint32_t *xq, const float *xs_all, const int32_t *xz_all, int32_t m,
@@ -262,16 +279,106 @@ int32_t bert_bsr_vnni_v16(float *out, const uint32_t *xq, const float *xs_all, c
       for (int t = 0; t < VNNI_TILE; ++t)
         acc[t] = _mm512_dpbusd_epi32(acc[t], _mm512_set1_epi32((int32_t)column[t]), w);
     }
-    const __m512 sw = _mm512_loadu_ps(scales + br * 16);
-    const __m512i sums = _mm512_loadu_si512(colsum + br * 16);
-#pragma GCC unroll 16
-    for (int t = 0; t < VNNI_TILE; ++t) {
-      if (t < rows) {
-        __m512i exact = _mm512_sub_epi32(acc[t], _mm512_mullo_epi32(sums, _mm512_set1_epi32(xz[t])));
-        __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sw, _mm512_set1_ps(xs[t])));
-        _mm512_storeu_ps(out + (row0 + t) * n + br * 16, y);
-      }
+    write_back(out, n, row0, rows, br, acc, scales, colsum, xs, xz);
+  }
+  return 0;
+}
+
+/* vnni_gather: a weight pruned in 16 x 1 blocks, each block row's blocks taken in fours whatever their k
+   (the last four padded with zero blocks): a four is one zmm (lane r: output row r's 4 weights), its 4 k
+   in `offsets`. The tile's activations are quantised as for vnni but stored a k per 16-byte line (the 16
+   rows' codes of that k), so a four's activations are 4 line loads interleaved into 16 rows' quads: 8
+   shuffles per 16 `vpdpbusd`, where FMA kernels spend 64 FMAs on the same four blocks. */
+
+/* 16 rows of 16 bytes transposed in place: four rounds of pairing row i with row i + 8. */
+static inline void transpose_16x16(__m128i r[16]) {
+#pragma GCC unroll 4
+  for (int round = 0; round < 4; ++round) {
+    __m128i t[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm_unpacklo_epi8(r[i], r[i + 8]);
+      t[2 * i + 1] = _mm_unpackhi_epi8(r[i], r[i + 8]);
     }
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) r[i] = t[i];
+  }
+}
+
+/* The first loop: tile `tile_index` of x[M][K] (K a multiple of 16) quantised onto u8 as vnni's rows, stored
+   as K lines of the 16 rows' codes (K * 16 bytes per tile). */
+int32_t bert_bsr_vnni_gather_rows_v16(uint8_t *xq, float *xs_all, int32_t *xz_all, const float *x, int32_t m,
+                                      int32_t k, int32_t tile_index) {
+  const int64_t row0 = tile_index * VNNI_TILE, rows = m - row0 < VNNI_TILE ? m - row0 : VNNI_TILE;
+  uint8_t *tile_q = xq + tile_index * (int64_t)k * VNNI_TILE;
+  float *xs = xs_all + tile_index * VNNI_TILE;
+  int32_t *xz = xz_all + tile_index * VNNI_TILE;
+  const float *xr[VNNI_TILE];
+  for (int64_t row = 0; row < VNNI_TILE; ++row) {
+    xr[row] = x + (row0 + (row < rows ? row : 0)) * k;
+    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < k; kk += 16) {
+      const __m512 v = _mm512_loadu_ps(xr[row] + kk);
+      lo = _mm512_min_ps(lo, v);
+      hi = _mm512_max_ps(hi, v);
+    }
+    const float l = _mm512_reduce_min_ps(lo), h = _mm512_reduce_max_ps(hi);
+    const float s = h > l ? (h - l) / 255.0f : 1.0f;
+    xs[row] = s;
+    xz[row] = _mm_cvtss_si32(_mm_set_ss(-l / s)); /* rounded to nearest */
+  }
+  const __m512i low = _mm512_setzero_si512(), high = _mm512_set1_epi32(255);
+  for (int64_t kc = 0; kc < k; kc += 16) {
+    __m128i lines[VNNI_TILE];
+#pragma GCC unroll 16
+    for (int row = 0; row < VNNI_TILE; ++row) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(xr[row] + kc), _mm512_set1_ps(xs[row])));
+      q = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(xz[row])), low), high);
+      lines[row] = _mm512_cvtepi32_epi8(q);
+    }
+    transpose_16x16(lines);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) _mm_storeu_si128((__m128i *)(tile_q + (kc + i) * VNNI_TILE), lines[i]);
+  }
+  return 0;
+}
+
+/* data: [fours][16][4] int8; offsets: [fours][4], each block's k; indptr: each block row's first four. */
+int32_t bert_bsr_vnni_gather_v16(float *out, const uint8_t *xq, const float *xs_all, const int32_t *xz_all,
+                                 int32_t m, int32_t k, int32_t n, const int8_t *data, const float *scales,
+                                 const int32_t *colsum, const int32_t *offsets, const int32_t *indptr,
+                                 int32_t tile_index, int32_t chunk, int32_t chunks) {
+  const int64_t block_rows = n / 16, row0 = tile_index * VNNI_TILE;
+  const int64_t rows = m - row0 < VNNI_TILE ? m - row0 : VNNI_TILE;
+  const int64_t per_chunk = (block_rows + chunks - 1) / chunks, br0 = chunk * per_chunk;
+  const int64_t br1 = br0 + per_chunk < block_rows ? br0 + per_chunk : block_rows;
+  if (rows <= 0 || br0 >= br1) return 0;
+  const uint8_t *tile_q = xq + tile_index * (int64_t)k * VNNI_TILE;
+  const float *xs = xs_all + tile_index * VNNI_TILE;
+  const int32_t *xz = xz_all + tile_index * VNNI_TILE;
+  uint32_t quads[VNNI_TILE] __attribute__((aligned(64)));
+  for (int64_t br = br0; br < br1; ++br) {
+    __m512i acc[VNNI_TILE];
+#pragma GCC unroll 16
+    for (int t = 0; t < VNNI_TILE; ++t) acc[t] = _mm512_setzero_si512();
+    for (int64_t j = indptr[br]; j < indptr[br + 1]; ++j) {
+      _mm_prefetch((const char *)(data + (j + PREFETCH_BLOCKS) * 64), _MM_HINT_T0);
+      const int32_t *at = offsets + 4 * j;
+      const __m128i l0 = _mm_loadu_si128((const __m128i *)(tile_q + (int64_t)at[0] * VNNI_TILE));
+      const __m128i l1 = _mm_loadu_si128((const __m128i *)(tile_q + (int64_t)at[1] * VNNI_TILE));
+      const __m128i l2 = _mm_loadu_si128((const __m128i *)(tile_q + (int64_t)at[2] * VNNI_TILE));
+      const __m128i l3 = _mm_loadu_si128((const __m128i *)(tile_q + (int64_t)at[3] * VNNI_TILE));
+      const __m128i a_lo = _mm_unpacklo_epi8(l0, l1), a_hi = _mm_unpackhi_epi8(l0, l1);
+      const __m128i b_lo = _mm_unpacklo_epi8(l2, l3), b_hi = _mm_unpackhi_epi8(l2, l3);
+      _mm_store_si128((__m128i *)quads, _mm_unpacklo_epi16(a_lo, b_lo));
+      _mm_store_si128((__m128i *)quads + 1, _mm_unpackhi_epi16(a_lo, b_lo));
+      _mm_store_si128((__m128i *)quads + 2, _mm_unpacklo_epi16(a_hi, b_hi));
+      _mm_store_si128((__m128i *)quads + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+      const __m512i w = _mm512_loadu_si512(data + j * 64);
+#pragma GCC unroll 16
+      for (int t = 0; t < VNNI_TILE; ++t) acc[t] = _mm512_dpbusd_epi32(acc[t], _mm512_set1_epi32((int32_t)quads[t]), w);
+    }
+    write_back(out, n, row0, rows, br, acc, scales, colsum, xs, xz);
   }
   return 0;
 }

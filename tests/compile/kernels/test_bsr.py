@@ -60,15 +60,17 @@ def test_fma_kernels_compute_the_stored_weights_product(storage, target, block):
 
 
 @pytest.mark.requires("avx512_vnni")
-@pytest.mark.parametrize("block", [(16, 1), (16, 4)])
-def test_vnni_kernel_matches_per_row_u8_activations(block):
-    """vpdpbusd on 16 x 4 blocks (a 16 x 1 weight regrouped): the product of the rows as u8 codes with a zero
-    point (taken out exactly with the rows' code sums) and the int8 weights."""
+@pytest.mark.parametrize("storage,block", [("vnni", (16, 1)), ("vnni", (16, 4)), ("vnni_gather", (16, 1))],
+                         ids=["vnni-16x1", "vnni-16x4", "vnni_gather-16x1"])
+def test_vnni_kernels_match_per_row_u8_activations(storage, block):
+    """vpdpbusd on 16 x 4 blocks (a 16 x 1 weight regrouped), or on 16 x 1 blocks in fours of any k: the
+    product of the rows as u8 codes with a zero point (taken out exactly with the rows' code sums) and the
+    int8 weights. 20% density leaves block rows whose count is no multiple of four (padded fours)."""
     from compile.sparse_choice import _rows_u8
 
     weight = _weight(64, 48, block)
-    for x, out in _run("vnni", weight, block, VNNI, [1, 16, 19]):
-        want = _rows_u8(x.astype(np.float64)) @ bsr.stored_weight("vnni", weight).T
+    for x, out in _run(storage, weight, block, VNNI, [1, 16, 19]):
+        want = _rows_u8(x.astype(np.float64)) @ bsr.stored_weight(storage, weight).T
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
         exact = x @ weight.T
         assert np.linalg.norm(out - exact) / np.linalg.norm(exact) < 0.02
@@ -79,7 +81,7 @@ def test_a_constant_row_count_reaches_the_c_routines_intact():
     """A bucket's M is a constant: TVM then counts the loops in int32 and passes their indices so, some of
     them on the stack (the vnni routines take 7 and 15 arguments); the routines read them as int32."""
     weight = _weight(64, 48, (16, 1))
-    for storage in ("f32", "vnni"):
+    for storage in ("f32", "vnni", "vnni_gather"):
         ((x, out),) = _run(storage, weight, (16, 1), VNNI, [40], constant=True)
         want = x @ bsr.stored_weight(storage, weight).T
         assert np.abs(out - want).max() <= (1e-5 if storage == "f32" else 0.02) * np.abs(want).max()
@@ -89,6 +91,8 @@ def test_candidates_are_the_storages_the_cpu_runs_without_padding():
     """Each storage whose C kernel takes the block as it is, then the TIR kernel, which takes any."""
     assert candidates((96, 40), (16, 1), V4) == [DENSE, "bsr-f32", "bsr-bf16w", "bsr-i8w", TIR]
     assert candidates((96, 40), (16, 1), VNNI)[-2] == "bsr-vnni"  # 16 x 1 blocks regrouped into 16 x 4
+    assert candidates((96, 48), (16, 1), VNNI)[-3:] == ["bsr-vnni", "bsr-vnni_gather", TIR]  # K in 16s: fours
+    assert "bsr-vnni_gather" not in candidates((96, 48), (16, 4), VNNI)
     assert candidates((96, 40), (8, 1), V4) == [DENSE, TIR]  # half a zmm
     assert candidates((96, 42), (16, 1), VNNI)[-2] == "bsr-i8w"  # K not a multiple of vpdpbusd's 4
     assert untimed(candidates((96, 40), (8, 1), V4)) == TIR and untimed(candidates((96, 40), (16, 1), V4)) == "bsr-f32"

@@ -100,6 +100,13 @@ def tiny_classify_artifact(tiny_classifier_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_tokens_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT with `pooling none` (every token's final hidden state, /embed_all), padded."""
+    return shared_directory(tmp_path_factory, "tokens-padded",
+                            lambda out: compile_artifact(tiny_bert_dir, out, ["1x8", "4x16"], pooling="none"))
+
+
+@pytest.fixture(scope="session")
 def minilm_artifact(minilm_dir, tmp_path_factory) -> Path:
     """The real all-MiniLM-L6-v2, compiled for this CPU with two small buckets."""
     return shared_directory(tmp_path_factory, "minilm", lambda out: compile_artifact(

@@ -36,7 +36,7 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
     from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
-                                   generic_shapes=["3x20"])
+                                   attention_products="fp32", generic_shapes=["3x20"])
     quantization = manifest.quantization
     assert quantization.linears == 8 and quantization.smoothed == 8 and quantization.smoothing_alpha > 0
     assert quantization.cosine_min > 0.9999 and quantization.worst_sentence is not None

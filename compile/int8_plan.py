@@ -1,5 +1,6 @@
 """Which linears int8 quantizes, how each is smoothed, and which stay in a higher precision:
-decided by measurement on the shipped sentences, before anything is built.
+decided by measurement on the shipped sentences (and an embedder's random token rows:
+passes/quantize.py's `accuracy_rows`), before anything is built.
 
 Each measurement is a pass of the int8 simulation (int8_simulation.py: the PyTorch model with the
 chosen linears computed as the int8 library computes them, ~0.2 s on MiniLM), so the plan can afford:
@@ -33,8 +34,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -46,6 +46,9 @@ from .int8_simulation import SIMULATION_TOLERANCE, Simulation
 from .kernels import int8
 from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules
+
+if TYPE_CHECKING:
+    from .checkpoint import CheckpointInfo
 
 ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)  # 0: no smoothing
 log = logging.getLogger(__name__)
@@ -251,16 +254,17 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
     return "bf16" if Capabilities.of(target).bf16 and bf16_pays is not False else "fp32"
 
 
-def simulation_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, tokenizer_file: Path,
-                   max_seq: int, task: str, bf16_pays: bool | None = None) -> Simulation:
-    """The int8 simulation of an imported model for `target`'s int8 kernel over the shipped sentences,
-    against the fp32 `reference`, calibrated; units left out of int8 run in `kept_precision`. Every plan
+def simulation_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, info: CheckpointInfo,
+                   task: str, bf16_pays: bool | None = None) -> Simulation:
+    """The int8 simulation of an imported model for `target`'s int8 kernel over the rows a precision is
+    measured on (`accuracy_rows`: the shipped sentences, and an embedder's random token rows), against
+    the fp32 `reference`, calibrated on them; units left out of int8 run in `kept_precision`. Every plan
     of the model measures with it (`plan_for`), whatever attention's products."""
-    from .passes.quantize import classifier_agreement, embedding_agreement, sentence_rows
+    from .passes.quantize import accuracy_rows, classifier_agreement, embedding_agreement
 
     kernel = Capabilities.of(target).int8_kernel
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    simulation = Simulation(reference, sentence_rows(tokenizer_file, max_seq), quantizable_modules(mod, kernel),
+    simulation = Simulation(reference, accuracy_rows(info, task), quantizable_modules(mod, kernel),
                             agreement, kernel.int16_pairs, kept_precision(target, bf16_pays))
     simulation.calibrate()
     return simulation

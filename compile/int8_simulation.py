@@ -363,7 +363,7 @@ def _nbytes(outputs: list) -> int:
 
 class Simulation:
     """The fp32 model with chosen units int8-simulated, and the units kept out of int8 in
-    `fallback_precision` (fp32 or bf16), run on the shipped sentence rows; with attention's
+    `fallback_precision` (fp32 or bf16), run on the rows a precision is measured on (`accuracy_rows`); with attention's
     products in `attention_products` (fp32, or simulated: SIMULATED_PRODUCTS)."""
 
     def __init__(self, wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_keys: set[str],
@@ -438,7 +438,7 @@ class Simulation:
         self.layer_cache.clear()
 
     def calibrate(self) -> None:
-        """Each unit's largest |activation| per input channel over the sentences (real tokens only:
+        """Each unit's largest |activation| per input channel over the rows (real tokens only:
         padding rows are not an input the model is asked about), taken in one batch of the rows as
         given: the maxima set the smoothing the library is built with, and batches of other shapes
         round them otherwise in the last bit (MiniLM in length batches: 366 of 5,760 scales an ulp

@@ -3,10 +3,11 @@ choice among measured candidates (what a target runs: capabilities.py).
 
 `--precision auto` builds every precision the target's CPU runs, measures each one's answers
 against the PyTorch fp32 model on the shipped sentences (compile/sentences.py, one-word queries to
-long passages) and its time per call, and ships the fastest one that keeps its gate, and
-`--min-cosine` where given (a less accurate one only when faster by `PRECISION_MARGIN`). fp32 is
-the reference's own arithmetic and always qualifies, so auto never ships less accuracy than a
-gate allows, whatever a candidate's speed.
+long passages; an embedder's also on random token rows: passes/quantize.py's `accuracy_rows`) and
+its time per call, and ships the fastest one that keeps its gate, and `--min-cosine` where given (a
+less accurate one only when faster by `PRECISION_MARGIN`). fp32 is the reference's own arithmetic
+and always qualifies, so auto never ships less accuracy than a gate allows, whatever a candidate's
+speed.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """`python -m loadtest.plan_fidelity --artifacts DIR`: how closely an int8 artifact's library loses
-what its compile's int8 plan simulated, sentence by sentence on the shipped sentences.
+what its compile's int8 plan simulated, row by row on the rows the plan measured (the shipped sentences
+and random token rows: `accuracy_rows`).
 
 The plan (compile/int8_plan.py) admits linear groups to int8 while its simulation
 (compile/int8_simulation.py) keeps the accuracy floor, with `SIMULATION_TOLERANCE` of the simulated
@@ -31,7 +32,7 @@ def _losses(actual: np.ndarray, reference: np.ndarray) -> np.ndarray:
 
 
 def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Per shipped sentence, (the generic library's loss, its plan's simulated loss) of an int8 embedding
+    """Per row the plan measured, (the generic library's loss, its plan's simulated loss) of an int8 embedding
     artifact, both against the fp32 PyTorch model of the checkpoint it was compiled from."""
     import tvm
 
@@ -41,7 +42,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
     from compile.importer import export_and_import
     from compile.int8_plan import quantizable_modules
     from compile.int8_simulation import Simulation
-    from compile.passes.quantize import sentence_rows
+    from compile.passes.quantize import accuracy_rows
 
     model = load_artifact(directory)
     manifest, quantization = model.manifest, model.manifest.quantization
@@ -53,7 +54,7 @@ def library_and_simulated_losses(directory: Path) -> tuple[np.ndarray, np.ndarra
     imported = export_and_import(wrapper, manifest.generic.max_batch, info.max_seq, manifest.model.vocab_size)
     kept = {unit.unit: unit.precision for unit in quantization.kept}
     attention = manifest.precision.attention
-    rows = sentence_rows(info.tokenizer_file, info.max_seq)
+    rows = accuracy_rows(info, "embed")  # the plan's calibration and gate
     simulation = Simulation(wrapper, rows, quantizable_modules(imported.mod, kernel),
                             lambda actual, reference: {"actual": actual},
                             kernel.int16_pairs, next(iter(kept.values()), "fp32"),
@@ -76,10 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     ratios = built / simulated
-    print(f"{args.artifacts.name}, {len(built)} shipped sentences, loss = 1 - cosine to the fp32 model\n")
+    print(f"{args.artifacts.name}, {len(built)} rows (shipped sentences, random token rows), "
+          "loss = 1 - cosine to the fp32 model\n")
     print("| | library | simulation | library / simulation |\n|---|---|---|---|")
     print(f"| least cosine's loss | {built.max():.4g} | {simulated.max():.4g} | {built.max() / simulated.max():.3f} |")
-    print(f"| each sentence's loss / simulated | | | {ratios.min():.3f}-{ratios.max():.3f} "
+    print(f"| each row's loss / simulated | | | {ratios.min():.3f}-{ratios.max():.3f} "
           f"(median {np.median(ratios):.3f}) |")
     print(f"\nCPU: {line(describe())}")
     return 0

@@ -80,6 +80,12 @@ def cancelling_checkpoint(tmp_path_factory) -> Path:
     return save_planted_checkpoint(tmp_path_factory.mktemp("cancelling"), "cancelling")
 
 
+@pytest.fixture(scope="session")
+def unseen_checkpoint(tmp_path_factory) -> Path:
+    """A tiny embedder whose outlier channels fire only on tokens that no shipped sentence holds."""
+    return save_planted_checkpoint(tmp_path_factory.mktemp("unseen"), "unseen")
+
+
 # The session's artifacts are compiled once per run, not once per worker: read-only, shared by every file.
 @pytest.fixture(scope="session")
 def tiny_embed_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
@@ -91,6 +97,13 @@ def tiny_embed_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
 def tiny_classify_artifact(tiny_classifier_dir, tmp_path_factory) -> Path:
     return shared_directory(tmp_path_factory, "tiny-classify",
                             lambda out: compile_artifact(tiny_classifier_dir, out, ["1x8", "4x16"], task="classify"))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokens_artifact(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT with `pooling none` (every token's final hidden state, /embed_all), padded."""
+    return shared_directory(tmp_path_factory, "tokens-padded",
+                            lambda out: compile_artifact(tiny_bert_dir, out, ["1x8", "4x16"], pooling="none"))
 
 
 @pytest.fixture(scope="session")

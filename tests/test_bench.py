@@ -16,6 +16,8 @@ from loadtest import int8_accuracy, kernel_profile, memory, strategy_table
 from loadtest.bench import bert_flops, disagreements, main
 from tests.support.artifacts import TINY_LATENCIES, compile_artifact, with_latencies
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 
 def test_bench_reports_every_backend_and_its_agreement(tiny_embed_artifact, tmp_path, capsys):
     out, artifact = tmp_path / "bench", with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES)

@@ -7,8 +7,6 @@ compared with those routes."""
 
 from __future__ import annotations
 
-import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -18,6 +16,7 @@ from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from service.grpc_api import tei_pb2 as pb
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import save_tiny_bge_m3
+from tests.support.service import assert_grpc_refuses, grpc_channel, http_client
 
 # unseen words come out as <unk>, which the lexical weights leave out; one repeated word keeps its largest weight
 TEXTS = ["The cat sleeps on the warm windowsill.", "zebra quartz", "a man is playing a guitar, a man.",
@@ -37,16 +36,8 @@ def server(serve, m3_dir, tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    with grpc.insecure_channel(server.grpc) as channel:
-        yield channel
+client = pytest.fixture(scope="module", name="client")(http_client)
+channel = pytest.fixture(scope="module", name="channel")(grpc_channel)
 
 
 @pytest.fixture(scope="module")
@@ -148,9 +139,7 @@ def test_grpc_embed_hybrid_truncates_and_refuses_as_http(client, channel):
                  "lexical"),
                 (rpb.EmbedHybridRequest(inputs=""), {"inputs": ""}, "empty"))
     for request, body, says in refusals:
-        with pytest.raises(grpc.RpcError) as refused:
-            hybrid(request)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
+        assert_grpc_refuses(hybrid, request, says)
         assert 400 <= client.post("/embed_hybrid", json=body).status_code < 500
     metrics = client.get("/metrics").text
     assert 'endpoint="grpc EmbedHybrid",status="INVALID_ARGUMENT"' in metrics

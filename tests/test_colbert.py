@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 
-import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -22,6 +20,7 @@ from service.grpc_api import retrieval_pb2 as rpb
 from service.grpc_api import retrieval_pb2_grpc as rpb_grpc
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import COLBERT_SETTINGS, save_tiny_colbert
+from tests.support.service import assert_grpc_refuses, grpc_channel, http_client
 
 QUERIES = ["hello", "what is the capital of france?"]
 DOCUMENTS = ["Paris is the capital of France, and its largest city!",
@@ -46,16 +45,8 @@ def server(serve, colbert_artifact, tiny_embed_artifact):
         yield running
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def channel(server):
-    with grpc.insecure_channel(server.grpc) as channel:
-        yield channel
+client = pytest.fixture(scope="module", name="client")(http_client)
+channel = pytest.fixture(scope="module", name="channel")(grpc_channel)
 
 
 @pytest.fixture(scope="module")
@@ -218,20 +209,13 @@ def test_grpc_embed_multi_quantizes_and_refuses_as_http(client, channel, embed_m
             (rpb.EmbedMultiRequest(inputs="hello", embedding_dtype="int4"), "int4", 422),
             (rpb.EmbedMultiRequest(inputs="hello", model="tiny-embed"), "projection", 400),
             (rpb.EmbedMultiRequest(inputs=""), "empty", 422)):
-        with pytest.raises(grpc.RpcError) as refused:
-            embed_multi.EmbedMulti(request)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and says in refused.value.details()
+        assert_grpc_refuses(embed_multi.EmbedMulti, request, says)
         body = {"inputs": request.inputs, **({"embedding_dtype": request.embedding_dtype}
                                              if request.HasField("embedding_dtype") else {}),
                 **({"model": request.model} if request.HasField("model") else {})}
         assert client.post("/embed_multi", json=body).status_code == http_status
-    with pytest.raises(grpc.RpcError) as unknown:
-        embed_multi.EmbedMulti(rpb.EmbedMultiRequest(inputs="hello", model="nope"))
-    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
-    with pytest.raises(grpc.RpcError) as in_stream:  # a bad message fails its stream
-        list(embed_multi.EmbedMultiStream(iter([rpb.EmbedMultiRequest(inputs="ok"), rpb.EmbedMultiRequest(inputs="")])))
-    assert in_stream.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    with pytest.raises(grpc.RpcError) as not_m3:
-        rpb_grpc.EmbedHybridStub(channel).EmbedHybrid(rpb.EmbedHybridRequest(inputs="hello"))
-    assert not_m3.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bge-m3" in not_m3.value.details()
+    assert_grpc_refuses(embed_multi.EmbedMulti, rpb.EmbedMultiRequest(inputs="hello", model="nope"), code="NOT_FOUND")
+    assert_grpc_refuses(lambda requests: list(embed_multi.EmbedMultiStream(iter(requests))),  # a bad message fails
+                        [rpb.EmbedMultiRequest(inputs="ok"), rpb.EmbedMultiRequest(inputs="")])  # its stream
+    assert_grpc_refuses(rpb_grpc.EmbedHybridStub(channel).EmbedHybrid, rpb.EmbedHybridRequest(inputs="hello"), "bge-m3")
     assert client.post("/embed_hybrid", json={"inputs": "hello"}).status_code == 400

@@ -14,11 +14,10 @@ TEXTS = ["hello", "the quick brown fox jumps over the lazy dog", "a b c d e f g 
 
 
 @pytest.fixture(scope="module")
-def token_artifacts(tiny_bert_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("token-artifacts")
-    compile_artifact(tiny_bert_dir, root / "tokens-padded", ["1x8", "4x16"], pooling="none")
-    compile_artifact(tiny_bert_dir, root / "tokens-packed", ["packed-16"], pooling="none", layout="packed")
-    return root / "tokens-padded", root / "tokens-packed"
+def token_artifacts(tiny_bert_dir, tiny_tokens_artifact, tmp_path_factory):
+    packed = tmp_path_factory.mktemp("token-artifacts") / "tokens-packed"
+    compile_artifact(tiny_bert_dir, packed, ["packed-16"], pooling="none", layout="packed")
+    return tiny_tokens_artifact, packed
 
 
 @pytest.fixture(scope="module")

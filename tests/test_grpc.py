@@ -22,6 +22,7 @@ from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import tiny_config
+from tests.support.service import grpc_channel
 
 KEY = "grpc-secret"
 AUTH = (("authorization", f"Bearer {KEY}"),)
@@ -30,7 +31,7 @@ PAYLOAD_LIMIT = 20_000
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_bert_dir, tiny_embed_artifact, tiny_classify_artifact, tmp_path_factory):
+def artifacts(tiny_embed_artifact, tiny_classify_artifact, tiny_tokens_artifact, tmp_path_factory):
     import torch
     from transformers import BertForSequenceClassification
 
@@ -40,8 +41,7 @@ def artifacts(tiny_bert_dir, tiny_embed_artifact, tiny_classify_artifact, tmp_pa
                                   ).save_pretrained(root / "reranker-checkpoint")
     copy_tokenizer(root / "reranker-checkpoint")
     compile_artifact(root / "reranker-checkpoint", root / "reranker", ["2x16"], task="rerank", generic_shapes=["3x20"])
-    compile_artifact(tiny_bert_dir, root / "tokens", ["2x16"], pooling="none", generic_shapes=["3x20"])
-    return [tiny_embed_artifact, tiny_classify_artifact, root / "reranker", root / "tokens"]
+    return [tiny_embed_artifact, tiny_classify_artifact, root / "reranker", tiny_tokens_artifact]
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +57,7 @@ def http(server):
         yield client
 
 
-@pytest.fixture(scope="module")
-def channel(server):
-    with grpc.insecure_channel(server.grpc) as channel:
-        yield channel
+channel = pytest.fixture(scope="module", name="channel")(grpc_channel)
 
 
 def stubs(channel):

@@ -9,7 +9,6 @@ import tvm
 from artifact.loader import load_artifact
 from artifact.manifest import Manifest
 from compile.checkpoint import example_inputs
-from tests.support.artifacts import compile_artifact
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -36,41 +35,48 @@ def test_minilm_padding_to_a_bucket_does_not_change_embeddings(minilm_artifact):
     np.testing.assert_allclose(bucketed.output, unpadded, atol=1e-5)
 
 
-CUDA_BUCKETS = [(1, 16), (8, 128), (32, 128), (64, 512)]  # configs/cuda.yaml's
+CUDA_BUCKETS = ["1x16", "8x128", "32x128", "64x512"]  # configs/cuda.yaml's
 
 
-# fp16 with CUDA graphs (the tensor-core path) at the config's largest bucket: the smaller ones
-# build as the fp32 run shows
-@pytest.mark.parametrize("flags,buckets", [(["--dtype", "float32"], CUDA_BUCKETS),
-                                           (["--dtype", "float16", "--cuda-graph", "--buckets", "64x512"],
-                                            CUDA_BUCKETS[-1:])])
-def test_cuda_config_compiles_every_bucket_without_a_gpu(flags, buckets, tmp_path):
-    """configs/cuda.yaml as shipped: every bucket and the generic library, in fp32, and in fp16
-    with CUDA graphs; `auto` builds only concat when there is no GPU to time on."""
+def _compile_cuda_config(out: Path, *flags: str) -> Manifest:
+    """configs/cuda.yaml with `flags` on top, through the CLI, on a machine without a GPU: `auto` builds
+    only concat (there is no GPU to time on), each bucket's library and the generic one."""
     from compile.cli import main
 
-    out = tmp_path / "cuda"
     assert main(["--config", str(REPO / "configs" / "cuda.yaml"), *flags, "--strategy", "auto", "--quiet",
                  "--out", str(out)]) == 0
     manifest = Manifest.read(out)
     assert manifest.target.kind == "cuda" and manifest.target.cuda_arch == "sm_90"
-    assert manifest.dtype == flags[1] and manifest.target.cuda_graph == ("--cuda-graph" in flags)
-    assert [(b.batch, b.seq) for b in manifest.buckets] == buckets
     assert {b.strategy for b in manifest.buckets} == {"concat"} and list(manifest.weights) == ["concat"]
     for entry in [*manifest.buckets, manifest.generic]:
         assert (out / entry.library).stat().st_size > 0
     assert manifest.validated == tvm.cuda(0).exist
+    return manifest
 
 
-def test_cuda_float16_with_cuda_graphs_compiles_without_a_gpu(tiny_bert_dir, tmp_path):
+def test_cuda_config_compiles_in_float32_without_a_gpu(tmp_path):
+    """configs/cuda.yaml as shipped lists its four buckets; in fp32 its smallest bucket and the generic
+    library build (the other buckets differ from it in their static sizes only; the largest is built in
+    fp16 below)."""
+    from compile.config import load_config
+
+    assert load_config(REPO / "configs" / "cuda.yaml", {}).buckets == CUDA_BUCKETS
+    manifest = _compile_cuda_config(tmp_path / "cuda", "--dtype", "float32", "--buckets", CUDA_BUCKETS[0])
+    assert manifest.dtype == "float32" and not manifest.target.cuda_graph
+    assert [f"{b.batch}x{b.seq}" for b in manifest.buckets] == CUDA_BUCKETS[:1]
+
+
+def test_cuda_float16_with_cuda_graphs_compiles_without_a_gpu(tmp_path):
+    """fp16 with CUDA graphs (the tensor-core path) at the config's largest bucket: every matmul weight
+    ships in half precision, biases and layer norms in float32, checked to fp16's tolerance."""
     from safetensors.numpy import load_file
 
     out = tmp_path / "cuda-fp16"
-    manifest, _ = compile_artifact(tiny_bert_dir, out, ["2x8"], target="cuda", dtype="float16", cuda_graph=True)
+    manifest = _compile_cuda_config(out, "--dtype", "float16", "--cuda-graph", "--buckets", CUDA_BUCKETS[-1])
     assert manifest.dtype == "float16" and manifest.target.cuda_graph
+    assert [f"{b.batch}x{b.seq}" for b in manifest.buckets] == CUDA_BUCKETS[-1:]
     assert manifest.tolerance == 2e-2
     weights = load_file(str(out / manifest.weights["concat"].file))
     half = [w for w in weights.values() if w.dtype.name == "float16"]
-    assert len(half) == 2 * 4  # every matmul weight (QKV, attention out, FFN in/out) of both layers
+    assert len(half) == 6 * 4  # every matmul weight (QKV, attention out, FFN in/out) of the six layers
     assert all(w.ndim == 2 for w in half)  # biases and layer norms stay float32 (ToMixedPrecision)
-    assert (out / manifest.buckets[0].library).stat().st_size > 0

@@ -32,6 +32,8 @@ from service.ray_serve import APP_NAME, DEFAULT_CONFIG, ConfigError, deploy, loa
 from service.settings import Settings
 from service.tokenization import TextTokenizer
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
 TEXTS = [" ".join(WORDS[offset:offset + length]) for offset, length in
          [(0, 3), (2, 9), (4, 5), (1, 12), (6, 2), (3, 7), (0, 14), (5, 4), (8, 6), (7, 1)]]

@@ -6,7 +6,6 @@ packed and padded, served on POST /embed_sparse (and gRPC EmbedSparse) equal to
 from __future__ import annotations
 
 import grpc
-import httpx
 import numpy as np
 import pytest
 
@@ -17,7 +16,7 @@ from service.grpc_api import tei_pb2 as pb
 from service.grpc_api import tei_pb2_grpc as pb_grpc
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import tiny_config
-from tests.support.service import error_of
+from tests.support.service import error_of, http_client
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -58,10 +57,7 @@ def server(serve, artifacts, tiny_embed_artifact):
         yield running
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        yield client
+client = pytest.fixture(scope="module", name="client")(http_client)
 
 
 def encoded(checkpoint) -> np.ndarray:

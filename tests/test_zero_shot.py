@@ -18,6 +18,8 @@ from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import save_tiny_nli
 from tests.support.service import error_of
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 LABELS = {"bert": ["contradiction", "neutral", "entailment"],
           "roberta": ["ENTAILMENT", "neutral", "contradiction"]}  # entailment first: contradiction is the last class
 MAX_SEQ = 64  # both checkpoints' positions

@@ -48,8 +48,8 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     stay only where every linear group keeps its int8 beside them (a kept linear costs more than they
     save); else fp32 products, and the plan keeps out what the gate needs."""
     attention = arithmetic.attention
-    simulation = simulation_for(imported.mod, plan.target, reference, plan.info.tokenizer_file,
-                                plan.info.max_seq, config.model_task, bf16_pays=attention.bf16_pays)
+    simulation = simulation_for(imported.mod, plan.target, reference, plan.info, config.model_task,
+                                bf16_pays=attention.bf16_pays)
 
     def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
         return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, keep_out=keep_out)
@@ -78,7 +78,7 @@ class Candidate:
     directory: Path
     library: str
     strategy: str
-    accuracy: dict | None = None  # against the fp32 model on the shipped sentences, once measured
+    accuracy: dict | None = None  # against the fp32 model on `accuracy_rows`, once measured
 
     def measured(self) -> dict:
         if self.accuracy is None:
@@ -176,7 +176,7 @@ def choose_precision(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, 
                      reference: torch.nn.Module, staging: Path, progress: Progress, workers: Workers,
                      started: dict[str, Candidate]) -> tuple[Arithmetic, PrecisionEntry, Candidate | None]:
     """`--precision auto`: the generic library in every precision the target runs (`started`: those
-    built already, `start_candidates`), each measured against the fp32 model on the shipped sentences,
+    built already, `start_candidates`), each measured against the fp32 model on `accuracy_rows`,
     timed (interleaved, at a few shapes, on an idle machine), and the fastest that passes its gate and
     `min_cosine` kept (compile/precision.py). Where the libraries cannot run here, nothing can be
     measured and fp32 ships. Returns the arithmetic with the chosen precision, auto's record of the

@@ -256,23 +256,23 @@ class LibraryBuilder:
             measured.update({todo[key]: ms for key, ms in budgeted_medians_ms(calls).items()})
         return {w: round(ms, 4) for w, ms in measured.items()}
 
-    def sentence_outputs(self, library: str, strategy: str) -> np.ndarray:
-        """A generic library's outputs on the shipped sentences, a row per sentence."""
-        rows = self._sentence_rows()
+    def row_outputs(self, library: str, strategy: str, rows: tuple[np.ndarray, ...] | None = None) -> np.ndarray:
+        """A generic library's outputs on `rows` (`sentence_rows`' inputs; the shipped sentences unless
+        given), an output row per input row."""
+        info = self.plan.info
+        rows = sentence_rows(info.tokenizer_file, info.max_seq) if rows is None else rows
         runner = self.runner(library, strategy)
         step = self.config.max_batch  # the generic library's bound
         chunks = [tuple(x[i:i + step] for x in rows) for i in range(0, len(rows[0]), step)]
         return np.concatenate([runner(*library_inputs(self.layout, chunk, chunk[0].shape[1])) for chunk in chunks])
 
-    def _sentence_rows(self) -> tuple[np.ndarray, ...]:
-        info = self.plan.info
-        return sentence_rows(info.tokenizer_file, info.max_seq)
-
     def agreement(self, library: str, strategy: str) -> dict:
-        """A library against the fp32 wrapper on the shipped sentences: cosine (min, mean) of each
+        """A library against the fp32 wrapper on the rows a precision is measured on (`accuracy_rows`:
+        the shipped sentences, and an embedder's random token rows): cosine (min, mean) of each
         embedding, or a classifier's top-1 agreement and largest probability difference."""
-        actual = self.sentence_outputs(library, strategy)
-        expected = reference_outputs(self.wrapper, self._sentence_rows())
+        rows = quantize.accuracy_rows(self.plan.info, self.config.model_task)
+        actual = self.row_outputs(library, strategy, rows)
+        expected = reference_outputs(self.wrapper, rows)
         if self.config.model_task == "classify":
             return quantize.classifier_agreement(actual, expected)
         return quantize.embedding_agreement(actual, expected)
@@ -310,7 +310,7 @@ class LibraryBuilder:
         the shipped sentences (a pooled embedding model whose libraries run here; else None)."""
         if not (self.validate and self.config.task == "embed" and not self.config.token_outputs):
             return None
-        return calibration_ranges(self.sentence_outputs(generic.library, generic.strategy))
+        return calibration_ranges(self.row_outputs(generic.library, generic.strategy))
 
     def _check(self, record: BuildRecord, shape: AnyBucket, seed: int) -> float | None:
         if not self.validate:

@@ -26,6 +26,8 @@ from compile.workers import Workers
 from tests.support.kernels import attention_heads, key_padding_bias
 from tests.support.tvm_run import run
 
+pytestmark = pytest.mark.slow  # collected first: see conftest.py
+
 HOST = make_target("cpu")
 HOST_REDUCED = Capabilities.of(HOST).reduced_products  # ("int8",) where the CPU has AVX2 only
 HOST_ROUNDED = next((products for products in HOST_REDUCED if products != "int8"), None)  # bf16 / amx

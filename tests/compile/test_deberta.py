@@ -22,6 +22,7 @@ from compile.validate import DRIFT_SENTENCES
 from service.tokenization import TextTokenizer
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import TINY_LABELS, scale_layer_norms
+from tests.support.families import assert_wrappers_compute_what_transformers_does, transformers_output
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -93,38 +94,16 @@ def _batch(directory: Path, task: str):
     return tokenizer(*inputs, padding=True, truncation=True, max_length=MAX_SEQ, return_tensors="pt")
 
 
-def _expected(directory: Path, task: str, batch) -> np.ndarray:
-    from transformers import AutoModel, AutoModelForSequenceClassification
-
-    with torch.no_grad():
-        if task == "classify":
-            return AutoModelForSequenceClassification.from_pretrained(directory).eval()(**batch).logits.numpy()
-        hidden = AutoModel.from_pretrained(directory).eval()(**batch).last_hidden_state
-        mask = batch["attention_mask"][..., None]
-        return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
-
-
 @pytest.mark.parametrize("task", ["embed", "classify"])
 def test_wrappers_compute_what_transformers_does(checkpoints, task):
     """The padded wrapper equals the transformers model (classify: on pairs, through its ContextPooler); the
     packed wrapper, whose disentangled terms are each sequence's own, equals the padded one."""
-    from artifact.packed_batch import pack_batch
-    from compile.packed_model import PackedBertWrapper
-
     directory = checkpoints[task]
     info = inspect_checkpoint(directory, task)
     assert info.max_seq == MAX_SEQ and info.pooling == ("mean" if task == "embed" else "none")
-    wrapper = load_wrapper(info, task)
     batch = _batch(directory, task)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    assert ids.shape[1] == MAX_SEQ
-    types = batch.get("token_type_ids", torch.zeros_like(ids))
-    with torch.no_grad():
-        got = wrapper(ids, mask, types, torch.arange(ids.shape[1]).expand_as(ids))
-        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
-            ids.numpy(), mask.numpy(), types.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
-    np.testing.assert_allclose(got.numpy(), _expected(directory, task, batch), atol=1e-5)
-    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
+    assert batch["input_ids"].shape[1] == MAX_SEQ
+    assert_wrappers_compute_what_transformers_does(load_wrapper(info, task), directory, task, batch)
 
 
 def test_the_spm_model_is_served_as_transformers_tokenizes(checkpoints):
@@ -150,7 +129,7 @@ def test_compiled_packed_embedder_matches_transformers(checkpoints, tmp_path):
     assert manifest.passes.strategies["concat"].attention_fused == 2  # one fused kernel per layer
     batch = _batch(directory, "embed")
     served = load_artifact(tmp_path / "artifact").run(batch["input_ids"].numpy(), batch["attention_mask"].numpy()).output
-    expected = _expected(directory, "embed", batch)
+    expected = transformers_output(directory, "embed", batch).numpy()
     cosines = np.sum(served * expected, 1) / np.linalg.norm(served, axis=1) / np.linalg.norm(expected, axis=1)
     assert cosines.min() >= 0.9999
     np.testing.assert_allclose(served, expected, atol=1e-4)

@@ -18,6 +18,7 @@ from compile.errors import CompileError
 from compile.validate import DRIFT_SENTENCES
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import MAX_SEQ, TINY_LABELS, family_config, family_tokenizer
+from tests.support.families import assert_wrappers_compute_what_transformers_does
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -67,29 +68,13 @@ def checkpoints(tmp_path_factory) -> dict[tuple[str, str], Path]:
 def test_wrappers_compute_what_transformers_does(checkpoints, family, task):
     """The padded wrapper (positions from 0, the family's offset inside) equals the transformers model
     fed as transformers feeds it; the packed wrapper equals the padded one."""
-    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
-
-    from artifact.packed_batch import pack_batch
-    from compile.packed_model import PackedBertWrapper
+    from transformers import AutoTokenizer
 
     directory = checkpoints[family, task]
     info = inspect_checkpoint(directory, task)
     assert info.max_seq == MAX_SEQ and info.hidden_size == 32
-    wrapper = load_wrapper(info, task)
     batch = AutoTokenizer.from_pretrained(directory)(QUERIES + SENTENCES[:3], padding=True, return_tensors="pt")
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    with torch.no_grad():
-        got = wrapper(ids, mask, torch.zeros_like(ids), torch.arange(ids.shape[1]).expand_as(ids))
-        if task == "classify":
-            expected = AutoModelForSequenceClassification.from_pretrained(
-                directory, attn_implementation="eager").eval()(**batch).logits
-        else:
-            hidden = AutoModel.from_pretrained(directory, attn_implementation="eager").eval()(**batch).last_hidden_state
-            expected = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
-            ids.numpy(), mask.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
-    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
-    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
+    assert_wrappers_compute_what_transformers_does(load_wrapper(info, task), directory, task, batch)
 
 
 LAYOUT_BUCKETS = {"padded": ["2x32"], "packed": ["packed-32"]}  # one bucket each, and the generic library

@@ -18,6 +18,7 @@ from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.validate import DRIFT_SENTENCES
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import TINY_LABELS
+from tests.support.families import assert_wrappers_compute_what_transformers_does
 
 pytestmark = pytest.mark.slow  # collected first: see conftest.py
 
@@ -101,31 +102,12 @@ def _batch(directory: Path, task: str):
 def test_wrappers_compute_what_transformers_does(checkpoints, family, task):
     """The padded wrapper equals the transformers model fed as transformers feeds it (classify: on
     (query, passage) pairs, as a reranker reads them); the packed wrapper equals the padded one."""
-    from transformers import AutoModel, AutoModelForSequenceClassification
-
-    from artifact.packed_batch import pack_batch
-    from compile.packed_model import PackedBertWrapper
-
     directory = checkpoints[family, task]
     info = inspect_checkpoint(directory, task)
     assert info.max_seq == MAX_SEQ
-    wrapper = load_wrapper(info, task)
     batch = _batch(directory, task)
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    assert ids.shape[1] == MAX_SEQ
-    types = batch.get("token_type_ids", torch.zeros_like(ids))
-    with torch.no_grad():
-        got = wrapper(ids, mask, types, torch.arange(ids.shape[1]).expand_as(ids))
-        if task == "classify":
-            expected = AutoModelForSequenceClassification.from_pretrained(
-                directory, attn_implementation="eager").eval()(**batch).logits
-        else:
-            hidden = AutoModel.from_pretrained(directory, attn_implementation="eager").eval()(**batch).last_hidden_state
-            expected = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        packed = PackedBertWrapper(wrapper)(*(torch.from_numpy(x) for x in pack_batch(
-            ids.numpy(), mask.numpy(), types.numpy(), seq=ids.shape[1], tokens=int(mask.sum()) + 3)))
-    np.testing.assert_allclose(got.numpy(), expected.numpy(), atol=1e-5)
-    np.testing.assert_allclose(packed.numpy(), got.numpy(), atol=1e-5)
+    assert batch["input_ids"].shape[1] == MAX_SEQ
+    assert_wrappers_compute_what_transformers_does(load_wrapper(info, task), directory, task, batch)
 
 
 def test_mpnet_on_pytorchs_fused_attention_computes_what_its_eager_attention_does(checkpoints):

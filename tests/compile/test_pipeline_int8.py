@@ -36,7 +36,7 @@ def test_smoothed_int8_artifact_matches_pytorch(outlier_checkpoint, tmp_path):
     from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8",
-                                   generic_shapes=["3x20"])
+                                   attention_products="fp32", generic_shapes=["3x20"])
     quantization = manifest.quantization
     assert quantization.linears == 8 and quantization.smoothed == 8 and quantization.smoothing_alpha > 0
     assert quantization.cosine_min > 0.9999 and quantization.worst_sentence is not None
@@ -177,3 +177,18 @@ def test_int8_under_its_gate_fails_the_compile_naming_the_worst_sentence(outlier
         compile_artifact(outlier_checkpoint, tmp_path / "out", ["1x5"], precision="int8", attention_products="fp32",
                          generic_shapes=["3x20"])
     assert not (tmp_path / "out").exists()
+
+
+def test_int8_keeps_its_floor_on_random_token_rows(unseen_checkpoint, tmp_path):
+    """Outlier channels that no shipped sentence fires, on every other token: the plan calibrates its
+    smoothing and holds its gate on random token rows beside the sentences, so that the artifact keeps
+    --min-cosine on such rows too (its libraries ask the same of the random rows the benchmarks send)."""
+    from artifact.loader import load_artifact
+    from tests.support.artifacts import compile_artifact, least_cosine_to_pytorch
+
+    out = tmp_path / "out"
+    manifest, _ = compile_artifact(unseen_checkpoint, out, ["1x5"], precision="int8", min_cosine=0.999,
+                                   attention_products="fp32", generic_shapes=["3x20"])
+    assert manifest.quantization.linears > 0 and manifest.quantization.cosine_min >= 0.999
+    assert least_cosine_to_pytorch(load_artifact(out), unseen_checkpoint, [(4, 32), (2, 64)]) >= 0.999
+    assert cosines(_artifact(out, UNSEEN), _pytorch(unseen_checkpoint, UNSEEN)).min() >= 0.999

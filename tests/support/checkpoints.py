@@ -115,7 +115,9 @@ def save_planted_checkpoint(directory: Path, defect: str) -> Path:
     `outlier`: channels 0-7 a thousand times the rest (the product unchanged), which smoothing removes;
     `cancelling`: channels 0 and 1 equal and huge, their weight columns opposite, so that they
     cancel and the answer lies in the small channels that per-token int8 rounds away: no per-channel
-    scaling rescues it."""
+    scaling rescues it;
+    `unseen`: channels 0-7 silent on every token of the shipped sentences, a thousand times the rest
+    on the tokens they do not hold (`plant_unseen_outlier`)."""
     import torch
     from transformers import BertModel
 
@@ -125,7 +127,9 @@ def save_planted_checkpoint(directory: Path, defect: str) -> Path:
     layer = model.encoder.layer[1]
     up, down = layer.intermediate.dense, layer.output.dense
     with torch.no_grad():
-        if defect == "outlier":
+        if defect == "unseen":
+            plant_unseen_outlier(model, directory / "tokenizer.json")
+        elif defect == "outlier":
             up.weight[:8] *= 1000.0
             up.bias[:8] = 1000.0
             down.weight[:, :8] /= 1000.0
@@ -136,6 +140,40 @@ def save_planted_checkpoint(directory: Path, defect: str) -> Path:
             down.weight[:, 1] = -down.weight[:, 0]
     model.save_pretrained(directory)
     return directory
+
+
+def plant_unseen_outlier(model, tokenizer_file: Path) -> None:
+    """Hidden channel 0 of the word embeddings raised on every token the shipped sentences do not hold,
+    and SENSITIVE_LINEAR's input channels 0-7 made to read it past a threshold between the two kinds
+    of token: on the sentences' tokens they are 0, on the others a thousand times the rest (the down
+    projection's columns divided to match), a range the sentences never show."""
+    import torch
+
+    from compile.checkpoint import example_inputs
+    from compile.passes.quantize import sentence_rows
+
+    ids, mask = (torch.from_numpy(x) for x in sentence_rows(tokenizer_file, model.config.max_position_embeddings)[:2])
+    embedding = model.embeddings.word_embeddings.weight
+    unseen = torch.ones(embedding.shape[0], dtype=torch.bool)
+    unseen[ids.unique()] = False
+    layer = model.encoder.layer[1]
+    up, down = layer.intermediate.dense, layer.output.dense
+    with torch.no_grad():
+        embedding[unseen, 0] += 20 * embedding.std()
+        channel = {}
+        hook = up.register_forward_hook(lambda module, inputs, output: channel.update(x=inputs[0][..., 0]))
+        model(input_ids=ids, attention_mask=mask)
+        seen_top = float(channel["x"][mask.bool()].max())
+        random_ids, random_mask = example_inputs(8, 32, embedding.shape[0], seed=3)[:2]
+        model(input_ids=random_ids, attention_mask=random_mask)
+        hook.remove()
+        unseen_low = float(channel["x"][(random_mask.bool()) & unseen[random_ids]].quantile(0.1))
+        assert unseen_low > seen_top + 1.0, (seen_top, unseen_low)  # the threshold separates them
+        gain = 1000.0 / (unseen_low - seen_top)
+        up.weight[:8] = 0.0
+        up.weight[:8, 0] = gain
+        up.bias[:8] = -gain * (seen_top + 0.5)
+        down.weight[:, :8] /= 1000.0
 
 
 COLBERT_SETTINGS = {"query_prefix": "[Q] ", "document_prefix": "[D] ", "query_length": 12, "document_length": 24,

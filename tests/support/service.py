@@ -1,10 +1,12 @@
-"""The service's answers as tests read them: error bodies, and refusals to start."""
+"""The service's answers as tests read them: error bodies, gRPC refusals, and refusals to start; the
+clients of a running server."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, Iterator
 
 
 def error_of(response) -> tuple[str, str]:
@@ -26,3 +28,31 @@ def server_refusal(artifacts: Path) -> list[str]:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, (result.returncode, result.stderr)
     return result.stderr.strip().splitlines()
+
+
+def http_client(server) -> Iterator:
+    """An httpx client on a running server (conftest's `serve`), closed after; a module fixture's body
+    (`client = pytest.fixture(scope="module", name="client")(http_client)` beside the module's `server`)."""
+    import httpx
+
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        yield client
+
+
+def grpc_channel(server) -> Iterator:
+    """A gRPC channel to a server started with `grpc=True`, closed after; a module fixture's body, as
+    `http_client`."""
+    import grpc
+
+    with grpc.insecure_channel(server.grpc) as channel:
+        yield channel
+
+
+def assert_grpc_refuses(call: Callable, request, says: str = "", code: str = "INVALID_ARGUMENT") -> None:
+    """`call(request)` fails with the status `code` and a detail that contains `says`."""
+    import grpc
+    import pytest
+
+    with pytest.raises(grpc.RpcError) as refused:
+        call(request)
+    assert refused.value.code() == grpc.StatusCode[code] and says in refused.value.details(), refused.value

@@ -261,10 +261,12 @@ def test_a_candidate_refused_before_it_was_built_is_never_shipped():
 
 
 def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_bert_dir, tmp_path):
+    """Attention's products are asked for (fp32) here and below: auto's choice of precision is tested, not
+    which attention kernel timed fastest (tests/compile/test_attention_products.py)."""
     from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
-                                   precision="auto", generic_shapes=["3x20"])
+                                   precision="auto", attention_products="fp32", generic_shapes=["3x20"])
     entry = manifest.precision
     assert entry.requested == "auto"
     assert [c.precision for c in entry.candidates] == Capabilities.of(HOST).precisions
@@ -283,7 +285,8 @@ def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_k
 
     floor = 0.9999999  # above what bf16 or int8 rounding keeps; fp32, the reference's arithmetic, is exempt
     manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "floor", ["packed-16"], layout="packed",
-                                   precision="auto", min_cosine=floor, generic_shapes=["3x20"])
+                                   precision="auto", min_cosine=floor, attention_products="fp32",
+                                   generic_shapes=["3x20"])
     entry = manifest.precision
     assert entry.precision == manifest.linear_precision == "fp32"
     rounded = [c for c in entry.candidates if c.precision != "fp32"]

@@ -243,12 +243,14 @@ def int8_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module", params=["packed", "padded"])
 def int8_artifact(request, int8_checkpoint, tmp_path_factory):
     """Both layouts: packed libraries quantize a symbolic token count, padded buckets static rows
-    (1 x 5 = 5 rows: not a multiple of the kernel's 4, so padded inside the kernel)."""
+    (1 x 5 = 5 rows: not a multiple of the kernel's 4, so padded inside the kernel). Attention's
+    products are asked for (fp32): what is tested is the int8 linears, not which kernel timed fastest."""
     from tests.support.artifacts import compile_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / f"tiny-int8-{request.param}"
     buckets = ["packed-16", "packed-64"] if request.param == "packed" else ["1x5", "4x16"]
-    compile_artifact(int8_checkpoint, out, buckets, layout=request.param, precision="int8", generic_shapes=["3x20"])
+    compile_artifact(int8_checkpoint, out, buckets, layout=request.param, precision="int8", attention_products="fp32",
+                     generic_shapes=["3x20"])
     return out
 
 
@@ -313,7 +315,7 @@ def int8_classifier(tmp_path_factory):
 
 def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path):
     """The compile stage records top-1 agreement on the shipped sentences; served labels on sentences
-    it has not seen are PyTorch fp32's."""
+    it has not seen are PyTorch fp32's (attention's products asked for in fp32: the linears are tested)."""
     import httpx
     import torch
     from transformers import AutoTokenizer, BertForSequenceClassification
@@ -321,7 +323,8 @@ def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path
     from tests.support.artifacts import compile_artifact
 
     manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16", "packed-64"],
-                                   task="classify", layout="packed", precision="int8", generic_shapes=["3x20"])
+                                   task="classify", layout="packed", precision="int8", attention_products="fp32",
+                                   generic_shapes=["3x20"])
     assert manifest.quantization.top1_agreement == 1.0 and manifest.quantization.max_probability_diff < 0.05
     model = BertForSequenceClassification.from_pretrained(int8_classifier).eval()
     batch = AutoTokenizer.from_pretrained(int8_classifier)(UNSEEN, padding=True, return_tensors="pt")

@@ -355,7 +355,7 @@ def test_a_partly_sparse_checkpoint_packed_in_int8_runs_each_weight_on_its_chose
     """Packed layout, int8 linears, `--sparsity from-checkpoint`, with the timer injected: the FFN's first
     weight is timed fastest on int8 blocks, its second fastest dense. Each runs on that kernel (its
     precision's gate admits int8 blocks), the dense weights stay on the int8 kernel, and the artifact agrees
-    with PyTorch on the unchanged checkpoint."""
+    with PyTorch on the unchanged checkpoint. Attention's products are asked for (fp32): none is timed."""
     from artifact.loader import load_artifact
     from compile.phases import transform
     from compile.sparse_choice import DENSE
@@ -371,7 +371,8 @@ def test_a_partly_sparse_checkpoint_packed_in_int8_runs_each_weight_on_its_chose
 
     monkeypatch.setattr(transform, "measured_times", lambda target, linear_passes: timer)
     manifest, _ = compile_artifact(checkpoint, tmp_path / "artifact", ["packed-16"], layout="packed",
-                                   precision="int8", sparsity="from-checkpoint", block="16x1")
+                                   precision="int8", attention_products="fp32", sparsity="from-checkpoint",
+                                   block="16x1")
     sparsity = manifest.sparsity
     by_weight = {c.weight: c for c in sparsity.choices}
     assert len(by_weight) == 2 * 2  # the FFN's two weights in both layers; the rest is dense

@@ -237,6 +237,20 @@ int32_t bert_bsr_vnni_rows_v16(uint32_t *xq, float *xs, int32_t *xz, const float
   return 0;
 }
 
+/* A task's rows (tile `tile_index`: rows row0 .. row0 + rows) and block rows [br0, br1) of 16 outputs (the
+`chunk`-th of `chunks` ranges); nothing to do where rows <= 0 or br0 >= br1. */
+typedef struct {
+  int64_t row0, rows, br0, br1;
+} VnniTask;
+
+static inline VnniTask vnni_task(int64_t m, int64_t n, int64_t tile_index, int64_t chunk, int64_t chunks) {
+  const int64_t block_rows = n / 16, row0 = tile_index * VNNI_TILE;
+  const int64_t per_chunk = (block_rows + chunks - 1) / chunks, br0 = chunk * per_chunk;
+  const VnniTask task = {row0, m - row0 < VNNI_TILE ? m - row0 : VNNI_TILE, br0,
+                         br0 + per_chunk < block_rows ? br0 + per_chunk : block_rows};
+  return task;
+}
+
 /* y[row0 + t][br * 16 + r] for the tile's rows: the int32 sums less each row's zero point times the stored
    codes' sum, scaled by the weight row's and the activation row's scales. */
 static inline void write_back(float *out, int64_t n, int64_t row0, int64_t rows, int64_t br, const __m512i *acc,
@@ -259,10 +273,8 @@ int32_t bert_bsr_vnni_v16(float *out, const uint32_t *xq, const float *xs_all, c
                           int32_t k, int32_t n, const int8_t *data, const float *scales, const int32_t *colsum,
                           const int32_t *offsets, const int32_t *indptr, int32_t tile_index, int32_t chunk,
                           int32_t chunks) {
-  const int64_t block_rows = n / 16, row0 = tile_index * VNNI_TILE;
-  const int64_t rows = m - row0 < VNNI_TILE ? m - row0 : VNNI_TILE;
-  const int64_t per_chunk = (block_rows + chunks - 1) / chunks, br0 = chunk * per_chunk;
-  const int64_t br1 = br0 + per_chunk < block_rows ? br0 + per_chunk : block_rows;
+  const VnniTask task = vnni_task(m, n, tile_index, chunk, chunks);
+  const int64_t row0 = task.row0, rows = task.rows, br0 = task.br0, br1 = task.br1;
   if (rows <= 0 || br0 >= br1 || k % 4) return rows <= 0 || br0 >= br1 ? 0 : -1;
   const uint32_t *tile_q = xq + tile_index * (k / 4) * VNNI_TILE;
   const float *xs = xs_all + tile_index * VNNI_TILE;
@@ -348,10 +360,8 @@ int32_t bert_bsr_vnni_gather_v16(float *out, const uint8_t *xq, const float *xs_
                                  int32_t m, int32_t k, int32_t n, const int8_t *data, const float *scales,
                                  const int32_t *colsum, const int32_t *offsets, const int32_t *indptr,
                                  int32_t tile_index, int32_t chunk, int32_t chunks) {
-  const int64_t block_rows = n / 16, row0 = tile_index * VNNI_TILE;
-  const int64_t rows = m - row0 < VNNI_TILE ? m - row0 : VNNI_TILE;
-  const int64_t per_chunk = (block_rows + chunks - 1) / chunks, br0 = chunk * per_chunk;
-  const int64_t br1 = br0 + per_chunk < block_rows ? br0 + per_chunk : block_rows;
+  const VnniTask task = vnni_task(m, n, tile_index, chunk, chunks);
+  const int64_t row0 = task.row0, rows = task.rows, br0 = task.br0, br1 = task.br1;
   if (rows <= 0 || br0 >= br1) return 0;
   const uint8_t *tile_q = xq + tile_index * (int64_t)k * VNNI_TILE;
   const float *xs = xs_all + tile_index * VNNI_TILE;

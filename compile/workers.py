@@ -26,6 +26,9 @@ MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that
 # which the next step waits for, yields the cores to it and takes whatever it leaves idle. Builds the
 # compile only waits for keep their priority (niced, they would yield to other tenants).
 BUILD_NICENESS = 10
+# Seconds a build has to end after SIGTERM before it is killed: a child that receives it before
+# `_build_in_child` restores the default handler runs the compile's inherited one and goes on building.
+STOP_GRACE_S = 5.0
 
 
 class BuildFailed(RuntimeError):
@@ -79,7 +82,10 @@ class Workers:
         for running in self.running.values():
             running.process.terminate()
         for running in self.running.values():
-            running.process.join()
+            running.process.join(STOP_GRACE_S)
+            if running.process.exitcode is None:  # the SIGTERM came before the child's handler was reset
+                running.process.kill()
+                running.process.join()
             running.errors.close()
         self.running.clear()
 

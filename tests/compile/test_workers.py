@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
+from compile import workers as workers_module
 from compile.workers import BUILD_NICENESS, BuildFailed, Workers
 
 
@@ -43,6 +45,25 @@ def test_leaving_the_block_ends_the_builds_still_running():
         workers.submit("stuck", never.wait)
         (running,) = workers.running.values()
     assert not running.process.is_alive() and running.process.exitcode is not None
+
+
+def _ignoring_sigterm(deaf, never) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    deaf.set()
+    never.wait()
+
+
+def test_a_build_that_outlives_its_sigterm_is_killed(monkeypatch):
+    """A build that goes on after SIGTERM (one that got it before its handler was reset, which hung a
+    stopped compile in join) is killed once the grace period is over."""
+    monkeypatch.setattr(workers_module, "STOP_GRACE_S", 0.2)
+    context = multiprocessing.get_context("fork")
+    deaf, never = context.Event(), context.Event()
+    with Workers(limit=1) as workers:
+        workers.submit("deaf", lambda: _ignoring_sigterm(deaf, never))
+        (running,) = workers.running.values()
+        assert deaf.wait(60)
+    assert running.process.exitcode == -signal.SIGKILL
 
 
 def test_a_build_beside_the_compiles_own_work_yields_the_cores_to_it(tmp_path):

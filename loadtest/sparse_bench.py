@@ -4,7 +4,8 @@ Compiles the model once dense and once per (sparsity, block), each with one buck
 then times all bucket libraries interleaved in one process. Each cell is the median latency of
 the sparse build as a ratio of the dense build's, with the cosine similarity of the pruned
 model's embeddings to the dense model's. A bad --model, --shape, --sparsities or --blocks exits 2
-with one line.
+with one line. (A checkpoint that is sparse for real is timed as any other: `loadtest.pruned_checkpoint`
+writes one, `loadtest.bench --compare` times its sparse build against its dense one.)
 """
 
 from __future__ import annotations
@@ -27,10 +28,6 @@ def parse_args(argv):
     parser.add_argument("--blocks", default="8x1,16x1,32x1")
     parser.add_argument("--repeats", type=at_least_one, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--from-checkpoint", dest="from_checkpoint", type=float, metavar="DENSITY",
-                        help="instead of the table: a copy of the checkpoint whose FFN and attention-output weights "
-                             "keep this block density (the first --blocks), as if trained sparse, compiled dense and "
-                             "with --sparsity from-checkpoint (both validated against PyTorch on it), timed")
     parser.add_argument("--out", type=Path, default=Path("docs/sparsity"))
     return parser.parse_args(argv)
 
@@ -41,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from compile.errors import CompileError
 
     try:
-        return _from_checkpoint(args, argv) if args.from_checkpoint is not None else _run(args, argv)
+        return _run(args, argv)
     except CompileError as exc:  # a bad checkpoint, shape, sparsity or block: the user's to fix
         print(f"python -m loadtest.sparse_bench: error: {exc}", file=sys.stderr)
         return 2
@@ -87,69 +84,6 @@ def _run(args, argv) -> int:
     (args.out / "sparse_bench.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown_table(report, sparsities, blocks)
     (args.out / "sparse_bench.md").write_text(table + "\n")
-    print(table)
-    return 0
-
-
-def _from_checkpoint(args, argv) -> int:
-    """A checkpoint that is sparse for real: dense compile against `--sparsity from-checkpoint`."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from artifact.loader import load_artifact
-    from compile.bucketing import parse_bucket
-    from compile.checkpoint import example_inputs
-    from compile.config import default_model_dir, load_config
-    from compile.passes.sparsity import DEFAULT_LAYERS, LAYERS, prune_blocks
-    from compile.pipeline import compile_model
-    from compile.timing import interleaved_medians
-
-    shape, block = parse_bucket(args.shape), args.blocks.split(",")[0]
-    rows, cols = (int(v) for v in block.split("x"))
-    log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
-    suffixes = tuple(f"{suffix}.weight" for kind in DEFAULT_LAYERS for suffix in LAYERS[kind])
-    with tempfile.TemporaryDirectory() as scratch:
-        checkpoint = Path(scratch) / "sparse-checkpoint"
-        shutil.copytree(args.model or default_model_dir(), checkpoint)
-        weights = load_file(str(checkpoint / "model.safetensors"))
-        for name, weight in weights.items():
-            if name.endswith(suffixes) and ".layer." in name:
-                weights[name] = torch.from_numpy(prune_blocks(weight.numpy(), args.from_checkpoint, (rows, cols)))
-        save_file(weights, str(checkpoint / "model.safetensors"), metadata={"format": "pt"})
-        manifests, models = {}, {}
-        for name, sparsity in (("dense", None), ("from-checkpoint", "from-checkpoint")):
-            log(f"sparse_bench: compile {name} ...")
-            config = load_config(None, {"model": checkpoint, "out": Path(scratch) / name, "buckets": [shape.name],
-                                        "max_batch": max(shape.batch, 8), "sparsity": sparsity, "block": block})
-            manifests[name], _ = compile_model(config)
-            models[name] = load_artifact(config.out)
-        ids, mask, _, _ = (x.numpy() for x in example_inputs(shape.batch, shape.seq, 30522, seed=0))
-        log(f"sparse_bench: timing at {shape.name}, {args.repeats} interleaved rounds ...")
-        stats = interleaved_medians({name: (lambda m=m: m.run(ids, mask)) for name, m in models.items()},
-                                    args.repeats, warm_calls=1)
-    dense_s = stats["dense"]["median_s"]
-    report = {"command": "python -m loadtest.sparse_bench " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "shape": shape.name, "block": block, "density": args.from_checkpoint, "threads": args.threads,
-              "repeats": args.repeats,
-              "builds": {name: {"median_ms": stats[name]["median_s"] * 1e3, "ratio_vs_dense": stats[name]["median_s"] / dense_s,
-                                "max_abs_diff": manifests[name].buckets[0].max_abs_diff,
-                                "sparsity": manifests[name].sparsity.model_dump() if manifests[name].sparsity else None}
-                         for name in models}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "from_checkpoint.json").write_text(json.dumps(report, indent=2) + "\n")
-    lines = [f"A copy of the checkpoint whose FFN and attention-output weights keep {args.from_checkpoint:g} of their "
-             f"{block} blocks, at {shape.name} (medians of {args.repeats} interleaved rounds):", "",
-             "| build | ms | / dense | max abs diff vs PyTorch on the checkpoint | linears on the BSR kernel |",
-             "|---|---|---|---|---|"]
-    for name, build in report["builds"].items():
-        sparse = build["sparsity"]
-        linears = f"{sparse['rewritten']} of {len(sparse['choices'])} timed" if sparse else "-"
-        lines.append(f"| {name} | {build['median_ms']:.1f} | {build['ratio_vs_dense']:.2f}x | {build['max_abs_diff']:.1e} "
-                     f"| {linears} |")
-    table = "\n".join(lines)
-    (args.out / "from_checkpoint.md").write_text(table + "\n")
     print(table)
     return 0
 

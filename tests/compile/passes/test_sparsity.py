@@ -276,9 +276,8 @@ def test_from_checkpoint_uses_the_checkpoints_own_zero_blocks_without_changing_i
     assert verify(tmp_path / "artifact")["generic"]  # the unchanged checkpoint is the oracle
 
 
-def test_sparse_bench_times_a_table_and_a_sparse_checkpoint(tiny_bert_dir, tmp_path, capsys):
-    """The benchmark end to end on the tiny BERT: one cell of the pruning table, and a checkpoint
-    that is sparse for real, compiled dense and from-checkpoint, both validated against PyTorch."""
+def test_sparse_bench_times_a_cell_of_the_pruning_table(tiny_bert_dir, tmp_path, capsys):
+    """The benchmark end to end on the tiny BERT: the dense build and one cell of the pruning table."""
     import json
 
     from loadtest import sparse_bench
@@ -288,13 +287,7 @@ def test_sparse_bench_times_a_table_and_a_sparse_checkpoint(tiny_bert_dir, tmp_p
     table = json.loads((tmp_path / "table" / "sparse_bench.json").read_text())
     assert [row["config"] for row in table["rows"]] == ["dense", "0.75@16x1"]
     assert table["rows"][1]["sparsity"]["rewritten"] == 2 * 3 and table["rows"][1]["median_ms"] > 0
-    assert sparse_bench.main([*common, "--from-checkpoint", "0.25", "--out", str(tmp_path / "checkpoint")]) == 0
-    report = json.loads((tmp_path / "checkpoint" / "from_checkpoint.json").read_text())
-    dense, sparse = report["builds"]["dense"], report["builds"]["from-checkpoint"]
-    assert dense["max_abs_diff"] <= 1e-4 and sparse["max_abs_diff"] <= 1e-4  # both are the checkpoint's function
-    assert sparse["sparsity"]["mode"] == "from-checkpoint" and len(sparse["sparsity"]["choices"]) == 2 * 3
-    assert sparse["sparsity"]["rewritten"] == sum(c["bsr"] for c in sparse["sparsity"]["choices"])
-    assert "| from-checkpoint |" in capsys.readouterr().out
+    assert "| 0.75 |" in capsys.readouterr().out
 
 
 V3 = make_target("cpu", mcpu="x86-64-v3")

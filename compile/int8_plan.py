@@ -9,8 +9,8 @@ chosen linears computed as the int8 library computes them, ~0.2 s on MiniLM), so
 2. alpha: the SmoothQuant strength (compile/passes/smooth.py) with the best least cosine;
 3. sensitivity, where every linear in int8 misses the int8 gate (compile/precision.py) or
    `--min-cosine`: for each linear group, the accuracy with it alone in int8 and the rest in the
-   higher precision (one pass per group, and one more per group in 4.: 1.5 minutes of a 12 x 768
-   BERT's plan on 2 cores, not spent where nothing is kept);
+   higher precision (one pass per group, every other one in a forked child on the core the plan's
+   one PyTorch thread leaves idle; and one more per group in 4.; not spent where nothing is kept);
 4. fallback: starting from every group in the higher precision (bf16 where the CPU has it, else
    fp32; simulated in it, bf16 rounds too), the groups are admitted to int8 one at a time, the
    least accuracy lost per multiply-add saved first, each only where the simulation still keeps
@@ -212,14 +212,17 @@ def measure_sensitivity(simulation: Simulation, alpha: float, report: Callable[[
     everyone = {unit.name for unit in simulation.units}
     baseline = score(simulation.accuracy(alpha, everyone))
     sensitivity, loss = [], {}
-    quarters = {len(simulation.units) * q // 4 for q in (1, 2, 3, 4)}
-    for done, unit in enumerate(simulation.units, 1):
-        measured = Sensitivity(unit.name, simulation.accuracy(alpha, everyone - {unit.name}))
-        sensitivity.append(measured)
-        lost = (max(0.0, b - a) / unit.multiply_adds() for b, a in zip(baseline, score(measured.accuracy)))
+    quarters = sorted({len(simulation.units) * q // 4 for q in (1, 2, 3, 4)})
+
+    def progress(done: int) -> None:
+        while quarters and quarters[0] <= done:
+            report(f"sensitivity: {quarters.pop(0)}/{len(simulation.units)} linear groups")
+
+    accuracies = simulation.accuracies(alpha, [everyone - {unit.name} for unit in simulation.units], progress)
+    for unit, accuracy in zip(simulation.units, accuracies):
+        sensitivity.append(Sensitivity(unit.name, accuracy))
+        lost = (max(0.0, b - a) / unit.multiply_adds() for b, a in zip(baseline, score(accuracy)))
         loss[unit.name] = (*lost, -unit.multiply_adds())  # of equal losses, the larger unit is admitted first
-        if done in quarters:
-            report(f"sensitivity: {done}/{len(simulation.units)} linear groups")
     sensitivity.sort(key=lambda s: loss[s.unit], reverse=True)
     log.info("int8 sensitivity (alone in int8): %s", ", ".join(f"{s.unit} {score(s.accuracy)[0]:.4f}"
                                                             for s in sensitivity[:4]))

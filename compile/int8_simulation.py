@@ -29,6 +29,7 @@ import torch
 from .kernels import attention_bf16, attention_int8, int8, row_quantize
 from .kernels.attention import REAL_KEY_BIAS
 from .passes.smooth import module_key, smoothing_scales, value_projection
+from .workers import map_beside_a_child
 
 # How much more of its least cosine a built library may lose than its simulation, as a fraction of the
 # simulated loss. The integer products are simulated exactly, but the library's fp32 around them (layer
@@ -523,6 +524,16 @@ class Simulation:
             actual = self.run()
         self.state, self.rounded, self.folded = {}, set(), {}
         return self.agreement(actual, self.reference)
+
+    def accuracies(self, alpha: float, kept: list[set[str]], progress: Callable[[int], None]) -> list[dict]:
+        """`accuracy` at `alpha` of each set of units `kept`, every other one in a child forked now, on the
+        core the plan's one PyTorch thread leaves idle (`workers.map_beside_a_child`). Each on one thread:
+        a forked child has none of the OpenMP pool a parallel operator would wait for."""
+        def one_thread(units: set[str]) -> dict:
+            with simulation_threads():
+                return self.accuracy(alpha, units)
+
+        return map_beside_a_child(one_thread, kept, progress)
 
     @staticmethod
     def scales(unit: Unit, alpha: float) -> np.ndarray:

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
 
 MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that come back
 # A build the compile's own work runs beside (the int8 plan's simulation beside auto's candidates),
@@ -33,6 +33,9 @@ STOP_GRACE_S = 5.0
 
 class BuildFailed(RuntimeError):
     """A build failed in its worker: a fault of the compile (its traceback is the worker's), not of its input."""
+
+
+Item, Result = TypeVar("Item"), TypeVar("Result")
 
 
 def available_cores() -> int:
@@ -144,3 +147,63 @@ class Workers:
                 self.failures[name] = message or f"its process exited {running.process.exitcode}"
             else:
                 self.seconds[name] = time.perf_counter() - running.started
+
+
+def _map_in_child(function: Callable, items: Sequence, results: Connection) -> None:
+    """A child's share of `map_beside_a_child`: each result sent as it is done, or the failure."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        for index, item in enumerate(items):
+            results.send((index, function(item)))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
+        results.send((None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"[-MESSAGE_CHARS:]))
+        results.close()
+        os._exit(1)
+    results.close()
+
+
+def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item],
+                       progress: Callable[[int], None] = lambda done: None) -> list[Result]:
+    """`[function(item) for item in items]`, every other item computed in a child forked now, on the core
+    this process leaves idle (the int8 plan's passes run PyTorch on one thread), its results sent back
+    pickled; `progress(done)` hears how many are done. One process where this one may use one core. A
+    failure in the child raises here (BuildFailed, with its traceback)."""
+    if available_cores() < 2 or len(items) < 2:
+        results = []
+        for item in items:
+            results.append(function(item))
+            progress(len(results))
+        return results
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_map_in_child, args=(function, items[1::2], sender), name="int8 passes",
+                            daemon=True)
+    child.start()
+    sender.close()
+    done: dict[int, Result] = {}
+
+    def collect(block: bool) -> None:
+        while len(done) < len(items) and (block or receiver.poll()):
+            try:
+                index, result = receiver.recv()
+            except EOFError:
+                raise BuildFailed(f"a child computing {len(items) // 2} of {len(items)} int8 passes "
+                                  f"exited {child.exitcode} without its results") from None
+            if index is None:
+                raise BuildFailed(f"a child computing int8 passes failed: {result}")
+            done[2 * index + 1] = result
+            progress(len(done))
+
+    try:
+        for index in range(0, len(items), 2):
+            done[index] = function(items[index])
+            progress(len(done))
+            collect(block=False)
+        collect(block=True)
+    finally:
+        receiver.close()
+        child.join(STOP_GRACE_S)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+    return [done[index] for index in range(len(items))]

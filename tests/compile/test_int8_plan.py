@@ -109,6 +109,14 @@ class _AdditiveSimulation:
     def use_products(self, products: str) -> None:
         self.products = products
 
+    def accuracies(self, alpha: float, kept: list[set[str]], progress) -> list[dict]:
+        """In this process: every pass is counted."""
+        results = []
+        for units in kept:
+            results.append(self.accuracy(alpha, units))
+            progress(len(results))
+        return results
+
     def release_layers(self) -> None:
         """Nothing is cached."""
 

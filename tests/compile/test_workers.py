@@ -79,3 +79,29 @@ def test_a_build_beside_the_compiles_own_work_yields_the_cores_to_it(tmp_path):
         workers.wait("beside", "waited")
     assert int((tmp_path / "beside").read_text()) == min(19, os.nice(0) + BUILD_NICENESS)
     assert int((tmp_path / "waited").read_text()) == os.nice(0)
+
+
+def _pid_and_square(x: int) -> tuple[int, int]:
+    if x == 5:
+        raise ValueError("a pass the simulation cannot run")
+    return os.getpid(), x * x
+
+
+def test_a_map_beside_a_child_computes_every_other_item_there_in_order(monkeypatch):
+    """The int8 plan's independent passes: half of them in a forked child on the core the plan leaves
+    idle, the results in the items' order, the progress counting both processes' items; a failure in
+    the child comes back with its traceback. Where this process may use one core, one process."""
+    from compile.workers import map_beside_a_child
+
+    monkeypatch.setattr(workers_module, "available_cores", lambda: 2)
+    heard = []
+    results = map_beside_a_child(_pid_and_square, [0, 1, 2, 3, 4], heard.append)
+    assert [square for _, square in results] == [0, 1, 4, 9, 16]
+    parent, child = {pid for pid, _ in results[::2]}, {pid for pid, _ in results[1::2]}
+    assert parent == {os.getpid()} and len(child) == 1 and child != parent
+    assert heard == sorted(heard) and heard[-1] == 5 and len(heard) == 5
+    with pytest.raises(BuildFailed, match=r"a child computing int8 passes failed: ValueError: a pass the simulation "
+                                          r"cannot run\n(.|\n)*in _pid_and_square"):
+        map_beside_a_child(_pid_and_square, [0, 5, 2, 3])
+    monkeypatch.setattr(workers_module, "available_cores", lambda: 1)
+    assert {pid for pid, _ in map_beside_a_child(_pid_and_square, [0, 1, 2])} == {os.getpid()}

@@ -142,7 +142,7 @@ def plan_simulated(simulation: Simulation, passes_gate: Callable[[dict], bool], 
     (attention_products.py); `keep_out` False: no fallback, None where every linear in int8 misses the
     gate. A simulation serves plans of several products: its calibration and fp32 reference are theirs."""
     simulation.use_products(attention_products)
-    alphas = {alpha: simulation.accuracy(alpha, set()) for alpha in ALPHAS}
+    alphas = dict(zip(ALPHAS, simulation.accuracies([(alpha, set()) for alpha in ALPHAS])))
     alpha = max(alphas, key=lambda a: score(alphas[a]))
     log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
     report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
@@ -210,16 +210,17 @@ def with_margin(passes_gate: Callable[[dict], bool], tolerance: float) -> Callab
 def measure_sensitivity(simulation: Simulation, alpha: float, report: Callable[[str], None]) -> list[Sensitivity]:
     """Each unit's accuracy with it alone in int8, the most accuracy lost per multiply-add first."""
     everyone = {unit.name for unit in simulation.units}
-    baseline = score(simulation.accuracy(alpha, everyone))
     sensitivity, loss = [], {}
     quarters = sorted({len(simulation.units) * q // 4 for q in (1, 2, 3, 4)})
 
-    def progress(done: int) -> None:
-        while quarters and quarters[0] <= done:
+    def progress(done: int) -> None:  # of the passes after the first, every unit kept
+        while quarters and quarters[0] <= done - 1:
             report(f"sensitivity: {quarters.pop(0)}/{len(simulation.units)} linear groups")
 
-    accuracies = simulation.accuracies(alpha, [everyone - {unit.name} for unit in simulation.units], progress)
-    for unit, accuracy in zip(simulation.units, accuracies):
+    kept, *alone = simulation.accuracies([(alpha, everyone)] + [(alpha, everyone - {unit.name})
+                                                                for unit in simulation.units], progress)
+    baseline = score(kept)
+    for unit, accuracy in zip(simulation.units, alone):
         sensitivity.append(Sensitivity(unit.name, accuracy))
         lost = (max(0.0, b - a) / unit.multiply_adds() for b, a in zip(baseline, score(accuracy)))
         loss[unit.name] = (*lost, -unit.multiply_adds())  # of equal losses, the larger unit is admitted first

@@ -525,15 +525,16 @@ class Simulation:
         self.state, self.rounded, self.folded = {}, set(), {}
         return self.agreement(actual, self.reference)
 
-    def accuracies(self, alpha: float, kept: list[set[str]], progress: Callable[[int], None]) -> list[dict]:
-        """`accuracy` at `alpha` of each set of units `kept`, every other one in a child forked now, on the
-        core the plan's one PyTorch thread leaves idle (`workers.map_beside_a_child`). Each on one thread:
-        a forked child has none of the OpenMP pool a parallel operator would wait for."""
-        def one_thread(units: set[str]) -> dict:
+    def accuracies(self, runs: list[tuple[float, set[str]]],
+                   progress: Callable[[int], None] = lambda done: None) -> list[dict]:
+        """`accuracy(alpha, kept)` of each of `runs`, every other one in a child forked now, on the core the
+        plan's one PyTorch thread leaves idle (`workers.map_beside_a_child`). Each on one thread: a forked
+        child has none of the OpenMP pool a parallel operator would wait for."""
+        def one_thread(run: tuple[float, set[str]]) -> dict:
             with simulation_threads():
-                return self.accuracy(alpha, units)
+                return self.accuracy(*run)
 
-        return map_beside_a_child(one_thread, kept, progress)
+        return map_beside_a_child(one_thread, runs, progress)
 
     @staticmethod
     def scales(unit: Unit, alpha: float) -> np.ndarray:

@@ -181,9 +181,11 @@ def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item]
     child.start()
     sender.close()
     done: dict[int, Result] = {}
+    awaited = len(items[1::2])
 
     def collect(block: bool) -> None:
-        while len(done) < len(items) and (block or receiver.poll()):
+        nonlocal awaited
+        while awaited and (block or receiver.poll()):  # (poll is also true at the end of a child's sends)
             try:
                 index, result = receiver.recv()
             except EOFError:
@@ -192,6 +194,7 @@ def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item]
             if index is None:
                 raise BuildFailed(f"a child computing int8 passes failed: {result}")
             done[2 * index + 1] = result
+            awaited -= 1
             progress(len(done))
 
     try:

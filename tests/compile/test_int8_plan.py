@@ -109,11 +109,11 @@ class _AdditiveSimulation:
     def use_products(self, products: str) -> None:
         self.products = products
 
-    def accuracies(self, alpha: float, kept: list[set[str]], progress) -> list[dict]:
+    def accuracies(self, runs: list[tuple[float, set[str]]], progress=lambda done: None) -> list[dict]:
         """In this process: every pass is counted."""
         results = []
-        for units in kept:
-            results.append(self.accuracy(alpha, units))
+        for run in runs:
+            results.append(self.accuracy(*run))
             progress(len(results))
         return results
 

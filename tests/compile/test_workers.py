@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -84,13 +85,17 @@ def test_a_build_beside_the_compiles_own_work_yields_the_cores_to_it(tmp_path):
 def _pid_and_square(x: int) -> tuple[int, int]:
     if x == 5:
         raise ValueError("a pass the simulation cannot run")
+    if x == 2:  # in this process, after the child has sent everything and exited: its pipe is at its end
+        while multiprocessing.active_children():
+            time.sleep(0.01)
     return os.getpid(), x * x
 
 
 def test_a_map_beside_a_child_computes_every_other_item_there_in_order(monkeypatch):
     """The int8 plan's independent passes: half of them in a forked child on the core the plan leaves
-    idle, the results in the items' order, the progress counting both processes' items; a failure in
-    the child comes back with its traceback. Where this process may use one core, one process."""
+    idle, the results in the items' order, the progress counting both processes' items (the child's
+    results all read before this process is done with its own); a failure in the child comes back with
+    its traceback. Where this process may use one core, one process."""
     from compile.workers import map_beside_a_child
 
     monkeypatch.setattr(workers_module, "available_cores", lambda: 2)

@@ -22,7 +22,6 @@ phases.decisions.plan_int8_linears).
 
 from __future__ import annotations
 
-import functools
 import math
 import tempfile
 from dataclasses import dataclass, field
@@ -92,13 +91,15 @@ class AttentionChoice:
         """The products of a library whose linears are in `name` (fp32 ones keep fp32)."""
         return self.products.get(name, "fp32")
 
-    def without_int8(self) -> "AttentionChoice":
+    def without_int8(self, measured: bool = True) -> "AttentionChoice":
         """Beside int8 linears, the products bf16 ones have (fp32, or bf16 where it paid) where the int8
-        plan, simulating int8 ones, misses its gate with every linear in int8: keeping a linear out
-        would cost more than the products save."""
+        plan misses its gate with every linear in int8 beside int8 products (`measured`), or beside these
+        already: keeping a linear out would cost more than the products save."""
         fallback = self.products["bf16"]
-        return AttentionChoice({**self.products, "int8": fallback}, self.requested, {
-            **self.reasons, "int8": f"{fallback}: with int8 products, int8 linears miss the gate"}, self.times_ms)
+        why = ("with int8 products, int8 linears miss the gate" if measured else
+               f"int8 linears miss the gate beside {fallback} products already, and int8 ones round more")
+        return AttentionChoice({**self.products, "int8": fallback}, self.requested,
+                               {**self.reasons, "int8": f"{fallback}: {why}"}, self.times_ms)
 
     def entry(self, name: str) -> AttentionProductsEntry:
         """The manifest's record for a library whose linears are in `name`."""
@@ -111,19 +112,25 @@ def refusal(requested: str, capabilities: Capabilities) -> str | None:
     return capabilities.bf16_refusal("--attention-products bf16", "fp32 or auto") if requested == "bf16" else None
 
 
-def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool) -> AttentionChoice:
+def _candidates(capabilities: Capabilities, geometry: Geometry, requested: str) -> tuple[str, ...]:
+    """The reduced products the fused kernel runs at the model's heads that `requested` allows."""
+    return tuple(products for products in capabilities.attention_products(geometry.head_size)
+                 if requested == "auto" or products != "int8")
+
+
+def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed: bool,
+           kernels: "StartedKernels | None" = None) -> AttentionChoice:
     """`requested` fp32 or bf16 as asked; auto: the fused kernel timed in fp32 and in each reduced
-    arithmetic the CPU runs at the model's head size (when `timed`: the libraries run here), the
-    fastest kept per library precision (`decide`), else the CPU's bf16 where it has it, int8 beside
-    int8 linears where not."""
+    arithmetic the CPU runs at the model's head size (when `timed`: the libraries run here; built
+    already where `kernels` is given, `start_kernels`), the fastest kept per library precision
+    (`decide`), else the CPU's bf16 where it has it, int8 beside int8 linears where not."""
     capabilities = Capabilities.of(target)
     reduced = capabilities.reduced_products
     if requested == "fp32" or not reduced:
         return AttentionChoice.alike("fp32", requested, "fp32: asked for" if requested == "fp32" else
                                      "fp32: no bf16 or int8 products here (AVX512_BF16, AVX2 or AVX512BW)")
     offered = tuple(products for products in reduced if requested == "auto" or products != "int8")
-    candidates = tuple(products for products in capabilities.attention_products(geometry.head_size)
-                       if requested == "auto" or products != "int8")
+    candidates = _candidates(capabilities, geometry, requested)
     if not candidates:
         return AttentionChoice.alike("fp32", requested, f"fp32: the fused kernel's {' and '.join(offered)} products "
                                      f"do not take {geometry.head_size}-wide heads at {capabilities.lanes} lanes")
@@ -135,7 +142,7 @@ def choose(target: tvm.target.Target, geometry: Geometry, requested: str, timed:
                     for linears, allowed in BESIDE.items()}
         return AttentionChoice(products, requested, {linears: f"{p}: {why}" if p != "fp32" else
                                                      "fp32: no bf16 products here" for linears, p in products.items()})
-    return decide(_time_kernels(target, geometry, ("fp32", *candidates)))
+    return decide(_time_kernels(target, geometry, ("fp32", *candidates), kernels))
 
 
 def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
@@ -157,24 +164,53 @@ def decide(times_ms: dict[str, dict[str, float]]) -> AttentionChoice:
     return AttentionChoice(products, "auto", reasons, times_ms)
 
 
-def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...]
-                  ) -> dict[str, dict[str, float]]:
-    """Median ms of each candidate's kernel per timed length, interleaved; the kernels built at once
-    (compile/workers.py), then timed once every build is done."""
-    seqs = sorted({min(seq, geometry.max_seq) for seq in TIMED_SEQS})
-    times = {products: {} for products in candidates}
-    with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch:
-        paths = {products: Path(scratch) / f"attention-{products}.so" for products in candidates}
-        with Workers() as workers:
-            for products, path in paths.items():
-                workers.submit(products, functools.partial(build_kernel, target, geometry, products, path))
-            workers.idle()
-        kernels = {products: _TimedKernel(path, geometry) for products, path in paths.items()}
+class StartedKernels:
+    """The fused attention kernel in each candidate arithmetic, built in `workers` in one child, one
+    after another: a compile starts them before it loads the model, whose load and import take one
+    core for seconds, and times them when it chooses (`times`)."""
+
+    JOB = "attention kernels"
+
+    def __init__(self, target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...],
+                 workers: Workers, directory: Path):
+        self.geometry, self.workers = geometry, workers
+        self.paths = {products: directory / f"attention-{products}.so" for products in candidates}
+        directory.mkdir(parents=True, exist_ok=True)
+
+        def build_all() -> None:
+            for products, path in self.paths.items():
+                build_kernel(target, geometry, products, path)
+
+        workers.submit(self.JOB, build_all)
+
+    def times(self) -> dict[str, dict[str, float]]:
+        """Median ms of each kernel per timed length, interleaved, once built and every build is done."""
+        self.workers.wait(self.JOB)
+        self.workers.idle()
+        seqs = sorted({min(seq, self.geometry.max_seq) for seq in TIMED_SEQS})
+        kernels = {products: _TimedKernel(path, self.geometry) for products, path in self.paths.items()}
+        times = {products: {} for products in self.paths}
         for seq in seqs:
             calls = {products: kernel.call_at(seq) for products, kernel in kernels.items()}
             for products, stats in interleaved_medians(calls, repeats=TIMED_ROUNDS).items():
                 times[products][f"1x{seq}"] = round(stats["median_s"] * 1e3, 4)
-    return times
+        return times
+
+
+def start_kernels(target: tvm.target.Target, geometry: Geometry, requested: str, workers: Workers,
+                  directory: Path) -> StartedKernels | None:
+    """The builds `choose(..., timed=True)` times, started now in `workers` (None: it times none)."""
+    candidates = _candidates(Capabilities.of(target), geometry, requested) if requested == "auto" else ()
+    return StartedKernels(target, geometry, ("fp32", *candidates), workers, directory) if candidates else None
+
+
+def _time_kernels(target: tvm.target.Target, geometry: Geometry, candidates: tuple[str, ...],
+                  kernels: StartedKernels | None = None) -> dict[str, dict[str, float]]:
+    """Median ms of each candidate's kernel per timed length: `kernels`' where started, else built now."""
+    if kernels is not None:
+        return kernels.times()
+    with tempfile.TemporaryDirectory(prefix="bert-attention-") as scratch, Workers() as workers:
+        return StartedKernels(target, geometry, candidates, workers, Path(scratch)).times()
 
 
 def _geometric_mean(times: dict[str, float]) -> float:

@@ -148,7 +148,7 @@ def plan_simulated(simulation: Simulation, passes_gate: Callable[[dict], bool], 
     report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
     if not keep_out and not with_margin(passes_gate, SIMULATION_TOLERANCE)(alphas[alpha]):
         return None
-    return Planner(simulation, alphas, alpha, passes_gate, report).plan(SIMULATION_TOLERANCE)
+    return Planner(simulation, attention_products, alphas, alpha, passes_gate, report).plan(SIMULATION_TOLERANCE)
 
 
 @dataclass
@@ -157,6 +157,7 @@ class Planner:
     kept so that the plan can be admitted again under a wider margin (`Int8Plan.replanned`)."""
 
     simulation: Simulation
+    attention_products: str  # what the simulation's passes run attention's products in (several plans share it)
     alphas: dict[float, dict]
     alpha: float
     passes_gate: Callable[[dict], bool]  # the gate and --min-cosine, with nothing to spare
@@ -167,6 +168,7 @@ class Planner:
         """The units admitted to int8 while the simulation keeps the gate with `tolerance` of its
         loss to spare; every unit in int8 where that needs no fallback."""
         simulation, alpha = self.simulation, self.alpha
+        simulation.use_products(self.attention_products)
         passes_gate = with_margin(self.passes_gate, tolerance)
         accuracy, kept = self.alphas[alpha], []
         if not passes_gate(accuracy):

@@ -217,14 +217,20 @@ def simulated_attention(model: torch.nn.Module, products: str):
             config._attn_implementation = implementation
 
 
-def bf16_linear(module: torch.nn.Linear, x: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The bf16 kernels' arithmetic (compile/kernels/bf16.py): operands rounded to bf16 (nearest
-    even), products summed in fp32; the weight's rows and the bias first scaled by `row_scale` where
-    given (a folded smoothing: passes/smooth.py), before the rounding, as the compile scales them."""
+def bf16_weights(module: torch.nn.Linear, row_scale: torch.Tensor | None = None) -> tuple:
+    """(`module`'s weight rounded to bf16, its bias) as the bf16 kernels read them (compile/kernels/bf16.py):
+    the weight's rows and the bias first scaled by `row_scale` where given (a folded smoothing:
+    passes/smooth.py), before the rounding, as the compile scales them."""
     weight, bias = module.weight, module.bias
     if row_scale is not None:
         weight, bias = weight * row_scale[:, None], None if bias is None else bias * row_scale
-    return torch.nn.functional.linear(_bf16(x), _bf16(weight), bias)
+    return _bf16(weight), bias
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The bf16 kernels' arithmetic on `bf16_weights`: the input rounded to bf16 (nearest even),
+    products summed in fp32."""
+    return torch.nn.functional.linear(_bf16(x), weight, bias)
 
 
 def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
@@ -390,6 +396,7 @@ class Simulation:
                        if value is not None and value.bias is not None}
         self.folded: dict[torch.nn.Module, torch.Tensor] = {}  # V projection -> 1 / s of its output channels
         self.codes: dict[torch.nn.Module, tuple] = {}  # `weight_codes` at smoothing `codes_alpha`
+        self.bf16_weights: dict[tuple, tuple] = {}  # `bf16_weights` of a module (folded or not) at `codes_alpha`
         self.codes_alpha: float | None = None
         self.reference = self.run(reference=True)
 
@@ -452,7 +459,7 @@ class Simulation:
             found = real.abs().amax(0)
             maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
 
-        self.codes, self.codes_alpha = {}, None  # both follow from the maxima
+        self.codes, self.bf16_weights, self.codes_alpha = {}, {}, None  # they follow from the maxima
         self.layer_cache.clear()
         with torch.no_grad(), self._hooks(record), simulation_threads():
             self.wrapper(*self.rows)
@@ -463,7 +470,10 @@ class Simulation:
         """`module`'s output as the int8 library computes it."""
         inverse = self.folded.get(module)
         if module in self.rounded:
-            return bf16_linear(module, x, inverse)
+            key = (module, inverse is not None)  # a folded smoothing is alpha's, like the codes
+            if key not in self.bf16_weights:
+                self.bf16_weights[key] = bf16_weights(module, inverse)
+            return bf16_linear(x, *self.bf16_weights[key])
         if module in self.state:
             if module not in self.codes:
                 self.codes[module] = weight_codes(module, self.state[module], self.int16_pairs)
@@ -498,7 +508,7 @@ class Simulation:
         those in `kept` in `fallback_precision`."""
         self.state, self.rounded = {}, set()
         if alpha != self.codes_alpha:  # the weights' codes are reused while alpha stays (the plan's passes)
-            self.codes, self.codes_alpha = {}, alpha
+            self.codes, self.bf16_weights, self.codes_alpha = {}, {}, alpha
         for unit in self.units:
             if unit.name in kept:
                 if self.fallback_precision == "bf16":

@@ -22,8 +22,9 @@ from .config import CompileConfig
 from .importer import export_and_import
 from .int8_plan import Int8Plan
 from .passes.strategy import STRATEGIES
+from .attention_products import StartedKernels
 from .phases.decisions import (Candidate, check_int8_plan, choose_attention, choose_precision, plan_int8_linears,
-                               start_candidates)
+                               start_attention_kernels, start_candidates)
 from .phases.libraries import BuildRecord, LibraryBuilder, build_libraries
 from .phases.load import TOKENIZER_DIR, copy_tokenizer, load_model
 from .phases.manifest import assemble_manifest
@@ -76,13 +77,14 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
     progress = progress or Progress(0, quiet=True)
     progress.set_total(progress_steps(plan))
     with atomic_directory(config.out) as staging, Workers() as workers:
+        attention_kernels = start_attention_kernels(config, plan, workers, staging)
         with progress.step(f"load {model_name(plan.info.path)} ({config.task})", "load"):
             wrapper, reference, sparsity = load_model(config, plan.info)
         with progress.step("torch.export + Relax import (dynamic batch, seq)", "import"):
             imported = export_and_import(wrapper, config.max_batch, plan.info.max_seq,
                                          int(plan.info.config["vocab_size"]), config.layout)
         arithmetic, auto_entry, candidate = decide_arithmetic(config, plan, imported, reference, staging, progress,
-                                                              workers)
+                                                              workers, attention_kernels)
         if candidate is not None and (sparsity is not None or plan.strategies != (candidate.strategy,)):
             candidate = None  # its passes are not all the shipped libraries'
         with progress.step(f"passes for strategy {', '.join(plan.strategies)}; lift weights", "passes"):
@@ -104,16 +106,18 @@ def model_name(path: Path) -> str:
 
 
 def decide_arithmetic(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module, staging: Path,
-                      progress: Progress, workers: Workers) -> tuple[Arithmetic, PrecisionEntry | None, Candidate | None]:
-    """The decisions that need the model: attention's products, the int8 plan (checked), auto's
-    precision. Returns what the libraries compute in, auto's record of its choice, and the generic
-    library already built and measured in that arithmetic (None: none). The candidates the int8 plan
-    does not decide are built while it is simulated."""
+                      progress: Progress, workers: Workers, attention_kernels: StartedKernels | None
+                      ) -> tuple[Arithmetic, PrecisionEntry | None, Candidate | None]:
+    """The decisions that need the model: attention's products (`attention_kernels` built while it
+    loaded), the int8 plan (checked), auto's precision. Returns what the libraries compute in, auto's
+    record of its choice, and the generic library already built and measured in that arithmetic (None:
+    none). The candidates the int8 plan does not decide are built while it is simulated."""
     arithmetic, auto_entry, candidate = Arithmetic(precision=config.precision), None, None
     if plan.chooses_attention:
         with progress.step(f"attention's products beside bf16 / int8 linears ({config.attention_products})",
                            "attention"):
-            arithmetic = arithmetic.but(attention=choose_attention(config, plan))
+            arithmetic = arithmetic.but(attention=choose_attention(config, plan, attention_kernels))
+        shutil.rmtree(staging / "attention", ignore_errors=True)
     started = {}
     if plan.requested_precision == "auto" and plan.plans_int8:
         with progress.step("precision auto: start building the candidates the int8 plan does not decide", "precision"):

@@ -47,7 +47,7 @@ def parse_args(argv):
     parser.add_argument("--artifacts", type=Path, required=True, help="compiled artifact directory")
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="BxS shapes, ideally buckets of the artifact")
     parser.add_argument("--generic-shapes", default=DEFAULT_GENERIC_SHAPES,
-                        help="non-bucket shapes: generic library vs the bucket that would serve them padded")
+                        help="non-bucket shapes: generic library vs the bucket that would serve them padded (empty: none)")
     parser.add_argument("--repeats", type=at_least_one, default=10)
     parser.add_argument("--threads", type=at_least_one, default=2)
     parser.add_argument("--warm-calls", type=int, default=1,
@@ -59,11 +59,22 @@ def parse_args(argv):
                         help="also the int8 peers: ONNX Runtime int8 (quantize_dynamic, QInt8 per channel) on the plain "
                              "export and on the transformers-optimized graph, OpenVINO NNCF int8 (transformer preset)")
     parser.add_argument("--torch-compile", action="store_true", help="also time torch.compile(wrapper)")
+    parser.add_argument("--time", type=_labels, metavar="LABELS",
+                        help="comma-separated candidates to time, such as tvm_bucket,openvino (default: every one); "
+                             "the others still run once, for the agreement check (PyTorch eager is the reference): "
+                             "for shapes where their calls take minutes")
     parser.add_argument("--compare", type=Path, action="append", default=[], metavar="ARTIFACTS",
                         help="another artifact of the same model (e.g. built without CUDA graphs) whose "
                              "libraries join the interleaved runs; repeatable")
     parser.add_argument("--out", type=Path, default=Path("docs/bench/cpu"), help="directory for JSON + PNG")
     return parser.parse_args(argv)
+
+
+def _labels(text: str) -> tuple[str, ...]:
+    labels = tuple(label.strip() for label in text.split(",") if label.strip())
+    if "tvm_bucket" not in labels:
+        raise argparse.ArgumentTypeError("must include tvm_bucket, the artifact under test")
+    return labels
 
 
 def bert_flops(config: dict, lengths: list[int]) -> float:
@@ -232,7 +243,7 @@ def check_arguments(args) -> list[tuple[object, str]] | str:
 
     try:
         shapes = [(s, "bucket") for s in parse_buckets(args.shapes)] + [
-            (s, "generic") for s in parse_buckets(args.generic_shapes)]
+            (s, "generic") for s in (parse_buckets(args.generic_shapes) if args.generic_shapes.strip() else [])]
         manifests = [read_manifest(directory) for directory in (args.artifacts, *args.compare)]
     except (ArtifactError, CompileError) as exc:
         return str(exc)
@@ -326,10 +337,11 @@ def time_shape(args, candidates: Candidates, shape, kind: str, seed: int, tolera
                 f"{tolerance:g} ({manifest.dtype}); nothing timed")
     _log(f"bench {shape.name} ({kind}, served by {served_by}), fp32 candidates agree within "
          f"{max(d for k, d in diffs.items() if candidates.precisions[k] == 'fp32'):.1e}, {args.repeats} rounds ...")
-    aliases = candidates.aliases()
+    wanted = timed_labels(args, calls)
+    aliases = {alias: timed for alias, timed in candidates.aliases().items() if alias in wanted}
+    timed = {k: v for k, v in calls.items() if (k in wanted or k in aliases.values()) and k not in aliases}
     with torch.no_grad():
-        stats = interleaved_medians({k: v for k, v in calls.items() if k not in aliases}, args.repeats,
-                                    warm_calls=args.warm_calls)
+        stats = interleaved_medians(timed, args.repeats, warm_calls=args.warm_calls)
     stats.update({alias: stats[timed] for alias, timed in aliases.items()})
     flops = bert_flops(candidates.info.config, [int(length) for length in mask.sum(axis=1)])
     row = {"shape": shape.name, "kind": kind, "served_by": served_by, "gflop": flops / 1e9,
@@ -338,9 +350,15 @@ def time_shape(args, candidates: Candidates, shape, kind: str, seed: int, tolera
     for group, best in peers.items():
         row[f"ratio_vs_{group}"] = {k: v["median_s"] / stats[best]["median_s"] for k, v in stats.items()}
     row["gflops"] = {k: flops / v["median_s"] / 1e9 for k, v in stats.items()}
-    row["generic_vs_bucket"] = stats["tvm_generic"]["median_s"] / stats["tvm_bucket"]["median_s"]
+    if "tvm_generic" in stats:
+        row["generic_vs_bucket"] = stats["tvm_generic"]["median_s"] / stats["tvm_bucket"]["median_s"]
     _log("  " + ", ".join(f"{k} {v['median_s'] * 1e3:.1f} ms" for k, v in stats.items()))
     return row
+
+
+def timed_labels(args, calls: dict) -> list[str]:
+    """The candidates `--time` names (every one of `calls` where it names none)."""
+    return [label for label in calls if args.time is None or label in args.time]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,11 +434,13 @@ def markdown_table(report: dict) -> str:
     peak = report["machine"]["peak_gemm_gflops"]
     for row in report["results"]:
         times = " | ".join(f"{row['stats'][b]['median_s'] * 1e3:.1f}" for b in backends)
-        vs_ort = row.get("ratio_vs_onnxruntime", {}).get("tvm_bucket")
+        ratios = [row.get("ratio_vs_torch", {}).get("tvm_bucket"), row.get("ratio_vs_onnxruntime", {}).get("tvm_bucket"),
+                  row.get("generic_vs_bucket")]
         gflops = row["gflops"]["tvm_bucket"]
         lines.append(
-            f"| {row['shape']} ({row['kind']}) | {row['served_by']} | {times} | {row['ratio_vs_torch']['tvm_bucket']:.2f}x | "
-            f"{'n/a' if vs_ort is None else f'{vs_ort:.2f}x'} | {row['generic_vs_bucket']:.2f}x | {gflops:.0f} ({100 * gflops / peak:.0f}%) |"
+            f"| {row['shape']} ({row['kind']}) | {row['served_by']} | {times} | "
+            + " | ".join("n/a" if ratio is None else f"{ratio:.2f}x" for ratio in ratios)
+            + f" | {gflops:.0f} ({100 * gflops / peak:.0f}%) |"
         )
     compiled = [b for b in backends if b.startswith("tvm_")]
     precisions = report["precisions"]

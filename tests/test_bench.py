@@ -242,6 +242,23 @@ def test_openvinos_default_at_f32_is_timed_once_under_both_names(tiny_embed_arti
         assert row["least_cosine"]["openvino"] == row["least_cosine"]["openvino_f32"]
 
 
+def test_time_names_the_candidates_timed_and_every_one_is_still_checked(tiny_embed_artifact, tmp_path, capsys):
+    """`--time tvm_bucket,openvino` (a shape where PyTorch takes minutes): only those two are timed, and
+    every other candidate still ran once against PyTorch eager; ratios to what was not timed are n/a."""
+    out, artifact = tmp_path / "bench", with_latencies(tiny_embed_artifact, tmp_path / "timed", TINY_LATENCIES)
+    assert main(["--artifacts", str(artifact), "--shapes", "1x8", "--generic-shapes", "", "--repeats", "2",
+                 "--no-onnx", "--time", "tvm_bucket,openvino", "--out", str(out)]) == 0
+    (row,) = json.loads((out / "bench.json").read_text())["results"]
+    assert set(row["stats"]) == {"tvm_bucket", "openvino"}
+    assert set(row["least_cosine"]) == {"tvm_bucket", "tvm_generic", "torch_sdpa", "openvino", "openvino_f32"}
+    assert row["agreement"]["tvm_generic"] <= 1e-4 and "ratio_vs_torch" not in row
+    assert "| 1x8 (bucket) | bucket-1x8 |" in (out / "bench.md").read_text()
+    assert "| n/a | n/a | n/a |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--artifacts", str(artifact), "--time", "openvino"])
+    assert "must include tvm_bucket" in capsys.readouterr().err
+
+
 def test_weight_pages_times_the_loaded_weights_against_a_copy_on_ordinary_pages(tiny_embed_artifact, capsys):
     from loadtest import weight_pages
 

@@ -30,13 +30,25 @@ REPLANS = 2  # times an int8 plan is admitted again after its library missed wha
 log = logging.getLogger(__name__)
 
 
-def choose_attention(config: CompileConfig, plan: Plan) -> attention_products.AttentionChoice:
+def start_attention_kernels(config: CompileConfig, plan: Plan, workers: Workers,
+                            staging: Path) -> attention_products.StartedKernels | None:
+    """The attention kernels `choose_attention` times, their builds started before the model is loaded
+    (its load and import leave a core idle); None where nothing will be timed."""
+    if not (plan.chooses_attention and plan.measures):
+        return None
+    return attention_products.start_kernels(plan.target, attention_products.Geometry.of(plan.info),
+                                            config.attention_products, workers, staging / "attention")
+
+
+def choose_attention(config: CompileConfig, plan: Plan,
+                     kernels: attention_products.StartedKernels | None) -> attention_products.AttentionChoice:
     """The arithmetic of attention's products beside bf16 / int8 linears: timed on this CPU where
-    the libraries run here and are validated (as the strategies are), else as asked or the rule."""
+    the libraries run here and are validated (as the strategies are; `kernels` built already), else
+    as asked or the rule."""
     if plan.measures:
         use_all_cores()
     choice = attention_products.choose(plan.target, attention_products.Geometry.of(plan.info),
-                                       config.attention_products, plan.measures)
+                                       config.attention_products, plan.measures, kernels)
     log.info("attention products: beside bf16 linears %s; beside int8 linears %s", choice.reasons["bf16"],
              choice.reasons["int8"])
     return choice
@@ -46,7 +58,9 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
                       reference: torch.nn.Module, progress: Progress) -> Arithmetic:
     """`arithmetic` with the int8 plan, simulated with attention's products as chosen. int8 products
     stay only where every linear group keeps its int8 beside them (a kept linear costs more than they
-    save); else fp32 products, and the plan keeps out what the gate needs."""
+    save); else the products bf16 linears have, and the plan keeps out what the gate needs. Where int8
+    products were timed faster, the plan beside the others comes first: where it keeps a linear out,
+    int8 products, which round more, cannot keep every one in, and their passes are not run."""
     attention = arithmetic.attention
     simulation = simulation_for(imported.mod, plan.target, reference, plan.info, config.model_task,
                                 bf16_pays=attention.bf16_pays)
@@ -54,14 +68,17 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
         return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, keep_out=keep_out)
 
-    if attention.for_precision("int8") == "int8":
+    if attention.for_precision("int8") != "int8":
+        return arithmetic.but(int8=planned(attention.for_precision("int8")))
+    beside_others = planned(attention.without_int8().for_precision("int8"))
+    if not beside_others.fallback:
         int8 = planned("int8", keep_out=False)
         if int8 is not None:
             return arithmetic.but(int8=int8)
-        attention = attention.without_int8()
-        log.info("attention products: %s", attention.reasons["int8"])
-        progress.note(attention.reasons["int8"])
-    return arithmetic.but(attention=attention, int8=planned(attention.for_precision("int8")))
+    attention = attention.without_int8(measured=not beside_others.fallback)
+    log.info("attention products: %s", attention.reasons["int8"])
+    progress.note(attention.reasons["int8"])
+    return arithmetic.but(attention=attention, int8=beside_others)
 
 
 @dataclass

@@ -106,6 +106,9 @@ class _AdditiveSimulation:
         self.fallback_precision = "fp32"
         self.runs = 0
 
+    def use_products(self, products: str) -> None:
+        self.products = products
+
     def release_layers(self) -> None:
         """Nothing is cached."""
 
@@ -160,7 +163,7 @@ def test_a_plan_whose_library_lost_more_than_its_margin_is_admitted_again_with_w
     simulation = _AdditiveSimulation({"qkv": (3, 3e-4), "out": (1, 2e-4), "up": (4, 2e-4), "down": (4, 6e-4),
                                       "tiny": (1, 0.0)})
     floor = 1 - 7e-4
-    planner = Planner(simulation, {0.0: simulation.accuracy(0.0, set())}, 0.0,
+    planner = Planner(simulation, "fp32", {0.0: simulation.accuracy(0.0, set())}, 0.0,
                       lambda accuracy: accuracy["cosine_min"] >= floor, lambda line: None)
     plan = planner.plan(SIMULATION_TOLERANCE)
     assert plan.fallback == ["out", "down"] and plan.margin == SIMULATION_TOLERANCE

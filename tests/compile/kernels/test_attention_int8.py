@@ -151,6 +151,7 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
 
     injected = {"fp32": {"1x64": 1.0}, "int8": {"1x64": 0.6}}
     monkeypatch.setattr(attention_products, "_time_kernels", lambda *_args: injected)
+    monkeypatch.setattr(attention_products, "start_kernels", lambda *_args: None)  # nothing to time
     built_with, planned_with = [], []
     real_submit, real_plan = Workers.submit, decisions.plan_for
 
@@ -167,7 +168,8 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
     checkpoint = save_sentence_transformer(tmp_path / "model", seed=6, config={**TINY_SIZES, **WHOLE_PANELS})
     manifest, _ = compile_artifact(checkpoint, tmp_path / "int8", ["packed-16"], layout="packed", precision="int8",
                                    mcpu="x86-64-v3", generic_shapes=["3x20"])
-    assert built_with == ["int8"] * 2 and planned_with == ["int8"]  # the plan's library (shipped as generic), bucket
+    assert built_with == ["int8"] * 2  # the plan's library (shipped as generic), the bucket
+    assert planned_with == ["fp32", "int8"]  # beside fp32 products every linear stays in int8: int8 products tried
     recorded = manifest.precision.attention
     assert (recorded.products, recorded.reason, recorded.times_ms) == ("int8", "int8: 0.60x the fp32 kernel's time",
                                                                       injected)
@@ -176,11 +178,12 @@ def test_a_compile_at_avx2_ships_int8_products_where_they_are_faster(tmp_path, m
 
 
 def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypatch):
-    """The plan with int8 products may keep no linear out of int8 (None where every linear in int8
-    misses the gate: no sensitivity passes); then the compile plans with the products bf16 linears
-    have (fp32, or bf16 where those were timed faster than fp32), keeping out what the gate needs,
-    and says why. Where int8 linears hold the gate, the int8 products stay. Both plans measure with one
-    simulation (its calibration and fp32 reference are theirs)."""
+    """Where int8 products were timed faster, the plan beside the products bf16 linears have (fp32, or
+    bf16 where those were timed faster than fp32) comes first. Where it keeps a linear out, int8 products,
+    which round more, are not simulated: that plan ships beside those products, and the manifest says why.
+    Where it keeps every linear in int8, the plan with int8 products (no linear kept out: None where every
+    linear in int8 misses the gate) decides: int8 products stay where it holds. Every plan measures with
+    one simulation (its calibration and fp32 reference are theirs)."""
     from types import SimpleNamespace
 
     from compile.int8_plan import Int8Plan
@@ -188,9 +191,10 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
     def fake_plan(simulation, *_args, attention_products, keep_out, **_kwargs):
         planned.append((attention_products, keep_out))
         simulated_with.append(simulation)
-        if attention_products == "int8" and misses:
-            return None
-        return Int8Plan(alpha=0.5, scales={}, fallback=["encoder.layer.0.output.dense"] if misses else [],
+        if attention_products == "int8":
+            return None if int8_misses else Int8Plan(alpha=0.5, scales={}, fallback=[], fallback_keys=set(),
+                                                     simulated={}, units=4)
+        return Int8Plan(alpha=0.5, scales={}, fallback=["encoder.layer.0.output.dense"] if others_keep_out else [],
                         fallback_keys=set(), simulated={}, units=4)
 
     simulations = []
@@ -203,17 +207,22 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
     without_bf16 = {"fp32": {"1x128": 1.0}, "int8": {"1x128": 0.7}}
     slower_bf16 = {**without_bf16, "bf16": {"1x128": 1.2}}
     faster_bf16 = {**without_bf16, "bf16": {"1x128": 0.8}}
-    for timed, misses, products, plans in ((without_bf16, False, "int8", [("int8", False)]),
-                                           (without_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
-                                           (slower_bf16, True, "fp32", [("int8", False), ("fp32", True)]),
-                                           (faster_bf16, True, "bf16", [("int8", False), ("bf16", True)])):
+    measured = "with int8 products, int8 linears miss the gate"
+    for timed, others_keep_out, int8_misses, products, plans, why in (
+            (without_bf16, False, False, "int8", [("fp32", True), ("int8", False)], "0.70x the fp32 kernel's time"),
+            (without_bf16, False, True, "fp32", [("fp32", True), ("int8", False)], measured),
+            (without_bf16, True, False, "fp32", [("fp32", True)], "int8 linears miss the gate beside fp32 products "
+                                                                  "already, and int8 ones round more"),
+            (slower_bf16, True, False, "fp32", [("fp32", True)], "int8 linears miss the gate beside fp32 products "
+                                                                 "already, and int8 ones round more"),
+            (faster_bf16, True, False, "bf16", [("bf16", True)], "int8 linears miss the gate beside bf16 products "
+                                                                 "already, and int8 ones round more")):
         planned, simulated_with, simulations = [], [], []
         plan = SimpleNamespace(info=info, target=V3)
         asked = Arithmetic("int8", attention=attention_products.decide(timed))
         chosen = decisions.plan_int8_linears(config, plan, asked, SimpleNamespace(mod=None), None, progress)
         assert (chosen.attention.products["int8"], planned, len(chosen.int8.fallback)) == (products, plans,
-                                                                                            int(misses))
+                                                                                            int(others_keep_out))
         assert len(simulations) == 1 and simulated_with == simulations * len(plans)
-        assert chosen.attention.reasons["int8"] == (f"{products}: with int8 products, int8 linears miss the gate"
-                                                    if misses else "int8: 0.70x the fp32 kernel's time")
+        assert chosen.attention.reasons["int8"] == f"{products}: {why}"
         assert chosen.attention.times_ms == timed and asked.int8 is None  # a new value; the asked one stays

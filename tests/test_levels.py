@@ -100,7 +100,7 @@ def test_a_cpu_llvm_does_not_know_is_refused_before_compiling(tiny_bert_dir, tmp
 def multi_level(tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("levels") / "tiny-levels"
     result = subprocess.run([sys.executable, "-m", "compile", "--model", str(tiny_bert_dir), "--mcpu", f"{V3},{V4}",
-                             "--buckets", "1x8,2x16", "--max-batch", "8", "--out", str(out)], cwd=REPO,
+                             "--buckets", "1x8", "--max-batch", "8", "--out", str(out)], cwd=REPO,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     (out.parent / "compile.log").write_text(result.stderr)  # its progress lines

@@ -14,6 +14,10 @@ tensor intrinsics (`--tune`) 35-40 s instead of 5.
   (to find names that PEP 563 hides from a closure), so it gets those, as `inspect.stack()` would
   list them, without reading any source. Use it as `@script.prim_func(s_tir=True)`: the parser
   reads `s_tir` and `private` from the decorator's keywords, as it does for `T.prim_func`.
+- A macro (`T.macro`) finds the parser that expands it by walking out from its call to the first
+  frame whose globals hold the parser. TVMScript walks with `inspect.getouterframes`, which reads
+  the source lines of every frame, hundreds of them deep inside the parser, at every use of a
+  macro; `_find_parser` walks the frames themselves, in the same order, from the same frame.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import threading
 from types import SimpleNamespace
 
 from tvm.script.parser._core import parse, utils
+from tvm.script.parser.core.parser import ScriptMacro
 
 DISPATCH_TOKEN = "tirx"  # the parser's dialect for a function decorated with this
 FROZEN_IMPORT_MODULES = ("importlib._bootstrap", "importlib._bootstrap_external")
@@ -65,3 +70,17 @@ def prim_func(s_tir: bool = False, private: bool = False, check_well_formed: boo
 
 
 prim_func.dispatch_token = DISPATCH_TOKEN
+
+
+def _find_parser(_macro: ScriptMacro):
+    """`ScriptMacro._find_parser_def` without reading each frame's source (see the module's docstring)."""
+    frame = sys._getframe(0)
+    while frame is not None:
+        parser = frame.f_globals.get(ScriptMacro.parser_object_name)
+        if parser is not None:
+            return parser
+        frame = frame.f_back
+    raise RuntimeError(f"{ScriptMacro.parser_object_name} not available")
+
+
+ScriptMacro._find_parser_def = _find_parser

@@ -248,7 +248,7 @@ def int8_artifact(request, int8_checkpoint, tmp_path_factory):
     from tests.support.artifacts import compile_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / f"tiny-int8-{request.param}"
-    buckets = ["packed-16", "packed-64"] if request.param == "packed" else ["1x5", "4x16"]
+    buckets = ["packed-16"] if request.param == "packed" else ["1x5", "4x16"]
     compile_artifact(int8_checkpoint, out, buckets, layout=request.param, precision="int8", attention_products="fp32",
                      generic_shapes=["3x20"])
     return out
@@ -322,7 +322,7 @@ def test_int8_classifier_keeps_fp32_top1_labels(serve, int8_classifier, tmp_path
 
     from tests.support.artifacts import compile_artifact
 
-    manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16", "packed-64"],
+    manifest, _ = compile_artifact(int8_classifier, tmp_path / "int8-classifier", ["packed-16"],
                                    task="classify", layout="packed", precision="int8", attention_products="fp32",
                                    generic_shapes=["3x20"])
     assert manifest.quantization.top1_agreement == 1.0 and manifest.quantization.max_probability_diff < 0.05

@@ -179,15 +179,15 @@ def test_attention_the_kernel_cannot_run_is_left_as_it_was(case):
     tvm.ir.assert_structural_equal(after, before)
 
 
-def test_minilm_attention_fuses_once_per_layer_in_both_layouts(minilm_dir):
+def test_minilm_attention_fuses_once_per_layer_in_both_layouts(minilm_dir, minilm_imported):
+    """The padded import is the session's (conftest.py: the same export, shared with the other passes' tests)."""
     from compile.checkpoint import inspect_checkpoint, load_wrapper
     from compile.importer import export_and_import
     from compile.passes.strategy import apply_strategy
 
     info = inspect_checkpoint(minilm_dir, "embed")
-    wrapper = load_wrapper(info, "embed")
-    for layout in ("packed", "padded"):
-        imported = export_and_import(wrapper, 16, info.max_seq, info.config["vocab_size"], layout)
+    packed = export_and_import(load_wrapper(info, "embed"), 16, info.max_seq, info.config["vocab_size"], "packed")
+    for layout, imported in (("packed", packed), ("padded", minilm_imported)):
         for strategy in ("concat", "off"):  # one Q/K/V source at three offsets, or three sources
             after, fused = fuse_attention_in(apply_strategy(imported.mod, strategy), KERNELS[16])
             assert fused == 6, (layout, strategy)

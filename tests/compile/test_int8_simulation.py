@@ -181,8 +181,9 @@ def test_integer_products_are_exact_at_the_int8_bound():
 
 
 def test_the_simulation_runs_on_one_thread_and_gives_the_threads_back(outlier_checkpoint):
-    """Its passes' operators are small and libraries build beside them: PyTorch runs them (and the
-    calibration) on SIMULATION_THREADS, and the compile's own thread count is back after each."""
+    """Its passes' operators are small and libraries build beside them: PyTorch runs them on
+    SIMULATION_THREADS, and the compile's own thread count is back after each. The calibration, one
+    batch of every row padded to the longest, runs on the compile's threads."""
     from compile.int8_simulation import SIMULATION_THREADS, Simulation
 
     wrapper, rows, keys = plan_inputs(outlier_checkpoint)
@@ -191,7 +192,11 @@ def test_the_simulation_runs_on_one_thread_and_gives_the_threads_back(outlier_ch
     try:
         torch.set_num_threads(2)
         simulation = Simulation(wrapper, rows, keys, lambda actual, reference: {"actual": actual})
+        assert seen and set(seen) == {SIMULATION_THREADS}  # its probe and fp32 reference
+        seen.clear()
         simulation.calibrate()
+        assert seen == [2]
+        seen.clear()
         simulated = simulation.accuracy(0.5, set())["actual"]
         assert seen and set(seen) == {SIMULATION_THREADS} and torch.get_num_threads() == 2
     finally:

@@ -17,12 +17,12 @@ import torch
 
 from artifact.manifest import Manifest, PrecisionEntry, hub_snapshot
 
+from .attention_products import StartedKernels
 from .build import make_target
 from .config import CompileConfig
 from .importer import export_and_import
 from .int8_plan import Int8Plan
 from .passes.strategy import STRATEGIES
-from .attention_products import StartedKernels
 from .phases.decisions import (Candidate, check_int8_plan, choose_attention, choose_precision, plan_int8_linears,
                                start_attention_kernels, start_candidates)
 from .phases.libraries import BuildRecord, LibraryBuilder, build_libraries

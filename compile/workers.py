@@ -49,6 +49,11 @@ class _Running:
     started: float
 
 
+def _failure(exc: BaseException) -> str:
+    """A child's failure as the compile reports it: the exception and the end of its traceback."""
+    return f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"[-MESSAGE_CHARS:]
+
+
 def _build_in_child(build: Callable[[], None], errors: Connection, niceness: int) -> None:
     """A child's work: `build`, its failure sent back as one message with its traceback (a SIGTERM
     ends it at once: the compile's own handler would raise inside TVM)."""
@@ -58,8 +63,7 @@ def _build_in_child(build: Callable[[], None], errors: Connection, niceness: int
             os.nice(niceness)
         build()
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
-        message = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        errors.send(message[-MESSAGE_CHARS:])  # within the pipe's buffer: sent whole before the compile reads it
+        errors.send(_failure(exc))  # within the pipe's buffer: sent whole before the compile reads it
         errors.close()
         os._exit(1)
     errors.close()
@@ -156,7 +160,7 @@ def _map_in_child(function: Callable, items: Sequence, results: Connection) -> N
         for index, item in enumerate(items):
             results.send((index, function(item)))
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the compile
-        results.send((None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"[-MESSAGE_CHARS:]))
+        results.send((None, _failure(exc)))
         results.close()
         os._exit(1)
     results.close()

@@ -337,6 +337,9 @@ def time_shape(args, candidates: Candidates, shape, kind: str, seed: int, tolera
                 f"{tolerance:g} ({manifest.dtype}); nothing timed")
     _log(f"bench {shape.name} ({kind}, served by {served_by}), fp32 candidates agree within "
          f"{max(d for k, d in diffs.items() if candidates.precisions[k] == 'fp32'):.1e}, {args.repeats} rounds ...")
+    unknown = sorted(set(args.time or ()) - set(calls))
+    if unknown:
+        return f"--time names {', '.join(unknown)}, which this run has not (it has {', '.join(calls)})"
     wanted = timed_labels(args, calls)
     aliases = {alias: timed for alias, timed in candidates.aliases().items() if alias in wanted}
     timed = {k: v for k, v in calls.items() if (k in wanted or k in aliases.values()) and k not in aliases}
@@ -401,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         "onnxruntime_attention_fused": candidates.ort_fused_attention,
         "openvino_isa": {label: ov.isa() for label, ov in candidates.openvino.items()},
         "artifact": str(args.artifacts), "compared": [str(p) for p in args.compare],
-        "precisions": {label: candidates.precisions[label] for label in results[0]["stats"]},
+        "precisions": {label: candidates.precisions[label] for label in
+                       (*results[0]["stats"], *results[0]["least_cosine"])},
         "repeats": args.repeats, "results": results,
     }
     write_report(report, args.out, peak)
@@ -457,8 +461,8 @@ def markdown_table(report: dict) -> str:
                 ratios.append(f"{row['ratio_vs_openvino'][label]:.2f}x openvino ({precisions['openvino']})")
             cells.append(", ".join(ratios + [f"cos {row['least_cosine'][label]:.5f}"]))
         lines.append(f"| {row['shape']} | " + " | ".join(cells) + " |")
-    peers = [b for b in backends if not b.startswith(("tvm_", "torch_eager"))]
-    lines += ["", "Peers' least cosine of an output row to PyTorch fp32: " + "; ".join(
+    peers = [label for label in report["results"][0]["least_cosine"] if not label.startswith("tvm_")]
+    lines += ["", "Peers' least cosine of an output row to PyTorch fp32 (timed or not): " + "; ".join(
         f"{row['shape']} " + ", ".join(f"{label} ({precisions[label]}) {row['least_cosine'][label]:.5f}"
                                        for label in peers)
         for row in report["results"])]

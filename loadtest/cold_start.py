@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from .machine import describe as describe_machine
 from .servers import REPO, free_port
 
 PROG = "python -m loadtest.cold_start"
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace, root: Path) -> dict:
         results["cold"]["compile"] = phases
         print("cold start's compile: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in
                                                  phases["phases_s"].items()), file=sys.stderr)
-    return {"machine": {"cpus": len(os.sched_getaffinity(0)), "processor": platform.processor() or platform.machine()},
+    return {"machine": describe_machine(),
             "model": "all-MiniLM-L6-v2 (bundled)", "config": str(args.config or "configs/default.yaml"), **results}
 
 
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="bert-cold-start-") as scratch:
             result = run(args, Path(scratch))
-    text = json.dumps(result, indent=2)
+    command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = json.dumps({"command": command.strip(), **result}, indent=2)
     print(text)
     if args.out is not None:
         args.out.write_text(text + "\n")

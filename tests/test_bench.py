@@ -252,8 +252,12 @@ def test_time_names_the_candidates_timed_and_every_one_is_still_checked(tiny_emb
     assert set(row["stats"]) == {"tvm_bucket", "openvino"}
     assert set(row["least_cosine"]) == {"tvm_bucket", "tvm_generic", "torch_sdpa", "openvino", "openvino_f32"}
     assert row["agreement"]["tvm_generic"] <= 1e-4 and "ratio_vs_torch" not in row
-    assert "| 1x8 (bucket) | bucket-1x8 |" in (out / "bench.md").read_text()
+    markdown = (out / "bench.md").read_text()
+    assert "| 1x8 (bucket) | bucket-1x8 |" in markdown and "torch_sdpa (fp32) 1.00000" in markdown  # untimed, checked
     assert "| n/a | n/a | n/a |" in capsys.readouterr().out
+    assert main(["--artifacts", str(artifact), "--shapes", "1x8", "--generic-shapes", "", "--no-onnx",
+                 "--time", "tvm_bucket,openvno", "--out", str(out)]) == 1
+    assert "--time names openvno, which this run has not (it has tvm_bucket" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--artifacts", str(artifact), "--time", "openvino"])
     assert "must include tvm_bucket" in capsys.readouterr().err

@@ -42,10 +42,11 @@ import tvm
 
 from . import precision
 from .capabilities import Capabilities
-from .int8_simulation import SIMULATION_TOLERANCE, Simulation
+from .int8_simulation import SIMULATION_TOLERANCE, CalibrationPass, Simulation, calibration_pass
 from .kernels import int8
 from .passes.packing import linears_on_weights
 from .passes.smooth import linear_modules
+from .workers import Computed, Workers
 
 if TYPE_CHECKING:
     from .checkpoint import CheckpointInfo
@@ -137,18 +138,20 @@ def plan_int8(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], quantized_
 
 
 def plan_simulated(simulation: Simulation, passes_gate: Callable[[dict], bool], report: Callable[[str], None],
-                   attention_products: str = "fp32", keep_out: bool = True) -> Int8Plan | None:
+                   attention_products: str = "fp32", keep_out: bool = True,
+                   alphas: tuple[float, ...] = ALPHAS) -> Int8Plan | None:
     """The plan measured on `simulation` (calibrated), with attention's products in `attention_products`
-    (attention_products.py); `keep_out` False: no fallback, None where every linear in int8 misses the
-    gate. A simulation serves plans of several products: its calibration and fp32 reference are theirs."""
+    (attention_products.py), at the smoothing of `alphas` that keeps the most; `keep_out` False: no
+    fallback, None where every linear in int8 misses the gate. A simulation serves plans of several
+    products: its calibration and fp32 reference are theirs."""
     simulation.use_products(attention_products)
-    alphas = dict(zip(ALPHAS, simulation.accuracies([(alpha, set()) for alpha in ALPHAS])))
-    alpha = max(alphas, key=lambda a: score(alphas[a]))
-    log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in alphas.items()))
-    report(f"smoothing: alpha {alpha} of {len(ALPHAS)} tried (least cosine {score(alphas[alpha])[0]:.4f})")
-    if not keep_out and not with_margin(passes_gate, SIMULATION_TOLERANCE)(alphas[alpha]):
+    tried = dict(zip(alphas, simulation.accuracies([(alpha, set()) for alpha in alphas])))
+    alpha = max(tried, key=lambda a: score(tried[a]))
+    log.info("int8 smoothing alpha %s; %s", alpha, ", ".join(f"{a}: {score(r)[0]:.4f}" for a, r in tried.items()))
+    report(f"smoothing: alpha {alpha} of {len(tried)} tried (least cosine {score(tried[alpha])[0]:.4f})")
+    if not keep_out and not with_margin(passes_gate, SIMULATION_TOLERANCE)(tried[alpha]):
         return None
-    return Planner(simulation, attention_products, alphas, alpha, passes_gate, report).plan(SIMULATION_TOLERANCE)
+    return Planner(simulation, attention_products, tried, alpha, passes_gate, report).plan(SIMULATION_TOLERANCE)
 
 
 @dataclass
@@ -260,26 +263,38 @@ def kept_precision(target: tvm.target.Target, bf16_pays: bool | None = None) -> 
     return "bf16" if Capabilities.of(target).bf16 and bf16_pays is not False else "fp32"
 
 
+def start_calibration(workers: Workers, reference: torch.nn.Module, info: CheckpointInfo,
+                      task: str) -> Computed[CalibrationPass]:
+    """`simulation_for`'s calibration (`calibration_pass` on `accuracy_rows`), started in a child now: it
+    needs the PyTorch model only, and the export that comes next runs on one core."""
+    from .passes.quantize import accuracy_rows
+
+    rows = accuracy_rows(info, task)
+    return workers.compute("the int8 plan's calibration", lambda: calibration_pass(reference, rows))
+
+
 def simulation_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, info: CheckpointInfo,
-                   task: str, bf16_pays: bool | None = None) -> Simulation:
+                   task: str, bf16_pays: bool | None = None,
+                   calibration: Computed[CalibrationPass] | None = None) -> Simulation:
     """The int8 simulation of an imported model for `target`'s int8 kernel over the rows a precision is
     measured on (`accuracy_rows`: the shipped sentences, and an embedder's random token rows), against
-    the fp32 `reference`, calibrated on them; units left out of int8 run in `kept_precision`. Every plan
-    of the model measures with it (`plan_for`), whatever attention's products."""
+    the fp32 `reference`, calibrated on them (`calibration`, where started); units left out of int8 run
+    in `kept_precision`. Every plan of the model measures with it (`plan_for`), whatever attention's
+    products."""
     from .passes.quantize import accuracy_rows, classifier_agreement, embedding_agreement
 
     kernel = Capabilities.of(target).int8_kernel
     agreement = classifier_agreement if task == "classify" else embedding_agreement
     simulation = Simulation(reference, accuracy_rows(info, task), quantizable_modules(mod, kernel),
                             agreement, kernel.int16_pairs, kept_precision(target, bf16_pays))
-    simulation.calibrate()
+    simulation.calibrate(calibration.result() if calibration is not None else None)
     return simulation
 
 
 def plan_for(simulation: Simulation, min_cosine: float | None = None,
              report: Callable[[str], None] = lambda text: None, attention_products: str = "fp32",
-             keep_out: bool = True) -> Int8Plan | None:
+             keep_out: bool = True, alphas: tuple[float, ...] = ALPHAS) -> Int8Plan | None:
     """The int8 plan measured on `simulation` (`simulation_for`) with the int8 gate
     (compile/precision.py) and `min_cosine`; `report` hears its progress."""
     return plan_simulated(simulation, lambda accuracy: not precision.accuracy_failures("int8", accuracy, min_cosine),
-                          report, attention_products, keep_out)
+                          report, attention_products, keep_out, alphas)

@@ -39,6 +39,7 @@ from .workers import map_beside_a_child
 # in its Zen 4 library (bf16 kept and products); their least cosines 1.00x and 1.06x (loadtest.plan_fidelity).
 SIMULATION_TOLERANCE = 0.1
 EXACT_FP32_INTEGER = 2**24  # fp32 holds every integer below this exactly
+ACTIVATION_SHIFT = 128  # u8 activation codes less this fit int8, an operand of PyTorch's int8 matmul
 # A forward pass's fixed cost (Python, hooks, operator launches) in padded tokens' time: MiniLM's
 # passes on 2 cores took ~0.2 ms a token and ~5 ms besides
 FORWARD_COST_TOKENS = 25
@@ -80,30 +81,40 @@ def weight_scales(weight: torch.Tensor, int16_pairs: bool) -> torch.Tensor:
     return largest.clamp(min=1e-30) / int8.WEIGHT_CODES
 
 
-def weight_codes(module: torch.nn.Linear, scale: torch.Tensor | None, int16_pairs: bool) -> tuple:
-    """(the integer-valued codes [N, K], their steps [N, 1]) of `module`'s weight smoothed by `scale`
-    (None: not smoothed), as the compile quantizes it (`weight_scales`)."""
+@dataclass(frozen=True)
+class WeightCodes:
+    """A linear's weight as the compile quantizes it: int8 codes [N, K], their steps [N, 1], and each
+    output channel's sum of codes [N] (int32: what `integer_matmul` adds back for its shifted operand)."""
+
+    codes: torch.Tensor
+    steps: torch.Tensor
+    sums: torch.Tensor
+
+
+def weight_codes(module: torch.nn.Linear, scale: torch.Tensor | None, int16_pairs: bool) -> WeightCodes:
+    """`module`'s weight smoothed by `scale` (None: not smoothed), quantized as the compile does (`weight_scales`)."""
     weight = module.weight if scale is None else module.weight * scale
     step = weight_scales(weight, int16_pairs)
-    return torch.round(weight / step), step
+    codes = torch.round(weight / step).to(torch.int8)
+    return WeightCodes(codes, step, codes.sum(1, dtype=torch.int32))
 
 
 def fake_quantized_linear(module: torch.nn.Linear, x: torch.Tensor, scale: torch.Tensor | None,
                           int16_pairs: bool = False, arrives_smoothed: bool = False,
-                          codes: tuple | None = None) -> torch.Tensor:
+                          codes: WeightCodes | None = None) -> torch.Tensor:
     """The int8 kernels' arithmetic in PyTorch (compile/kernels/int8.py): optional smoothing (x / scale,
     unless x `arrives_smoothed`: divided upstream), per-token asymmetric u8 activations,
     per-output-channel weights (`weight_codes`, or `codes` where computed before), exact integer
-    products (`integer_matmul`: no rounding of large sums)."""
+    sums (`integer_matmul`: no rounding of large ones)."""
     if scale is not None and not arrives_smoothed:
         x = x / scale
     low, high = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
     x_scale = (high - low).clamp(min=1e-30) / row_quantize.ACTIVATION_CODES
     inverse = 1.0 / x_scale
     zero = torch.round(-low * inverse)
-    xq = (torch.round(x * inverse) + zero).clamp(0, row_quantize.ACTIVATION_CODES) - zero
-    wq, w_scale = codes if codes is not None else weight_codes(module, scale, int16_pairs)
-    y = integer_matmul(xq, wq, row_quantize.ACTIVATION_CODES * int8.WEIGHT_CODES).mul_(x_scale).mul_(w_scale.T)
+    xq = (torch.round(x * inverse) + zero).clamp(0, row_quantize.ACTIVATION_CODES)
+    weight = codes if codes is not None else weight_codes(module, scale, int16_pairs)
+    y = integer_matmul(xq, zero, weight).mul_(x_scale).mul_(weight.steps.T)
     return y.add_(module.bias) if module.bias is not None else y
 
 
@@ -188,6 +199,44 @@ def simulation_threads():
         torch.set_num_threads(threads)
 
 
+@dataclass
+class CalibrationPass:
+    """One forward pass of the fp32 model over `rows` (`calibration_pass`)."""
+
+    rows: tuple[np.ndarray, ...]
+    maxima: dict[str, np.ndarray]  # each Linear's largest |input| per channel, by `module_key`
+    outputs: np.ndarray  # the model's: every candidate library's fp32 reference on these rows
+
+
+def calibration_pass(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...]) -> CalibrationPass:
+    """The int8 smoothing's calibration: each Linear's largest |input| per channel over `rows`' real
+    tokens (padding rows are not an input the model is asked about), taken in one batch of the rows as
+    given, on one thread. The maxima set the smoothing the library is built with, and batches of other
+    shapes round them otherwise in the last bit (MiniLM in length batches: 366 of 5,760 scales an ulp
+    apart, and the x86-64-v3 library at 0.999 lost 5e-5 of least cosine that no pass showed). That
+    batch is large (the rows padded to the longest: 13 s of a 12 x 768 BERT's), so the compile takes
+    it in a child while it exports the model (int8_plan.start_calibration)."""
+    tensors = tuple(torch.from_numpy(x) for x in rows)
+    keys = {module: module_key(name) for name, module in wrapper.named_modules() if isinstance(module, torch.nn.Linear)}
+    mask = tensors[1].bool()
+    maxima: dict[str, torch.Tensor] = {}
+
+    def record(module, inputs, output):
+        x = inputs[0].detach()
+        real = x[mask] if x.dim() == 3 and x.shape[:2] == mask.shape else x.reshape(-1, x.shape[-1])
+        found, key = real.abs().amax(0), keys[module]
+        maxima[key] = torch.maximum(maxima[key], found) if key in maxima else found
+
+    handles = [module.register_forward_hook(record) for module in keys]
+    try:
+        with torch.no_grad(), simulation_threads():
+            outputs = wrapper(*tensors).float().numpy()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return CalibrationPass(rows, {key: found.numpy() for key, found in maxima.items()}, outputs)
+
+
 def _register_attention(name: str, function: Callable) -> None:
     """`function` as the attention transformers runs where a model's config names `name`, with the
     additive float mask its eager attention gets."""
@@ -234,7 +283,35 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return torch.nn.functional.linear(_bf16(x), weight, bias)
 
 
-def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
+def integer_matmul(codes: torch.Tensor, zero: torch.Tensor, weight: WeightCodes) -> torch.Tensor:
+    """(codes - zero) @ weight.codes.T of u8 activation codes [..., K] (integer-valued fp32) with their
+    zero points [..., 1]: the exact integer sums, each rounded once to fp32, as the int8 kernel converts
+    its int32 sums. PyTorch's int8 matmul where it is exact on this CPU (`int8_matmul_is_exact`; ~6x an
+    fp32 matmul on Zen 4), on the codes shifted to int8, the shift's share added back in int32 (which
+    holds 255 x 127 x K for K < 66,000, as the kernel's sums do); else `float_integer_matmul`."""
+    if not int8_matmul_is_exact():
+        return float_integer_matmul(codes - zero, weight.codes.float(),
+                                    row_quantize.ACTIVATION_CODES * int8.WEIGHT_CODES)
+    shape = codes.shape
+    shifted = (codes - ACTIVATION_SHIFT).to(torch.int8).reshape(-1, shape[-1])
+    sums = torch._int_mm(shifted, weight.codes.T).reshape(*shape[:-1], -1)
+    return sums.add_((ACTIVATION_SHIFT - zero).to(torch.int32) * weight.sums).float()
+
+
+@functools.cache
+def int8_matmul_is_exact() -> bool:
+    """Whether `torch._int_mm` gives the exact int32 sums here at the codes' extremes (a CPU path
+    that sums pairs of products in int16 could saturate them), probed once per process."""
+    extremes = torch.tensor([127, -128, 127, 127, -128, -128, 0, 1], dtype=torch.int8).repeat(96)
+    a = torch.stack([extremes.roll(i) for i in range(32)])
+    b = torch.stack([(extremes.roll(3 * i).clamp(min=-int8.WEIGHT_CODES)) for i in range(16)])
+    try:
+        return torch.equal(torch._int_mm(a, b.T).long(), a.long() @ b.long().T)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def float_integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> torch.Tensor:
     """a @ b.T of integer-valued fp32 tensors whose products are at most `largest_product`: the
     exact sums, each rounded once to fp32. Spans of the inner axis short enough that every partial
     sum stays under 2^24 are summed in fp32, which is exact there in any order (at twice fp64's
@@ -243,6 +320,7 @@ def integer_matmul(a: torch.Tensor, b: torch.Tensor, largest_product: int) -> to
     if a.shape[-1] <= span:
         return a @ b.T
     return sum((a[..., i:i + span] @ b[:, i:i + span].T).double() for i in range(0, a.shape[-1], span)).float()
+
 
 def length_batches(rows: tuple[np.ndarray, ...]) -> tuple[list[tuple[torch.Tensor, ...]], np.ndarray]:
     """(the rows, `rows[1]` their attention mask, sorted by length and split into batches each cut to
@@ -396,7 +474,7 @@ class Simulation:
         self.values = {self.linears[key]: value for key, value in values.items()
                        if value is not None and value.bias is not None}
         self.folded: dict[torch.nn.Module, torch.Tensor] = {}  # V projection -> 1 / s of its output channels
-        self.codes: dict[torch.nn.Module, tuple] = {}  # `weight_codes` at smoothing `codes_alpha`
+        self.codes: dict[torch.nn.Module, WeightCodes] = {}  # at smoothing `codes_alpha`
         self.bf16_weights: dict[tuple, tuple] = {}  # `bf16_weights` of a module (folded or not) at `codes_alpha`
         self.codes_alpha: float | None = None
         self.reference = self.run(reference=True)
@@ -445,30 +523,14 @@ class Simulation:
         rarely simulated again (a re-plan computes them anew), and the compile's builds need the memory."""
         self.layer_cache.clear()
 
-    def calibrate(self) -> None:
-        """Each unit's largest |activation| per input channel over the rows (real tokens only:
-        padding rows are not an input the model is asked about), taken in one batch of the rows as
-        given: the maxima set the smoothing the library is built with, and batches of other shapes
-        round them otherwise in the last bit (MiniLM in length batches: 366 of 5,760 scales an ulp
-        apart, and the x86-64-v3 library at 0.999 lost 5e-5 of least cosine that no pass showed).
-        That batch is large (the rows padded to the longest), so it runs on every thread PyTorch has,
-        unlike the passes: on Zen 4 the maxima were bit for bit those of one thread, in 0.57x the time
-        (13.4 s of a 12 x 768 BERT's on one)."""
-        maxima: dict[torch.nn.Module, torch.Tensor] = {}
-        mask = self.rows[1].bool()
-
-        def record(module, inputs, output):
-            x = inputs[0].detach()
-            real = x[mask] if x.dim() == 3 and x.shape[:2] == mask.shape else x.reshape(-1, x.shape[-1])
-            found = real.abs().amax(0)
-            maxima[module] = torch.maximum(maxima[module], found) if module in maxima else found
-
+    def calibrate(self, taken: CalibrationPass | None = None) -> None:
+        """Each unit's largest |activation| per input channel over the rows (`calibration_pass`, or
+        `taken` already: the compile takes it while it exports the model)."""
+        maxima = (taken or calibration_pass(self.wrapper, tuple(x.numpy() for x in self.rows))).maxima
         self.codes, self.bf16_weights, self.codes_alpha = {}, {}, None  # they follow from the maxima
         self.layer_cache.clear()
-        with torch.no_grad(), self._hooks(record):
-            self.wrapper(*self.rows)
         for unit in self.units:
-            unit.activation_max = maxima[unit.modules[0]].numpy()
+            unit.activation_max = maxima[unit.keys[0]]
 
     def _as_built(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """`module`'s output as the int8 library computes it."""

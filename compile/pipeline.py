@@ -24,7 +24,7 @@ from .importer import export_and_import
 from .int8_plan import Int8Plan
 from .passes.strategy import STRATEGIES
 from .phases.decisions import (Candidate, check_int8_plan, choose_attention, choose_precision, plan_int8_linears,
-                               start_attention_kernels, start_candidates)
+                               start_attention_kernels, start_candidates, start_int8_calibration)
 from .phases.libraries import BuildRecord, LibraryBuilder, build_libraries
 from .phases.load import TOKENIZER_DIR, copy_tokenizer, load_model
 from .phases.manifest import assemble_manifest
@@ -32,7 +32,7 @@ from .phases.transform import FUSED_AT_BUILD, Variants, compile_sequence, save_w
 from .plan import Arithmetic, Plan, plan_compile
 from .progress import Progress
 from .staging import atomic_directory
-from .workers import Workers
+from .workers import Computed, Workers
 
 
 @dataclass(frozen=True)
@@ -80,11 +80,12 @@ def compile_model(config: CompileConfig, progress: Progress | None = None) -> tu
         attention_kernels = start_attention_kernels(config, plan, workers, staging)
         with progress.step(f"load {model_name(plan.info.path)} ({config.task})", "load"):
             wrapper, reference, sparsity = load_model(config, plan.info)
+        calibration = start_int8_calibration(config, plan, reference, workers)
         with progress.step("torch.export + Relax import (dynamic batch, seq)", "import"):
             imported = export_and_import(wrapper, config.max_batch, plan.info.max_seq,
                                          int(plan.info.config["vocab_size"]), config.layout)
         arithmetic, auto_entry, candidate = decide_arithmetic(config, plan, imported, reference, staging, progress,
-                                                              workers, attention_kernels)
+                                                              workers, attention_kernels, calibration)
         if candidate is not None and (sparsity is not None or plan.strategies != (candidate.strategy,)):
             candidate = None  # its passes are not all the shipped libraries'
         with progress.step(f"passes for strategy {', '.join(plan.strategies)}; lift weights", "passes"):
@@ -106,10 +107,10 @@ def model_name(path: Path) -> str:
 
 
 def decide_arithmetic(config: CompileConfig, plan: Plan, imported, reference: torch.nn.Module, staging: Path,
-                      progress: Progress, workers: Workers, attention_kernels: StartedKernels | None
-                      ) -> tuple[Arithmetic, PrecisionEntry | None, Candidate | None]:
+                      progress: Progress, workers: Workers, attention_kernels: StartedKernels | None,
+                      calibration: Computed | None) -> tuple[Arithmetic, PrecisionEntry | None, Candidate | None]:
     """The decisions that need the model: attention's products (`attention_kernels` built while it
-    loaded), the int8 plan (checked), auto's precision. Returns what the libraries compute in, auto's
+    loaded), the int8 plan (checked; `calibration` taken while the model was exported), auto's precision. Returns what the libraries compute in, auto's
     record of its choice, and the generic library already built and measured in that arithmetic (None:
     none). The candidates the int8 plan does not decide are built while it is simulated."""
     arithmetic, auto_entry, candidate = Arithmetic(precision=config.precision), None, None
@@ -125,7 +126,7 @@ def decide_arithmetic(config: CompileConfig, plan: Plan, imported, reference: to
     if plan.plans_int8:
         with progress.step("int8: smoothing, sensitivity and fallback, simulated on the shipped sentences"
                            + (f" (building {', '.join(started)} meanwhile)" if started else ""), "int8-plan"):
-            arithmetic = plan_int8_linears(config, plan, arithmetic, imported, reference, progress)
+            arithmetic = plan_int8_linears(config, plan, arithmetic, imported, reference, progress, calibration)
         if plan.requested_precision == "int8":
             arithmetic, candidate = check_int8_plan(config, plan, arithmetic, imported, reference, staging, progress,
                                                     workers)
@@ -151,7 +152,7 @@ def ship(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, variants: Va
         weight_files = {strategy: save_weights(staging, strategy, model) for strategy, model in variants.models.items()}
     builder = LibraryBuilder(config, plan, arithmetic, staging, variants.models, weight_files, reference, workers)
     if candidate is not None:
-        builder.reuse(candidate.directory, candidate.library, candidate.strategy)
+        builder.reuse(candidate.directory, candidate.library, candidate.strategy, candidate.latency_ms)
     for scratch in ("precision", "int8-plan"):  # the candidates not shipped
         shutil.rmtree(staging / scratch, ignore_errors=True)
     records, shared_strategy = build_libraries(builder, config, plan, progress)

@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 MESSAGE_CHARS = 8000  # of a failed build's message and traceback (its end) that come back
 # A build the compile's own work runs beside (the int8 plan's simulation beside auto's candidates),
@@ -80,12 +80,15 @@ class Workers:
         self.seconds: dict[str, float] = {}  # finished builds
         self.failures: dict[str, str] = {}
         self.niceness = 0  # of the builds submitted now (`beside_the_compile`)
+        self.computing: list[Computed] = []  # `compute`'s children (not builds: `limit` does not count them)
         self._context = multiprocessing.get_context("fork")
 
     def __enter__(self) -> "Workers":
         return self
 
     def __exit__(self, *_) -> None:
+        for computed in self.computing:
+            computed.stop()
         for running in self.running.values():
             running.process.terminate()
         for running in self.running.values():
@@ -131,8 +134,17 @@ class Workers:
         return {name: self.seconds[name] for name in names}
 
     def idle(self) -> None:
-        """Wait for every build: what is timed next has the machine to itself."""
+        """Wait for every build and computation: what is timed next has the machine to itself."""
+        for computed in self.computing:
+            computed.result()
         self.wait()
+
+    def compute(self, name: str, function: Callable[[], Result]) -> "Computed[Result]":
+        """`function()` started in a child forked now, beside the compile's own work (where it leaves a
+        core idle); `result()` waits for it, and so does `idle`."""
+        computed = Computed(name, function)
+        self.computing.append(computed)
+        return computed
 
     def _reap(self, block: bool) -> None:
         if not self.running:
@@ -164,6 +176,52 @@ def _map_in_child(function: Callable, items: Sequence, results: Connection) -> N
         results.close()
         os._exit(1)
     results.close()
+
+
+class Computed(Generic[Result]):
+    """`function()` computed in a child forked at construction (in this process, at `result()`, where
+    it may use one core only), its result sent back pickled. A failure in the child raises at
+    `result()` (BuildFailed, with its traceback)."""
+
+    def __init__(self, name: str, function: Callable[[], Result]):
+        self.name, self._function = name, function
+        self._done: tuple[Result] | None = None
+        self._child = None
+        if available_cores() >= 2:
+            context = multiprocessing.get_context("fork")
+            self._receiver, sender = context.Pipe(duplex=False)
+            self._child = context.Process(target=_map_in_child, args=(lambda _item: function(), [None], sender),
+                                          name=name, daemon=True)
+            self._child.start()
+            sender.close()
+
+    def result(self) -> Result:
+        if self._done is None:
+            self._done = (self._function() if self._child is None else self._received(),)
+        return self._done[0]
+
+    def _received(self) -> Result:
+        try:
+            index, value = self._receiver.recv()
+        except EOFError:
+            raise BuildFailed(f"the child computing {self.name} exited {self._child.exitcode} without its "
+                              f"result") from None
+        finally:
+            self._receiver.close()
+            self._child.join(STOP_GRACE_S)  # it exits once it has sent
+            if self._child.exitcode is None:
+                self._child.kill()
+                self._child.join()
+        if index is None:
+            raise BuildFailed(f"computing {self.name} failed in its child: {value}")
+        return value
+
+    def stop(self) -> None:
+        """End the child where its result was never asked for (a failed compile)."""
+        if self._child is not None and self._done is None and self._child.exitcode is None:
+            self._receiver.close()
+            self._child.kill()
+            self._child.join()
 
 
 def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item],

@@ -4,7 +4,7 @@ own library), and `--precision auto`'s choice. Each returns a new `Arithmetic`; 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -15,13 +15,13 @@ from artifact.manifest import PrecisionCandidate, PrecisionEntry, WeightsEntry
 from .. import attention_products, precision
 from ..config import CompileConfig
 from ..errors import ValidationError
-from ..int8_plan import Int8Plan, plan_for, simulation_for
+from ..int8_plan import Int8Plan, plan_for, simulation_for, start_calibration
 from ..plan import Arithmetic, Plan
 from ..precision import Measured
 from ..progress import Progress
-from ..timing import interleaved_medians, use_all_cores
-from ..workers import Workers
-from .libraries import LibraryBuilder, Workload, unshaped
+from ..timing import budgeted_medians_ms, use_all_cores
+from ..workers import Computed, Workers
+from .libraries import LibraryBuilder, Workload, remember_reference_outputs, unshaped
 from .transform import Variants, save_weights, transform
 
 # (batch, seq) `--precision auto` times each candidate at: one short query, one passage, a batch.
@@ -54,25 +54,37 @@ def choose_attention(config: CompileConfig, plan: Plan,
     return choice
 
 
+def start_int8_calibration(config: CompileConfig, plan: Plan, reference: torch.nn.Module,
+                           workers: Workers) -> Computed | None:
+    """The int8 plan's calibration, started beside the export (None: no plan)."""
+    return start_calibration(workers, reference, plan.info, config.model_task) if plan.plans_int8 else None
+
+
 def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,
-                      reference: torch.nn.Module, progress: Progress) -> Arithmetic:
+                      reference: torch.nn.Module, progress: Progress, calibration: Computed | None = None
+                      ) -> Arithmetic:
     """`arithmetic` with the int8 plan, simulated with attention's products as chosen. int8 products
     stay only where every linear group keeps its int8 beside them (a kept linear costs more than they
     save); else the products bf16 linears have, and the plan keeps out what the gate needs. Where int8
     products were timed faster, the plan beside the others comes first: where it keeps a linear out,
-    int8 products, which round more, cannot keep every one in, and their passes are not run."""
+    int8 products, which round more, cannot keep every one in, and their passes are not run; where it
+    keeps none, int8 products are simulated at its smoothing only (the smoothing balances the
+    linears' rounding, not attention's: a 12 x 768 BERT's sweep chose the same with either)."""
     attention = arithmetic.attention
     simulation = simulation_for(imported.mod, plan.target, reference, plan.info, config.model_task,
-                                bf16_pays=attention.bf16_pays)
+                                bf16_pays=attention.bf16_pays, calibration=calibration)
+    if calibration is not None:  # its pass over the accuracy rows is every candidate library's reference
+        taken = calibration.result()
+        remember_reference_outputs(reference, taken.rows, taken.outputs)
 
-    def planned(products: str, keep_out: bool = True) -> Int8Plan | None:
-        return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, keep_out=keep_out)
+    def planned(products: str, **options) -> Int8Plan | None:
+        return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, **options)
 
     if attention.for_precision("int8") != "int8":
         return arithmetic.but(int8=planned(attention.for_precision("int8")))
     beside_others = planned(attention.without_int8().for_precision("int8"))
     if not beside_others.fallback:
-        int8 = planned("int8", keep_out=False)
+        int8 = planned("int8", keep_out=False, alphas=(beside_others.alpha,))
         if int8 is not None:
             return arithmetic.but(int8=int8)
     attention = attention.without_int8(measured=not beside_others.fallback)
@@ -96,6 +108,7 @@ class Candidate:
     library: str
     strategy: str
     accuracy: dict | None = None  # against the fp32 model on `accuracy_rows`, once measured
+    latency_ms: dict[Workload, float] = field(default_factory=dict)  # median ms, once timed
 
     def measured(self) -> dict:
         if self.accuracy is None:
@@ -218,9 +231,12 @@ def choose_precision(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, 
         measured.append(Measured(name, candidate.measured(), {}, config.min_cosine))
         runner = candidate.builder.runner(candidate.library, candidate.strategy)
         for w in workloads:
-            calls[(name, f"{w.batch}x{w.seq}")] = (lambda r=runner, x=candidate.builder.inputs(w): r(*x))
+            calls[(name, w)] = (lambda r=runner, x=candidate.builder.inputs(w): r(*x))
     workers.idle()
-    _time_candidates(measured, calls, config.strategy_repeats)
+    for name, times in _time_candidates(calls, config.strategy_repeats).items():
+        candidates[name].latency_ms = times
+        next(m for m in measured if m.precision == name).times_ms.update(
+            {f"{w.batch}x{w.seq}": round(ms, 3) for w, ms in times.items()})
     chosen, reason = precision.choose(measured)
     log.info("precision auto: %s", reason)
     entry = PrecisionEntry(precision=chosen.precision, requested="auto", reason=reason, candidates=[
@@ -231,12 +247,14 @@ def choose_precision(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, 
     return arithmetic.but(precision=chosen.precision, int8=int8_plan), entry, shipped
 
 
-def _time_candidates(measured: list[Measured], calls: dict, repeats: int) -> None:
-    """Each candidate's median ms per shape into its `times_ms`, interleaved per shape (the same
-    machine state for each)."""
-    for shape in dict.fromkeys(key[1] for key in calls):
-        same_shape = {name: call for (name, s), call in calls.items() if s == shape}
-        stats = interleaved_medians(same_shape, repeats=repeats)
-        for m in measured:
-            if m.precision in stats:
-                m.times_ms[shape] = round(stats[m.precision]["median_s"] * 1e3, 3)
+def _time_candidates(calls: dict[tuple[str, Workload], Callable[[], object]],
+                     repeats: int) -> dict[str, dict[Workload, float]]:
+    """Each candidate's median ms per workload, interleaved per workload (the same machine state for
+    each), in fewer rounds where a workload's round is slow (`budgeted_medians_ms`: a 12 x 768 BERT's
+    fp32 takes 0.85 s at 8x128, where the precisions differ by 1.6-3x)."""
+    times: dict[str, dict[Workload, float]] = {}
+    for workload in dict.fromkeys(w for _, w in calls):
+        same = {name: call for (name, w), call in calls.items() if w == workload}
+        for name, ms in budgeted_medians_ms(same, repeats=repeats).items():
+            times.setdefault(name, {})[workload] = ms
+    return times

@@ -83,6 +83,7 @@ class Candidates:
     builds: list[str]  # the builds started in the workers (a reused library's is not)
     strategy_ms: dict[str, float] | None = None  # None: one strategy, nothing to time (or not yet timed)
     seconds: float = 0.0  # the builds' time, once built
+    latency_ms: dict[Workload, float] = field(default_factory=dict)  # a reused library's, timed before
 
 
 def choose_strategies(pending: list[Candidates], margin: float) -> tuple[dict[str, str], str]:
@@ -154,6 +155,7 @@ class LibraryBuilder:
         self.config = config
         self.workers = workers  # where the libraries are built
         self.reused_seconds = 0.0  # the build time of a reused generic library (`reuse`)
+        self.reused_latency_ms: dict[Workload, float] = {}  # and its times, where measured before
         self.plan = plan
         self.arithmetic = arithmetic  # what the libraries compute in (the chosen precision)
         self.staging = staging
@@ -198,13 +200,16 @@ class LibraryBuilder:
                 _build, shape_module, variant.mod, self.target, self.staging / library,
                 cuda_graph=self.config.cuda_graph and static, tuned=tuned,
                 kernels=self.arithmetic.kernels(self.plan.capabilities)))
-        return Candidates(name, libraries, workloads, validation_shapes, builds)
+        timed = self.reused_latency_ms if not builds else {}
+        return Candidates(name, libraries, workloads, validation_shapes, builds, latency_ms=dict(timed))
 
-    def reuse(self, directory: Path, library: str, strategy: str) -> None:
+    def reuse(self, directory: Path, library: str, strategy: str, latency_ms: dict[Workload, float]) -> None:
         """`directory`'s `library` (a generic library built and measured before, of this arithmetic
-        and strategy) as this builder's generic library: moved in, and not built again."""
+        and strategy) as this builder's generic library: moved in, and not built again, nor timed
+        again on the workloads of `latency_ms` (its median ms there)."""
         (directory / library).rename(self.staging / f"lib/generic.{strategy}.so")
         self.reused_seconds = self.workers.seconds.get(str(directory / library), 0.0)
+        self.reused_latency_ms = latency_ms
 
     def built(self, candidates: Candidates) -> Candidates:
         """`candidates` once their builds are done (a failed one raises its error), with their time."""
@@ -227,7 +232,7 @@ class LibraryBuilder:
         for index, shape in enumerate(candidates.validation_shapes):
             record.diffs[shape.name] = self._check(record, shape, seed=self.config.seed + index)
         if self.validate:
-            record.latency_ms = self._latencies(record, candidates.workloads)
+            record.latency_ms = self._latencies(record, candidates.workloads, candidates.latency_ms)
         return record
 
     def runner(self, library: str, strategy: str) -> LibraryRunner:
@@ -244,9 +249,11 @@ class LibraryBuilder:
         rows = example_inputs(workload.batch, workload.width, self.vocab_size, seed=self.config.seed)
         return library_inputs(self.layout, tuple(x.numpy() for x in rows), workload.seq, workload.tokens)
 
-    def _latencies(self, record: BuildRecord, workloads: list[Workload]) -> dict[Workload, float]:
-        """Median ms of the chosen library per workload; `auto`'s timing of the first is reused."""
-        measured = {}
+    def _latencies(self, record: BuildRecord, workloads: list[Workload],
+                   timed_before: dict[Workload, float]) -> dict[Workload, float]:
+        """Median ms of the chosen library per workload; `auto`'s timing of the first and the times
+        `timed_before` (a reused library's) are reused."""
+        measured = {w: ms for w, ms in timed_before.items() if w in workloads}
         if record.strategy_ms is not None:
             measured[workloads[0]] = record.strategy_ms[record.strategy]
         runner = self.runner(record.library, record.strategy)
@@ -329,9 +336,13 @@ def reference_outputs(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...]) ->
     cached = _REFERENCE_OUTPUTS.get(wrapper)
     if cached is None or not all(np.array_equal(a, b) for a, b in zip(cached[0], rows)):
         with torch.no_grad():
-            outputs = wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy()
-        cached = _REFERENCE_OUTPUTS[wrapper] = (rows, outputs)
-    return cached[1]
+            remember_reference_outputs(wrapper, rows, wrapper(*(torch.from_numpy(x) for x in rows)).float().numpy())
+    return _REFERENCE_OUTPUTS[wrapper][1]
+
+
+def remember_reference_outputs(wrapper: torch.nn.Module, rows: tuple[np.ndarray, ...], outputs: np.ndarray) -> None:
+    """`reference_outputs` of `wrapper` on `rows`, computed already (by the int8 plan's calibration)."""
+    _REFERENCE_OUTPUTS[wrapper] = (rows, outputs)
 
 
 def build_libraries(builder: LibraryBuilder, config: CompileConfig, plan: Plan,

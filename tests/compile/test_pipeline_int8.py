@@ -128,10 +128,10 @@ def test_autos_int8_candidate_is_planned_again_where_its_library_misses(cancelli
     from tests.support.artifacts import compile_artifact
 
     def int8_at_half_the_time(candidates, repeats, **_):
-        return {name: {"median_s": 0.5 if name == "int8" else 1.0} for name in candidates}
+        return {name: 0.5 if name == "int8" else 1.0 for name in candidates}
 
     built = _misplanned(monkeypatch)
-    monkeypatch.setattr(decisions, "interleaved_medians", int8_at_half_the_time)
+    monkeypatch.setattr(decisions, "budgeted_medians_ms", int8_at_half_the_time)
     manifest, _ = compile_artifact(cancelling_checkpoint, tmp_path / "out", ["1x5"], precision="auto",
                                    min_cosine=0.9999, mcpu="x86-64-v3", attention_products="fp32",
                                    generic_shapes=["3x20"])

@@ -110,3 +110,33 @@ def test_a_map_beside_a_child_computes_every_other_item_there_in_order(monkeypat
         map_beside_a_child(_pid_and_square, [0, 5, 2, 3])
     monkeypatch.setattr(workers_module, "available_cores", lambda: 1)
     assert {pid for pid, _ in map_beside_a_child(_pid_and_square, [0, 1, 2])} == {os.getpid()}
+
+
+def test_a_computation_runs_in_a_child_beside_the_compile_and_idle_waits_for_it(monkeypatch):
+    """The int8 plan's calibration, taken while the model is exported: computed in a child forked at
+    once, its result pickled back; `idle` (before anything is timed) waits for it; a failure comes back
+    with its traceback; leaving the block ends one whose result nobody asked for. Where this process
+    may use one core, it is computed here when asked."""
+    context = multiprocessing.get_context("fork")
+    started, go, never = context.Event(), context.Event(), context.Event()
+
+    def pid_once_let_go() -> int:
+        started.set()
+        go.wait()
+        return os.getpid()
+
+    monkeypatch.setattr(workers_module, "available_cores", lambda: 2)
+    with Workers() as workers:
+        computed = workers.compute("a pid", pid_once_let_go)
+        assert started.wait(60) and not workers.running  # not a build
+        go.set()
+        workers.idle()
+        assert computed.result() not in (None, os.getpid())
+        with pytest.raises(BuildFailed, match=r"computing a kernel failed in its child: ValueError: a kernel the "
+                                              r"schedule cannot take\n(.|\n)*in _broken"):
+            workers.compute("a kernel", _broken).result()
+        stuck = workers.compute("nothing", never.wait)
+    assert stuck._child.exitcode == -signal.SIGKILL
+    monkeypatch.setattr(workers_module, "available_cores", lambda: 1)
+    with Workers() as workers:
+        assert workers.compute("a pid", os.getpid).result() == os.getpid()

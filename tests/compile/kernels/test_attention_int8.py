@@ -182,14 +182,16 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
     bf16 where those were timed faster than fp32) comes first. Where it keeps a linear out, int8 products,
     which round more, are not simulated: that plan ships beside those products, and the manifest says why.
     Where it keeps every linear in int8, the plan with int8 products (no linear kept out: None where every
-    linear in int8 misses the gate) decides: int8 products stay where it holds. Every plan measures with
-    one simulation (its calibration and fp32 reference are theirs)."""
+    linear in int8 misses the gate), simulated at the first plan's smoothing only, decides: int8 products
+    stay where it holds. Every plan measures with one simulation (its calibration and fp32 reference are
+    theirs)."""
     from types import SimpleNamespace
 
     from compile.int8_plan import Int8Plan
 
-    def fake_plan(simulation, *_args, attention_products, keep_out, **_kwargs):
+    def fake_plan(simulation, *_args, attention_products, keep_out=True, alphas=None):
         planned.append((attention_products, keep_out))
+        smoothings.append(alphas)
         simulated_with.append(simulation)
         if attention_products == "int8":
             return None if int8_misses else Int8Plan(alpha=0.5, scales={}, fallback=[], fallback_keys=set(),
@@ -217,12 +219,13 @@ def test_int8_products_beside_which_int8_linears_miss_the_gate_give_way(monkeypa
                                                                  "already, and int8 ones round more"),
             (faster_bf16, True, False, "bf16", [("bf16", True)], "int8 linears miss the gate beside bf16 products "
                                                                  "already, and int8 ones round more")):
-        planned, simulated_with, simulations = [], [], []
+        planned, smoothings, simulated_with, simulations = [], [], [], []
         plan = SimpleNamespace(info=info, target=V3)
         asked = Arithmetic("int8", attention=attention_products.decide(timed))
         chosen = decisions.plan_int8_linears(config, plan, asked, SimpleNamespace(mod=None), None, progress)
         assert (chosen.attention.products["int8"], planned, len(chosen.int8.fallback)) == (products, plans,
                                                                                             int(others_keep_out))
         assert len(simulations) == 1 and simulated_with == simulations * len(plans)
+        assert smoothings == [None, (0.5,)][:len(plans)]  # every alpha, then the first plan's
         assert chosen.attention.reasons["int8"] == f"{products}: {why}"
         assert chosen.attention.times_ms == timed and asked.int8 is None  # a new value; the asked one stays

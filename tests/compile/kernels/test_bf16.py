@@ -260,11 +260,28 @@ def test_a_candidate_refused_before_it_was_built_is_never_shipped():
     assert reason == f"fp32: the fastest that keeps its gate; failed the gate: int8 ({why})"
 
 
-def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_bert_dir, tmp_path):
+def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_bert_dir, tmp_path, monkeypatch):
     """Attention's products are asked for (fp32) here and below: auto's choice of precision is tested, not
-    which attention kernel timed fastest (tests/compile/test_attention_products.py)."""
+    which attention kernel timed fastest (tests/compile/test_attention_products.py). The shipped generic
+    library is the chosen candidate's, and its times at auto's shapes are not taken again; the fp32
+    reference every candidate is measured against is the int8 calibration's pass, not run again."""
+    from compile.phases import decisions, libraries
     from tests.support.artifacts import compile_artifact
 
+    timed, latencies, references = {}, libraries.LibraryBuilder._latencies, []
+
+    def recorded(builder, record, workloads, timed_before):
+        timed[record.name] = (dict(timed_before), latencies(builder, record, workloads, timed_before))
+        return timed[record.name][1]
+
+    def remembered(by: str, remember):
+        return lambda *args: references.append(by) or remember(*args)
+
+    monkeypatch.setattr(libraries.LibraryBuilder, "_latencies", recorded)
+    monkeypatch.setattr(decisions, "remember_reference_outputs",
+                        remembered("calibration", decisions.remember_reference_outputs))
+    monkeypatch.setattr(libraries, "remember_reference_outputs",
+                        remembered("computed", libraries.remember_reference_outputs))
     manifest, _ = compile_artifact(whole_panels_bert_dir, tmp_path / "auto", ["packed-16"], layout="packed",
                                    precision="auto", attention_products="fp32", generic_shapes=["3x20"])
     entry = manifest.precision
@@ -277,6 +294,12 @@ def test_auto_records_every_candidate_and_ships_the_one_it_chose(whole_panels_be
     chosen, reason = choose(measured)
     assert entry.precision == manifest.linear_precision == chosen.precision and entry.reason == reason
     assert load_artifact(tmp_path / "auto").manifest.precision == entry
+    before, shipped = timed["generic"]
+    assert {f"{w.batch}x{w.seq}" for w in before} == set(chosen.times_ms) and timed["bucket_packed-16"][0] == {}
+    assert all(abs(ms - chosen.times_ms[f"{w.batch}x{w.seq}"]) <= 1e-3 and shipped[w] == round(ms, 4)
+               for w, ms in before.items())
+    assert len(shipped) > len(before)  # the cost model's other workloads are timed
+    assert references == (["calibration"] if "int8" in Capabilities.of(HOST).precisions else ["computed"])
 
 
 def test_auto_under_a_cosine_floor_ships_the_fp32_reference_where_nothing_else_keeps_it(whole_panels_bert_dir,

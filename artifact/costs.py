@@ -68,35 +68,58 @@ class BatchCosts:
         return Choice(None, self._generic_cost(size, seq), size * seq)
 
 
+# How much cheaper the generic library's model must predict a packed batch than its tightest bound's
+# for the batch to run there. A bound sizes only attention's scratch in most families (the generic
+# library ran 0.90-1.08x a bound's time on MiniLM: their fits differ by noise), but DeBERTa's
+# disentangled score bias is computed at the bound: one 16-token input took 2.7x the generic time on
+# a 128-token bound.
+GENERIC_MARGIN = 1.5
+
+
 class PackedCosts:
     """What a batch costs on a packed artifact: its real tokens through the linear layers, its
     sequences padded to the library's bound for attention. Without measurements: tokens, plus
     the call overhead, plus attention's padded tokens (to prefer the tightest bound)."""
 
     def __init__(self, buckets: Sequence[PackedBucket], bucket_models: dict[PackedBucket, LatencyModel] | None = None,
-                 generic_model: LatencyModel | None = None):
+                 generic_model: LatencyModel | None = None, generic_max_batch: int = 0):
         self.buckets = sorted(buckets)
         self.measured = (bucket_models is not None and generic_model is not None
                          and all(b in bucket_models for b in self.buckets))
         unmeasured = lambda size, seq, tokens: float(CALL_TOKENS + tokens + size * seq)  # noqa: E731
         self._bucket_models = bucket_models if self.measured else {b: unmeasured for b in self.buckets}
         self._generic_model = generic_model if self.measured else unmeasured
+        self.generic_max_batch = generic_max_batch  # 0: the generic library is never chosen over a bound
         self._chosen: dict[tuple[int, int], PackedBucket | None] = {}
 
     def choose(self, size: int, seq: int, tokens: int | None = None) -> Choice | None:
-        """The tightest bound that holds the batch: the same tokens, the least attention padding
-        (the libraries' fits differ by noise, not by kernels, so they do not pick here)."""
+        """The tightest bound that holds the batch, or the generic library where its model predicts
+        the batch GENERIC_MARGIN cheaper (`bucket_for` decides, by shape); None where no bound holds it."""
         tokens = size * seq if tokens is None else tokens
-        best = self.bucket_for(size, seq)
-        return None if best is None else Choice(best, self._bucket_models[best](size, best.seq, tokens), tokens)
+        if self._tightest(size, seq) is None:
+            return None
+        bucket = self.bucket_for(size, seq)
+        if bucket is None:
+            return Choice(None, self._generic_model(size, seq, tokens), tokens)
+        return Choice(bucket, self._bucket_models[bucket](size, bucket.seq, tokens), tokens)
 
     def bucket_for(self, size: int, seq: int) -> PackedBucket | None:
-        """`choose`'s bucket without its cost: what a caller that only runs the batch needs (a model's
-        call of one sequence spent 35 us choosing, with the caches full of weights)."""
+        """`choose`'s bucket without its cost (None: the generic library), decided once per shape: what
+        a caller that only runs the batch needs (a model's call of one sequence spent 35 us choosing,
+        with the caches full of weights)."""
         key = (size, seq)
         if key not in self._chosen:
-            self._chosen[key] = next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
+            tightest = self._tightest(size, seq)
+            if tightest is not None and self.measured and size <= self.generic_max_batch:
+                tokens = size * seq
+                bound_ms = self._bucket_models[tightest](size, tightest.seq, tokens)
+                if self._generic_model(size, seq, tokens) * GENERIC_MARGIN < bound_ms:
+                    tightest = None
+            self._chosen[key] = tightest
         return self._chosen[key]
+
+    def _tightest(self, size: int, seq: int) -> PackedBucket | None:
+        return next((bucket for bucket in self.buckets if bucket.fits(size, seq)), None)
 
     def generic(self, size: int, seq: int, tokens: int | None = None) -> Choice:
         tokens = size * seq if tokens is None else tokens
@@ -121,6 +144,6 @@ def measured_costs(manifest: Manifest, buckets: list[AnyBucket]) -> Costs:
     if manifest.layout == "packed":
         models = {entry.bucket: entry.cost_model.predicted_ms for entry in manifest.buckets
                   if entry.cost_model is not None}
-        return PackedCosts(buckets, models, generic)
+        return PackedCosts(buckets, models, generic, manifest.generic.max_batch)
     bucket_ms = {entry.bucket: entry.latency_ms for entry in manifest.buckets if entry.latency_ms is not None}
     return BatchCosts(buckets, bucket_ms, generic)

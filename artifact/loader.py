@@ -90,9 +90,14 @@ def load_weights(path: Path, names: list[str], device: tvm.runtime.Device) -> li
     missing = [name for name in names if name not in arrays]
     if missing:
         raise ArtifactError(f"{path} lacks weights {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    return weight_tensors([arrays[name] for name in names], device)
+
+
+def weight_tensors(arrays: list[np.ndarray], device: tvm.runtime.Device) -> list[tvm.runtime.Tensor]:
+    """`arrays` as a library's weights on `device` (host ones on huge pages: `on_huge_pages`)."""
     if device.dlpack_device_type() == tvm.cpu(0).dlpack_device_type():
-        return on_huge_pages([arrays[name] for name in names])
-    return [tvm.runtime.tensor(arrays[name], device) for name in names]
+        return on_huge_pages([np.ascontiguousarray(array) for array in arrays])
+    return [tvm.runtime.tensor(array, device) for array in arrays]
 
 
 HUGE_PAGE = 2 << 20  # x86-64's 2 MB pages

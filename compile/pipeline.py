@@ -143,13 +143,7 @@ def ship(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, variants: Va
     """The weights and libraries of the chosen arithmetic built (the generic one is `candidate`'s where
     given), validated and timed, the strategies not in use dropped, and the manifest that records them."""
     (staging / "lib").mkdir()
-    if candidate is not None:
-        weight_files = {}
-        for strategy, entry in candidate.weight_files.items():
-            (candidate.directory / entry.file).rename(staging / entry.file)
-            weight_files[strategy] = entry
-    else:
-        weight_files = {strategy: save_weights(staging, strategy, model) for strategy, model in variants.models.items()}
+    weight_files = {strategy: save_weights(staging, strategy, model) for strategy, model in variants.models.items()}
     builder = LibraryBuilder(config, plan, arithmetic, staging, variants.models, weight_files, reference, workers)
     if candidate is not None:
         builder.reuse(candidate.directory, candidate.library, candidate.strategy, candidate.latency_ms)

@@ -1,5 +1,6 @@
-"""`python -m loadtest.random_checkpoint --out DIR`: a BERT (or ModernBERT) of any geometry with random
-weights, saved as a sentence-transformers checkpoint (mean pooling) with the bundled MiniLM's tokenizer.
+"""`python -m loadtest.random_checkpoint --out DIR`: a BERT (or ModernBERT, or DeBERTa-v3) of any geometry
+with random weights, saved as a sentence-transformers checkpoint (mean pooling) with the bundled MiniLM's
+tokenizer (DeBERTa: a small SentencePiece model).
 
 Timings do not depend on the weights, so this is how the benchmarks time geometries no bundled
 model has (bert-base's 12 x 768) without downloading one. The tests build their tiny models with it.
@@ -130,6 +131,56 @@ def save_modernbert(directory: Path, seed: int, config: dict, classifier: dict |
     return directory
 
 
+DEBERTA_SPECIALS = {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
+                    "bos_token": "[CLS]", "eos_token": "[SEP]", "mask_token": "[MASK]"}
+# deberta-v3-base's attention: keys shared with the positions', a normed relative table, no absolute positions
+DEBERTA_V3 = dict(relative_attention=True, share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False,
+                  type_vocab_size=0, pos_att_type=["p2c", "c2p"], pad_token_id=0)
+
+
+def deberta_spm_model(sentences: list[str], vocab_size: int = 120) -> bytes:
+    """A SentencePiece unigram model trained on `sentences`, DeBERTa-v3's special tokens at its ids
+    ([PAD] 0, [CLS] 1, [SEP] 2)."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size, model_type="unigram",
+        pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
+        unk_piece="[UNK]", user_defined_symbols=["[MASK]"], hard_vocab_limit=False, minloglevel=2)
+    return model.getvalue()
+
+
+def save_deberta(directory: Path, seed: int, config: dict) -> Path:
+    """A random-weight DeBERTa-v2 model of `config` (DebertaV2Config keys) with DEBERTA_V3's attention,
+    as a sentence-transformers embedder (mean pooling), and a SentencePiece model trained on the
+    shipped sentences as spm.model alone, as DeBERTa-v3 ships its tokenizer."""
+    import torch
+    from transformers import DebertaV2Config, DebertaV2Model
+
+    from compile.sentences import ACCURACY_SENTENCES
+
+    torch.manual_seed(seed)
+    deberta = DebertaV2Config(**{**DEBERTA_V3, **config})
+    directory.mkdir(parents=True, exist_ok=True)
+    DebertaV2Model(deberta).save_pretrained(directory)
+    (directory / "spm.model").write_bytes(deberta_spm_model(ACCURACY_SENTENCES * 4))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False,
+         "model_max_length": deberta.max_position_embeddings, **DEBERTA_SPECIALS}))
+    (directory / "sentence_bert_config.json").write_text(
+        json.dumps({"max_seq_length": deberta.max_position_embeddings, "do_lower_case": False}))
+    (directory / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": deberta.hidden_size, "pooling_mode_mean_tokens": True}))
+    return directory
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.random_checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -138,10 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=("bert", "modernbert"), default="bert",
-                        help="modernbert: --max-positions positions (default 8192), a global layer every third")
+    parser.add_argument("--family", choices=("bert", "modernbert", "deberta-v2"), default="bert",
+                        help="modernbert: --max-positions positions (default 8192), a global layer every third; "
+                             "deberta-v2: deberta-v3-base's attention and vocabulary (128,100), 256 position buckets")
     parser.add_argument("--max-positions", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.family == "deberta-v2":
+        save_deberta(args.out, args.seed, {
+            "hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+            "intermediate_size": args.intermediate, "max_position_embeddings": args.max_positions or 512,
+            "vocab_size": 128100, "position_buckets": 256, "max_relative_positions": -1, "layer_norm_eps": 1e-7})
+        print(f"wrote {args.out}")
+        return 0
     if args.family == "modernbert":
         save_modernbert(args.out, args.seed, {
             "hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": args.heads,

@@ -154,6 +154,29 @@ def test_packed_plans_fill_the_generic_bound_and_keep_long_inputs_apart():
     assert {b.bucket.name for b in planned if 40 not in b.indices} == {"packed-16"}
 
 
+def test_a_bound_that_computes_more_than_its_sequences_gives_short_inputs_to_the_generic_library():
+    """DeBERTa's packed bounds compute its score bias at the bound: a short query costs nearly what a
+    full sequence does there, and runs on the generic library, which computes it at the query's own
+    length; a long input stays on the bound. The generic library has to be GENERIC_MARGIN cheaper: two
+    fits of the same kernels differ by noise, and a bound within it keeps the batch."""
+    from artifact.costs import GENERIC_MARGIN
+
+    def bias_at_the_bound(size: int, seq: int, tokens: int) -> float:
+        return 2.0 + 0.15 * tokens + 0.003 * size * seq * seq
+
+    def generic_at(factor: float):
+        return lambda size, seq, tokens: factor * (2.0 + 0.15 * tokens + 0.003 * size * seq * seq)
+
+    bound = parse_buckets("packed-128")
+    costs = PackedCosts(bound, {b: bias_at_the_bound for b in bound}, generic_at(1.0), generic_max_batch=16)
+    planned = plan_batches([8, 120], costs, LIMITS)
+    assert [(b.indices, b.bucket and b.bucket.name) for b in planned] == [([0], None), ([1], "packed-128")]
+    assert costs.bucket_for(1, 8) is None and costs.choose(1, 8).cost == generic_at(1.0)(1, 8, 8)
+    near = PackedCosts(bound, {b: bias_at_the_bound for b in bound},
+                       lambda size, seq, tokens: bias_at_the_bound(size, 128, tokens) / 1.2, generic_max_batch=16)
+    assert GENERIC_MARGIN > 1.2 and near.bucket_for(1, 8) == bound[0]
+
+
 def test_unmeasured_packed_costs_are_tokens():
     costs = unmeasured_costs(PACKED_BUCKETS)
     assert isinstance(costs, PackedCosts) and not costs.measured

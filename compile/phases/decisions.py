@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from artifact.manifest import PrecisionCandidate, PrecisionEntry, WeightsEntry
+from artifact.manifest import PrecisionCandidate, PrecisionEntry
 
 from .. import attention_products, precision
 from ..config import CompileConfig
@@ -22,7 +22,7 @@ from ..progress import Progress
 from ..timing import budgeted_medians_ms, use_all_cores
 from ..workers import Computed, Workers
 from .libraries import LibraryBuilder, Workload, remember_reference_outputs, unshaped
-from .transform import Variants, save_weights, transform
+from .transform import Variants, transform
 
 # (batch, seq) `--precision auto` times each candidate at: one short query, one passage, a batch.
 AUTO_PRECISION_SHAPES = ((1, 16), (1, 128), (8, 128))
@@ -102,8 +102,7 @@ class Candidate:
 
     arithmetic: Arithmetic
     builder: LibraryBuilder
-    variants: Variants
-    weight_files: dict[str, WeightsEntry]  # in `directory`
+    variants: Variants  # its weights are written when it ships (measured from memory until then)
     directory: Path
     library: str
     strategy: str
@@ -123,11 +122,10 @@ def start_candidate(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, i
     strategy = plan.candidate_strategy
     (directory / "lib").mkdir(parents=True)
     variants = transform(config, plan, arithmetic, imported, (strategy,))
-    weights = {strategy: save_weights(directory, strategy, variants.models[strategy])}
-    builder = LibraryBuilder(config, plan, arithmetic, directory, variants.models, weights, reference, workers)
+    builder = LibraryBuilder(config, plan, arithmetic, directory, variants.models, None, reference, workers)
     with workers.beside_the_compile():  # the int8 plan's simulation, or auto's measuring, runs beside it
         library = builder.start("generic", unshaped, [], plan.generic_shapes, static=False).libraries[strategy]
-    return Candidate(arithmetic, builder, variants, weights, directory, library, strategy)
+    return Candidate(arithmetic, builder, variants, directory, library, strategy)
 
 
 def check_int8_plan(config: CompileConfig, plan: Plan, arithmetic: Arithmetic, imported,

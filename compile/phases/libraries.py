@@ -16,7 +16,7 @@ import tvm
 
 from artifact.bucketing import AnyBucket, Bucket
 from artifact.embedding_dtypes import calibration_ranges
-from artifact.loader import LibraryRunner, device_for, load_weights
+from artifact.loader import LibraryRunner, device_for, load_weights, weight_tensors
 from artifact.manifest import (
     CostModel,
     EmbeddingRangesEntry,
@@ -54,6 +54,7 @@ COST_MODEL_SHAPES = ((1, 16), (1, 64), (1, 128), (4, 64), (8, 16), (8, 128))
 # and, for a long-context model (ModernBERT's 8192 positions), one long sequence at each of these that fits: from
 # short shapes alone, the quadratic term (its global layers' attention) would be extrapolated 64-fold
 LONG_COST_MODEL_SHAPES = ((1, 1024), (1, 4096))
+SHORT_QUERY_TOKENS = 16  # a packed bound's shortest timed input: one query
 log = logging.getLogger(__name__)
 
 
@@ -130,14 +131,18 @@ def cost_model_workloads(max_batch: int, max_seq: int) -> list[Workload]:
 
 
 def bucket_workloads(bucket: AnyBucket) -> list[Workload]:
-    """A bucket's timing: its full shape first (its `latency_ms`); a packed one also one sequence
-    and a batch of short sequences, so that its cost model tells tokens from attention."""
+    """A bucket's timing: its full shape first (its `latency_ms`); a packed one also one sequence,
+    a batch of short sequences, so that its cost model tells tokens from attention, and one short
+    query, which a bound that computes more than its sequences (DeBERTa's score bias) runs slowly
+    (artifact/costs.py's GENERIC_MARGIN)."""
     first = Workload.full(bucket.rows, bucket.seq)
     if isinstance(bucket, Bucket):
         return [first]
     rows, seq = bucket.rows, bucket.seq
     shorter = [Workload(rows, width, seq, rows * width) for width in {max(1, seq // 4), max(1, seq // 2)}]
-    return [first, *{Workload.full(1, seq), Workload.full(max(1, rows // 2), seq)}, *shorter]
+    query = min(SHORT_QUERY_TOKENS, seq)
+    return list(dict.fromkeys([first, Workload.full(1, seq), Workload.full(max(1, rows // 2), seq), *shorter,
+                               Workload(1, query, seq, query)]))
 
 
 def _build(shape_module: Callable[[tvm.IRModule], tvm.IRModule], mod: tvm.IRModule, target: tvm.target.Target,
@@ -150,8 +155,8 @@ class LibraryBuilder:
     """Builds each library once per candidate strategy, keeps the fastest, validates it."""
 
     def __init__(self, config: CompileConfig, plan: Plan, arithmetic: Arithmetic, staging: Path,
-                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry], wrapper: torch.nn.Module,
-                 workers: Workers):
+                 variants: dict[str, LiftedModel], weight_files: dict[str, WeightsEntry] | None,
+                 wrapper: torch.nn.Module, workers: Workers):
         self.config = config
         self.workers = workers  # where the libraries are built
         self.reused_seconds = 0.0  # the build time of a reused generic library (`reuse`)
@@ -175,11 +180,15 @@ class LibraryBuilder:
                         cpu_name(plan.target))
         if plan.runs_here:
             use_all_cores()
-        # Validate what ships: the weights as read back from the artifact's files.
-        self.weights = (
-            {s: load_weights(staging / entry.file, entry.names, self.device) for s, entry in weight_files.items()}
-            if plan.runs_here else {}
-        )
+        # Validate what ships: the weights as read back from the artifact's files (`weight_files` None: a
+        # candidate of `auto` or the int8 plan, none chosen to ship yet, its weights the arrays the files
+        # are written from once it is).
+        self.weights = {}
+        if plan.runs_here:
+            self.weights = ({s: weight_tensors(variant.weights, self.device) for s, variant in variants.items()}
+                            if weight_files is None else
+                            {s: load_weights(staging / entry.file, entry.names, self.device)
+                             for s, entry in weight_files.items()})
 
     def start(self, name: str, shape_module: Callable[[tvm.IRModule], tvm.IRModule],
               workloads: list[Workload], validation_shapes: list[AnyBucket], static: bool = True) -> Candidates:

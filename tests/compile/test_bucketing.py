@@ -42,8 +42,12 @@ def test_the_bucket_a_model_runs_is_the_one_the_planner_costs():
     measured = BatchCosts(padded, {b: ms for b, ms in zip(padded, (3.0, 2.0, 9.0))}, lambda size, seq: 50.0)
     packed = [PackedBucket(16), PackedBucket(128)]
     models = {b: (lambda size, seq, tokens, b=b: 1.0 + tokens + b.seq) for b in packed}
-    for costs in (BatchCosts(padded), measured, PackedCosts(packed), PackedCosts(packed, models, lambda *a: 99.0)):
+    cheap_generic = PackedCosts(packed, models, lambda size, seq, tokens: 0.1 * tokens, generic_max_batch=4)
+    for costs in (BatchCosts(padded), measured, PackedCosts(packed), PackedCosts(packed, models, lambda *a: 99.0),
+                  cheap_generic):
         for size, seq in [(1, 1), (1, 16), (1, 17), (3, 20), (5, 10), (8, 128), (9, 10), (1, 129)]:
             choice = costs.choose(size, seq)
             assert costs.bucket_for(size, seq) == (None if choice is None else choice.bucket), (costs, size, seq)
     assert PackedCosts(packed).bucket_for(4, 17) == PackedBucket(128) and PackedCosts(packed).bucket_for(1, 200) is None
+    assert cheap_generic.bucket_for(3, 20) is None and cheap_generic.choose(3, 20).cost == 6.0
+    assert cheap_generic.bucket_for(5, 10) == PackedBucket(16)  # more rows than the generic library's bound

@@ -6,7 +6,6 @@ relative table, no absolute positions) and a v2-style classifier (its own positi
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from compile.checkpoint import inspect_checkpoint, load_wrapper
 from compile.errors import CompileError
 from compile.tokenizer import fast_tokenizer_file
 from compile.validate import DRIFT_SENTENCES
+from loadtest.random_checkpoint import DEBERTA_SPECIALS, deberta_spm_model
 from service.tokenization import TextTokenizer
 from tests.support.artifacts import compile_artifact
 from tests.support.checkpoints import TINY_LABELS, scale_layer_norms
@@ -30,8 +30,6 @@ MAX_SEQ = 48  # six times the position buckets' range
 LONG = " ".join(DRIFT_SENTENCES * 2)  # longer than MAX_SEQ tokens: truncated to it
 TEXTS = [*DRIFT_SENTENCES[:3], "a", LONG]
 PAIRS = [("the cat plays a guitar", DRIFT_SENTENCES[0]), ("a", DRIFT_SENTENCES[1]), (DRIFT_SENTENCES[2], LONG)]
-SPECIALS = {"pad_token": "[PAD]", "cls_token": "[CLS]", "sep_token": "[SEP]", "unk_token": "[UNK]",
-            "bos_token": "[CLS]", "eos_token": "[SEP]", "mask_token": "[MASK]"}
 STYLES = {  # the embedder as DeBERTa-v3 is configured, the classifier as DeBERTa-v2 (base/large) is
     "embed": dict(share_att_key=True, norm_rel_ebd="layer_norm", position_biased_input=False, type_vocab_size=0,
                   pos_att_type=["p2c", "c2p"]),
@@ -40,26 +38,15 @@ STYLES = {  # the embedder as DeBERTa-v3 is configured, the classifier as DeBERT
 }
 
 
-def _spm_model() -> bytes:
-    """A SentencePiece unigram model with DeBERTa-v3's special tokens at its ids ([PAD] 0, [CLS] 1, [SEP] 2)."""
-    import sentencepiece
-
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(DRIFT_SENTENCES * 4), model_writer=model, vocab_size=120, model_type="unigram",
-        pad_id=0, bos_id=1, eos_id=2, unk_id=3, pad_piece="[PAD]", bos_piece="[CLS]", eos_piece="[SEP]",
-        unk_piece="[UNK]", user_defined_symbols=["[MASK]"], hard_vocab_limit=False, minloglevel=2)
-    return model.getvalue()
-
-
 def make_checkpoint(directory: Path, task: str) -> Path:
     """A 2-layer random-weight DeBERTa-v2 checkpoint; for embed a sentence-transformers one (mean pooling)."""
     from transformers import AutoModel, AutoModelForSequenceClassification, DebertaV2Config
 
     directory.mkdir()
-    (directory / "spm.model").write_bytes(_spm_model())
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False, "model_max_length": MAX_SEQ, **SPECIALS}))
+    (directory / "spm.model").write_bytes(deberta_spm_model(DRIFT_SENTENCES * 4))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "DebertaV2Tokenizer",
+                                                                 "do_lower_case": False, "model_max_length": MAX_SEQ,
+                                                                 **DEBERTA_SPECIALS}))
     torch.manual_seed(len(task))
     config = DebertaV2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=128, max_position_embeddings=MAX_SEQ, initializer_range=0.2,
@@ -172,3 +159,19 @@ def test_unsupported_variants_are_refused_in_one_line(checkpoints, tmp_path, cha
     with pytest.raises(CompileError, match=reason) as refused:
         inspect_checkpoint(directory, "embed", pooling)
     assert "\n" not in str(refused.value)
+
+
+def test_the_benchmarks_deberta_v3_checkpoint_runs_as_transformers_runs_it(tmp_path):
+    """`python -m loadtest.random_checkpoint --family deberta-v2` (the benchmark's deberta-v3-base geometry,
+    here tiny) writes a checkpoint the compile reads: its spm.model tokenizes, and the wrapper computes what
+    transformers does."""
+    from loadtest.random_checkpoint import main
+
+    directory = tmp_path / "v3"
+    assert main(["--out", str(directory), "--family", "deberta-v2", "--layers", "1", "--hidden", "32", "--heads", "2",
+                 "--intermediate", "64", "--max-positions", "64"]) == 0
+    info = inspect_checkpoint(directory, "embed")
+    assert (info.config["model_type"], info.max_seq, info.pooling, info.config["vocab_size"]) == (
+        "deberta-v2", 64, "mean", 128100)
+    assert_wrappers_compute_what_transformers_does(load_wrapper(info, "embed"), directory, "embed",
+                                                   _batch(directory, "embed"))

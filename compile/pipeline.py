@@ -48,7 +48,8 @@ class Phase:
 
 PHASES = (
     Phase("load", "the checkpoint (block-pruned when asked) and its PyTorch oracle"),
-    Phase("import", "torch.export, then the Relax import with dynamic batch and seq"),
+    Phase("import", "torch.export, then the Relax import with dynamic batch and seq (the int8 plan's calibration "
+          "in a child meanwhile)"),
     Phase("attention", "attention's products beside bf16 / int8 linears", lambda plan: plan.chooses_attention),
     Phase("int8-plan", "int8: smoothing, sensitivity and fallback, simulated on the shipped sentences",
           lambda plan: plan.plans_int8),

@@ -69,6 +69,21 @@ def family_config(family: str, vocab_size: int, **extra):
                         pad_token_id=1, bos_token_id=0, eos_token_id=2, **extra)
 
 
+def write_sentence_transformers_files(directory: Path, max_seq: int, pooled_width: int | None) -> None:
+    """sentence_bert_config.json with the model's own input limit `max_seq` (MiniLM's copied tokenizer
+    says 256: a model takes what it has) and, for an embedder (`pooled_width`: its hidden size), its
+    modules: the transformer, then mean pooling."""
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq, "do_lower_case": False}))
+    if pooled_width is None:
+        return
+    (directory / "modules.json").write_text(json.dumps(
+        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    (directory / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": pooled_width, "pooling_mode_mean_tokens": True}))
+
+
 def save_sentence_transformer(directory: Path, seed: int, config: dict, prompts: dict[str, str] | None = None) -> Path:
     """A random-weight BertModel of `config` (BertConfig keys) with sentence-transformers mean
     pooling metadata (and prompts, if given)."""
@@ -80,15 +95,7 @@ def save_sentence_transformer(directory: Path, seed: int, config: dict, prompts:
     directory.mkdir(parents=True, exist_ok=True)
     BertModel(bert_config, add_pooling_layer=False).save_pretrained(directory)
     copy_tokenizer(directory)
-    (directory / "sentence_bert_config.json").write_text(  # MiniLM's says 256: this model takes what it has
-        json.dumps({"max_seq_length": bert_config.max_position_embeddings, "do_lower_case": False}))
-    (directory / "modules.json").write_text(
-        json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}])
-    )
-    (directory / "1_Pooling").mkdir(exist_ok=True)
-    (directory / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": bert_config.hidden_size, "pooling_mode_mean_tokens": True}))
+    write_sentence_transformers_files(directory, bert_config.max_position_embeddings, bert_config.hidden_size)
     if prompts is not None:
         (directory / "config_sentence_transformers.json").write_text(
             json.dumps({"prompts": prompts, "default_prompt_name": None}))
@@ -119,15 +126,8 @@ def save_modernbert(directory: Path, seed: int, config: dict, classifier: dict |
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     copy_tokenizer(directory)
-    (directory / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": modern.max_position_embeddings, "do_lower_case": False}))
-    if classifier is None:
-        (directory / "modules.json").write_text(json.dumps(
-            [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-             {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-        (directory / "1_Pooling").mkdir(exist_ok=True)
-        (directory / "1_Pooling" / "config.json").write_text(
-            json.dumps({"word_embedding_dimension": modern.hidden_size, "pooling_mode_mean_tokens": True}))
+    write_sentence_transformers_files(directory, modern.max_position_embeddings,
+                                      modern.hidden_size if classifier is None else None)
     return directory
 
 
@@ -170,14 +170,7 @@ def save_deberta(directory: Path, seed: int, config: dict) -> Path:
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "DebertaV2Tokenizer", "do_lower_case": False,
          "model_max_length": deberta.max_position_embeddings, **DEBERTA_SPECIALS}))
-    (directory / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": deberta.max_position_embeddings, "do_lower_case": False}))
-    (directory / "modules.json").write_text(json.dumps(
-        [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
-    (directory / "1_Pooling").mkdir(exist_ok=True)
-    (directory / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": deberta.hidden_size, "pooling_mode_mean_tokens": True}))
+    write_sentence_transformers_files(directory, deberta.max_position_embeddings, deberta.hidden_size)
     return directory
 
 

@@ -69,10 +69,11 @@ class BatchCosts:
 
 
 # How much cheaper the generic library's model must predict a packed batch than its tightest bound's
-# for the batch to run there. A bound sizes only attention's scratch in most families (the generic
-# library ran 0.90-1.08x a bound's time on MiniLM: their fits differ by noise), but DeBERTa's
-# disentangled score bias is computed at the bound: one 16-token input took 2.7x the generic time on
-# a 128-token bound.
+# for the batch to run there, in an artifact whose bounds compute a score bias at the bound
+# (`GenericEntry.takes_bounded_batches`: DeBERTa's disentangled terms; one 16-token input took 2.7x
+# the generic time on a 128-token bound). Elsewhere a bound sizes only attention's scratch (the
+# generic library ran 0.90-1.08x a bound's time on MiniLM: their fits differ by noise), and the
+# tightest bound runs every batch it holds.
 GENERIC_MARGIN = 1.5
 
 
@@ -96,12 +97,12 @@ class PackedCosts:
         """The tightest bound that holds the batch, or the generic library where its model predicts
         the batch GENERIC_MARGIN cheaper (`bucket_for` decides, by shape); None where no bound holds it."""
         tokens = size * seq if tokens is None else tokens
+        bucket = self.bucket_for(size, seq)  # cached: the planner asks for the same shapes often
+        if bucket is not None:
+            return Choice(bucket, self._bucket_models[bucket](size, bucket.seq, tokens), tokens)
         if self._tightest(size, seq) is None:
             return None
-        bucket = self.bucket_for(size, seq)
-        if bucket is None:
-            return Choice(None, self._generic_model(size, seq, tokens), tokens)
-        return Choice(bucket, self._bucket_models[bucket](size, bucket.seq, tokens), tokens)
+        return Choice(None, self._generic_model(size, seq, tokens), tokens)
 
     def bucket_for(self, size: int, seq: int) -> PackedBucket | None:
         """`choose`'s bucket without its cost (None: the generic library), decided once per shape: what
@@ -144,6 +145,7 @@ def measured_costs(manifest: Manifest, buckets: list[AnyBucket]) -> Costs:
     if manifest.layout == "packed":
         models = {entry.bucket: entry.cost_model.predicted_ms for entry in manifest.buckets
                   if entry.cost_model is not None}
-        return PackedCosts(buckets, models, generic, manifest.generic.max_batch)
+        return PackedCosts(buckets, models, generic,
+                           manifest.generic.max_batch if manifest.generic.takes_bounded_batches else 0)
     bucket_ms = {entry.bucket: entry.latency_ms for entry in manifest.buckets if entry.latency_ms is not None}
     return BatchCosts(buckets, bucket_ms, generic)

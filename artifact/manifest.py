@@ -126,6 +126,10 @@ class GenericEntry(LibraryEntry):
     max_seq: int
     max_abs_diff: dict[str, float | None]
     cost_model: CostModel | None = None  # None: not timed (not validated, or no device to run on)
+    # packed: the family's bounds compute a score bias at the bound (DeBERTa's disentangled terms), so a
+    # short input costs a bound nearly what a full one does, and the planner may run a batch a bound
+    # holds here instead (artifact/costs.py's GENERIC_MARGIN); else the tightest bound runs it
+    takes_bounded_batches: bool = False
 
 
 class WeightsEntry(_Strict):

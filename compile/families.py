@@ -134,6 +134,7 @@ class Family:
     heads_key = "num_attention_heads"
     base_model_options = {"add_pooling_layer": False}  # an embedding model has no use for the pooler
     sdpa = True  # transformers runs the family's attention on PyTorch's fused kernel where asked to
+    bias_at_bound = False  # whether a packed library computes the attention score bias at its bound
 
     def __init__(self, model_type: str, classifier: str):
         self.model_type = model_type
@@ -386,6 +387,7 @@ class DebertaV2(Family):
 
     base_model_options = {}
     sdpa = False  # transformers has only eager attention for DeBERTa-v2
+    bias_at_bound = True  # the [heads, seq, seq] terms of each sequence, seq the packed library's bound
 
     def unsupported(self, config: dict, task: str, pooling: str) -> str | None:
         if int(config.get("conv_kernel_size", 0) or 0) > 0:

@@ -274,20 +274,20 @@ def start_calibration(workers: Workers, reference: torch.nn.Module, info: Checkp
 
 
 def simulation_for(mod: tvm.IRModule, target: tvm.target.Target, reference: torch.nn.Module, info: CheckpointInfo,
-                   task: str, bf16_pays: bool | None = None,
-                   calibration: Computed[CalibrationPass] | None = None) -> Simulation:
+                   task: str, bf16_pays: bool | None = None, taken: CalibrationPass | None = None) -> Simulation:
     """The int8 simulation of an imported model for `target`'s int8 kernel over the rows a precision is
     measured on (`accuracy_rows`: the shipped sentences, and an embedder's random token rows), against
-    the fp32 `reference`, calibrated on them (`calibration`, where started); units left out of int8 run
-    in `kept_precision`. Every plan of the model measures with it (`plan_for`), whatever attention's
-    products."""
+    the fp32 `reference`, calibrated on them (`taken`: the calibration pass over them, where taken
+    already, `start_calibration`); units left out of int8 run in `kept_precision`. Every plan of the
+    model measures with it (`plan_for`), whatever attention's products."""
     from .passes.quantize import accuracy_rows, classifier_agreement, embedding_agreement
 
     kernel = Capabilities.of(target).int8_kernel
     agreement = classifier_agreement if task == "classify" else embedding_agreement
-    simulation = Simulation(reference, accuracy_rows(info, task), quantizable_modules(mod, kernel),
-                            agreement, kernel.int16_pairs, kept_precision(target, bf16_pays))
-    simulation.calibrate(calibration.result() if calibration is not None else None)
+    rows = taken.rows if taken is not None else accuracy_rows(info, task)
+    simulation = Simulation(reference, rows, quantizable_modules(mod, kernel), agreement, kernel.int16_pairs,
+                            kept_precision(target, bf16_pays))
+    simulation.calibrate(taken)
     return simulation
 
 

@@ -178,6 +178,25 @@ def _map_in_child(function: Callable, items: Sequence, results: Connection) -> N
     results.close()
 
 
+def _start_mapping(function: Callable, items: Sequence, name: str) -> tuple[multiprocessing.Process, Connection]:
+    """A child forked now running `_map_in_child` over `items`, and the end of the pipe its results come on."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_map_in_child, args=(function, items, sender), name=name, daemon=True)
+    child.start()
+    sender.close()
+    return child, receiver
+
+
+def _end(child: multiprocessing.Process, receiver: Connection) -> None:
+    """Close `child`'s pipe and reap it: it exits once it has sent (killed if it has not within STOP_GRACE_S)."""
+    receiver.close()
+    child.join(STOP_GRACE_S)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+
+
 class Computed(Generic[Result]):
     """`function()` computed in a child forked at construction (in this process, at `result()`, where
     it may use one core only), its result sent back pickled. A failure in the child raises at
@@ -188,12 +207,7 @@ class Computed(Generic[Result]):
         self._done: tuple[Result] | None = None
         self._child = None
         if available_cores() >= 2:
-            context = multiprocessing.get_context("fork")
-            self._receiver, sender = context.Pipe(duplex=False)
-            self._child = context.Process(target=_map_in_child, args=(lambda _item: function(), [None], sender),
-                                          name=name, daemon=True)
-            self._child.start()
-            sender.close()
+            self._child, self._receiver = _start_mapping(lambda _item: function(), [None], name)
 
     def result(self) -> Result:
         if self._done is None:
@@ -207,11 +221,7 @@ class Computed(Generic[Result]):
             raise BuildFailed(f"the child computing {self.name} exited {self._child.exitcode} without its "
                               f"result") from None
         finally:
-            self._receiver.close()
-            self._child.join(STOP_GRACE_S)  # it exits once it has sent
-            if self._child.exitcode is None:
-                self._child.kill()
-                self._child.join()
+            _end(self._child, self._receiver)
         if index is None:
             raise BuildFailed(f"computing {self.name} failed in its child: {value}")
         return value
@@ -236,12 +246,7 @@ def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item]
             results.append(function(item))
             progress(len(results))
         return results
-    context = multiprocessing.get_context("fork")
-    receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_map_in_child, args=(function, items[1::2], sender), name="int8 passes",
-                            daemon=True)
-    child.start()
-    sender.close()
+    child, receiver = _start_mapping(function, items[1::2], "int8 passes")
     done: dict[int, Result] = {}
     awaited = len(items[1::2])
 
@@ -266,9 +271,5 @@ def map_beside_a_child(function: Callable[[Item], Result], items: Sequence[Item]
             collect(block=False)
         collect(block=True)
     finally:
-        receiver.close()
-        child.join(STOP_GRACE_S)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
+        _end(child, receiver)
     return [done[index] for index in range(len(items))]

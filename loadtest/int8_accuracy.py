@@ -19,6 +19,7 @@ import numpy as np
 from artifact.errors import ArtifactError
 from compile.sentences import ACCURACY_SENTENCES
 
+from .machine import describe as describe_machine
 from .strategy_table import read_manifest
 
 PROG = "python -m loadtest.int8_accuracy"
@@ -189,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         cells = [f"{r['cosine_min']:.4f} ({r['worst'][:24]!r}) | {r['cosine_mean']:.4f}" for r in by_set.values()]
         print(f"| {label} | " + " | ".join(cells) + " |")
     if args.out is not None:
-        args.out.write_text(json.dumps(table, indent=2) + "\n")
+        command = f"{PROG} " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.out.write_text(json.dumps({"command": command, "machine": describe_machine(), "accuracy": table},
+                                       indent=2) + "\n")
     return 0
 
 

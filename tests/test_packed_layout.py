@@ -71,7 +71,7 @@ def test_packed_artifact_is_validated_and_timed_per_sequence_bound(packed_artifa
     for entry in manifest.buckets:
         assert entry.batch is None and entry.max_abs_diff <= 1e-4
         assert entry.latency_ms > 0 and entry.cost_model is not None
-    assert manifest.generic.cost_model is not None
+    assert manifest.generic.cost_model is not None and not manifest.generic.takes_bounded_batches
     # what the planner (and the loader) charge a batch: the tightest bound's cost model at the
     # batch's real tokens, attention padded to that bound
     choice = model.costs.choose(4, 5, tokens=17)

@@ -71,11 +71,11 @@ def plan_int8_linears(config: CompileConfig, plan: Plan, arithmetic: Arithmetic,
     keeps none, int8 products are simulated at its smoothing only (the smoothing balances the
     linears' rounding, not attention's: a 12 x 768 BERT's sweep chose the same with either)."""
     attention = arithmetic.attention
-    simulation = simulation_for(imported.mod, plan.target, reference, plan.info, config.model_task,
-                                bf16_pays=attention.bf16_pays, calibration=calibration)
-    if calibration is not None:  # its pass over the accuracy rows is every candidate library's reference
-        taken = calibration.result()
+    taken = calibration.result() if calibration is not None else None
+    if taken is not None:  # its pass over the accuracy rows is every candidate library's reference too
         remember_reference_outputs(reference, taken.rows, taken.outputs)
+    simulation = simulation_for(imported.mod, plan.target, reference, plan.info, config.model_task,
+                                bf16_pays=attention.bf16_pays, taken=taken)
 
     def planned(products: str, **options) -> Int8Plan | None:
         return plan_for(simulation, config.min_cosine, progress.note, attention_products=products, **options)

@@ -93,7 +93,8 @@ def assemble_manifest(config: CompileConfig, plan: Plan, builder: LibraryBuilder
             for b, r in zip(plan.buckets, records)
         ],
         generic=GenericEntry(max_batch=config.max_batch, max_seq=info.max_seq, max_abs_diff=generic.diffs,
-                             cost_model=generic.cost_model(), **library_fields(generic)),
+                             cost_model=generic.cost_model(), **library_fields(generic),
+                             takes_bounded_batches=config.layout == "packed" and info.family.bias_at_bound),
         passes=PassesEntry(before=variants.before, strategies=variants.passes),
         strategy_choice=(StrategyChoice(shared=shared_strategy, margin=config.strategy_margin)
                          if len(plan.strategies) > 1 else None),

@@ -114,6 +114,7 @@ def test_compiled_packed_embedder_matches_transformers(checkpoints, tmp_path):
                                    precision="fp32", generic_shapes=["3x5"])
     assert manifest.validated and manifest.model.model_type == "deberta-v2" and manifest.pooling == "mean"
     assert manifest.passes.strategies["concat"].attention_fused == 2  # one fused kernel per layer
+    assert manifest.generic.takes_bounded_batches  # its bounds compute the terms at the bound
     batch = _batch(directory, "embed")
     served = load_artifact(tmp_path / "artifact").run(batch["input_ids"].numpy(), batch["attention_mask"].numpy()).output
     expected = transformers_output(directory, "embed", batch).numpy()
